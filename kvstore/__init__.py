@@ -1,0 +1,3 @@
+"""kvstore: a distributed, tiered KV cache store for LLM inference."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,113 @@
+"""Settings shared by every process: size parsing, key rules, protocol limits, addresses."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidRequestError
+
+#: Longest key in bytes (UTF-8). Matches lmdb's key limit so every key can live in any tier.
+MAX_KEY_BYTES = 511
+
+#: Largest single object. Bigger values should be split by the caller (KV blocks are far smaller).
+MAX_OBJECT_BYTES = 1 << 40
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Parse ``512MiB``, ``4GiB``, ``1.5GB``, ``4096`` into bytes.
+
+    Raises:
+        InvalidRequestError: for anything that is not a non-negative size with a known unit.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidRequestError(f"size must be >= 0, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"size must be a string like '512MiB', got {type(text).__name__}")
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"bad size {text!r}: use a number and a unit like 512MiB or 4GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_size(num_bytes: int) -> str:
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def encode_key(key: str | bytes) -> bytes:
+    """Validate a user key and return its wire form (UTF-8 bytes).
+
+    Raises:
+        InvalidRequestError: empty, too long, or not str/bytes.
+    """
+    if isinstance(key, str):
+        raw = key.encode("utf-8", "surrogatepass")
+    elif isinstance(key, bytes | bytearray | memoryview):
+        raw = bytes(key)
+    else:
+        raise InvalidRequestError(f"key must be str or bytes, got {type(key).__name__}")
+    if not raw:
+        raise InvalidRequestError("key must not be empty")
+    if len(raw) > MAX_KEY_BYTES:
+        raise InvalidRequestError(f"key is {len(raw)} bytes; the limit is {MAX_KEY_BYTES}")
+    return raw
+
+
+def check_wire_key(key: object) -> bytes:
+    """Server-side check of a key taken off the wire (msgpack gives bytes or str)."""
+    if isinstance(key, bytes | str):
+        return encode_key(key)
+    raise InvalidRequestError(f"key must be bytes, got {type(key).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @staticmethod
+    def parse(text: str, *, default_host: str = "127.0.0.1") -> Address:
+        """Parse ``host:port`` (or ``:port``).
+
+        Raises:
+            InvalidRequestError: when it is not ``host:port`` with a port in 0..65535.
+        """
+        if not isinstance(text, str) or ":" not in text:
+            raise InvalidRequestError(f"address must look like HOST:PORT, got {text!r}")
+        host, _, port_text = text.rpartition(":")
+        host = host.strip("[]") or default_host
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise InvalidRequestError(f"bad port in address {text!r}") from None
+        if not 0 <= port <= 65535:
+            raise InvalidRequestError(f"port out of range in {text!r}")
+        return Address(host, port)

@@ -1,0 +1,240 @@
+"""One error type for the whole system, with a code that travels on the wire and in REST bodies.
+
+Codes come in ranges, one per subsystem (Mooncake's ``types.h`` does the same):
+
+=========  ==========================================
+range      subsystem
+=========  ==========================================
+1xx        request: malformed, unknown verb, bad args
+2xx        objects: missing, busy, corrupt
+3xx        space: allocation, tiers
+4xx        nodes and the data plane
+5xx        time: deadlines, leases
+6xx        control plane: leadership, epochs
+7xx        security
+9xx        internal invariants
+=========  ==========================================
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+from typing import Any
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+
+    INVALID_REQUEST = 100
+    UNKNOWN_VERB = 101
+    FRAME_TOO_LARGE = 102
+    VERSION_MISMATCH = 103
+    MALFORMED_FRAME = 104
+
+    KEY_NOT_FOUND = 200
+    OBJECT_BUSY = 201
+    CHECKSUM_MISMATCH = 202
+    PUT_NOT_FOUND = 203
+
+    NO_SPACE = 300
+
+    NODE_UNAVAILABLE = 400
+    NODE_NOT_FOUND = 401
+    GRANT_INVALID = 402
+    OUT_OF_RANGE = 403
+    TRANSPORT_UNAVAILABLE = 404
+
+    TIMEOUT = 500
+    LEASE_EXPIRED = 501
+
+    NOT_LEADER = 600
+    STALE_EPOCH = 601
+    MASTER_UNAVAILABLE = 602
+
+    UNAUTHENTICATED = 700
+    FORBIDDEN = 701
+
+    INTERNAL = 900
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose.
+
+    Attributes:
+        code: the :class:`ErrorCode`; the same number goes on the wire and into REST bodies.
+        message: a human-readable explanation. Never contains secrets.
+    """
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str = "", *, code: ErrorCode | None = None) -> None:
+        if code is not None:
+            self.code = code
+        self.message = message or self.code.name.lower().replace("_", " ")
+        super().__init__(self.message)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.code.name}: {self.message})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, KVStoreError)
+            and type(other) is type(self)
+            and other.code == self.code
+            and other.message == self.message
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.code, self.message))
+
+    def to_wire(self) -> list[Any]:
+        return [int(self.code), self.message]
+
+    @staticmethod
+    def from_wire(payload: Any) -> KVStoreError:
+        """Rebuild the most specific error class for a ``[code, message]`` pair."""
+        try:
+            code = ErrorCode(int(payload[0]))
+            message = str(payload[1])
+        except (TypeError, ValueError, IndexError, KeyError):
+            return ProtocolError(f"undecodable error payload: {payload!r:.200}")
+        cls = _BY_CODE.get(code, KVStoreError)
+        err = cls(message, code=code)
+        return err
+
+
+class InvalidRequestError(KVStoreError, ValueError):
+    """Misuse: bad arguments, bad keys, bad sizes. Nothing was changed."""
+
+    code = ErrorCode.INVALID_REQUEST
+
+
+class ProtocolError(InvalidRequestError):
+    """A frame that cannot be decoded, is too large, or speaks another version."""
+
+    code = ErrorCode.MALFORMED_FRAME
+
+
+class UnknownVerbError(InvalidRequestError):
+    code = ErrorCode.UNKNOWN_VERB
+
+
+class KeyNotFoundError(KVStoreError, KeyError):
+    """The key is not stored (or not yet committed). A miss is always a correct answer."""
+
+    code = ErrorCode.KEY_NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain message
+        return self.message
+
+
+class ObjectBusyError(KVStoreError):
+    """Another put of the same key is in flight."""
+
+    code = ErrorCode.OBJECT_BUSY
+
+
+class ChecksumMismatchError(KVStoreError, RuntimeError):
+    """The bytes read do not match the checksum recorded at put time."""
+
+    code = ErrorCode.CHECKSUM_MISMATCH
+
+
+class PutNotFoundError(KVStoreError):
+    """``put_end``/``put_revoke`` for a put that does not exist (reclaimed or never started)."""
+
+    code = ErrorCode.PUT_NOT_FOUND
+
+
+class NoSpaceError(KVStoreError):
+    code = ErrorCode.NO_SPACE
+
+
+class NodeUnavailableError(KVStoreError, ConnectionError):
+    """A storage node could not be reached, or died while serving."""
+
+    code = ErrorCode.NODE_UNAVAILABLE
+
+
+class GrantInvalidError(KVStoreError):
+    """A data-plane request without a valid grant from the master."""
+
+    code = ErrorCode.GRANT_INVALID
+
+
+class OutOfRangeError(InvalidRequestError):
+    """A byte range outside the object it names."""
+
+    code = ErrorCode.OUT_OF_RANGE
+
+
+class TransportUnavailableError(KVStoreError):
+    """A transport (shm, RDMA) is not usable here; callers fall back to TCP."""
+
+    code = ErrorCode.TRANSPORT_UNAVAILABLE
+
+
+class KVTimeoutError(KVStoreError, builtins.TimeoutError):
+    code = ErrorCode.TIMEOUT
+
+
+class LeaseExpiredError(KVStoreError):
+    code = ErrorCode.LEASE_EXPIRED
+
+
+class NotLeaderError(KVStoreError):
+    code = ErrorCode.NOT_LEADER
+
+
+class StaleEpochError(KVStoreError):
+    code = ErrorCode.STALE_EPOCH
+
+
+class MasterUnavailableError(KVStoreError, ConnectionError):
+    code = ErrorCode.MASTER_UNAVAILABLE
+
+
+class UnauthenticatedError(KVStoreError):
+    code = ErrorCode.UNAUTHENTICATED
+
+
+class ForbiddenError(KVStoreError):
+    code = ErrorCode.FORBIDDEN
+
+
+class InternalError(KVStoreError, RuntimeError):
+    code = ErrorCode.INTERNAL
+
+
+# Most specific class per code; a code listed twice maps to its first (most general) class.
+_BY_CODE: dict[ErrorCode, type[KVStoreError]] = {}
+for _cls in (
+    KVStoreError,
+    InvalidRequestError,
+    ProtocolError,
+    UnknownVerbError,
+    KeyNotFoundError,
+    ObjectBusyError,
+    ChecksumMismatchError,
+    PutNotFoundError,
+    NoSpaceError,
+    NodeUnavailableError,
+    GrantInvalidError,
+    OutOfRangeError,
+    TransportUnavailableError,
+    KVTimeoutError,
+    LeaseExpiredError,
+    NotLeaderError,
+    StaleEpochError,
+    MasterUnavailableError,
+    UnauthenticatedError,
+    ForbiddenError,
+    InternalError,
+):
+    _BY_CODE.setdefault(_cls.code, _cls)
+_BY_CODE[ErrorCode.FRAME_TOO_LARGE] = ProtocolError
+_BY_CODE[ErrorCode.VERSION_MISMATCH] = ProtocolError
+
+# Public alias: "TimeoutError-like" in the issue text.
+TimeoutError = KVTimeoutError  # noqa: A001

@@ -1,0 +1,318 @@
+"""The wire protocol: length-prefixed msgpack frames, optionally followed by raw payload bytes.
+
+Every frame, request or response, on the control plane (client/node <-> master) and on the data
+plane (client <-> node) has the same shape::
+
+    offset  size  field
+    0       2     magic  b"KV"
+    2       1     version (PROTOCOL_VERSION)
+    3       1     kind   (0 = request, 1 = response)
+    4       4     body_len     big-endian u32, msgpack body, at most max_body bytes
+    8       8     payload_len  big-endian u64, raw bytes that follow the body (data plane)
+
+    request body:   [req_id: int, verb: str, args: map]
+    response body:  [req_id: int, code: int, result]   (code != 0: result is the error message)
+
+Request ids let a connection carry many requests in flight; responses name the id they answer.
+Payload bytes never pass through msgpack: the sender hands memoryviews to ``sendmsg`` and the
+receiver ``recv_into``s them straight into their destination (an arena, a caller's buffer).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
+
+MAGIC = b"KV"
+PROTOCOL_VERSION = 1
+KIND_REQUEST = 0
+KIND_RESPONSE = 1
+HEADER = struct.Struct("!2sBBIQ")
+HEADER_SIZE = HEADER.size  # 16
+#: Default ceiling on a msgpack body. Batches of 10k keys with locations stay far below this.
+DEFAULT_MAX_BODY = 32 << 20
+#: Default ceiling on the raw payload of one frame.
+DEFAULT_MAX_PAYLOAD = 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    version: int
+    kind: int
+    body_len: int
+    payload_len: int
+
+
+def encode_header(kind: int, body_len: int, payload_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, kind, body_len, payload_len)
+
+
+def decode_header(
+    data: bytes | memoryview,
+    *,
+    max_body: int = DEFAULT_MAX_BODY,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+) -> FrameHeader:
+    """Check and split a 16-byte header.
+
+    Raises:
+        ProtocolError: bad magic, other version, unknown kind, or a length over the limits.
+    """
+    if len(data) != HEADER_SIZE:
+        raise ProtocolError(f"truncated header ({len(data)} of {HEADER_SIZE} bytes)")
+    magic, version, kind, body_len, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError("bad magic: not a kvstore frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION})",
+            code=ErrorCode.VERSION_MISMATCH,
+        )
+    if kind not in (KIND_REQUEST, KIND_RESPONSE):
+        raise ProtocolError(f"unknown frame kind {kind}")
+    if body_len > max_body:
+        raise ProtocolError(
+            f"frame body of {body_len} bytes exceeds the limit of {max_body}",
+            code=ErrorCode.FRAME_TOO_LARGE,
+        )
+    if payload_len > max_payload:
+        raise ProtocolError(
+            f"frame payload of {payload_len} bytes exceeds the limit of {max_payload}",
+            code=ErrorCode.FRAME_TOO_LARGE,
+        )
+    return FrameHeader(version, kind, body_len, payload_len)
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(body: bytes | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises a zoo of types for bad input
+        raise ProtocolError(f"undecodable msgpack body: {type(exc).__name__}") from None
+
+
+def encode_request(req_id: int, verb: str, args: dict[str, Any], payload_len: int = 0) -> bytes:
+    body = _pack([req_id, verb, args])
+    return encode_header(KIND_REQUEST, len(body), payload_len) + body
+
+
+def encode_response(req_id: int, result: Any, payload_len: int = 0) -> bytes:
+    body = _pack([req_id, 0, result])
+    return encode_header(KIND_RESPONSE, len(body), payload_len) + body
+
+
+def encode_error(req_id: int, err: KVStoreError) -> bytes:
+    body = _pack([req_id, int(err.code), err.message])
+    return encode_header(KIND_RESPONSE, len(body), 0) + body
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    req_id: int
+    verb: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    req_id: int
+    code: int
+    result: Any
+
+    def unwrap(self) -> Any:
+        if self.code != 0:
+            raise KVStoreError.from_wire([self.code, self.result])
+        return self.result
+
+
+def decode_request(body: bytes | memoryview) -> Request:
+    """Decode a request body.
+
+    Raises:
+        ProtocolError: not msgpack, or not ``[int, str, map]``.
+    """
+    obj = _unpack(body)
+    if (
+        not isinstance(obj, list)
+        or len(obj) != 3
+        or not isinstance(obj[0], int)
+        or isinstance(obj[0], bool)
+        or not isinstance(obj[1], str)
+        or not isinstance(obj[2], dict)
+    ):
+        raise ProtocolError("request body must be [req_id: int, verb: str, args: map]")
+    return Request(obj[0], obj[1], obj[2])
+
+
+def decode_response(body: bytes | memoryview) -> Response:
+    obj = _unpack(body)
+    if (
+        not isinstance(obj, list)
+        or len(obj) != 3
+        or not isinstance(obj[0], int)
+        or not isinstance(obj[1], int)
+    ):
+        raise ProtocolError("response body must be [req_id: int, code: int, result]")
+    return Response(obj[0], obj[1], obj[2])
+
+
+def request_id_of(body: bytes | memoryview) -> int:
+    """Best-effort request id of an undecodable body, so the error can name it (0 if unknown)."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        if (
+            isinstance(obj, list)
+            and obj
+            and isinstance(obj[0], int)
+            and not isinstance(obj[0], bool)
+        ):
+            return obj[0]
+    except Exception:  # noqa: BLE001 - any failure means "unknown"
+        pass
+    return 0
+
+
+# --------------------------------------------------------------------------- blocking sockets
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` completely (``recv_into``, no intermediate copies).
+
+    Raises:
+        ConnectionError: the peer closed before ``view`` was full.
+    """
+    received = 0
+    total = len(view)
+    while received < total:
+        n = sock.recv_into(view[received:])
+        if n == 0:
+            raise ConnectionError(f"peer closed after {received} of {total} bytes")
+        received += n
+
+
+def recv_exact(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def discard(sock: socket.socket, size: int, scratch: memoryview) -> None:
+    """Read and drop ``size`` bytes (a payload we refuse but must skip to keep the framing)."""
+    while size > 0:
+        chunk = scratch[: min(size, len(scratch))]
+        recv_exact_into(sock, chunk)
+        size -= len(chunk)
+
+
+_IOV_MAX = 512
+
+
+def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
+    """Send every buffer with ``sendmsg`` (gather I/O: the payload is never joined or copied)."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        # Drop fully-sent views, trim the partially-sent one.
+        i = 0
+        while i < len(views) and sent >= len(views[i]):
+            sent -= len(views[i])
+            i += 1
+        views = views[i:]
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+class FramedSocket:
+    """A blocking socket speaking the frame format; used by clients and by threaded servers.
+
+    Not thread-safe: one user at a time (callers keep a pool of these).
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+    ) -> None:
+        self.sock = sock
+        self.max_body = max_body
+        self.max_payload = max_payload
+        self._header = bytearray(HEADER_SIZE)
+        self._header_view = memoryview(self._header)
+        self._next_id = 1
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, timeout: float | None, **kwargs: Any) -> FramedSocket:
+        """Open a TCP connection (TCP_NODELAY).
+
+        Raises:
+            NodeUnavailableError: nothing answers at ``host:port`` within ``timeout``.
+        """
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise NodeUnavailableError(
+                f"cannot connect to {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock, **kwargs)
+
+    def next_id(self) -> int:
+        req_id = self._next_id
+        self._next_id += 1
+        return req_id
+
+    def send_request(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        payload: Sequence[bytes | memoryview] = (),
+    ) -> int:
+        req_id = self.next_id()
+        payload_len = sum(len(memoryview(b).cast("B")) for b in payload)
+        send_all(self.sock, [encode_request(req_id, verb, args, payload_len), *payload])
+        return req_id
+
+    def send_frame(self, frame: bytes, payload: Sequence[bytes | memoryview] = ()) -> None:
+        send_all(self.sock, [frame, *payload])
+
+    def read_header(self) -> FrameHeader:
+        recv_exact_into(self.sock, self._header_view)
+        return decode_header(
+            self._header_view, max_body=self.max_body, max_payload=self.max_payload
+        )
+
+    def read_body(self, header: FrameHeader) -> bytes:
+        return recv_exact(self.sock, header.body_len)
+
+    def read_response(self) -> tuple[Response, int]:
+        """Read one response; returns it and the number of payload bytes that follow it."""
+        header = self.read_header()
+        if header.kind != KIND_RESPONSE:
+            raise ProtocolError("expected a response frame")
+        return decode_response(self.read_body(header)), header.payload_len
+
+    def call(self, verb: str, args: dict[str, Any]) -> Any:
+        """One request, one response without payload. Raises the error the server sent."""
+        req_id = self.send_request(verb, args)
+        response, payload_len = self.read_response()
+        if response.req_id != req_id or payload_len:
+            raise ProtocolError(f"response {response.req_id} does not answer request {req_id}")
+        return response.unwrap()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
