@@ -312,7 +312,4 @@ class FramedSocket:
         return response.unwrap()
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        self.sock.close()
