@@ -1,0 +1,361 @@
+"""The byte-level client SDK: put/get objects by key, zero-copy into caller buffers, in batches.
+
+One master call per batch to learn (or allocate) where the bytes live, then one data call per
+storage node, pipelined across nodes. Every object carries an xxh3_64 checksum computed at put;
+every full read verifies it, so a read returns the exact bytes or raises.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import xxhash
+from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
+
+from kvstore import protocol
+from kvstore.buffers import as_bytes_view
+from kvstore.config import Address, encode_key
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KVStoreError,
+    KVTimeoutError,
+    MasterUnavailableError,
+    NodeUnavailableError,
+    ProtocolError,
+)
+from kvstore.types import ObjectInfo, PutTicket, result_from_wire
+
+DEFAULT_TIMEOUT_S = 30.0
+_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping"})
+
+
+def checksum(view: memoryview) -> int:
+    """xxh3_64 of an object's bytes (the checksum stored with every object)."""
+    return xxhash.xxh3_64_intdigest(view)
+
+
+class _ControlChannel:
+    """The connection to the master. Thread-safe: one request at a time under a lock."""
+
+    def __init__(self, address: Address, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._conn: protocol.FramedSocket | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> protocol.FramedSocket:
+        try:
+            return protocol.FramedSocket.connect(
+                self.address.host, self.address.port, timeout=self.timeout
+            )
+        except NodeUnavailableError as err:
+            raise MasterUnavailableError(
+                f"master {self.address} unreachable: {err.message}"
+            ) from None
+
+    def call(self, verb: str, args: dict[str, Any]) -> Any:
+        with self._lock:
+            for attempt in range(2):
+                if self._conn is None:
+                    self._conn = self._connect()
+                try:
+                    return self._conn.call(verb, args)
+                except ProtocolError:
+                    self._drop()
+                    raise
+                except KVStoreError:
+                    raise
+                except (TimeoutError, OSError) as exc:
+                    self._drop()
+                    if attempt == 0 and verb in _IDEMPOTENT:
+                        continue
+                    if isinstance(exc, TimeoutError):
+                        raise KVTimeoutError(
+                            f"master {self.address} did not answer {verb} in time"
+                        ) from None
+                    raise MasterUnavailableError(
+                        f"master {self.address} failed during {verb}: {exc}"
+                    ) from None
+            raise AssertionError("unreachable")
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+def _raise_if_error(result: Any) -> Any:
+    if isinstance(result, KVStoreError):
+        raise result
+    return result
+
+
+class Client:
+    """A connection to a kvstore cluster. Thread-safe.
+
+    Use :meth:`connect`; close with :meth:`close` or a ``with`` block.
+    """
+
+    def __init__(self, master: Address, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.master = master
+        self.timeout = timeout
+        self._control = _ControlChannel(master, timeout)
+        self._tcp = TcpTransport(timeout)
+
+    @classmethod
+    def connect(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Client:
+        """Connect to the master at ``HOST:PORT``.
+
+        Raises:
+            InvalidRequestError: a malformed address.
+            MasterUnavailableError: nothing answers there.
+        """
+        client = cls(Address.parse(address), timeout)
+        client._control.call("ping", {})
+        return client
+
+    def close(self) -> None:
+        self._control.close()
+        self._tcp.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================ puts
+    def put(self, key: str | bytes, value: Any) -> None:
+        """Store ``value`` (any contiguous buffer) under ``key``, replacing an earlier value.
+
+        Raises:
+            InvalidRequestError, NoSpaceError, NodeUnavailableError, ObjectBusyError, ...
+        """
+        _raise_if_error(self.batch_put([key], [value])[0])
+
+    def batch_put(
+        self, keys: Sequence[str | bytes], values: Sequence[Any]
+    ) -> list[KVStoreError | None]:
+        """Store many objects: one master call to allocate, one write per node, one to commit.
+
+        Returns:
+            Per key, None on success or the error for that key (nothing stored for it).
+        """
+        if len(keys) != len(values):
+            raise InvalidRequestError("keys and values differ in length")
+        results: list[KVStoreError | None] = [None] * len(keys)
+        wire_keys: list[bytes] = []
+        views: list[memoryview] = []
+        index: list[int] = []
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            try:
+                wire_keys.append(encode_key(k))
+                views.append(as_bytes_view(v))
+                index.append(i)
+            except KVStoreError as err:
+                results[i] = err
+        sums = [checksum(v) for v in views]
+        excluded: list[str] = []
+        todo = list(range(len(wire_keys)))
+        for _round in range(2):  # a second round retries keys whose node died, elsewhere
+            if not todo:
+                break
+            todo, dead = self._put_round(todo, wire_keys, views, sums, index, results, excluded)
+            excluded.extend(dead)
+        return results
+
+    def _put_round(
+        self,
+        todo: list[int],
+        wire_keys: list[bytes],
+        views: list[memoryview],
+        sums: list[int],
+        index: list[int],
+        results: list[KVStoreError | None],
+        excluded: list[str],
+    ) -> tuple[list[int], list[str]]:
+        reply = self._control.call(
+            "put_start",
+            {
+                "keys": [wire_keys[j] for j in todo],
+                "sizes": [len(views[j]) for j in todo],
+                "exclude": excluded,
+            },
+        )
+        tickets: list[tuple[int, PutTicket]] = []
+        writes: list[WriteItem] = []
+        for j, r in zip(todo, reply, strict=True):
+            err, payload = result_from_wire(r)
+            if err is not None:
+                results[index[j]] = err
+                continue
+            ticket = PutTicket.from_wire(payload)
+            tickets.append((j, ticket))
+            writes.extend(WriteItem(loc, views[j], sums[j]) for loc in ticket.locations)
+        self._tcp.write(writes)
+        failed: dict[int, KVStoreError] = {}
+        dead_nodes: set[str] = set()
+        w = iter(writes)
+        for j, ticket in tickets:
+            for _loc in ticket.locations:
+                item = next(w)
+                if item.result is not None:
+                    failed.setdefault(j, item.result)
+                    if isinstance(item.result, NodeUnavailableError):
+                        dead_nodes.add(item.location.node_id)
+        commit = [(j, t) for j, t in tickets if j not in failed]
+        revoke = [(j, t) for j, t in tickets if j in failed]
+        if revoke:
+            self._control.call("put_revoke", {"put_ids": [t.put_id for _, t in revoke]})
+        if commit:
+            reply = self._control.call(
+                "put_end",
+                {
+                    "put_ids": [t.put_id for _, t in commit],
+                    "checksums": [sums[j] for j, _ in commit],
+                },
+            )
+            for (j, _), r in zip(commit, reply, strict=True):
+                results[index[j]], _ = result_from_wire(r)
+        retry = [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
+        for j, _ in revoke:
+            results[index[j]] = failed[j]
+        return retry, sorted(dead_nodes)
+
+    # ================================================================ gets
+    def _locations(self, wire_keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
+        reply = self._control.call("get_locations", {"keys": wire_keys})
+        out: list[ObjectInfo | KVStoreError] = []
+        for r in reply:
+            err, payload = result_from_wire(r)
+            out.append(err if err is not None else ObjectInfo.from_wire(payload))
+        return out
+
+    def batch_get_into(
+        self, keys: Sequence[str | bytes], buffers: Sequence[Any]
+    ) -> list[int | KVStoreError]:
+        """Read many objects straight into caller buffers (each at least the object's size).
+
+        Returns:
+            Per key, the number of bytes written into its buffer, or the error for that key.
+        """
+        if len(keys) != len(buffers):
+            raise InvalidRequestError("keys and buffers differ in length")
+        results: list[int | KVStoreError] = [0] * len(keys)
+        wire_keys: list[bytes] = []
+        dests: list[memoryview] = []
+        index: list[int] = []
+        for i, (k, b) in enumerate(zip(keys, buffers, strict=True)):
+            try:
+                wire_keys.append(encode_key(k))
+                dests.append(as_bytes_view(b, writable=True))
+                index.append(i)
+            except KVStoreError as err:
+                results[i] = err
+        if not wire_keys:
+            return results
+        infos = self._locations(wire_keys)
+        self._read_objects(infos, dests, index, results)
+        return results
+
+    def _read_objects(
+        self,
+        infos: list[ObjectInfo | KVStoreError],
+        dests: list[memoryview],
+        index: list[int],
+        results: list[Any],
+    ) -> None:
+        """Fill ``dests`` from the first live replica of each object, verifying checksums."""
+        pending: list[tuple[int, ObjectInfo, int]] = []  # (j, info, replica number)
+        for j, info in enumerate(infos):
+            if isinstance(info, KVStoreError):
+                results[index[j]] = info
+            elif len(dests[j]) < info.size:
+                results[index[j]] = InvalidRequestError(
+                    f"buffer of {len(dests[j])} bytes is too small for an object of {info.size}"
+                )
+            elif not info.locations:
+                results[index[j]] = NodeUnavailableError("no live replica")
+            else:
+                pending.append((j, info, 0))
+        while pending:
+            items = [ReadItem(info.locations[r], dests[j][: info.size]) for j, info, r in pending]
+            self._tcp.read(items)
+            retry: list[tuple[int, ObjectInfo, int]] = []
+            for (j, info, r), item in zip(pending, items, strict=True):
+                if item.result is None:
+                    if checksum(item.dest) != info.checksum:
+                        results[index[j]] = ChecksumMismatchError(
+                            "object bytes do not match their checksum (overwritten or corrupt)"
+                        )
+                    else:
+                        results[index[j]] = info.size
+                elif isinstance(item.result, NodeUnavailableError) and r + 1 < len(info.locations):
+                    retry.append((j, info, r + 1))
+                else:
+                    results[index[j]] = item.result
+            pending = retry
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int:
+        """Read one object into ``buffer``; returns its size.
+
+        Raises:
+            KeyNotFoundError, InvalidRequestError (buffer too small), NodeUnavailableError,
+            ChecksumMismatchError, ...
+        """
+        return _raise_if_error(self.batch_get_into([key], [buffer])[0])
+
+    def batch_get(self, keys: Sequence[str | bytes]) -> list[bytes | KVStoreError]:
+        """Read many objects. Returns per key its bytes or the error for that key."""
+        results: list[Any] = [None] * len(keys)
+        wire_keys: list[bytes] = []
+        index: list[int] = []
+        for i, k in enumerate(keys):
+            try:
+                wire_keys.append(encode_key(k))
+                index.append(i)
+            except KVStoreError as err:
+                results[i] = err
+        if wire_keys:
+            infos = self._locations(wire_keys)
+            bufs = [bytearray(info.size if isinstance(info, ObjectInfo) else 0) for info in infos]
+            self._read_objects(infos, [memoryview(b) for b in bufs], index, results)
+            for j, i in enumerate(index):
+                if not isinstance(results[i], KVStoreError):
+                    results[i] = bytes(bufs[j])
+        return results
+
+    def get(self, key: str | bytes) -> bytes:
+        """Read one object.
+
+        Raises:
+            KeyNotFoundError, NodeUnavailableError, ChecksumMismatchError, ...
+        """
+        return _raise_if_error(self.batch_get([key])[0])
+
+    # ================================================================ the rest
+    def batch_exists(self, keys: Sequence[str | bytes]) -> list[bool]:
+        """Whether each key is stored (committed). Takes no lease."""
+        return list(self._control.call("exists", {"keys": [encode_key(k) for k in keys]}))
+
+    def exists(self, key: str | bytes) -> bool:
+        return self.batch_exists([key])[0]
+
+    def batch_remove(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
+        reply = self._control.call("remove", {"keys": [encode_key(k) for k in keys]})
+        return [result_from_wire(r)[0] for r in reply]
+
+    def remove(self, key: str | bytes) -> None:
+        """Delete one object. Raises KeyNotFoundError when it is not stored."""
+        _raise_if_error(self.batch_remove([key])[0])
+
+    def stats(self) -> dict[str, Any]:
+        """The master's cluster figures."""
+        return self._control.call("stats", {})

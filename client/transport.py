@@ -1,0 +1,231 @@
+"""TCP data transport: a connection pool per storage node and batched, pipelined reads/writes.
+
+A batch touching several nodes sends one request to every node before reading any reply, so
+the nodes work in parallel; each reply's payload is ``recv_into`` its destination buffers.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore import protocol
+from kvstore.errors import (
+    KVStoreError,
+    KVTimeoutError,
+    NodeUnavailableError,
+    ProtocolError,
+)
+from kvstore.types import Location, result_from_wire
+
+Endpoint = tuple[str, int]
+
+
+@dataclass(slots=True)
+class WriteItem:
+    location: Location
+    data: memoryview
+    checksum: int
+    result: KVStoreError | None = None
+
+
+@dataclass(slots=True)
+class ReadItem:
+    location: Location
+    dest: memoryview  # exactly the bytes to fill
+    ranges: list[list[int]] | None = None
+    result: KVStoreError | None = None
+    filled: int = 0
+
+
+@dataclass(slots=True)
+class _Exchange:
+    endpoint: Endpoint
+    conn: protocol.FramedSocket | None = None
+    req_id: int = 0
+    error: KVStoreError | None = None
+    payload_len: int = 0
+    items: list[Any] = field(default_factory=list)
+
+
+class NodePool:
+    """Idle connections per node. Thread-safe; a connection is used by one thread at a time."""
+
+    def __init__(self, timeout: float, max_idle_per_node: int = 8) -> None:
+        self.timeout = timeout
+        self.max_idle_per_node = max_idle_per_node
+        self._idle: dict[Endpoint, list[protocol.FramedSocket]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def acquire(self, endpoint: Endpoint) -> tuple[protocol.FramedSocket, bool]:
+        """A connection to ``endpoint`` and whether it was reused from the pool."""
+        with self._lock:
+            idle = self._idle.get(endpoint)
+            if idle:
+                return idle.pop(), True
+        conn = protocol.FramedSocket.connect(endpoint[0], endpoint[1], timeout=self.timeout)
+        return conn, False
+
+    def release(self, endpoint: Endpoint, conn: protocol.FramedSocket) -> None:
+        with self._lock:
+            idle = self._idle[endpoint]
+            if len(idle) < self.max_idle_per_node:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for conns in self._idle.values():
+                for c in conns:
+                    c.close()
+            self._idle.clear()
+
+
+def _io_error(endpoint: Endpoint, exc: BaseException) -> KVStoreError:
+    if isinstance(exc, KVStoreError):
+        return exc
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return KVTimeoutError(f"node {endpoint[0]}:{endpoint[1]} did not answer in time")
+    return NodeUnavailableError(f"node {endpoint[0]}:{endpoint[1]} failed: {exc}")
+
+
+class TcpTransport:
+    """Moves object bytes between this process and storage nodes over TCP."""
+
+    def __init__(self, timeout: float) -> None:
+        self.pool = NodePool(timeout)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    # -------------------------------------------------------------- one request per node
+    def _send(
+        self, ex: _Exchange, verb: str, args: dict[str, Any], payload: Sequence[memoryview]
+    ) -> None:
+        """Send, retrying once on a fresh connection if a pooled one turns out to be dead."""
+        for attempt in range(2):
+            try:
+                conn, reused = self.pool.acquire(ex.endpoint)
+            except KVStoreError as err:
+                ex.error = err
+                return
+            try:
+                ex.req_id = conn.send_request(verb, args, payload)
+                ex.conn = conn
+                return
+            except (OSError, ConnectionError) as exc:
+                conn.close()
+                if not reused or attempt:
+                    ex.error = _io_error(ex.endpoint, exc)
+                    return
+
+    def _receive(self, ex: _Exchange) -> list[Any] | None:
+        """Read the reply's body; returns per-item results, leaving the payload unread."""
+        assert ex.conn is not None
+        try:
+            response, payload_len = ex.conn.read_response()
+            if response.req_id != ex.req_id:
+                raise ProtocolError(f"reply {response.req_id} does not answer request {ex.req_id}")
+            result = response.unwrap()
+            if not isinstance(result, list) or len(result) != len(ex.items):
+                raise ProtocolError("reply does not carry one result per item")
+            ex.payload_len = payload_len
+            return result
+        except KVStoreError as err:
+            ex.error = err
+        except (OSError, ConnectionError) as exc:
+            ex.error = _io_error(ex.endpoint, exc)
+        ex.conn.close()
+        ex.conn = None
+        return None
+
+    def _finish(self, ex: _Exchange) -> None:
+        if ex.conn is not None:
+            self.pool.release(ex.endpoint, ex.conn)
+            ex.conn = None
+
+    # -------------------------------------------------------------- writes
+    def write(self, items: Sequence[WriteItem]) -> None:
+        """Write each item's bytes to its location; sets ``item.result`` on failure."""
+        exchanges: dict[Endpoint, _Exchange] = {}
+        for item in items:
+            ep = (item.location.host, item.location.port)
+            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        for ex in exchanges.values():
+            args = {
+                "items": [
+                    [i.location.grant.to_wire(), 0, len(i.data), i.checksum] for i in ex.items
+                ]
+            }
+            self._send(ex, "write", args, [i.data for i in ex.items])
+        for ex in exchanges.values():
+            results = self._receive(ex) if ex.error is None else None
+            if results is None:
+                for item in ex.items:
+                    item.result = ex.error
+                continue
+            for item, r in zip(ex.items, results, strict=True):
+                item.result, _ = result_from_wire(r)
+            self._finish(ex)
+
+    # -------------------------------------------------------------- reads
+    def read(self, items: Sequence[ReadItem]) -> None:
+        """Fill each item's ``dest`` from its location; sets ``item.result`` on failure."""
+        exchanges: dict[Endpoint, _Exchange] = {}
+        for item in items:
+            ep = (item.location.host, item.location.port)
+            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        for ex in exchanges.values():
+            args = {"items": [[i.location.grant.to_wire(), i.ranges] for i in ex.items]}
+            self._send(ex, "read", args, ())
+        for ex in exchanges.values():
+            results = self._receive(ex) if ex.error is None else None
+            if results is None:
+                for item in ex.items:
+                    item.result = ex.error
+                continue
+            try:
+                self._read_payload(ex, results)
+            except (OSError, ConnectionError) as exc:
+                err = _io_error(ex.endpoint, exc)
+                for item in ex.items:
+                    if item.result is None and item.filled < len(item.dest):
+                        item.result = err
+                assert ex.conn is not None
+                ex.conn.close()
+                ex.conn = None
+                continue
+            self._finish(ex)
+
+    def _read_payload(self, ex: _Exchange, results: list[Any]) -> None:
+        assert ex.conn is not None
+        expected = 0
+        for item, r in zip(ex.items, results, strict=True):
+            err, length = result_from_wire(r)
+            if err is not None:
+                item.result = err
+                continue
+            if not isinstance(length, int) or length != len(item.dest):
+                item.result = ProtocolError(
+                    f"node sent {length!r} bytes, expected {len(item.dest)}"
+                )
+                # The bytes still follow in the payload: they must be consumed below.
+            expected += length if isinstance(length, int) else 0
+        if expected != ex.payload_len:
+            raise ConnectionError("reply payload does not match its item lengths")
+        scratch: memoryview | None = None
+        for item, r in zip(ex.items, results, strict=True):
+            err, length = result_from_wire(r)
+            if err is not None:
+                continue
+            if item.result is None:
+                protocol.recv_exact_into(ex.conn.sock, item.dest)
+                item.filled = len(item.dest)
+            else:
+                scratch = scratch or memoryview(bytearray(1 << 16))
+                protocol.discard(ex.conn.sock, length, scratch)

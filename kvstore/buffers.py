@@ -1,0 +1,45 @@
+"""Turn the buffers users hand us (bytes, bytearray, memoryview, numpy arrays, CPU torch
+tensors) into flat byte memoryviews without copying."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.errors import InvalidRequestError
+
+
+def _torch_view(obj: Any, writable: bool) -> memoryview:
+    if obj.device.type != "cpu":
+        raise InvalidRequestError(
+            f"tensor on {obj.device} is not supported here; move it to the CPU"
+        )
+    if not obj.is_contiguous():
+        raise InvalidRequestError("tensor must be contiguous")
+    import torch  # only reached when the caller already uses torch
+
+    flat = obj.detach().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def as_bytes_view(obj: Any, *, writable: bool = False) -> memoryview:
+    """A flat ``'B'`` memoryview over ``obj``'s bytes.
+
+    Raises:
+        InvalidRequestError: not a buffer, not contiguous, or read-only when ``writable``.
+    """
+    if type(obj).__module__.startswith("torch"):
+        view = _torch_view(obj, writable)
+    else:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise InvalidRequestError(
+                f"value must be a buffer (bytes, numpy, torch), got {type(obj).__name__}"
+            ) from None
+    if not view.c_contiguous:
+        raise InvalidRequestError("buffer must be C-contiguous")
+    if writable and view.readonly:
+        raise InvalidRequestError("destination buffer is read-only")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

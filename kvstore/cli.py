@@ -1,0 +1,230 @@
+"""The ``kvstore`` command: run a master, a storage node, or an embedded pair.
+
+The daemons are imported inside their subcommands: nothing starts at import time, and the core
+package never imports the master at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstore.config import Address, format_size, parse_size
+from kvstore.errors import KVStoreError
+
+log = logging.getLogger("kvstore")
+
+READY_TIMEOUT_S = 60.0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _run_loop(coro: object) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(coro)  # type: ignore[arg-type]
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def _derived_port(base: int, explicit: int | None, offset: int) -> int:
+    if explicit is not None:
+        return explicit
+    return base + offset if base else 0
+
+
+def _master_config(args: argparse.Namespace) -> object:
+    from kvstore.master.service import MasterConfig
+
+    return MasterConfig(
+        put_timeout_s=args.put_timeout,
+        node_ttl_s=args.node_ttl,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+
+
+def cmd_master(args: argparse.Namespace) -> int:
+    from kvstore.master.daemon import serve_master
+
+    admin_port = _derived_port(args.port, args.admin_port, 1)
+    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args)))
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from kvstore.node.daemon import serve_node
+
+    serve_node(
+        Address.parse(args.master), args.host, args.port, parse_size(args.dram), Path(args.data_dir)
+    )
+    return 0
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from kvstore.master.daemon import Master, install_stop_signals
+
+    admin_port = _derived_port(args.port, args.admin_port, 1)
+    node_port = _derived_port(args.port, args.node_port, 2)
+    master = Master(args.host, args.port, admin_port, _master_config(args))  # type: ignore[arg-type]
+    endpoints = await master.start()
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    data_dir = Path(args.data_dir).resolve()
+    node = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvstore",
+        "--log-level",
+        args.log_level,
+        "node",
+        "--master",
+        endpoints.control,
+        "--host",
+        args.host,
+        "--port",
+        str(node_port),
+        "--dram",
+        args.dram,
+        "--data-dir",
+        str(data_dir / "node-0"),
+        stdout=asyncio.subprocess.PIPE,
+        start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
+    )
+    assert node.stdout is not None
+    code = 0
+    try:
+        try:
+            line = (
+                (await asyncio.wait_for(node.stdout.readline(), READY_TIMEOUT_S)).decode().strip()
+            )
+        except TimeoutError:
+            line = ""
+        if "ready" not in line:
+            print(
+                f"kvstore up: the storage node failed to start ({line or 'no output'})",
+                file=sys.stderr,
+            )
+            return 1
+        data = line.split("data=")[1].split()[0]
+        print(
+            "kvstore up: embedded cluster ready\n"
+            f'  client connects to  {endpoints.control}    (Client.connect("{endpoints.control}"))\n'
+            f"  admin API           {endpoints.admin}\n"
+            f"  storage node        data={data} dram={format_size(parse_size(args.dram))} dir={data_dir / 'node-0'}\n"
+            f"kvstore up: ready control={endpoints.control} admin={endpoints.admin} data={data}",
+            flush=True,
+        )
+        waiter = asyncio.create_task(node.wait())
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:
+            print(f"kvstore up: storage node exited with {node.returncode}", file=sys.stderr)
+            code = 1
+        stopper.cancel()
+    finally:
+        if node.returncode is None:
+            node.terminate()
+            try:
+                await asyncio.wait_for(node.wait(), 15)
+            except TimeoutError:
+                node.kill()
+                await node.wait()
+        await master.stop()
+    print("kvstore up: stopped", flush=True)
+    return code
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    result: list[int] = []
+
+    async def main() -> None:
+        result.append(await _up(args))
+
+    _run_loop(main())
+    return result[0] if result else 1
+
+
+def _add_master_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--put-timeout",
+        type=float,
+        default=30.0,
+        help="seconds before an uncommitted put is reclaimed",
+    )
+    p.add_argument(
+        "--node-ttl",
+        type=float,
+        default=5.0,
+        help="seconds without heartbeat before a node is dead",
+    )
+    p.add_argument(
+        "--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="A distributed, tiered KV cache store."
+    )
+    parser.add_argument("--log-level", default=os.environ.get("KVSTORE_LOG_LEVEL", "info"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("master", help="run the control plane")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)"
+    )
+    p.add_argument("--port", type=int, default=7700, help="control port (0 picks a free one)")
+    p.add_argument(
+        "--admin-port", type=int, default=None, help="admin REST port (default: port + 1)"
+    )
+    _add_master_flags(p)
+    p.set_defaults(func=cmd_master)
+
+    p = sub.add_parser("node", help="run a storage node")
+    p.add_argument("--master", required=True, help="the master's HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
+    p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
+    p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.set_defaults(func=cmd_node)
+
+    p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7700, help="control port (0 picks a free one)")
+    p.add_argument("--admin-port", type=int, default=None, help="default: port + 1")
+    p.add_argument("--node-port", type=int, default=None, help="default: port + 2")
+    p.add_argument("--dram", default="512MiB")
+    p.add_argument("--data-dir", default=".kvstore-data")
+    _add_master_flags(p)
+    p.set_defaults(func=cmd_up)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return int(args.func(args))
+    except KVStoreError as err:
+        print(f"kvstore {args.command}: {err.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

@@ -1,0 +1,131 @@
+"""Grants: the master's signed permission to read or write one object's bytes on one node.
+
+The master never moves KV bytes, but it decides which bytes a client may touch. Each node gives
+the master a random secret when it registers; the master signs every location it hands out with
+that secret (keyed BLAKE2b-128 over the operation, key, segment, offset, size and expiry). The
+node recomputes the signature before it touches its arena, and checks every requested range
+against the granted ``[offset, offset + size)``. So no request can read or write bytes the master
+did not grant, and the node needs no round trip to the master to know it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import GrantInvalidError, OutOfRangeError
+
+OP_READ = "r"
+OP_WRITE = "w"
+SECRET_BYTES = 32
+_FIXED = struct.Struct("!1sQQQ")
+
+
+def new_secret() -> bytes:
+    return os.urandom(SECRET_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Permission for ``op`` on ``[offset, offset + size)`` of ``segment``, holding ``key``.
+
+    ``expires_ms`` is wall-clock milliseconds since the epoch.
+    """
+
+    op: str
+    key: bytes
+    segment: str
+    offset: int
+    size: int
+    expires_ms: int
+    signature: bytes
+
+    def to_wire(self) -> list[object]:
+        return [
+            self.op,
+            self.key,
+            self.segment,
+            self.offset,
+            self.size,
+            self.expires_ms,
+            self.signature,
+        ]
+
+    @staticmethod
+    def from_wire(obj: object) -> Grant:
+        """Raises GrantInvalidError when ``obj`` is not a well-formed grant."""
+        if not isinstance(obj, list | tuple) or len(obj) != 7:
+            raise GrantInvalidError("grant must be a 7-item list")
+        op, key, segment, offset, size, expires_ms, sig = obj
+        if (
+            op not in (OP_READ, OP_WRITE)
+            or not isinstance(key, bytes)
+            or not isinstance(segment, str)
+            or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in (offset, size, expires_ms)
+            )
+            or not isinstance(sig, bytes)
+            or offset < 0
+            or size < 0
+        ):
+            raise GrantInvalidError("malformed grant")
+        return Grant(op, key, segment, offset, size, expires_ms, sig)
+
+
+def _digest(
+    secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
+) -> bytes:
+    h = hashlib.blake2b(digest_size=16, key=secret)
+    h.update(_FIXED.pack(op.encode(), offset, size, expires_ms))
+    h.update(struct.pack("!H", len(key)))
+    h.update(key)
+    h.update(segment.encode())
+    return h.digest()
+
+
+def sign(
+    secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
+) -> Grant:
+    return Grant(
+        op,
+        key,
+        segment,
+        offset,
+        size,
+        expires_ms,
+        _digest(secret, op, key, segment, offset, size, expires_ms),
+    )
+
+
+def verify(secret: bytes, grant: Grant, op: str, now_ms: int) -> None:
+    """Check a grant's signature, operation and expiry.
+
+    Raises:
+        GrantInvalidError: forged, for another operation, or expired.
+    """
+    expected = _digest(
+        secret, grant.op, grant.key, grant.segment, grant.offset, grant.size, grant.expires_ms
+    )
+    if not hmac.compare_digest(expected, grant.signature):
+        raise GrantInvalidError("grant signature does not verify")
+    if grant.op != op:
+        raise GrantInvalidError(f"grant is for op {grant.op!r}, not {op!r}")
+    if now_ms > grant.expires_ms:
+        raise GrantInvalidError("grant expired")
+
+
+def check_range(grant: Grant, start: int, length: int) -> None:
+    """Raises OutOfRangeError unless ``[start, start + length)`` lies inside the granted object."""
+    if (
+        not isinstance(start, int)
+        or not isinstance(length, int)
+        or isinstance(start, bool)
+        or isinstance(length, bool)
+        or start < 0
+        or length < 0
+        or start + length > grant.size
+    ):
+        raise OutOfRangeError(f"range ({start!r}, {length!r}) outside object of {grant.size} bytes")

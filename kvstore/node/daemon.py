@@ -1,0 +1,94 @@
+"""Run a storage node: the DRAM arena, the data server and the link to the master."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import uuid
+from pathlib import Path
+
+from kvstore import grants
+from kvstore.config import Address
+from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.node.agent import MasterLink
+from kvstore.node.arena import ShmArena, default_arena_path
+from kvstore.node.server import DataServer
+from kvstore.types import SegmentSpec
+
+log = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 30.0
+
+
+def load_node_id(data_dir: Path) -> str:
+    """The node's stable id, kept in ``data_dir/node_id`` across restarts."""
+    path = data_dir / "node_id"
+    if path.exists():
+        node_id = path.read_text().strip()
+        if node_id:
+            return node_id
+    node_id = f"node-{uuid.uuid4().hex[:12]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(node_id + "\n")
+    os.replace(tmp, path)
+    return node_id
+
+
+class StorageNode:
+    """A node's parts, started and stopped together."""
+
+    def __init__(
+        self, master: Address, host: str, port: int, dram_bytes: int, data_dir: Path
+    ) -> None:
+        if dram_bytes <= 0:
+            raise InvalidRequestError("--dram must be > 0")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.node_id = load_node_id(data_dir)
+        self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
+        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port)
+        self.link = MasterLink(
+            master,
+            self.node_id,
+            host,
+            self.server,
+            [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
+        )
+
+    def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+        """Serve, and wait until the master has accepted us.
+
+        Raises:
+            MasterUnavailableError: no registration within ``register_timeout_s``.
+        """
+        self.server.start()
+        self.link.start()
+        if not self.link.registered.wait(register_timeout_s):
+            self.stop()
+            raise MasterUnavailableError(
+                f"could not register with master {self.link.master} in {register_timeout_s:.0f}s"
+            )
+
+    def stop(self) -> None:
+        self.link.stop()
+        self.server.stop()
+        self.dram.close()
+
+
+def serve_node(master: Address, host: str, port: int, dram_bytes: int, data_dir: Path) -> None:
+    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    node = StorageNode(master, host, port, dram_bytes, data_dir)
+    node.start()
+    print(
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}",
+        flush=True,
+    )
+    try:
+        stop.wait()
+    finally:
+        node.stop()
+        print("kvstore node stopped", flush=True)

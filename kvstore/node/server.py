@@ -1,0 +1,311 @@
+"""The storage node's data server: reads and writes byte ranges of granted objects over TCP.
+
+One thread per connection, blocking sockets. Socket calls release the GIL, so the bytes move
+at kernel speed: writes ``recv_into`` the arena directly, reads ``sendmsg`` arena memoryviews.
+
+Verbs (request args → response result; payload = raw bytes after the body):
+
+``write``  ``{"items": [[grant, start, length, checksum], ...]}`` + payload (the items' bytes,
+           concatenated) → per item ``[code, None | message]``
+``read``   ``{"items": [[grant, ranges | None], ...]}`` → per item ``[code, length | message]``
+           + payload (the valid items' ranges, concatenated)
+``ping``, ``manifest``, ``stats``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore import grants, protocol
+from kvstore.errors import (
+    GrantInvalidError,
+    InternalError,
+    InvalidRequestError,
+    KVStoreError,
+    OutOfRangeError,
+    ProtocolError,
+    UnknownVerbError,
+)
+from kvstore.node.arena import ShmArena
+from kvstore.types import result_to_wire
+
+log = logging.getLogger(__name__)
+
+#: A connection that sends nothing for this long (idle or stalled mid-frame) is closed.
+IDLE_TIMEOUT_S = 120.0
+MAX_RANGES_PER_ITEM = 4096
+
+
+@dataclass(slots=True)
+class ManifestEntry:
+    key: bytes
+    size: int
+    checksum: int
+
+
+class Manifest:
+    """What this node holds: (segment, offset) → entry. Written by data threads, read by the agent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, int], ManifestEntry] = {}
+
+    def record(self, segment: str, offset: int, entry: ManifestEntry) -> None:
+        with self._lock:
+            self._entries[(segment, offset)] = entry
+
+    def forget(self, pairs: list[tuple[str, int]]) -> None:
+        with self._lock:
+            for p in pairs:
+                self._entries.pop(p, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def snapshot(self) -> list[list[Any]]:
+        with self._lock:
+            return [
+                [seg, off, e.key, e.size, e.checksum] for (seg, off), e in self._entries.items()
+            ]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class DataServer:
+    """Serves the data plane for a set of segments (name → arena).
+
+    Args:
+        segments: the node's arenas by segment name.
+        secret: the key the master signs this node's grants with.
+        host, port: where to listen (port 0 picks a free one).
+        clock_ms: wall-clock milliseconds, for grant expiry.
+    """
+
+    def __init__(
+        self,
+        segments: dict[str, ShmArena],
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+    ) -> None:
+        self.segments = segments
+        self.secret = secret
+        self.clock_ms = clock_ms
+        self.manifest = Manifest()
+        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self.host = host
+        self.port = self._listener.getsockname()[1]
+        self._stopped = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="node-accept", daemon=True
+        )
+        self.num_reads = 0
+        self.num_writes = 0
+        self._verbs: dict[
+            str, Callable[[protocol.FramedSocket, protocol.Request, int, memoryview], None]
+        ] = {
+            "write": self._write,
+            "read": self._read,
+            "ping": self._simple(lambda args: {"role": "node"}),
+            "manifest": self._simple(lambda args: self.manifest.snapshot()),
+            "stats": self._simple(lambda args: self.stats()),
+        }
+
+    def start(self) -> None:
+        self._accept_thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._conns_lock:
+            for c in self._conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+        self._accept_thread.join(timeout=5)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_objects": len(self.manifest),
+            "num_reads": self.num_reads,
+            "num_writes": self.num_writes,
+        }
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(IDLE_TIMEOUT_S)
+            with self._conns_lock:
+                self._conns.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="node-conn", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
+        scratch = memoryview(bytearray(1 << 16))
+        try:
+            while not self._stopped.is_set():
+                try:
+                    header = fs.read_header()
+                except ProtocolError as err:
+                    fs.send_frame(protocol.encode_error(0, err))
+                    return
+                if header.kind != protocol.KIND_REQUEST:
+                    fs.send_frame(
+                        protocol.encode_error(0, ProtocolError("expected a request frame"))
+                    )
+                    return
+                body = fs.read_body(header)
+                try:
+                    request = protocol.decode_request(body)
+                    handler = self._verbs.get(request.verb)
+                    if handler is None:
+                        raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
+                except KVStoreError as err:
+                    protocol.discard(conn, header.payload_len, scratch)
+                    fs.send_frame(protocol.encode_error(protocol.request_id_of(body), err))
+                    continue
+                try:
+                    handler(fs, request, header.payload_len, scratch)
+                except KVStoreError as err:
+                    # Raised before the payload was touched (handlers guarantee it).
+                    protocol.discard(conn, header.payload_len, scratch)
+                    fs.send_frame(protocol.encode_error(request.req_id, err))
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # peer went away or stalled; nothing it sent was acknowledged
+        except Exception:
+            log.exception("data connection failed")
+            with contextlib.suppress(OSError):
+                fs.send_frame(protocol.encode_error(0, InternalError("internal error")))
+        finally:
+            with self._conns_lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _simple(
+        self, fn: Callable[[dict[str, Any]], Any]
+    ) -> Callable[[protocol.FramedSocket, protocol.Request, int, memoryview], None]:
+        def handler(
+            fs: protocol.FramedSocket, req: protocol.Request, payload_len: int, scratch: memoryview
+        ) -> None:
+            if payload_len:
+                raise ProtocolError(f"{req.verb} takes no payload")
+            fs.send_frame(protocol.encode_response(req.req_id, fn(req.args)))
+
+        return handler
+
+    # ------------------------------------------------------------------ grants
+    def _granted_view(self, grant_wire: Any, op: str) -> tuple[grants.Grant, memoryview]:
+        grant = grants.Grant.from_wire(grant_wire)
+        grants.verify(self.secret, grant, op, self.clock_ms())
+        arena = self.segments.get(grant.segment)
+        if arena is None:
+            raise GrantInvalidError(f"no segment {grant.segment!r} on this node")
+        if grant.offset + grant.size > arena.size:
+            raise OutOfRangeError("granted range lies outside the segment")
+        return grant, arena.view[grant.offset : grant.offset + grant.size]
+
+    # ------------------------------------------------------------------ verbs
+    def _write(
+        self,
+        fs: protocol.FramedSocket,
+        req: protocol.Request,
+        payload_len: int,
+        scratch: memoryview,
+    ) -> None:
+        items = req.args.get("items")
+        if not isinstance(items, list) or not all(
+            isinstance(i, list) and len(i) == 4 for i in items
+        ):
+            raise InvalidRequestError("write takes items: [[grant, start, length, checksum], ...]")
+        lengths = [i[2] for i in items]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+            raise InvalidRequestError("item lengths must be non-negative integers")
+        if sum(lengths) != payload_len:
+            raise ProtocolError(
+                f"payload of {payload_len} bytes does not match the items' {sum(lengths)}"
+            )
+        # Check every item before touching the payload, then stream each into place.
+        plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
+        for grant_wire, start, length, checksum in items:
+            try:
+                grant, view = self._granted_view(grant_wire, grants.OP_WRITE)
+                grants.check_range(grant, start, length)
+                if not isinstance(checksum, int) or isinstance(checksum, bool):
+                    raise InvalidRequestError("checksum must be an integer")
+                plan.append((None, grant, view[start : start + length]))
+            except KVStoreError as err:
+                plan.append((err, None, None))
+        results: list[Any] = []
+        for (err, grant, dest), (_, start, length, checksum) in zip(plan, items, strict=True):
+            if grant is None or dest is None:
+                protocol.discard(fs.sock, length, scratch)
+                results.append(result_to_wire(err))
+                continue
+            protocol.recv_exact_into(fs.sock, dest)
+            if start == 0 and length == grant.size:
+                self.manifest.record(
+                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                )
+            results.append([0, None])
+        self.num_writes += len(items)
+        fs.send_frame(protocol.encode_response(req.req_id, results))
+
+    def _read(
+        self,
+        fs: protocol.FramedSocket,
+        req: protocol.Request,
+        payload_len: int,
+        scratch: memoryview,
+    ) -> None:
+        if payload_len:
+            raise ProtocolError("read takes no payload")
+        items = req.args.get("items")
+        if not isinstance(items, list) or not all(
+            isinstance(i, list) and len(i) == 2 for i in items
+        ):
+            raise InvalidRequestError("read takes items: [[grant, ranges | None], ...]")
+        results: list[Any] = []
+        views: list[memoryview] = []
+        for grant_wire, ranges in items:
+            try:
+                grant, view = self._granted_view(grant_wire, grants.OP_READ)
+                if ranges is None:
+                    item_views = [view]
+                else:
+                    if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
+                        raise InvalidRequestError(
+                            f"ranges must be a list of at most {MAX_RANGES_PER_ITEM} pairs"
+                        )
+                    item_views = []
+                    for r in ranges:
+                        if not isinstance(r, list) or len(r) != 2:
+                            raise InvalidRequestError("each range must be [start, length]")
+                        grants.check_range(grant, r[0], r[1])
+                        item_views.append(view[r[0] : r[0] + r[1]])
+                views.extend(item_views)
+                results.append([0, sum(len(v) for v in item_views)])
+            except KVStoreError as err:
+                results.append(err.to_wire())
+        total = sum(len(v) for v in views)
+        self.num_reads += len(items)
+        fs.send_frame(protocol.encode_response(req.req_id, results, total), views)

@@ -1,0 +1,111 @@
+"""Records that cross the wire between master, nodes and clients, with their wire forms.
+
+Per-key results of batch verbs travel as ``[code, payload]``: code 0 carries the value, any
+other code carries the error message (see :mod:`kvstore.errors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import ErrorCode, KVStoreError, ProtocolError
+from kvstore.grants import Grant
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where a client reads or writes one replica, with the node's grant."""
+
+    node_id: str
+    host: str
+    port: int
+    grant: Grant
+
+    def to_wire(self) -> list[Any]:
+        return [self.node_id, self.host, self.port, self.grant.to_wire()]
+
+    @staticmethod
+    def from_wire(obj: Any) -> Location:
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise ProtocolError("location must be [node_id, host, port, grant]")
+        return Location(str(obj[0]), str(obj[1]), int(obj[2]), Grant.from_wire(obj[3]))
+
+
+@dataclass(frozen=True, slots=True)
+class PutTicket:
+    """The master's answer to ``put_start`` for one key: the put id and where to write."""
+
+    put_id: int
+    locations: list[Location]
+
+    def to_wire(self) -> list[Any]:
+        return [self.put_id, [loc.to_wire() for loc in self.locations]]
+
+    @staticmethod
+    def from_wire(obj: Any) -> PutTicket:
+        if not isinstance(obj, list) or len(obj) != 2:
+            raise ProtocolError("put ticket must be [put_id, locations]")
+        return PutTicket(int(obj[0]), [Location.from_wire(x) for x in obj[1]])
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """A committed object: its size, checksum (xxh3_64) and replicas."""
+
+    size: int
+    checksum: int
+    locations: list[Location]
+
+    def to_wire(self) -> list[Any]:
+        return [self.size, self.checksum, [loc.to_wire() for loc in self.locations]]
+
+    @staticmethod
+    def from_wire(obj: Any) -> ObjectInfo:
+        if not isinstance(obj, list) or len(obj) != 3:
+            raise ProtocolError("object info must be [size, checksum, locations]")
+        return ObjectInfo(int(obj[0]), int(obj[1]), [Location.from_wire(x) for x in obj[2]])
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentSpec:
+    """A segment a node offers at registration."""
+
+    name: str
+    tier: str
+    capacity: int
+    shm_path: str = ""
+
+    def to_wire(self) -> list[Any]:
+        return [self.name, self.tier, self.capacity, self.shm_path]
+
+    @staticmethod
+    def from_wire(obj: Any) -> SegmentSpec:
+        if (
+            not isinstance(obj, list)
+            or len(obj) != 4
+            or not isinstance(obj[0], str)
+            or not isinstance(obj[1], str)
+            or not isinstance(obj[2], int)
+            or not isinstance(obj[3], str)
+        ):
+            raise ProtocolError("segment must be [name, tier, capacity, shm_path]")
+        return SegmentSpec(obj[0], obj[1], obj[2], obj[3])
+
+
+def result_to_wire(result: Any) -> list[Any]:
+    """One per-key result of a batch verb: a value, None, or a KVStoreError."""
+    if isinstance(result, KVStoreError):
+        return result.to_wire()
+    if hasattr(result, "to_wire"):
+        return [0, result.to_wire()]
+    return [0, result]
+
+
+def result_from_wire(obj: Any) -> tuple[KVStoreError | None, Any]:
+    """Split a per-key ``[code, payload]`` into (error or None, payload)."""
+    if not isinstance(obj, list) or len(obj) != 2 or not isinstance(obj[0], int):
+        return ProtocolError(f"bad per-key result {obj!r:.100}"), None
+    if obj[0] == ErrorCode.OK:
+        return None, obj[1]
+    return KVStoreError.from_wire(obj), None

@@ -1,0 +1,219 @@
+"""The master's RPC edge: decode a frame, call the service, map the error. Nothing else.
+
+Every handler validates the types of its arguments before the service sees them, so a wrong
+type is an ``InvalidRequestError`` for the caller, never an internal error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.master.service import MasterService
+
+from kvstore import protocol
+from kvstore.config import check_wire_key
+from kvstore.errors import (
+    InternalError,
+    InvalidRequestError,
+    KVStoreError,
+    ProtocolError,
+    UnknownVerbError,
+)
+from kvstore.types import SegmentSpec, result_to_wire
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- argument checks
+def _arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = args.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise InvalidRequestError(f"argument {name!r} must be {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _list(
+    args: dict[str, Any], name: str, item: type | tuple[type, ...] | None = None
+) -> list[Any]:
+    value = _arg(args, name, list)
+    if item is not None:
+        for v in value:
+            if not isinstance(v, item) or isinstance(v, bool):
+                raise InvalidRequestError(
+                    f"every item of {name!r} must be {getattr(item, '__name__', item)}"
+                )
+    return value
+
+
+def _per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[Any]]) -> list[Any]:
+    """Run ``call(valid_keys, their_indices)``; invalid keys get their own error in place."""
+    out: list[Any] = [None] * len(raw_keys)
+    valid_idx: list[int] = []
+    valid: list[bytes] = []
+    for i, k in enumerate(raw_keys):
+        try:
+            valid.append(check_wire_key(k))
+            valid_idx.append(i)
+        except KVStoreError as err:
+            out[i] = err
+    for i, r in zip(valid_idx, call(valid, valid_idx), strict=True):
+        out[i] = r
+    return out
+
+
+# ---------------------------------------------------------------- handlers
+def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
+    return {"role": "master", "protocol": protocol.PROTOCOL_VERSION}
+
+
+def _register(svc: MasterService, args: dict[str, Any]) -> Any:
+    segments = [SegmentSpec.from_wire(s) for s in _list(args, "segments")]
+    svc.register(
+        _arg(args, "node_id", str),
+        _arg(args, "host", str),
+        _arg(args, "port", int),
+        _arg(args, "secret", bytes),
+        segments,
+    )
+    return {
+        "heartbeat_interval_s": svc.config.heartbeat_interval_s,
+        "node_ttl_s": svc.config.node_ttl_s,
+    }
+
+
+def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
+    return {"forget": [list(p) for p in svc.heartbeat(_arg(args, "node_id", str))]}
+
+
+def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
+    keys = _list(args, "keys")
+    sizes = _list(args, "sizes", int)
+    exclude = _list(args, "exclude", str) if "exclude" in args else []
+    if len(sizes) != len(keys):
+        raise InvalidRequestError("keys and sizes differ in length")
+    results = _per_key(
+        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude)
+    )
+    return [result_to_wire(r) for r in results]
+
+
+def _put_end(svc: MasterService, args: dict[str, Any]) -> Any:
+    results = svc.put_end(_list(args, "put_ids", int), _list(args, "checksums", int))
+    return [result_to_wire(r) for r in results]
+
+
+def _put_revoke(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [result_to_wire(r) for r in svc.put_revoke(_list(args, "put_ids", int))]
+
+
+def _get_locations(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [
+        result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.get_locations(k))
+    ]
+
+
+def _exists(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [r is True for r in _per_key(_list(args, "keys"), lambda k, _: svc.exists(k))]
+
+
+def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
+
+
+def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
+    return svc.stats()
+
+
+HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
+    "ping": _ping,
+    "register": _register,
+    "heartbeat": _heartbeat,
+    "put_start": _put_start,
+    "put_end": _put_end,
+    "put_revoke": _put_revoke,
+    "get_locations": _get_locations,
+    "exists": _exists,
+    "remove": _remove,
+    "stats": _stats,
+}
+
+
+def dispatch(svc: MasterService, request: protocol.Request) -> bytes:
+    """Run one request and return the encoded response frame."""
+    handler = HANDLERS.get(request.verb)
+    try:
+        if handler is None:
+            raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
+        return protocol.encode_response(request.req_id, handler(svc, request.args))
+    except KVStoreError as err:
+        return protocol.encode_error(request.req_id, err)
+    except Exception:
+        log.exception("internal error while serving %r", request.verb[:64])
+        return protocol.encode_error(request.req_id, InternalError("internal error"))
+
+
+class ControlServer:
+    """Serves the msgpack control protocol for one :class:`MasterService` on an asyncio loop."""
+
+    def __init__(
+        self,
+        service: MasterService,
+        host: str,
+        port: int,
+        *,
+        max_body: int = protocol.DEFAULT_MAX_BODY,
+    ) -> None:
+        self.service = service
+        self.host = host
+        self.port = port
+        self.max_body = max_body
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for w in list(self._writers):
+                w.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while True:
+                try:
+                    raw = await reader.readexactly(protocol.HEADER_SIZE)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
+                    if header.kind != protocol.KIND_REQUEST:
+                        raise ProtocolError("expected a request frame")
+                except ProtocolError as err:
+                    # The framing is lost: answer once, then hang up.
+                    writer.write(protocol.encode_error(0, err))
+                    await writer.drain()
+                    return
+                try:
+                    body = await reader.readexactly(header.body_len)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    request = protocol.decode_request(body)
+                except ProtocolError as err:
+                    writer.write(protocol.encode_error(protocol.request_id_of(body), err))
+                else:
+                    writer.write(dispatch(self.service, request))
+                await writer.drain()
+        except ConnectionError:
+            return
+        finally:
+            self._writers.discard(writer)
+            writer.close()
