@@ -156,11 +156,13 @@ class Client:
         index: list[int] = []
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             try:
-                wire_keys.append(encode_key(k))
-                views.append(as_bytes_view(v))
-                index.append(i)
+                wk, view = encode_key(k), as_bytes_view(v)
             except KVStoreError as err:
                 results[i] = err
+                continue
+            wire_keys.append(wk)
+            views.append(view)
+            index.append(i)
         sums = [checksum(v) for v in views]
         excluded: list[str] = []
         todo = list(range(len(wire_keys)))
@@ -254,11 +256,13 @@ class Client:
         index: list[int] = []
         for i, (k, b) in enumerate(zip(keys, buffers, strict=True)):
             try:
-                wire_keys.append(encode_key(k))
-                dests.append(as_bytes_view(b, writable=True))
-                index.append(i)
+                wk, dest = encode_key(k), as_bytes_view(b, writable=True)
             except KVStoreError as err:
                 results[i] = err
+                continue
+            wire_keys.append(wk)
+            dests.append(dest)
+            index.append(i)
         if not wire_keys:
             return results
         infos = self._locations(wire_keys)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import pytest
+
+from kvstore import grants
+from kvstore.errors import GrantInvalidError, OutOfRangeError
+
+SECRET = b"s" * 32
+
+
+def test_valid_grant_verifies() -> None:
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 64, 100, 1000)
+    grants.verify(SECRET, grants.Grant.from_wire(g.to_wire()), grants.OP_READ, now_ms=999)
+    grants.check_range(g, 0, 100)
+    grants.check_range(g, 99, 1)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("offset", 0),
+        ("size", 1 << 30),
+        ("segment", "other"),
+        ("key", b"other"),
+        ("expires_ms", 10**12),
+        ("op", grants.OP_WRITE),
+    ],
+)
+def test_tampered_grants_fail(field: str, value: object) -> None:
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 64, 100, 1000)
+    wire = g.to_wire()
+    wire[["op", "key", "segment", "offset", "size", "expires_ms"].index(field)] = value
+    with pytest.raises(GrantInvalidError):
+        grants.verify(SECRET, grants.Grant.from_wire(wire), grants.OP_READ, now_ms=0)
+
+
+def test_expired_wrong_op_wrong_secret() -> None:
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 0, 10, 1000)
+    with pytest.raises(GrantInvalidError):
+        grants.verify(SECRET, g, grants.OP_READ, now_ms=1001)
+    with pytest.raises(GrantInvalidError):
+        grants.verify(SECRET, g, grants.OP_WRITE, now_ms=0)
+    with pytest.raises(GrantInvalidError):
+        grants.verify(b"x" * 32, g, grants.OP_READ, now_ms=0)
+
+
+@pytest.mark.parametrize("start,length", [(-1, 1), (0, 11), (10, 1), (5, -1), (True, 1), ("0", 1)])
+def test_ranges_outside_fail(start: object, length: object) -> None:
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 0, 10, 1000)
+    with pytest.raises(OutOfRangeError):
+        grants.check_range(g, start, length)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        None,
+        [],
+        ["r", b"k", "d", 0, 1, 1],
+        ["x", b"k", "d", 0, 1, 1, b""],
+        ["r", "k", "d", 0, 1, 1, b""],
+        ["r", b"k", "d", -1, 1, 1, b""],
+    ],
+)
+def test_malformed_grants(wire: object) -> None:
+    with pytest.raises(GrantInvalidError):
+        grants.Grant.from_wire(wire)

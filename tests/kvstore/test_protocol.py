@@ -1,0 +1,134 @@
+"""The wire codec: round trips, and every malformed frame is a typed error."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore import protocol
+from kvstore.errors import (
+    ErrorCode,
+    KeyNotFoundError,
+    KVStoreError,
+    NoSpaceError,
+    ProtocolError,
+)
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text()
+    | st.binary(),
+    lambda children: (
+        st.lists(children, max_size=5) | st.dictionaries(st.text(), children, max_size=5)
+    ),
+    max_leaves=20,
+)
+
+
+def split(frame: bytes) -> tuple[protocol.FrameHeader, bytes]:
+    header = protocol.decode_header(frame[: protocol.HEADER_SIZE])
+    return header, frame[protocol.HEADER_SIZE : protocol.HEADER_SIZE + header.body_len]
+
+
+@given(
+    st.integers(0, 2**63),
+    st.text(max_size=40),
+    st.dictionaries(st.text(max_size=10), msgpack_values, max_size=6),
+    st.integers(0, 2**40),
+)
+def test_request_round_trip(req_id: int, verb: str, args: dict, payload_len: int) -> None:
+    header, body = split(protocol.encode_request(req_id, verb, args, payload_len))
+    assert header.kind == protocol.KIND_REQUEST
+    assert header.payload_len == payload_len
+    assert protocol.decode_request(body) == protocol.Request(req_id, verb, args)
+
+
+@given(st.integers(0, 2**63), msgpack_values)
+def test_response_round_trip(req_id: int, result: object) -> None:
+    header, body = split(protocol.encode_response(req_id, result))
+    assert header.kind == protocol.KIND_RESPONSE
+    assert protocol.decode_response(body).unwrap() == result
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        KeyNotFoundError("gone"),
+        NoSpaceError("full"),
+        ProtocolError("bad", code=ErrorCode.FRAME_TOO_LARGE),
+    ],
+)
+def test_errors_keep_class_and_code(err: KVStoreError) -> None:
+    _, body = split(protocol.encode_error(7, err))
+    response = protocol.decode_response(body)
+    with pytest.raises(type(err)) as info:
+        response.unwrap()
+    assert info.value.code == err.code and info.value.message == err.message
+
+
+@given(st.binary(max_size=protocol.HEADER_SIZE * 2))
+def test_random_headers_decode_or_fail_typed(data: bytes) -> None:
+    try:
+        h = protocol.decode_header(data)
+    except ProtocolError:
+        return
+    assert len(data) == protocol.HEADER_SIZE and h.body_len <= protocol.DEFAULT_MAX_BODY
+
+
+@given(st.binary(max_size=200))
+def test_random_bodies_decode_or_fail_typed(data: bytes) -> None:
+    for decode in (protocol.decode_request, protocol.decode_response):
+        try:
+            decode(data)
+        except ProtocolError:
+            pass
+
+
+@pytest.mark.parametrize(
+    ("header", "code"),
+    [
+        (b"XX" + bytes(14), ErrorCode.MALFORMED_FRAME),
+        (struct.pack("!2sBBIQ", b"KV", 99, 0, 1, 0), ErrorCode.VERSION_MISMATCH),
+        (struct.pack("!2sBBIQ", b"KV", 1, 7, 1, 0), ErrorCode.MALFORMED_FRAME),
+        (
+            struct.pack("!2sBBIQ", b"KV", 1, 0, protocol.DEFAULT_MAX_BODY + 1, 0),
+            ErrorCode.FRAME_TOO_LARGE,
+        ),
+        (struct.pack("!2sBBIQ", b"KV", 1, 0, 1, 2**50), ErrorCode.FRAME_TOO_LARGE),
+        (b"KV\x01", ErrorCode.MALFORMED_FRAME),
+    ],
+)
+def test_bad_headers(header: bytes, code: ErrorCode) -> None:
+    with pytest.raises(ProtocolError) as info:
+        protocol.decode_header(header)
+    assert info.value.code == code
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [
+        [1, "verb"],
+        [1, "verb", {}, 4],
+        ["1", "verb", {}],
+        [1, 2, {}],
+        [1, "verb", []],
+        {"a": 1},
+        [True, "v", {}],
+    ],
+)
+def test_bad_request_shapes(obj: object) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode_request(msgpack.packb(obj))
+
+
+def test_from_wire_survives_garbage() -> None:
+    assert isinstance(KVStoreError.from_wire(["x"]), ProtocolError)
+    assert isinstance(KVStoreError.from_wire([12345, "unknown code"]), ProtocolError)
+    assert isinstance(KVStoreError.from_wire([200, "m"]), KeyNotFoundError)

@@ -1,0 +1,73 @@
+"""The offset allocator against a naive byte map."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvstore.master.allocator import OffsetAllocator
+
+from kvstore.errors import InvalidRequestError
+
+CAP = 4096
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 900)), max_size=80))
+def test_never_overlaps_and_coalesces(ops: list[tuple[bool, int]]) -> None:
+    a = OffsetAllocator(CAP, alignment=64)
+    owned = bytearray(CAP)  # naive model: 1 where allocated
+    live: dict[int, int] = {}
+    for is_alloc, n in ops:
+        if is_alloc or not live:
+            off = a.allocate(n)
+            need = a.reserved_size(n)
+            if off is None:
+                # Must be a true "no room": no free run of `need` aligned bytes exists.
+                runs = bytes(owned).split(b"\x01")
+                assert all(len(r) < need for r in runs)
+                continue
+            assert off % 64 == 0 and off + need <= CAP
+            assert not any(owned[off : off + need]), "overlap"
+            owned[off : off + need] = b"\x01" * need
+            live[off] = need
+        else:
+            off = sorted(live)[n % len(live)]
+            a.free(off)
+            size = live.pop(off)
+            owned[off : off + size] = bytes(size)
+        assert a.used_bytes == sum(live.values())
+    for off in list(live):
+        a.free(off)
+    assert a.free_bytes == CAP and a.num_free_extents == 1 and a.largest_free == CAP
+
+
+def test_zero_byte_objects_get_a_home_and_best_fit_keeps_big_extents() -> None:
+    a = OffsetAllocator(1024, alignment=64)
+    z = a.allocate(0)
+    assert z is not None and a.used_bytes == 64
+    x = a.allocate(64)
+    assert x is not None
+    a.free(z)  # a 64-byte hole at the start
+    assert a.allocate(10) == z, "best fit must reuse the small hole"
+
+
+def test_allocate_at() -> None:
+    a = OffsetAllocator(1024, alignment=64)
+    assert a.allocate_at(128, 100)
+    assert not a.allocate_at(192, 10)  # overlaps [128, 256)
+    assert not a.allocate_at(100, 10)  # unaligned
+    assert not a.allocate_at(1024, 1)
+    a.free(128)
+    assert a.num_free_extents == 1
+
+
+def test_bad_use() -> None:
+    a = OffsetAllocator(1024)
+    with pytest.raises(InvalidRequestError):
+        a.free(0)
+    with pytest.raises(InvalidRequestError):
+        a.allocate(-1)
+    with pytest.raises(InvalidRequestError):
+        OffsetAllocator(1024, alignment=3)
+    assert a.allocate(2048) is None

@@ -1,0 +1,143 @@
+"""The master's state machine, driven by a fake clock (no sockets, no sleeping)."""
+
+from __future__ import annotations
+
+import pytest
+from kvstore.master.service import MasterConfig, MasterService
+
+from kvstore import grants
+from kvstore.errors import (
+    InvalidRequestError,
+    KeyNotFoundError,
+    NodeUnavailableError,
+    NoSpaceError,
+    ObjectBusyError,
+    PutNotFoundError,
+)
+from kvstore.types import PutTicket, SegmentSpec
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def wall_ms(self) -> int:
+        return int(self.now * 1000)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def svc(clock: FakeClock) -> MasterService:
+    s = MasterService(
+        MasterConfig(put_timeout_s=10, node_ttl_s=3, heartbeat_interval_s=1), clock, clock.wall_ms
+    )
+    s.register("n1", "127.0.0.1", 9001, b"a" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+    s.register("n2", "127.0.0.1", 9002, b"b" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+    return s
+
+
+def put(svc: MasterService, key: bytes, size: int, checksum: int = 1) -> PutTicket:
+    ticket = svc.put_start([key], [size])[0]
+    assert isinstance(ticket, PutTicket)
+    assert svc.put_end([ticket.put_id], [checksum]) == [None]
+    return ticket
+
+
+def test_two_phase_put_is_invisible_until_put_end(svc: MasterService) -> None:
+    (ticket,) = svc.put_start([b"k"], [100])
+    assert isinstance(ticket, PutTicket)
+    assert svc.exists([b"k"]) == [False]
+    assert isinstance(svc.get_locations([b"k"])[0], KeyNotFoundError)
+    assert svc.put_end([ticket.put_id], [42]) == [None]
+    info = svc.get_locations([b"k"])[0]
+    assert info.size == 100 and info.checksum == 42
+    loc = info.locations[0]
+    node = svc.nodes[loc.node_id]
+    grants.verify(node.secret, loc.grant, grants.OP_READ, svc.wall_ms())
+
+
+def test_second_put_of_a_pending_key_is_busy_and_revoke_frees(svc: MasterService) -> None:
+    (t,) = svc.put_start([b"k"], [1000])
+    assert isinstance(svc.put_start([b"k"], [10])[0], ObjectBusyError)
+    assert svc.stats()["used_bytes"] > 0
+    assert svc.put_revoke([t.put_id]) == [None]
+    assert svc.stats()["used_bytes"] == 0
+    assert isinstance(svc.put_end([t.put_id], [1])[0], PutNotFoundError)
+    assert isinstance(svc.put_revoke([t.put_id])[0], PutNotFoundError)
+
+
+def test_overwrite_frees_the_old_version_and_tells_the_node(svc: MasterService) -> None:
+    t1 = put(svc, b"k", 5000)
+    used = svc.stats()["used_bytes"]
+    put(svc, b"k", 5000, checksum=2)
+    assert svc.stats()["used_bytes"] == used
+    assert svc.get_locations([b"k"])[0].checksum == 2
+    r = t1.locations[0]
+    assert (r.grant.segment, r.grant.offset) in svc.nodes[r.node_id].forgotten
+
+
+def test_uncommitted_put_is_reclaimed_after_timeout(svc: MasterService, clock: FakeClock) -> None:
+    svc.put_start([b"k"], [1000])
+    clock.now += 9.9
+    assert svc.reclaim_expired_puts() == 0
+    clock.now += 0.2
+    assert svc.reclaim_expired_puts() == 1
+    assert svc.stats()["used_bytes"] == 0
+    assert svc.put_start([b"k"], [1])[0] is not None  # the key is free again
+
+
+def test_dead_node_takes_its_replicas_and_puts_with_it(
+    svc: MasterService, clock: FakeClock
+) -> None:
+    keys = [f"k{i}".encode() for i in range(20)]
+    for k in keys:
+        put(svc, k, 10_000)
+    on_n1 = {k for k in keys if svc.get_locations([k])[0].locations[0].node_id == "n1"}
+    assert 0 < len(on_n1) < 20, "placement should spread by free space"
+    svc.put_start([b"pending"], [10])
+    clock.now += 2
+    svc.heartbeat("n2")
+    clock.now += 2
+    assert svc.expire_nodes() == ["n1"]
+    for k in keys:
+        assert svc.exists([k]) == [k not in on_n1]
+    with pytest.raises(NodeUnavailableError):
+        svc.heartbeat("n1")
+
+
+def test_placement_and_no_space(svc: MasterService) -> None:
+    results = svc.put_start([b"a", b"b", b"c"], [900_000, 900_000, 900_000])
+    assert isinstance(results[0], PutTicket) and isinstance(results[1], PutTicket)
+    assert {results[0].locations[0].node_id, results[1].locations[0].node_id} == {"n1", "n2"}
+    assert isinstance(results[2], NoSpaceError)
+    assert isinstance(svc.put_start([b"x"], [-1])[0], InvalidRequestError)
+    assert isinstance(svc.put_start([b"y"], [2 << 20], exclude_nodes=["n1"])[0], NoSpaceError)
+
+
+def test_remove_and_register_validation(svc: MasterService) -> None:
+    put(svc, b"k", 10)
+    assert svc.remove([b"k", b"k"])[0] is None
+    assert isinstance(svc.remove([b"k"])[0], KeyNotFoundError)
+    for bad in [
+        ("", "h", 1, b"s" * 32, [SegmentSpec("d", "dram", 1)]),
+        ("n", "h", 0, b"s" * 32, [SegmentSpec("d", "dram", 1)]),
+        ("n", "h", 1, b"short", [SegmentSpec("d", "dram", 1)]),
+        ("n", "h", 1, b"s" * 32, []),
+        ("n", "h", 1, b"s" * 32, [SegmentSpec("d", "dram", 1), SegmentSpec("d", "dram", 1)]),
+    ]:
+        with pytest.raises(InvalidRequestError):
+            svc.register(*bad)
+    assert set(svc.nodes) == {"n1", "n2"}
+
+
+def test_batch_limit(clock: FakeClock) -> None:
+    s = MasterService(MasterConfig(max_batch=3), clock, clock.wall_ms)
+    with pytest.raises(InvalidRequestError):
+        s.exists([b"a"] * 4)
