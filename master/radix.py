@@ -44,7 +44,7 @@ from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BLOCK_KEY_BYTES, BlockKey, Namespace, as_token_array
 
 _MIN_CAPACITY = 1024
-_GROWTH = 1.25  # modest growth: capacity slack is index memory too
+_GROWTH = 1.125  # modest growth: capacity slack is index memory too (copies stay amortised O(1))
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -188,15 +188,50 @@ class _KeyTable:
             i = (i + 1) & mask
         return -1
 
-    def add(self, key: bytes, slot: int, keys: np.ndarray) -> None:
-        if (self.count + 1) * 5 > len(self.table) * 3:
-            self._rehash(len(self.table) * 2, keys)
-        table, mask = self.table, self.mask
-        i = self._bucket(key) & mask
-        while table[i] >= 0:  # terminates: load factor <= 0.6
-            i = (i + 1) & mask
-        table[i] = slot
-        self.count += 1
+    def find_many(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Slots of ``rows`` (``[n, 16]`` uint8 keys), -1 where absent; probes all rows at once."""
+        result = np.full(len(rows), -1, dtype=np.int32)
+        pos = (_buckets(rows) & np.uint64(self.mask)).astype(np.int64)
+        active = np.arange(len(rows))
+        for _ in range(len(self.table)):  # bounded: each round advances every active probe
+            if not len(active):
+                break
+            s = self.table[pos[active]]
+            occupied = s >= 0
+            hit = np.zeros(len(active), dtype=bool)
+            hit[occupied] = (keys[s[occupied]] == rows[active[occupied]]).all(axis=1)
+            result[active[hit]] = s[hit]
+            active = active[occupied & ~hit]
+            pos[active] = (pos[active] + 1) & self.mask
+        return result
+
+    def add_many(self, rows: np.ndarray, slots: np.ndarray, keys: np.ndarray) -> None:
+        """Add absent, distinct keys ``rows`` mapping to ``slots``, all at once.
+
+        Each key still lands on the first free bucket of its probe sequence (ties within the
+        batch go to the first claimant, the others probe on), so lookups stay correct.
+        """
+        if (self.count + len(rows)) * 5 > len(self.table) * 3:
+            size = len(self.table)
+            while (self.count + len(rows)) * 5 > size * 3:
+                size *= 2
+            self._rehash(size, keys)
+        table = self.table
+        pos = (_buckets(rows) & np.uint64(self.mask)).astype(np.int64)
+        active = np.arange(len(rows))
+        for _ in range(len(table)):  # bounded: every round places or advances each key
+            if not len(active):
+                break
+            p = pos[active]
+            free = table[p] < 0
+            claim_pos, first = np.unique(p[free], return_index=True)
+            winners = active[free][first]
+            table[claim_pos] = slots[winners]
+            placed = np.zeros(len(rows), dtype=bool)
+            placed[winners] = True
+            active = active[~placed[active]]
+            pos[active] = (pos[active] + 1) & self.mask
+        self.count += len(rows)
 
     def discard(self, key: bytes, keys: np.ndarray) -> None:
         """Remove ``key`` (backward-shift deletion: no tombstones, probes stay short)."""
@@ -232,8 +267,7 @@ class _KeyTable:
         self.table = np.full(size, -1, dtype=np.int32)
         self.mask = size - 1
         self.count = 0
-        for s in live.tolist():
-            self.add(keys[s].tobytes(), s, keys)
+        self.add_many(keys[live], live, keys)
 
     def nbytes(self) -> int:
         return self.table.nbytes
@@ -417,6 +451,11 @@ class _Tree:
         return out
 
 
+def _buckets(rows: np.ndarray) -> np.ndarray:
+    """Bucket hash of ``[n, 16]`` uint8 keys: their first 8 bytes as little-endian uint64."""
+    return np.ascontiguousarray(rows[:, :8]).view("<u8").reshape(-1)
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two 1-D arrays."""
     n = min(len(a), len(b))
@@ -486,9 +525,12 @@ class RadixIndex:
         new_keys = keys[matched:]
         if len(set(new_keys)) != len(new_keys):
             raise InvalidRequestError("duplicate block keys in one insert")
-        for j, key in enumerate(new_keys):
-            if tree.table.find(key, tree.keys) >= 0:
-                raise InvalidRequestError(f"block {matched + j}: key already indexed elsewhere")
+        rows = np.frombuffer(b"".join(new_keys), dtype=np.uint8).reshape(-1, BLOCK_KEY_BYTES)
+        clash = np.flatnonzero(tree.table.find_many(rows, tree.keys) >= 0)
+        if len(clash):
+            raise InvalidRequestError(
+                f"block {matched + int(clash[0])}: key already indexed elsewhere"
+            )
         if not new_keys:
             return 0
         # Mutations start here; nothing below raises on valid state.
@@ -501,10 +543,9 @@ class RadixIndex:
             node = tree.root
         slots = tree.alloc_slots(len(new_keys))
         tree.tokens.put(slots, q[matched * bs :].reshape(-1, bs))
-        tree.keys[slots] = np.frombuffer(b"".join(new_keys), dtype=np.uint8).reshape(-1, 16)
+        tree.keys[slots] = rows
         tree.values[slots] = vals[matched:]
-        for key, s in zip(new_keys, slots.tolist(), strict=True):
-            tree.table.add(key, s, tree.keys)
+        tree.table.add_many(rows, slots, tree.keys)
         tree.num_blocks += len(new_keys)
         if node is not tree.root and not node.children:
             node.slots = np.concatenate([node.slots, slots])  # extend the leaf edge in place
