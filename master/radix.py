@@ -515,7 +515,7 @@ class RadixIndex:
             return 0
         tree = self._trees.get(namespace.digest)
         if tree is None:
-            tree = self._trees[namespace.digest] = _Tree(bs)
+            tree = _Tree(bs)  # registered only once every check has passed
         path, _ = tree.walk(q)
         matched = sum(k for _, k in path)
         if matched:
@@ -534,6 +534,7 @@ class RadixIndex:
         if not new_keys:
             return 0
         # Mutations start here; nothing below raises on valid state.
+        self._trees[namespace.digest] = tree
         tree.tokens.ensure_bits(int(q.max()))
         if path:
             node, k = path[-1]

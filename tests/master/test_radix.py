@@ -290,3 +290,17 @@ def test_memory_bytes_is_positive_and_grows(index) -> None:
     index.insert(NS4, t, block_keys(NS4, t), np.arange(5000))
     assert index.memory_bytes() > before > 0
     assert index.match(NS4, t).num_tokens == len(t)
+
+
+def test_failed_insert_into_new_namespace_leaves_nothing() -> None:
+    idx = RadixIndex()
+    with pytest.raises(InvalidRequestError):
+        idx.insert(NS4, A[:8], block_keys(NS4, A[:4]) * 2, [1, 2])
+    assert idx.namespaces() == [] and idx.num_blocks() == 0
+
+
+def test_unknown_namespace_is_a_miss_and_empty_insert_is_noop() -> None:
+    idx = RadixIndex()
+    assert idx.match(NS4, A).num_tokens == 0
+    assert idx.insert(NS4, [], [], []) == 0
+    assert list(idx.evictable()) == [] and idx.namespaces() == []
