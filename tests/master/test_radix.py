@@ -304,3 +304,37 @@ def test_unknown_namespace_is_a_miss_and_empty_insert_is_noop() -> None:
     assert idx.match(NS4, A).num_tokens == 0
     assert idx.insert(NS4, [], [], []) == 0
     assert list(idx.evictable()) == [] and idx.namespaces() == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_larger_random_workload_against_reference(seed) -> None:
+    """Long multi-block edges, splits and merges at a scale hypothesis does not reach."""
+    rng = np.random.default_rng(seed)
+    ns = Namespace("m", "float16", 1, 1, 8, block_size=4)
+    idx, ref = RadixIndex(), Reference()
+    prompts: list[list[int]] = []
+    for step in range(300):
+        if prompts and rng.random() < 0.7:
+            base = prompts[int(rng.integers(len(prompts)))]
+            prompt = base[: int(rng.integers(0, len(base) + 1))]
+        else:
+            prompt = []
+        prompt += rng.integers(0, 3, int(rng.integers(0, 40))).tolist()
+        prompt = prompt[: len(prompt) - len(prompt) % 4]
+        values = list(range(step * 100, step * 100 + len(prompt) // 4))
+        assert idx.insert(ns, prompt, block_keys(ns, prompt), values) == ref.insert(
+            ns, prompt, values
+        )
+        prompts.append(prompt)
+        if rng.random() < 0.2 and ref.of(ns):
+            keys = sorted(ref.of(ns))
+            key = keys[int(rng.integers(len(keys)))]
+            victims = ref.descendants(ns, key)
+            assert {k for k, _ in idx.remove(ns.digest, key)} == victims
+            for k in victims:
+                del ref.of(ns)[k]
+        query = prompts[int(rng.integers(len(prompts)))][:]
+        query += rng.integers(0, 3, int(rng.integers(0, 6))).tolist()
+        check_match(ref, ns, query, idx.match(ns, query))
+    idx.check_invariants()
+    assert idx.num_blocks() == len(ref.of(ns))
