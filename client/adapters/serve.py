@@ -15,6 +15,7 @@ A request that fails answers ``{"error": CODE, "message": ...}`` and the worker 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -203,10 +204,8 @@ class WorkerProcess:
     def stop(self) -> None:
         """Close stdin (the worker exits), then make sure: SIGTERM, SIGKILL, by PID."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
-            try:
+            with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            except OSError:
-                pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
