@@ -130,9 +130,12 @@ class WorkerProcess:
         role: ``prefill`` or ``decode``.
         master: the master's address.
         options: more command-line flags (``["--model", "tiny-gpt2", "--fp8"]``).
+        wait: wait for the ready line here (else call :meth:`wait_ready`).
     """
 
-    def __init__(self, role: str, master: str, options: Sequence[str] = ()) -> None:
+    def __init__(
+        self, role: str, master: str, options: Sequence[str] = (), *, wait: bool = True
+    ) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -154,11 +157,28 @@ class WorkerProcess:
         self._stderr: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
         threading.Thread(target=self._pump_err, daemon=True).start()
-        self.ready = self._next(READY_TIMEOUT_S)
-        if not self.ready.startswith("ready"):
+        self.role = role
+        self.ready = ""
+        self.fields: dict[str, str] = {}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Wait for the worker's ready line (start several workers first, then wait: they boot
+        in parallel).
+
+        Raises:
+            InvalidRequestError: the worker exited instead (its stderr tail is in the message).
+            KVTimeoutError: no ready line in time.
+        """
+        if self.ready:
+            return
+        line = self._next(timeout)
+        if not line.startswith("ready"):
             self.stop()
-            raise InvalidRequestError(f"{role} worker did not start: {self.ready}")
-        self.fields = dict(kv.split("=", 1) for kv in self.ready.split()[1:])
+            raise InvalidRequestError(f"{self.role} worker did not start: {line}")
+        self.ready = line
+        self.fields = dict(kv.split("=", 1) for kv in line.split()[1:])
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None

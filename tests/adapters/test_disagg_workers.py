@@ -38,7 +38,6 @@ def reference(model, prompt: list[int]) -> list[int]:
 def test_disaggregated_greedy_tokens_equal_colocated_generate(cluster_factory, name: str) -> None:
     cluster = cluster_factory(num_nodes=1, dram="128MiB")
     opts = ["--model", name, "--block-size", str(BS)]
-    model = build_model(name)
     system = tokens(5 * BS, seed=10)
     cases = [
         ("cold", system + tokens(21, 11), 0),
@@ -47,9 +46,12 @@ def test_disaggregated_greedy_tokens_equal_colocated_generate(cluster_factory, n
         ("entirely cached", system, 5 * BS - 1),  # the last token is always computed
     ]
     with (
-        WorkerProcess("prefill", cluster.address, opts) as prefill,
-        WorkerProcess("decode", cluster.address, opts) as decode,
+        WorkerProcess("prefill", cluster.address, opts, wait=False) as prefill,
+        WorkerProcess("decode", cluster.address, opts, wait=False) as decode,
     ):
+        model = build_model(name)  # the colocated reference, while the workers start
+        prefill.wait_ready()
+        decode.wait_ready()
         assert prefill.fields["weights"] == decode.fields["weights"]
         assert prefill.fields["namespace"] == decode.fields["namespace"]
         for label, prompt, cached in cases:
