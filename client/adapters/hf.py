@@ -12,6 +12,7 @@ GPT-2, Qwen, Mistral, ...). Sliding-window and hybrid (linear-attention) layers 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +219,8 @@ class PipelinedCache(DynamicCache):
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._done = False
+        self.started_at = time.perf_counter()
+        self.loaded_at = 0.0  # when the loader ended (perf_counter)
         self._thread = threading.Thread(target=self._pump, args=(source,), daemon=True)
         self._thread.start()
 
@@ -238,6 +241,7 @@ class PipelinedCache(DynamicCache):
         finally:
             with self._cond:
                 self._done = True
+                self.loaded_at = time.perf_counter()
                 self._cond.notify_all()
 
     def wait_layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

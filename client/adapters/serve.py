@@ -4,7 +4,7 @@
 prints one ``ready ...`` line (weights digest, namespace digest), then answers one JSON request
 per line until stdin closes:
 
-- prefill: ``{"tokens": [...], "use_pool": true}`` -> the :class:`PrefillResult` fields
+- prefill: ``{"tokens": [...], "use_pool": true, "pipelined": true}`` -> the :class:`PrefillResult` fields
 - decode:  ``{"tokens": [...], "max_new_tokens": 8, "first_token": 5, "pipelined": true,
   "use_pool": true}`` -> the :class:`DecodeResult` fields
 
@@ -85,7 +85,11 @@ def _answer(worker: Any, role: str, request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(request, dict) or "tokens" not in request:
         raise InvalidRequestError("a request is a JSON object with 'tokens'")
     if role == "prefill":
-        result = worker.prefill(request["tokens"], use_pool=bool(request.get("use_pool", True)))
+        result = worker.prefill(
+            request["tokens"],
+            use_pool=bool(request.get("use_pool", True)),
+            pipelined=bool(request.get("pipelined", True)),
+        )
     else:
         result = worker.generate(
             request["tokens"],

@@ -140,6 +140,9 @@ class _LosesABlockMidLoad:
     def load(self, tokens: np.ndarray, bufs: list) -> int:
         return 0
 
+    def store(self, tokens: np.ndarray, layers: list) -> int:
+        return self.kv.store(tokens, layers)
+
 
 def test_a_block_lost_mid_load_falls_back_to_recompute_never_a_wrong_token(pool: Client) -> None:
     model = build_model("tiny-llama")
@@ -153,6 +156,8 @@ def test_a_block_lost_mid_load_falls_back_to_recompute_never_a_wrong_token(pool:
     )
     assert result.fell_back and result.num_loaded == 0
     assert result.tokens == want
+    again = PrefillWorker(model, _LosesABlockMidLoad(kv)).prefill(tokens)  # type: ignore[arg-type]
+    assert again.fell_back and again.num_cached == 0 and again.first_token == first
     # Blocks removed from the pool after the prefill: a shorter hit, the rest recomputed.
     from kvstore.keys import block_keys
     from kvstore.kvblocks import kv_object_key
