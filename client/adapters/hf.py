@@ -221,6 +221,7 @@ class PipelinedCache(DynamicCache):
         self._done = False
         self.started_at = time.perf_counter()
         self.loaded_at = 0.0  # when the loader ended (perf_counter)
+        self.stall_s = 0.0  # time the model spent waiting for a layer
         self._thread = threading.Thread(target=self._pump, args=(source,), daemon=True)
         self._thread.start()
 
@@ -252,9 +253,11 @@ class PipelinedCache(DynamicCache):
             The loader's exception, if it stopped before this layer.
         """
         with self._cond:
+            waited = time.perf_counter()
             ok = self._cond.wait_for(
                 lambda: self._arrived[index] is not None or self._done, self.timeout
             )
+            self.stall_s += time.perf_counter() - waited
             item = self._arrived[index]
             if item is None:
                 if self._error is not None:

@@ -50,6 +50,7 @@ class PrefillResult:
     bytes_loaded: int
     bytes_stored: int
     fell_back: bool = False
+    load_exposed_s: float = 0.0  # load time not hidden behind compute (all of it when batched)
 
 
 @dataclass(slots=True)
@@ -192,11 +193,13 @@ class PrefillWorker(_Worker):
         t_fwd = time.perf_counter()
         try:
             logits, cache = hf.forward(self.model, tok[n:], cache)
+            exposed = t_fwd - t0
             if isinstance(cache, hf.PipelinedCache):
                 cache.finish()  # a lost or corrupt block: the logits above are void
                 load_end = cache.loaded_at
+                exposed += cache.stall_s
         except KVStoreError:
-            n, fell_back = 0, True
+            n, fell_back, exposed = 0, True, 0.0
             logits, cache = hf.forward(self.model, tok, None)
         first = int(logits[-1].argmax())
         t2 = time.perf_counter()
@@ -224,6 +227,7 @@ class PrefillWorker(_Worker):
             bytes_loaded=n * self.token_bytes,
             bytes_stored=stored * self.token_bytes,
             fell_back=fell_back,
+            load_exposed_s=exposed,
         )
 
 
