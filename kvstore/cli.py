@@ -159,15 +159,21 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    import importlib.util
     import signal
     import subprocess
     import tempfile
 
-    try:
-        from kvstore.client.adapters.demo import run_demo
-    except ImportError as exc:
-        print(f"kvstore demo needs torch and transformers ({exc.name} is missing)", file=sys.stderr)
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"kvstore demo needs torch and transformers ({', '.join(missing)} missing): "
+            "pip install -e '.[dev]' torch",
+            file=sys.stderr,
+        )
         return 2
+    from kvstore.client.adapters.demo import run_demo
+
     options = {
         "model": args.model,
         "block_size": args.block_size,

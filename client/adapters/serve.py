@@ -105,12 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve requests until stdin closes (or SIGTERM)."""
     args = _parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # stdout carries the protocol only: whatever a library prints goes to stderr.
+    proto, sys.stdout = sys.stdout, sys.stderr
     try:
         worker, client, ready = _build(args)
     except KVStoreError as err:
         print(f"worker failed to start: {err.message}", file=sys.stderr, flush=True)
         return 2
-    print(ready, flush=True)
+    print(ready, file=proto, flush=True)
     try:
         for line in sys.stdin:
             if not line.strip():
@@ -121,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reply = {"error": int(err.code), "message": err.message}
             except (ValueError, TypeError) as exc:
                 reply = {"error": int(ErrorCode.INVALID_REQUEST), "message": str(exc)}
-            print(json.dumps(reply), flush=True)
+            print(json.dumps(reply), file=proto, flush=True)
     finally:
         client.close()
     return 0
