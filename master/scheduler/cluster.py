@@ -76,9 +76,11 @@ class ClusterConfig:
     Attributes:
         num_prefill: prefill instances (>= 1).
         num_decode: decode instances (>= 1).
-        local_cache_blocks: blocks each prefill instance holds locally (``None`` unlimited).
+        local_cache_blocks: blocks each prefill instance holds locally (``None`` unlimited);
+            the default is 3M tokens of 512-token blocks, Mooncake's per-node cache.
         pool_blocks: blocks the global pool holds (``None`` unlimited; 0 disables the pool,
-            so that only local caches hit: "a cache per instance").
+            so that only local caches hit: "a cache per instance"). The default is 4 x 3M
+            tokens: Mooncake's pool is the DRAM of the prefill nodes, 3M tokens each.
         cache_policy: eviction policy of every cache (a key of ``POLICIES``).
         decode_kv_capacity_tokens: KV memory of each decode instance, in tokens.
         decode_max_batch_size: most sequences in one decode step.
@@ -92,7 +94,7 @@ class ClusterConfig:
     num_prefill: int = 4
     num_decode: int = 4
     local_cache_blocks: int | None = 5_860
-    pool_blocks: int | None = None
+    pool_blocks: int | None = 23_440
     cache_policy: str = "lru"
     decode_kv_capacity_tokens: int = 1_500_000
     decode_max_batch_size: int = 128

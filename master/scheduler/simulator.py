@@ -13,7 +13,8 @@ sequence holds is taken as its mean over decoding (prompt + output / 2).
 
 A request's TTFT is prefill end - arrival (the first token comes out of prefill); its TBT is
 (finish - first token) / (output_length - 1): the mean gap between the tokens after the first,
-which includes the KV transfer and any wait for room on the decode instance.
+which includes any wait for room on the decode instance and the part of the prefill-to-decode
+KV transfer that layer-wise streaming does not hide behind prefill.
 """
 
 from __future__ import annotations
@@ -253,7 +254,11 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig | None = None) 
         prefill_ids[index] = estimate.instance_id
         decode_ids[index] = decision.decode_id
         num_replicated += decision.replicated
-        push(end_s + cost.transfer_s(request.input_length), _JOIN, index, decision.decode_id)
+        # KV streams to the decode instance layer by layer while prefill runs (as in Mooncake),
+        # so the decode instance has it at prefill end or when the transfer ends, if later.
+        start_s = end_s - estimate.prefill_s
+        join_s = max(end_s, start_s + cost.transfer_s(request.input_length))
+        push(join_s, _JOIN, index, decision.decode_id)
 
     def join(index: int, decode_id: int, now_s: float) -> None:
         runner = runners[decode_id]

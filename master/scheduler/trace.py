@@ -137,9 +137,11 @@ def parse_trace_lines(
                 fail(f"hash_ids[{position}] must be a non-negative integer, got {block_id!r:.40}")
             known = parent_of.setdefault(block_id, parent)
             if known != parent:
+                here = "starts the prompt" if parent < 0 else f"follows {parent}"
+                before = "started a prompt" if known < 0 else f"followed {known}"
                 fail(
-                    f"hash_ids[{position}] = {block_id} follows {parent} here but {known} "
-                    "earlier: chained ids must always have the same prefix"
+                    f"hash_ids[{position}] = {block_id} {here} here but {before} on an "
+                    "earlier line: chained ids must always have the same prefix"
                 )
             parent = block_id
         if timestamp < last_timestamp:
