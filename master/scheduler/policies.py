@@ -240,11 +240,19 @@ class BlockCache:
 
 @dataclass(frozen=True, slots=True)
 class HitStats:
-    """Block hits of a replay. ``hit_rate`` = hit blocks / blocks asked for."""
+    """Hits of a replay. ``hit_rate`` = hit blocks / blocks asked for; ``token_hit_rate``
+    counts tokens instead (a prompt's last block is often partial), when tokens were counted.
+    """
 
     num_hit_blocks: int
     num_blocks: int
+    num_hit_tokens: int = 0
+    num_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0

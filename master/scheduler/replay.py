@@ -11,14 +11,17 @@ from collections.abc import Sequence
 from kvstore.errors import InvalidRequestError
 
 from .policies import BlockCache, HitStats
-from .trace import TraceRequest
+from .trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 #: How requests are spread over per-instance caches.
 ROUTINGS = ("round-robin", "cache-aware")
 
 
 def replay_pool(
-    requests: Sequence[TraceRequest], capacity_blocks: int | None, policy: str = "lru"
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int | None,
+    policy: str = "lru",
+    block_size: int = MOONCAKE_BLOCK_SIZE,
 ) -> HitStats:
     """Replay ``requests`` through one shared cache.
 
@@ -26,20 +29,24 @@ def replay_pool(
         requests: the trace.
         capacity_blocks: cache size in blocks, ``None`` for unlimited.
         policy: eviction policy name.
+        block_size: tokens per block (for the token hit rate).
 
     Returns:
-        Prefix-hit blocks over blocks asked for.
+        Prefix-hit blocks over blocks asked for, and hit tokens over prompt tokens.
 
     Raises:
         InvalidRequestError: for a bad capacity or policy.
     """
     cache = BlockCache(capacity_blocks, policy)
-    num_hit = 0
-    num_blocks = 0
+    num_hit = num_blocks = num_hit_tokens = num_tokens = 0
     for request in requests:
-        num_hit += cache.access(request.hash_ids)
+        hit = cache.access(request.hash_ids)
+        num_hit += hit
         num_blocks += len(request.hash_ids)
-    return HitStats(num_hit, num_blocks)
+        # hash_ids are validated against input_length, so blocks are full but the last
+        num_hit_tokens += min(hit * block_size, request.input_length)
+        num_tokens += request.input_length
+    return HitStats(num_hit, num_blocks, num_hit_tokens, num_tokens)
 
 
 def replay_per_instance(
@@ -48,6 +55,7 @@ def replay_per_instance(
     capacity_blocks_each: int | None,
     policy: str = "lru",
     routing: str = "round-robin",
+    block_size: int = MOONCAKE_BLOCK_SIZE,
 ) -> HitStats:
     """Replay ``requests`` over ``num_instances`` private caches (no sharing between them).
 
@@ -58,6 +66,7 @@ def replay_per_instance(
         policy: eviction policy name.
         routing: ``round-robin``, or ``cache-aware`` (the cache with the longest prefix hit;
             ties go to the cache that has served the fewest requests, then the lowest index).
+        block_size: tokens per block (for the token hit rate).
 
     Returns:
         Prefix-hit blocks over blocks asked for, summed over the caches.
@@ -71,8 +80,7 @@ def replay_per_instance(
         raise InvalidRequestError(f"unknown routing {routing!r}; known: {', '.join(ROUTINGS)}")
     caches = [BlockCache(capacity_blocks_each, policy) for _ in range(num_instances)]
     served = [0] * num_instances
-    num_hit = 0
-    num_blocks = 0
+    num_hit = num_blocks = num_hit_tokens = num_tokens = 0
     for index, request in enumerate(requests):
         if routing == "round-robin":
             chosen = index % num_instances
@@ -82,6 +90,9 @@ def replay_per_instance(
                 key=lambda i: (-caches[i].match_prefix(request.hash_ids), served[i], i),
             )
         served[chosen] += 1
-        num_hit += caches[chosen].access(request.hash_ids)
+        hit = caches[chosen].access(request.hash_ids)
+        num_hit += hit
         num_blocks += len(request.hash_ids)
-    return HitStats(num_hit, num_blocks)
+        num_hit_tokens += min(hit * block_size, request.input_length)
+        num_tokens += request.input_length
+    return HitStats(num_hit, num_blocks, num_hit_tokens, num_tokens)
