@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,8 @@ def load_table(result: SimResult) -> str:
     return format_table(["instance", "requests", "busy fraction"], rows)
 
 
-def _pyplot():  # noqa: ANN202 - matplotlib's module type
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the non-interactive Agg backend (imported on first use)."""
     import matplotlib
 
     matplotlib.use("Agg")

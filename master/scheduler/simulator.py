@@ -175,8 +175,7 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig | None = None) 
         Per-request outcomes and per-instance load.
 
     Raises:
-        InvalidRequestError: for an empty trace, unsorted arrivals, a block size that does not
-            match the cost model, or an unknown router or policy.
+        InvalidRequestError: for an empty trace, unsorted arrivals, or an unknown router.
     """
     config = config or SimConfig()
     if not requests:

@@ -15,7 +15,7 @@ def state() -> SchedulerState:
     return SchedulerState(cluster)
 
 
-def body(**overrides) -> dict:  # noqa: ANN003
+def body(**overrides) -> dict:
     base = {"block_keys": ["k0", "k1", "k2"], "input_length": 1200, "output_length": 50}
     base.update(overrides)
     return {k: v for k, v in base.items() if v is not None}

@@ -44,14 +44,14 @@ def naive_lru_hit_rate(requests: list[TraceRequest], capacity: int | None) -> fl
     num=st.integers(1, 120),
     capacity=st.one_of(st.none(), st.integers(0, 40)),
 )
-def test_exact_lru_agrees_with_naive_replay_on_any_trace(seed: int, num: int, capacity) -> None:  # noqa: ANN001
+def test_exact_lru_agrees_with_naive_replay_on_any_trace(seed: int, num: int, capacity) -> None:
     requests = synthetic_trace(seed, num)
     exact = replay_pool(requests, capacity, "lru").hit_rate
     assert exact == pytest.approx(naive_lru_hit_rate(requests, capacity), abs=0.01)
 
 
 @pytest.mark.parametrize("capacity", [50, 400, 3_000, None])
-def test_exact_lru_agrees_with_naive_replay_on_the_real_trace(real_trace, capacity) -> None:  # noqa: ANN001
+def test_exact_lru_agrees_with_naive_replay_on_the_real_trace(real_trace, capacity) -> None:
     requests = real_trace[:1_500]
     exact = replay_pool(requests, capacity, "lru").hit_rate
     assert abs(exact - naive_lru_hit_rate(requests, capacity)) <= 0.01
@@ -128,7 +128,7 @@ def test_length_aware_evicts_deep_blocks_before_fresh_shallow_ones() -> None:
         (lambda: replay_per_instance([], 1, 10, routing="random"), "unknown routing"),
     ],
 )
-def test_bad_arguments_are_typed_errors(call, fragment: str) -> None:  # noqa: ANN001
+def test_bad_arguments_are_typed_errors(call, fragment: str) -> None:
     with pytest.raises(InvalidRequestError, match=fragment):
         call()
 

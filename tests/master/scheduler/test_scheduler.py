@@ -24,7 +24,7 @@ COST = CostModel()
 
 def cluster(
     num_prefill: int = 3, num_decode: int = 2, pool: int | None = None, **kw
-) -> ClusterState:  # noqa: ANN003
+) -> ClusterState:
     return ClusterState.build(
         ClusterConfig(num_prefill=num_prefill, num_decode=num_decode, pool_blocks=pool, **kw)
     )
@@ -32,7 +32,7 @@ def cluster(
 
 def req(
     keys: tuple, input_length: int | None = None, output_length: int = 100, slo: str = "interactive"
-) -> ScheduleRequest:  # noqa: E501
+) -> ScheduleRequest:
     return ScheduleRequest(keys, input_length or len(keys) * BS, output_length, slo)
 
 
@@ -98,7 +98,7 @@ def test_without_a_pool_the_hot_instance_is_only_left_when_recompute_is_faster()
         ),
     ],
 )
-def test_early_rejection(setup, request_: ScheduleRequest, reason: str) -> None:  # noqa: ANN001
+def test_early_rejection(setup, request_: ScheduleRequest, reason: str) -> None:
     state = cluster()
     setup(state)
     rejecting = make_router("conductor").decide(state, request_, 0.0)
@@ -204,7 +204,7 @@ def test_reservations_return_to_zero(lengths: list[tuple[int, int]], router: str
         (lambda: ClusterConfig(decode_max_batch_size=0), "batch size"),
     ],
 )
-def test_bad_settings_are_typed_errors(call, fragment: str) -> None:  # noqa: ANN001
+def test_bad_settings_are_typed_errors(call, fragment: str) -> None:
     with pytest.raises(InvalidRequestError, match=fragment):
         call()
 

@@ -20,7 +20,7 @@ COST = CostModel()
 NO_REJECT = SchedulerConfig(early_rejection=False)
 
 
-def one_decode(**kw) -> ClusterConfig:  # noqa: ANN003
+def one_decode(**kw) -> ClusterConfig:
     return ClusterConfig(num_prefill=1, num_decode=1, **kw)
 
 
@@ -98,7 +98,7 @@ def test_hit_rate_with_an_unlimited_pool_equals_the_cache_replay() -> None:
         ),
     ],
 )
-def test_bad_runs_are_typed_errors(call, fragment: str) -> None:  # noqa: ANN001
+def test_bad_runs_are_typed_errors(call, fragment: str) -> None:
     with pytest.raises(InvalidRequestError, match=fragment):
         call()
 
@@ -112,7 +112,7 @@ def test_bad_runs_are_typed_errors(call, fragment: str) -> None:  # noqa: ANN001
 )
 def test_conductor_beats_the_best_baseline_on_goodput(
     real_trace, num_prefill: int, pool_blocks: int
-) -> None:  # noqa: ANN001
+) -> None:
     requests = real_trace[:3_000]
     cluster = ClusterConfig(num_prefill=num_prefill, num_decode=4, pool_blocks=pool_blocks)
     runs = run_routers(requests, cluster)
@@ -123,7 +123,7 @@ def test_conductor_beats_the_best_baseline_on_goodput(
     assert ours.slo_attainment > 0.9
 
 
-def test_whole_trace_replays_in_seconds(real_trace) -> None:  # noqa: ANN001
+def test_whole_trace_replays_in_seconds(real_trace) -> None:
     started = time.perf_counter()
     result = simulate(real_trace, SimConfig())
     elapsed = time.perf_counter() - started

@@ -64,7 +64,7 @@ def test_unsorted_timestamps_name_the_line() -> None:
 
 
 @pytest.mark.parametrize("lines", [[], iter(())])
-def test_empty_trace_is_an_error(lines) -> None:  # noqa: ANN001
+def test_empty_trace_is_an_error(lines) -> None:
     with pytest.raises(TraceFormatError, match="empty trace"):
         parse_trace_lines(lines)
 
@@ -76,7 +76,7 @@ def test_equal_timestamps_and_shared_prefixes_are_fine() -> None:
     assert requests[2].arrival_s == 0.0
 
 
-def test_load_trace_from_file_with_limit_and_errors(tmp_path) -> None:  # noqa: ANN001
+def test_load_trace_from_file_with_limit_and_errors(tmp_path) -> None:
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join([GOOD, GOOD, "oops"]) + "\n")
     assert len(load_trace(path, limit=2)) == 2
@@ -102,6 +102,6 @@ def test_synthetic_traces_round_trip(seed: int, num: int) -> None:
     assert parse_trace_lines(lines, block_size=4) == requests
 
 
-def test_real_trace_loads(real_trace) -> None:  # noqa: ANN001
+def test_real_trace_loads(real_trace) -> None:
     assert len(real_trace) == 12_031
     assert all(len(r.hash_ids) == num_blocks_for(r.input_length) for r in real_trace)
