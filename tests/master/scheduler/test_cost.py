@@ -3,7 +3,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvstore.master.scheduler.cost import CostModel
 
@@ -56,6 +56,7 @@ def test_transfer_and_decode_formulas() -> None:
     assert COST.decode_step_s(10, 100_000) == pytest.approx(0.010 + 10 * 1e-4 + 100_000 * 2e-8)
 
 
+@settings(deadline=None)
 @given(
     new=st.integers(0, 200_000),
     cached=st.integers(0, 200_000),

@@ -4,6 +4,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvstore.master.scheduler.cluster import ClusterConfig
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.experiments import BASELINES, best_baseline, run_routers
@@ -129,3 +131,30 @@ def test_whole_trace_replays_in_seconds(real_trace) -> None:
     elapsed = time.perf_counter() - started
     assert result.num_requests == 12_031
     assert elapsed < 15.0, f"12k requests took {elapsed:.1f}s"
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    router=st.sampled_from(sorted(ROUTERS)),
+    num_prefill=st.integers(1, 3),
+    kv_capacity=st.sampled_from([500, 5_000, 1_500_000]),
+)
+def test_every_admitted_request_finishes_no_faster_than_the_cost_model(
+    seed: int, router: str, num_prefill: int, kv_capacity: int
+) -> None:
+    requests = synthetic_trace(seed, 80, block_size=512, gap_ms=20)
+    cluster = ClusterConfig(
+        num_prefill=num_prefill, num_decode=2, decode_kv_capacity_tokens=kv_capacity
+    )
+    result = simulate(requests, SimConfig(cluster=cluster, router=router, scheduler=NO_REJECT))
+    assert result.accepted.all()
+    new_tokens = [
+        r.input_length - min(c * 512, r.input_length - 1)
+        for r, c in zip(requests, result.cached_blocks, strict=True)
+    ]
+    floor = np.array([COST.prefill_s(n, 0) for n in new_tokens]) - 1e-9
+    assert (result.ttft_s >= floor).all()
+    multi = np.array([r.output_length > 1 for r in requests])
+    assert (result.tbt_s[multi] >= COST.decode_base_s).all()
+    assert result.makespan_s >= result.span_s
