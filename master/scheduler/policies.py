@@ -14,6 +14,7 @@ capacity (for LRU this equals evicting one block per insert).
 
 from __future__ import annotations
 
+import abc
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
@@ -62,7 +63,7 @@ class LRUPolicy:
         return next(iter(self._order))
 
 
-class _HeapPolicy:
+class _HeapPolicy(abc.ABC):
     """A min-heap of (priority, tick, key) with lazy deletion.
 
     NOTE: a touch pushes a new entry and leaves the old one in the heap; ``_current[key]`` holds
@@ -76,8 +77,9 @@ class _HeapPolicy:
         self._current: dict[BlockKey, tuple[float, int]] = {}
         self._tick = 0
 
+    @abc.abstractmethod
     def _priority(self, key: BlockKey, depth: int, tick: int) -> float:
-        raise NotImplementedError
+        """Rank of ``key`` after this touch; the smallest is evicted first."""
 
     def touch(self, key: BlockKey, depth: int) -> None:
         self._tick += 1

@@ -28,6 +28,7 @@ scheduling); without it every request is admitted and queues.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,7 +88,7 @@ class Decision:
     Attributes:
         accepted: False when the request was rejected early.
         reject_reason: why, when rejected.
-        prefill: the prefill estimate of the chosen instance (None when rejected for TTFT).
+        prefill: the estimate on the best prefill instance (kept when rejected: it says why).
         decode_id: the chosen decode instance (None when rejected).
         predicted_tbt_s: step time predicted on the chosen decode instance.
         replicated: the prefix was copied away from the instance that held the longest part
@@ -107,7 +108,7 @@ class Decision:
         return {
             "accepted": self.accepted,
             "reject_reason": self.reject_reason,
-            "prefill_instance": prefill.instance_id if prefill else None,
+            "prefill_instance": prefill.instance_id if prefill and self.accepted else None,
             "decode_instance": self.decode_id,
             "predicted_ttft_s": prefill.ttft_s if prefill else None,
             "predicted_tbt_s": self.predicted_tbt_s,
@@ -233,7 +234,7 @@ def _decode_tbt(instance: DecodeInstance, request: ScheduleRequest) -> float:
     return instance.predicted_tbt_s(1, request.input_length + request.output_length // 2)
 
 
-class Router:
+class Router(abc.ABC):
     """Base of all routers: estimates, early rejection and :meth:`commit` are shared.
 
     Subclasses only pick instances (:meth:`pick_prefill`, :meth:`pick_decode`).
@@ -247,18 +248,19 @@ class Router:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
 
+    @abc.abstractmethod
     def pick_prefill(
         self, state: ClusterState, request: ScheduleRequest, now_s: float, remote: int
     ) -> tuple[PrefillEstimate, int]:
         """Return the chosen prefill's estimate and the best local hit seen (for replication)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def pick_decode(self, state: ClusterState, request: ScheduleRequest) -> DecodeInstance:
         """Return the chosen decode instance."""
-        raise NotImplementedError
 
     def decide(self, state: ClusterState, request: ScheduleRequest, now_s: float) -> Decision:
-        """Choose instances for ``request``; change nothing.
+        """Choose instances for ``request``. Changes no cluster state (a round-robin router
+        only advances its own position).
 
         Args:
             state: the cluster.

@@ -43,7 +43,8 @@ def test_overload_is_an_answer_not_an_error() -> None:
     answer = schedule_request(s, body(now_s=0.0))
     assert answer["accepted"] is False
     assert "TTFT" in answer["reject_reason"]
-    assert answer["decode_instance"] is None
+    assert answer["decode_instance"] is None and answer["prefill_instance"] is None
+    assert answer["predicted_ttft_s"] > 30.0
 
 
 @pytest.mark.parametrize(
