@@ -52,6 +52,11 @@ SCENARIOS = (
         ClusterConfig(num_prefill=8, num_decode=8, pool_blocks=8 * MOONCAKE_NODE_BLOCKS),
         2.0,
     ),
+    (  # decode-bound: one decode instance takes twice the trace's rate
+        "8P/1D, pool 24M tok, 2x",
+        ClusterConfig(num_prefill=8, num_decode=1, pool_blocks=8 * MOONCAKE_NODE_BLOCKS),
+        2.0,
+    ),
 )
 
 
@@ -168,9 +173,9 @@ def main() -> int:
         f"\n## Per-instance load under the conductor: {main_name} ({conductor.num_replicated} prefixes replicated)\n"
     )
     print(report.load_table(conductor))
-    nopool_name = SCENARIOS[2][0]
-    print(f"\n## Latency, SLO attainment and hit rates: {nopool_name}\n")
-    print(report.summary_table(scenario_runs[nopool_name]))
+    for other in (SCENARIOS[2][0], SCENARIOS[-1][0]):
+        print(f"\n## Latency, SLO attainment and hit rates: {other}\n")
+        print(report.summary_table(scenario_runs[other]))
 
     report.plot_ttft_cdf(main_runs, slo, args.out / "ttft_cdf.png")
     report.plot_goodput(labels, table_column(table, labels, 0), args.out / "goodput.png")
