@@ -23,10 +23,14 @@ leaf blocks (leaf-first eviction), so evicting what it yields never cascades.
 
 Memory layout (why not a Python object per block): with 1M blocks a Python object, a dict entry
 and a bytes key per block would cost ~300 B before storing a single token. Instead each tree keeps
-per-block *slots* in parallel numpy arrays (tokens, key, value, owning node), nodes hold only a
-numpy array of their slots, and the key -> slot map is an open-addressing table of int32 slot
-numbers. Tokens are stored as a uint16 low half plus one packed bit-plane per extra high bit
+per-block *slots* in parallel numpy arrays (tokens, key, value, owning node), nodes hold only
+their slot numbers (packed int32), and the key -> slot map is an open-addressing table of int32
+slot numbers. Tokens are stored as a uint16 low half plus one packed bit-plane per extra high bit
 actually used (17 bits for a 128K vocabulary: 2.125 B per token instead of 4).
+
+Measured with ``bench/bench_radix.py`` (1M blocks of 64 tokens): ~180 B per block with a 128K
+vocabulary, ~174 B with a 32K one. Each node (one per branch) costs ~190 B more, so a workload of
+prompts whose unique suffix is only ~2 blocks (one leaf node per 2 blocks) reaches ~280 B per block.
 
 This module is pure: no I/O, no clocks, no locks (the master serialises calls).
 """
