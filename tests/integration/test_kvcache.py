@@ -18,7 +18,7 @@ L, H, D, BS = 3, 2, 16, 16
 def ns(**kw) -> Namespace:
     return Namespace(
         **{
-            "model_id": "tiny",
+            "model": "tiny",
             "dtype": "float16",
             "num_layers": L,
             "num_kv_heads": H,
@@ -84,7 +84,7 @@ def test_namespaces_and_salts_are_isolated(cluster_factory) -> None:
         tokens = np.arange(4 * BS)
         KVCache(c, ns()).store(tokens, make_kv(tokens))
         assert KVCache(c, ns(salt="tenant-b")).lookup(tokens) == 0
-        assert KVCache(c, ns(model_id="other")).lookup(tokens) == 0
+        assert KVCache(c, ns(model="other")).lookup(tokens) == 0
         assert KVCache(c, ns()).lookup(tokens) == 4 * BS
 
 
