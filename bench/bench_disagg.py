@@ -133,7 +133,7 @@ def fp8_table(model, client: Client, prompts: Prompts, lengths: list[int], reps:
     )
     scales = calibrate(model)
     ns16 = hf.namespace_for(model, "bench", block_size=BLOCK)
-    ns8 = hf.namespace_for(model, scales.model_id("bench"), block_size=BLOCK, kv_dtype=hf.FP8)
+    ns8 = hf.namespace_for(model, scales.model_name("bench"), block_size=BLOCK, kv_dtype=hf.FP8)
     workers = {
         "16-bit": PrefillWorker(model, KVCache(client, ns16)),
         "fp8": PrefillWorker(model, KVCache(client, ns8), fp8_scales=scales),

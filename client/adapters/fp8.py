@@ -8,7 +8,7 @@ block, so every block keeps the plain layout ``[tokens, kv_heads, head_dim]`` of
 elements and token-granular reads keep working. Values beyond the calibrated range saturate.
 
 The scales must be identical wherever a block is written or read. They depend only on the
-weights and the calibration seed, and their digest is part of the namespace's ``model_id``
+weights and the calibration seed, and their digest is part of the namespace's ``model``
 (``<model>+fp8:<digest>``): workers whose scales differ never share a block.
 """
 
@@ -42,8 +42,8 @@ class Fp8Scales:
         h.update(self.v.float().contiguous().numpy().tobytes())
         return h.hexdigest()
 
-    def model_id(self, base: str) -> str:
-        """The namespace ``model_id`` for blocks quantised with these scales."""
+    def model_name(self, base: str) -> str:
+        """The namespace ``model`` for blocks quantised with these scales."""
         return f"{base}+fp8:{self.digest}"
 
 

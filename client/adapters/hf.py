@@ -67,14 +67,14 @@ def model_shape(model: Any) -> ModelShape:
 
 
 def namespace_for(
-    model: Any, model_id: str, *, block_size: int = 64, kv_dtype: str | None = None, **extra: Any
+    model: Any, name: str, *, block_size: int = 64, kv_dtype: str | None = None, **extra: Any
 ) -> Namespace:
     """The namespace a model's KV lives in.
 
     Args:
         model: the causal LM.
-        model_id: the model's name (weights identity: two models with different weights must
-            never share a ``model_id``).
+        name: the namespace's ``model`` (weights identity: two models with different weights
+            must never share it).
         block_size: tokens per block.
         kv_dtype: the stored dtype; default the model's own. ``"float8_e4m3"`` stores FP8.
         extra: other :class:`Namespace` fields (salt, tp_rank, ...).
@@ -84,7 +84,7 @@ def namespace_for(
     """
     shape = model_shape(model)
     return Namespace(
-        model_id=model_id,
+        model=name,
         dtype=kv_dtype or shape.dtype,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,

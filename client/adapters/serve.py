@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--fp8", action="store_true", help="store KV as FP8 E4M3 (per-head scales)")
-    p.add_argument("--model-id", default=None, help="namespace model_id (default: name@seed)")
+    p.add_argument("--model-id", default=None, help="the namespace's model (default: MODEL@SEED)")
     return p
 
 
@@ -68,7 +68,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
     kv_dtype = None
     if args.fp8:
         scales = calibrate(model)
-        model_id = scales.model_id(model_id)
+        model_id = scales.model_name(model_id)
         kv_dtype = hf.FP8
     namespace = hf.namespace_for(model, model_id, block_size=args.block_size, kv_dtype=kv_dtype)
     client = Client.connect(args.master)

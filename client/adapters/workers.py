@@ -76,7 +76,7 @@ class _Worker:
         if self.fp8 and fp8_scales is None:
             raise InvalidRequestError("an FP8 namespace needs the model's FP8 scales")
         if self.fp8 and fp8_scales is not None:
-            _check_fp8_namespace(kv.namespace.model_id, fp8_scales, self.shape.num_layers)
+            _check_fp8_namespace(kv.namespace.model, fp8_scales, self.shape.num_layers)
         self.scales = fp8_scales if self.fp8 else None
         self.model_dtype = hf.NAME_TO_DTYPE[self.shape.dtype]
         self.store_dtype = torch.float8_e4m3fn if self.fp8 else self.model_dtype
@@ -140,11 +140,11 @@ class _Worker:
         return n, hf.PipelinedCache(self.model, converted, n)
 
 
-def _check_fp8_namespace(model_id: str, scales: Fp8Scales, num_layers: int) -> None:
-    if not model_id.endswith(f"+fp8:{scales.digest}"):
+def _check_fp8_namespace(name: str, scales: Fp8Scales, num_layers: int) -> None:
+    if not name.endswith(f"+fp8:{scales.digest}"):
         raise InvalidRequestError(
-            "an FP8 namespace's model_id must end with the scales' digest "
-            f"(+fp8:{scales.digest}); use Fp8Scales.model_id()"
+            "an FP8 namespace's model must end with the scales' digest "
+            f"(+fp8:{scales.digest}); use Fp8Scales.model_name()"
         )
     if tuple(scales.k.shape) != (num_layers, scales.k.shape[1]) or scales.k.shape != scales.v.shape:
         raise InvalidRequestError("FP8 scales do not match the model's layers")

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Cluster, start_master
 from kvstore.client import Client, KVCache
 from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate, dequantize_layer, quantize_layers
 from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
+
+from tests.support import Cluster, start_master
 
 BS = 16
 
@@ -71,7 +72,7 @@ def test_fp8_namespace_moves_a_quarter_of_float32_and_decodes(pool: Client) -> N
     scales = calibrate(model)
     assert calibrate(model).digest == scales.digest, "calibration is deterministic"
     ns32 = hf.namespace_for(model, "gpt2", block_size=BS)
-    ns8 = hf.namespace_for(model, scales.model_id("gpt2"), block_size=BS, kv_dtype=hf.FP8)
+    ns8 = hf.namespace_for(model, scales.model_name("gpt2"), block_size=BS, kv_dtype=hf.FP8)
     kv32, kv8 = KVCache(pool, ns32), KVCache(pool, ns8)
     tok = prompt(6 * BS + 3, 9)
     p32 = PrefillWorker(model, kv32).prefill(tok)

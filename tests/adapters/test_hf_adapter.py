@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import Cluster, start_master
 from kvstore.client import Client, KVCache
 from kvstore.client.adapters import hf
 from kvstore.client.adapters.models import build_model
@@ -21,6 +20,7 @@ from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker, colocat
 
 from kvstore.errors import InvalidRequestError, NodeUnavailableError
 from kvstore.keys import Namespace
+from tests.support import Cluster, start_master
 
 BS = 16
 
