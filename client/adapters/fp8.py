@@ -60,13 +60,16 @@ def calibrate(
     Args:
         model: the causal LM.
         seed: the calibration prompt's seed.
-        num_tokens: calibration prompt length.
+        num_tokens: calibration prompt length (at most the model's context).
         headroom: the range covered beyond the observed maximum (values past it saturate).
 
     Returns:
         The scales.
     """
-    vocab = model.config.get_text_config(decoder=True).vocab_size
+    cfg = model.config.get_text_config(decoder=True)
+    vocab = cfg.vocab_size
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    num_tokens = min(num_tokens, context or num_tokens)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (1, num_tokens), generator=gen)
     cache = model(input_ids=ids, use_cache=True).cache

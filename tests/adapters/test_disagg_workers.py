@@ -16,6 +16,8 @@ from kvstore.client.adapters.models import build_model, greedy_margins
 from kvstore.client.adapters.serve import WorkerProcess
 from kvstore.client.adapters.workers import colocated_generate
 
+from kvstore.errors import InvalidRequestError
+
 BS = 16
 NEW = 8
 MIN_MARGIN = 1e-3  # float32 rounding differences between the two paths are ~1e-5 here
@@ -77,14 +79,26 @@ def test_disaggregated_greedy_tokens_equal_colocated_generate(cluster_factory, n
             assert d["tokens"] == want, label
 
 
-def test_worker_answers_bad_requests_and_carries_on(cluster_factory) -> None:
+def test_fp8_workers_agree_on_scales_and_answer_bad_requests(cluster_factory) -> None:
+    """Two processes calibrate the same FP8 scales (same namespace); bad requests get typed
+    errors and the worker carries on."""
     cluster = cluster_factory(num_nodes=1, dram="64MiB")
-    opts = ["--model", "tiny-gpt2", "--block-size", str(BS), "--max-context", "64"]
-    with WorkerProcess("prefill", cluster.address, opts) as prefill:
-        from kvstore.errors import InvalidRequestError
-
+    opts = ["--model", "tiny-gpt2", "--block-size", str(BS), "--max-context", "64", "--fp8"]
+    with (
+        WorkerProcess("prefill", cluster.address, opts, wait=False) as prefill,
+        WorkerProcess("decode", cluster.address, opts, wait=False) as decode,
+    ):
+        prefill.wait_ready()
+        decode.wait_ready()
+        assert prefill.fields["namespace"] == decode.fields["namespace"]
         with pytest.raises(InvalidRequestError, match="context"):
             prefill.call({"tokens": tokens(80, 1)})
         with pytest.raises(InvalidRequestError):
             prefill.call({"nothing": 1})
-        assert prefill.call({"tokens": tokens(20, 1)})["num_stored"] == BS
+        prompt = tokens(40, 1)
+        p = prefill.call({"tokens": prompt})
+        assert p["num_stored"] == 2 * BS and p["bytes_stored"] == 2 * BS * 2 * 2 * 64  # 1 B/elem
+        d = decode.call({"tokens": prompt, "max_new_tokens": 4, "first_token": p["first_token"]})
+        assert d["num_loaded"] == 2 * BS and not d["fell_back"] and len(d["tokens"]) == 4
+        with pytest.raises(InvalidRequestError, match="context"):
+            decode.call({"tokens": prompt, "max_new_tokens": 30})

@@ -166,3 +166,15 @@ def test_a_block_lost_mid_load_falls_back_to_recompute_never_a_wrong_token(pool:
     pool.batch_remove([kv_object_key(kv.namespace.digest, k) for k in keys[2:]])
     result = DecodeWorker(model, kv).generate(tokens, 6, first_token=first)
     assert result.num_loaded == 2 * BS and result.tokens == want
+
+
+def test_a_saved_model_folder_loads_with_the_same_weights(tmp_path: Path) -> None:
+    from kvstore.client.adapters.models import weights_digest
+
+    model = build_model("tiny-gpt2", seed=3)
+    model.save_pretrained(tmp_path / "m")
+    again = build_model(str(tmp_path / "m"))
+    assert weights_digest(again) == weights_digest(model)
+    assert hf.model_shape(again) == hf.model_shape(model)
+    with pytest.raises(InvalidRequestError, match="unknown model"):
+        build_model(str(tmp_path / "missing"))
