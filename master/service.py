@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvstore.master.allocator import OffsetAllocator
 
@@ -38,6 +39,11 @@ from kvstore.errors import (
     PutNotFoundError,
 )
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
+
+if TYPE_CHECKING:
+    from kvstore.master.recovery import AdmissionReport
+
+    from kvstore.manifest import ManifestClaim
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +145,24 @@ class MasterService:
         self._put_ids = itertools.count(1)
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
+        # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
+        # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
+        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
+
+    def reset(self) -> None:
+        """Forget everything (a master that lost leadership starts its next term empty)."""
+        self.__init__(self.config, self.clock, self.wall_ms)  # type: ignore[misc]
+
+    def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
+        """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
+
+        Raises:
+            NodeUnavailableError: the node is not registered.
+        """
+        from kvstore.master.recovery import admit_manifest, forget_stale_stamps
+
+        forget_stale_stamps(self)
+        return admit_manifest(self, node_id, claims)
 
     # ================================================================ membership
     def register(

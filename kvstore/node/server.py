@@ -48,6 +48,7 @@ class ManifestEntry:
     key: bytes
     size: int
     checksum: int
+    stamp: int = 0  # the write grant's expiry: orders versions of a key (kvstore.manifest)
 
 
 class Manifest:
@@ -73,7 +74,8 @@ class Manifest:
     def snapshot(self) -> list[list[Any]]:
         with self._lock:
             return [
-                [seg, off, e.key, e.size, e.checksum] for (seg, off), e in self._entries.items()
+                [seg, off, e.key, e.size, e.checksum, e.stamp]
+                for (seg, off), e in self._entries.items()
             ]
 
     def __len__(self) -> int:
@@ -264,7 +266,9 @@ class DataServer:
             protocol.recv_exact_into(fs.sock, dest)
             if start == 0 and length == grant.size:
                 self.manifest.record(
-                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
                 )
             results.append([0, None])
         self.num_writes += len(items)
