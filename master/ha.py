@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvstore.master.daemon import Master, install_stop_signals
 from kvstore.master.service import MasterConfig, MasterService
@@ -90,7 +90,7 @@ class Leadership:
     leading: bool = False
     deadline: float = 0.0
     recovering_until: float = 0.0
-    expected_nodes: set[str] = field(default_factory=set)
+    expected_nodes: set[str] | None = None  # live nodes per etcd when elected; None: not read yet
     lost: asyncio.Event | None = None
     num_refused: int = 0
 
@@ -99,7 +99,7 @@ class Leadership:
         self.epoch = epoch
         self.deadline = deadline
         self.recovering_until = self.clock() + recovery_s
-        self.expected_nodes = set()
+        self.expected_nodes = None
         self.leading = True
         self.lost = asyncio.Event()
 
@@ -115,7 +115,10 @@ class Leadership:
     def _recovering(self, now: float) -> bool:
         if not self.recovering_until:
             return False
-        if now >= self.recovering_until or self.expected_nodes <= self.service.nodes.keys():
+        expected = self.expected_nodes
+        if now >= self.recovering_until or (
+            expected is not None and expected <= self.service.nodes.keys()
+        ):
             self.recovering_until = 0.0
             log.info(
                 "epoch %d: serving with %d node(s) and %d object(s) rebuilt from manifests",
@@ -241,6 +244,7 @@ class Elector:
         tasks = [
             asyncio.create_task(self._keep_alive(lease_id, ttl, epoch)),
             asyncio.create_task(self._watch_members()),
+            asyncio.create_task(self._finish_recovery()),
         ]
         try:
             await fence.lost.wait()
@@ -283,6 +287,10 @@ class Elector:
                 suspended = False
             fence.deadline = max(fence.deadline, t_send + remaining * LEASE_SAFETY)
             await asyncio.sleep(interval)
+
+    async def _finish_recovery(self) -> None:
+        while self.fence.leading and self.fence._recovering(self.clock()):
+            await asyncio.sleep(0.02)
 
     async def _watch_members(self) -> None:
         """Track live nodes in etcd; drop a registered node whose lease is gone."""

@@ -114,13 +114,13 @@ def admit_manifest(
                 cur.replicas.append(replica)
                 report.num_replicas += 1
                 continue
-            why = "extent overlaps another object on this node"
+            why = "extent not free on this node (overlap, misaligned or outside the segment)"
         elif cur is not None and not _wins(
             claim, node_id, admitted[0], [r.node_id for r in cur.replicas]
         ):
             why = "an other node holds a newer version of this key"
         elif not _reserve(node, claim):
-            why = "extent overlaps another object on this node"
+            why = "extent not free on this node (overlap, misaligned or outside the segment)"
         else:
             if cur is not None:
                 log.warning(

@@ -50,6 +50,10 @@ class MasterLink:
         self.resolver = resolver
         self.epoch = 0
         self._secret_epoch = 0
+        # With etcd: the (leader, epoch) we last registered with. A new connection to the same
+        # one resumes heartbeats instead of registering again: re-registering would drop, for
+        # a moment, objects committed after our manifest snapshot.
+        self._registered_to: tuple[Address, int] | None = None
         self.max_backoff_s = 2.0 if resolver is None else 0.2
         self.last_admission: dict[str, object] = {}
         self.node_id = node_id
@@ -99,6 +103,8 @@ class MasterLink:
         reply = conn.call("register", args)
         self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        if self.resolver is not None:
+            self._registered_to = (self.master, self.epoch)
         self.registered.set()
         log.info("registered with master %s as %s", self.master, self.node_id)
 
@@ -114,7 +120,10 @@ class MasterLink:
                 conn = protocol.FramedSocket.connect(
                     self.master.host, self.master.port, timeout=timeout
                 )
-                self._register(conn)
+                if self.resolver is None or self._registered_to != (self.master, self.epoch):
+                    self._register(conn)
+                else:
+                    self.registered.set()  # same leader: resume; it says if it forgot us
                 backoff = 0.1
                 while not self._stop.wait(self.heartbeat_interval_s):
                     try:

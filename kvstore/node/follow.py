@@ -86,6 +86,20 @@ class EtcdMembership:
                 self.etcd.run(lambda s: s.revoke_lease(lease_id))
 
 
+def _check_etcd(resolver: LeaderResolver, etcd_url: str, attempts: int = 5) -> None:
+    """Bounded retries, then a clear error: etcd must answer before the node starts."""
+    last = ""
+    for attempt in range(attempts):
+        try:
+            resolver._etcd.run(lambda s: s.status())
+            return
+        except EtcdUnavailableError as err:
+            last = err.message
+            threading.Event().wait(min(0.2 * 2**attempt, 2.0))
+    resolver.close()
+    raise EtcdUnavailableError(f"etcd at {etcd_url} unreachable after {attempts} tries: {last}")
+
+
 def serve_node_ha(
     etcd_url: str,
     prefix: str,
@@ -114,6 +128,7 @@ def serve_node_ha(
         rec = resolver.resolve(RESOLVE_TIMEOUT_S)
         return rec.control, rec.epoch
 
+    _check_etcd(resolver, etcd_url)
     node = StorageNode(Address("etcd", 0), host, port, dram_bytes, data_dir)
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2
