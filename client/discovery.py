@@ -40,7 +40,7 @@ class LeaderChannel:
     Args:
         etcd_url: ``etcd://HOST:PORT[,HOST:PORT]``.
         timeout: the client's per-call timeout (capped at ``HA_CALL_TIMEOUT_S`` per try).
-        failover_timeout: how long a call may keep looking for a leader.
+        failover_timeout: how long a call may keep looking for a leader (at most ``timeout``).
         prefix: the cluster's prefix in etcd.
     """
 
@@ -54,7 +54,7 @@ class LeaderChannel:
     ) -> None:
         self.url = etcd_url
         self.timeout = min(timeout, HA_CALL_TIMEOUT_S)
-        self.failover_timeout = failover_timeout
+        self.failover_timeout = min(failover_timeout, max(timeout, 1.0))
         self.resolver = LeaderResolver(parse_endpoints(etcd_url), EtcdLayout(prefix))
         self.address: Address | None = None
         self.epoch: int | None = None

@@ -227,3 +227,137 @@ def ha_factory(tmp_path: Path, etcd: EtcdProcess) -> Iterator[callable]:
 
 def monotonic_ms() -> int:
     return int(time.monotonic() * 1000)
+
+
+def value_for(key: str, size: int) -> bytes:
+    """The bytes the load puts under ``key`` (so a checker can tell right from wrong)."""
+    import hashlib
+
+    seed = hashlib.blake2b(key.encode(), digest_size=64).digest()
+    return (seed * (size // 64 + 1))[:size]
+
+
+#: A client process running a steady put/get load until ``stop_file`` exists. It appends one
+#: ``ack KEY SIZE UNIX_TIME`` line per acknowledged put and ends with a ``summary {json}`` line.
+LOAD_SCRIPT = """
+import json, os, random, sys, time
+sys.path.insert(0, sys.argv[4])
+from etcd_harness import value_for
+from kvstore.client import Client
+from kvstore.errors import KeyNotFoundError, KVStoreError
+
+url, out_path, stop_file = sys.argv[1], sys.argv[2], sys.argv[3]
+rng = random.Random(7)
+c = Client.connect(url, timeout=5)
+s = dict(puts_ok=0, puts_failed=0, gets_ok=0, gets_wrong=0, gets_missing=0, gets_failed=0)
+errors = {}
+acked = []
+with open(out_path, "a", buffering=1) as out:
+    i = 0
+    while not os.path.exists(stop_file):
+        key, size = f"load/{i}", 256 + (i * 7919) % 16384
+        i += 1
+        try:
+            c.put(key, value_for(key, size))
+            out.write(f"ack {key} {size} {time.time():.4f}\\n")
+            acked.append((key, size))
+            s["puts_ok"] += 1
+        except KVStoreError as err:
+            s["puts_failed"] += 1
+            errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+            time.sleep(0.01)
+        if acked:
+            k, n = acked[rng.randrange(len(acked))]
+            try:
+                got = c.get(k)
+                if got == value_for(k, n):
+                    s["gets_ok"] += 1
+                else:
+                    s["gets_wrong"] += 1
+                    out.write(f"wrong {k}\\n")
+            except KeyNotFoundError:
+                s["gets_missing"] += 1
+            except KVStoreError as err:
+                s["gets_failed"] += 1
+                errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+    s["errors"] = errors
+    s["failovers"] = c._control.num_failovers
+    out.write("summary " + json.dumps(s) + "\\n")
+c.close()
+"""
+
+
+class LoadProcess:
+    """Runs :data:`LOAD_SCRIPT` in its own process; stopped through a file, then by PID."""
+
+    def __init__(self, url: str, tmp: Path) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.out = tmp / "load.log"
+        self.stop_file = tmp / "load.stop"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                LOAD_SCRIPT,
+                url,
+                str(self.out),
+                str(self.stop_file),
+                str(Path(__file__).parent),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def acks(self) -> list[tuple[str, int, float]]:
+        if not self.out.exists():
+            return []
+        out = []
+        for line in self.out.read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 4 and parts[0] == "ack":
+                out.append((parts[1], int(parts[2]), float(parts[3])))
+        return out
+
+    def wait_acks(self, n: int, after: float = 0.0, timeout: float = 40.0) -> None:
+        def enough() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"load exited: {self.proc.communicate()[0]}")
+            return sum(1 for a in self.acks() if a[2] > after) >= n
+
+        wait_until(enough, timeout=timeout, interval=0.1, what=f"{n} acknowledged puts")
+
+    def finish(self, timeout: float = 30.0) -> dict[str, object]:
+        import json
+
+        self.stop_file.touch()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            raise
+        for line in self.out.read_text().splitlines():
+            if line.startswith("summary "):
+                return json.loads(line[len("summary ") :])
+        raise AssertionError(f"no summary; load said: {self.proc.communicate()[0]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
+def check_all_readable(url: str, acks: list[tuple[str, int, float]]) -> int:
+    """Read back every acknowledged object; returns how many did not hold the exact bytes."""
+    from kvstore.client import Client
+
+    bad = 0
+    with Client.connect(url, timeout=10) as c:
+        for i in range(0, len(acks), 256):
+            chunk = acks[i : i + 256]
+            got = c.batch_get([k for k, _, _ in chunk])
+            for (k, n, _), g in zip(chunk, got, strict=True):
+                if g != value_for(k, n):
+                    bad += 1
+    return bad
