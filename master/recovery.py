@@ -102,9 +102,9 @@ def admit_manifest(
         why = _check_claim(svc, node, claim)
         if why:
             report.reject(claim, node_id, why)
-            node.forgotten.append((claim.segment, claim.offset))
+            node.forgotten.append((claim.segment, claim.offset, claim.stamp))
             continue
-        replica = Replica(node_id, claim.segment, claim.offset, claim.size)
+        replica = Replica(node_id, claim.segment, claim.offset, claim.size, claim.stamp)
         cur = svc.objects.get(claim.key)
         admitted = svc.manifest_stamps.get(claim.key)
         if cur is not None and (admitted is None or admitted[1] is not cur):
@@ -137,7 +137,7 @@ def admit_manifest(
             report.num_admitted += 1
             continue
         report.reject(claim, node_id, why)
-        node.forgotten.append((claim.segment, claim.offset))
+        node.forgotten.append((claim.segment, claim.offset, claim.stamp))
     return report
 
 

@@ -87,8 +87,10 @@ class Node:
     secret: bytes
     segments: dict[str, Segment]
     last_seen: float
-    # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
-    forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
+    # from its manifest. The stamp names the version: an extent already reused by a newer
+    # write (another stamp) stays in the manifest.
+    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def free_bytes(self) -> int:
@@ -101,6 +103,7 @@ class Replica:
     segment: str
     offset: int
     size: int
+    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
 
 
 @dataclass(slots=True)
@@ -205,8 +208,8 @@ class MasterService:
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
         )
 
-    def heartbeat(self, node_id: str) -> list[tuple[str, int]]:
-        """Mark a node alive. Returns the (segment, offset) pairs it may forget.
+    def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
 
         Raises:
             NodeUnavailableError: the node is unknown (declared dead): it must register again.
@@ -281,13 +284,13 @@ class MasterService:
         segment, node = self._place(size, excluded)
         offset = segment.allocator.allocate(size)
         assert offset is not None, "placement chose a segment without room"
-        replica = Replica(node.node_id, segment.name, offset, size)
+        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
+        replica = Replica(node.node_id, segment.name, offset, size, expires)
         put = PendingPut(
             next(self._put_ids), key, size, [replica], self.clock() + self.config.put_timeout_s
         )
         self.pending[put.put_id] = put
         self.pending_by_key[key] = put.put_id
-        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
         return PutTicket(put.put_id, [self._location(replica, key, grants.OP_WRITE, expires)])
 
     def _place(self, size: int, excluded: set[str]) -> tuple[Segment, Node]:
@@ -368,7 +371,7 @@ class MasterService:
             if node is None:
                 continue  # the node is gone and its allocator with it
             node.segments[r.segment].allocator.free(r.offset)
-            node.forgotten.append((r.segment, r.offset))
+            node.forgotten.append((r.segment, r.offset, r.stamp))
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:

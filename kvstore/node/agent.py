@@ -78,7 +78,7 @@ class MasterLink:
         good, bad = verify_claims(claims, views)
         for claim, why in bad:
             log.warning("dropping manifest entry %s@%d: %s", claim.segment, claim.offset, why)
-        self.server.manifest.forget([(c.segment, c.offset) for c, _ in bad])
+        self.server.manifest.forget([(c.segment, c.offset, c.stamp) for c, _ in bad])
         return [c.to_wire() for c in good]
 
     def _register(self, conn: protocol.FramedSocket) -> None:
@@ -139,7 +139,7 @@ class MasterLink:
                         continue
                     forget = reply.get("forget", [])
                     if forget:
-                        self.server.manifest.forget([(s, o) for s, o in forget])
+                        self.server.manifest.forget([tuple(p) for p in forget])
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
                 self.registered.clear()
                 log.warning(

@@ -62,10 +62,17 @@ class Manifest:
         with self._lock:
             self._entries[(segment, offset)] = entry
 
-    def forget(self, pairs: list[tuple[str, int]]) -> None:
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
         with self._lock:
-            for p in pairs:
-                self._entries.pop(p, None)
+            for item in items:
+                pos = (item[0], item[1])
+                entry = self._entries.get(pos)
+                if entry is None:
+                    continue
+                if len(item) > 2 and item[2] and entry.stamp != item[2]:
+                    continue  # the extent was reused by a newer write since
+                del self._entries[pos]
 
     def clear(self) -> None:
         with self._lock:

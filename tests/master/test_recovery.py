@@ -65,7 +65,7 @@ def test_rejects_bad_claims_with_a_reason_and_tells_the_node_to_forget(bad, why)
     svc.admit_manifest("a", [claim(b"k1", 0, stamp=5)])
     report = svc.admit_manifest("a", [bad])
     assert report.num_rejected == 1 and why in report.reasons[0]
-    assert (bad.segment, bad.offset) in svc.nodes["a"].forgotten
+    assert (bad.segment, bad.offset, bad.stamp) in svc.nodes["a"].forgotten
     assert set(svc.objects) == {b"k1"}
 
 
@@ -128,7 +128,7 @@ def test_a_node_claiming_two_versions_of_a_key_keeps_the_newer() -> None:
         "a", [claim(b"k", 0, checksum=1, stamp=1), claim(b"k", 256, checksum=2, stamp=2)]
     )
     assert table(svc) == {b"k": (2, [("a", 256)])}
-    assert report.num_rejected == 1 and ("dram", 0) in svc.nodes["a"].forgotten
+    assert report.num_rejected == 1 and ("dram", 0, 1) in svc.nodes["a"].forgotten
 
 
 def test_reset_forgets_everything() -> None:
@@ -157,3 +157,14 @@ def test_verify_claims_drops_extents_whose_bytes_changed() -> None:
     good, bad = verify_claims([ok, rewritten, outside], {"dram": memoryview(arena)})
     assert good == [ok]
     assert [c for c, _ in bad] == [rewritten, outside]
+
+
+def test_freed_replicas_name_their_version_for_the_node() -> None:
+    svc = make_service()
+    register(svc, "a")
+    (t1,) = svc.put_start([b"k"], [100])
+    svc.put_end([t1.put_id], [1])
+    (t2,) = svc.put_start([b"k"], [100])
+    svc.put_end([t2.put_id], [2])
+    g1 = t1.locations[0].grant
+    assert svc.heartbeat("a") == [(g1.segment, g1.offset, g1.expires_ms)]
