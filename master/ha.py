@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -96,6 +97,8 @@ class Leadership:
 
     def begin(self, epoch: int, deadline: float, recovery_s: float) -> None:
         self.service.reset()
+        # Put ids of different terms never collide, even for a caller that ignores epochs.
+        self.service._put_ids = itertools.count((epoch << 32) + 1)
         self.epoch = epoch
         self.deadline = deadline
         self.recovering_until = self.clock() + recovery_s

@@ -361,3 +361,10 @@ def check_all_readable(url: str, acks: list[tuple[str, int, float]]) -> int:
                 if g != value_for(k, n):
                     bad += 1
     return bad
+
+
+def outage_after(acks: list[tuple[str, int, float]], t_kill: float) -> float:
+    """The longest pause between acknowledged puts around ``t_kill``: the outage a client saw."""
+    times = sorted(t for _, _, t in acks if t >= t_kill - 1.0)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > t_kill]
+    return max(gaps, default=0.0)
