@@ -86,6 +86,7 @@ def test_sigstop_leader_steps_down_without_serving_a_write(ha_factory) -> None: 
         try:
             new = next(m for m in cluster.masters if m is not old)
             wait_until(lambda: _serving(new), timeout=30, what="the standby to take over")
+            wait_until(lambda: c.stats()["num_nodes"] == 2, timeout=30, what="nodes to follow")
             c.put("after", b"a" * 1000)
             assert c._control.epoch > old_epoch
             # Requests that reach the paused leader before it wakes up: the put_start of a
