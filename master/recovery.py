@@ -118,7 +118,7 @@ def admit_manifest(
         elif cur is not None and not _wins(
             claim, node_id, admitted[0], [r.node_id for r in cur.replicas]
         ):
-            why = "an other node holds a newer version of this key"
+            why = "another node holds a newer version of this key"
         elif not _reserve(node, claim):
             why = "extent not free on this node (overlap, misaligned or outside the segment)"
         else:

@@ -70,42 +70,56 @@ def test_foreign_keys_under_our_prefix_are_ignored(etcd, ha_factory) -> None:  #
     assert any("foreign value" in ln for m in cluster.masters for ln in m.lines)
 
 
+def _impostor_register(addr: Address, epoch: int, manifest: list[object]) -> dict[str, object]:
+    conn = protocol.FramedSocket.connect(addr.host, addr.port, timeout=10)
+    try:
+        return conn.call(
+            "register",
+            {
+                "node_id": "impostor",
+                "host": "127.0.0.1",
+                "port": 9,
+                "secret": b"x" * 32,
+                "segments": [["dram", "dram", 1 << 20, ""]],
+                "epoch": epoch,
+                "manifest": manifest,
+            },
+        )["admission"]
+    finally:
+        conn.close()
+
+
 def test_colliding_manifest_claims_are_rejected_and_logged(ha_factory) -> None:  # noqa: F811
     cluster = ha_factory(num_masters=2, num_nodes=2, master_args=FAST)
-    leader = cluster.leader()
-    addr = Address.parse(leader.field("control"))
     with Client.connect(cluster.url, timeout=10) as c:
         values = {f"k{i}": bytes([i]) * (1000 + i) for i in range(20)}
         assert c.batch_put(list(values), list(values.values())) == [None] * 20
-        epoch = c._control.epoch
-        conn = protocol.FramedSocket.connect(addr.host, addr.port, timeout=10)
-        try:
-            reply = conn.call(
-                "register",
-                {
-                    "node_id": "impostor",
-                    "host": "127.0.0.1",
-                    "port": 9,
-                    "secret": b"x" * 32,
-                    "segments": [["dram", "dram", 1 << 20, ""]],
-                    "epoch": epoch,
-                    "manifest": [
-                        ["dram", 0, b"k3", 1003, 12345, 1 << 62],  # a key the leader committed
-                        ["dram", 4096, b"ghost", 100, 1, 1],
-                        ["dram", 4160, b"overlap", 100, 2, 1],  # inside ghost's extent
-                        ["dram", 8192, b"", 10, 1, 1],  # empty key
-                        ["nvme", 0, b"elsewhere", 10, 1, 1],  # no such segment
-                        "junk",
-                    ],
-                },
-            )
-        finally:
-            conn.close()
-        adm = reply["admission"]
-        assert (adm["num_admitted"], adm["num_rejected"]) == (1, 5), adm
-        assert any("live table" in r for r in adm["reasons"])
+        # A failover: the new leader learns k0..k19 from the two real nodes' manifests.
+        cluster.leader().kill()
+        leader = cluster.leader(timeout=30)
+        wait_until(lambda: c.stats()["num_nodes"] == 2, timeout=30, what="nodes to follow")
         assert c.batch_get(list(values)) == list(values.values())
-        assert c.batch_exists(["ghost", "overlap"]) == [True, False]
+        c.put("fresh", b"f" * 10)  # committed by the new leader itself
+        addr = Address.parse(leader.field("control"))
+        adm = _impostor_register(
+            addr,
+            c._control.epoch,
+            [
+                ["dram", 0, b"k3", 1003, 12345, 1],  # older than the real node's k3
+                ["dram", 2048, b"fresh", 10, 999, 1 << 62],  # the live table wins
+                ["dram", 4096, b"ghost", 100, 1, 1],
+                ["dram", 4160, b"overlap", 100, 2, 1],  # inside ghost's extent
+                ["dram", 8192, b"", 10, 1, 1],  # empty key
+                ["nvme", 0, b"elsewhere", 10, 1, 1],  # no such segment
+                "junk",
+            ],
+        )
+        assert (adm["num_admitted"], adm["num_rejected"]) == (1, 6), adm
+        reasons = " | ".join(adm["reasons"])
+        assert "newer version" in reasons and "live table" in reasons and "not free" in reasons
+        assert c.batch_get(list(values)) == list(values.values())
+        assert c.get("fresh") == b"f" * 10
+        assert c.batch_exists(["ghost", "overlap", "elsewhere"]) == [True, False, False]
         c.put("still-serving", b"s")
         assert c.get("still-serving") == b"s"
     assert any("manifest claim rejected" in ln for ln in leader.lines)
