@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from etcd_harness import (  # noqa: E402
+from tests.etcd_harness import (  # noqa: E402
     EtcdProcess,
     HACluster,
     LoadProcess,

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, wait_until
+
+from tests.support import Daemon, wait_until
 
 
 def etcd_binary() -> str | None:
@@ -242,7 +243,7 @@ def value_for(key: str, size: int) -> bytes:
 LOAD_SCRIPT = """
 import json, os, random, sys, time
 sys.path.insert(0, sys.argv[4])
-from etcd_harness import value_for
+from tests.etcd_harness import value_for
 from kvstore.client import Client
 from kvstore.errors import KeyNotFoundError, KVStoreError
 
@@ -302,7 +303,7 @@ class LoadProcess:
                 url,
                 str(self.out),
                 str(self.stop_file),
-                str(Path(__file__).parent),
+                str(Path(__file__).resolve().parents[1]),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

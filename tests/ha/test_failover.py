@@ -10,19 +10,19 @@ import os
 import signal
 import time
 
-from conftest import wait_until
-from etcd_harness import (  # noqa: F401 - fixtures
+from kvstore.client import Client
+
+from kvstore import protocol
+from kvstore.config import Address
+from kvstore.errors import ErrorCode, KVStoreError
+from tests.etcd_harness import (  # noqa: F401 - fixtures
     LoadProcess,
     check_all_readable,
     etcd,
     ha_factory,
     outage_after,
 )
-from kvstore.client import Client
-
-from kvstore import protocol
-from kvstore.config import Address
-from kvstore.errors import ErrorCode, KVStoreError
+from tests.support import wait_until
 
 FAST = ("--heartbeat-interval", "0.5", "--node-ttl", "4")
 

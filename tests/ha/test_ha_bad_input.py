@@ -8,8 +8,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import wait_until
-from etcd_harness import etcd, free_port, ha_factory  # noqa: F401 - fixtures
 from kvstore.client import Client
 
 from kvstore import protocol
@@ -17,6 +15,8 @@ from kvstore.config import Address
 from kvstore.discovery import EtcdLayout
 from kvstore.errors import MasterUnavailableError
 from kvstore.etcd import EtcdStore
+from tests.etcd_harness import etcd, free_port, ha_factory  # noqa: F401 - fixtures
+from tests.support import wait_until
 
 FAST = ("--heartbeat-interval", "0.5", "--node-ttl", "30")
 

@@ -6,12 +6,12 @@ import asyncio
 import time
 
 import pytest
-from etcd_harness import etcd, free_port  # noqa: F401 - fixture
 
 from kvstore.config import Address
 from kvstore.discovery import EtcdLayout, LeaderRecord, read_leader, read_members
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, parse_endpoints, prefix_end
+from tests.etcd_harness import etcd, free_port  # noqa: F401 - fixture
 
 
 def test_parse_endpoints() -> None:
