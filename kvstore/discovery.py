@@ -148,7 +148,7 @@ class LeaderResolver:
     def __init__(self, endpoints: Sequence[Address], layout: EtcdLayout | None = None) -> None:
         self.endpoints = list(endpoints)
         self.layout = layout or EtcdLayout()
-        self._etcd = EtcdThread(self.endpoints)
+        self.etcd = EtcdThread(self.endpoints)
 
     def resolve(self, timeout: float, interval: float = 0.05) -> LeaderRecord:
         """Poll etcd until a leader is published (bounded).
@@ -160,7 +160,7 @@ class LeaderResolver:
         why = "no master has been elected"
         while True:
             try:
-                rec = self._etcd.run(lambda s: read_leader(s, self.layout))
+                rec = self.etcd.run(lambda s: read_leader(s, self.layout))
                 if rec is not None:
                     return rec
                 why = "no master has been elected"
@@ -172,4 +172,4 @@ class LeaderResolver:
             time.sleep(interval)
 
     def close(self) -> None:
-        self._etcd.close()
+        self.etcd.close()

@@ -131,6 +131,9 @@ class EtcdStore:
         endpoints: etcd client addresses; the store talks to one at a time, moving on after
             a failure.
         op_timeout: seconds each call may take.
+
+    Raises (every call):
+        EtcdUnavailableError: etcd failed, refused or did not answer within ``op_timeout``.
     """
 
     def __init__(

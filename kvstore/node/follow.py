@@ -91,7 +91,7 @@ def _check_etcd(resolver: LeaderResolver, etcd_url: str, attempts: int = 5) -> N
     last = ""
     for attempt in range(attempts):
         try:
-            resolver._etcd.run(lambda s: s.status())
+            resolver.etcd.run(lambda s: s.status())
             return
         except EtcdUnavailableError as err:
             last = err.message
@@ -133,7 +133,7 @@ def serve_node_ha(
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2
     membership = EtcdMembership(
-        resolver._etcd, layout, node.node_id, f"{host}:{node.server.port}", ttl_s
+        resolver.etcd, layout, node.node_id, f"{host}:{node.server.port}", ttl_s
     )
     membership.start()
     if not membership.joined.wait(join_timeout_s):
