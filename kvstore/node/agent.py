@@ -141,9 +141,19 @@ class MasterLink:
                     if forget:
                         self.server.manifest.forget([tuple(p) for p in forget])
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
+                # With etcd, a failover is routine: say it once per outage, not every retry.
+                level = (
+                    logging.INFO
+                    if self.resolver and not self.registered.is_set()
+                    else logging.WARNING
+                )
                 self.registered.clear()
-                log.warning(
-                    "master %s unreachable (%s); retrying in %.1fs", self.master, exc, backoff
+                log.log(
+                    level,
+                    "master %s unreachable (%s); retrying in %.1fs",
+                    self.master,
+                    exc,
+                    backoff,
                 )
             except KVStoreError as err:
                 self.registered.clear()
