@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvstore.master.allocator import OffsetAllocator
@@ -41,6 +42,11 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
+
+if TYPE_CHECKING:
+    from kvstore.master.recovery import AdmissionReport
+
+    from kvstore.manifest import ManifestClaim
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +90,10 @@ class Node:
     secret: bytes
     segments: dict[str, Segment]
     last_seen: float
-    # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
-    forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
+    # from its manifest. The stamp names the version: an extent already reused by a newer
+    # write (another stamp) stays in the manifest.
+    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def free_bytes(self) -> int:
@@ -98,6 +106,7 @@ class Replica:
     segment: str
     offset: int
     size: int
+    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
 
 
 @dataclass(slots=True)
@@ -143,6 +152,24 @@ class MasterService:
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
         self.prefix = PrefixIndex()
+        # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
+        # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
+        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
+
+    def reset(self) -> None:
+        """Forget everything (a master that lost leadership starts its next term empty)."""
+        self.__init__(self.config, self.clock, self.wall_ms)  # type: ignore[misc]
+
+    def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
+        """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
+
+        Raises:
+            NodeUnavailableError: the node is not registered.
+        """
+        from kvstore.master.recovery import admit_manifest, forget_stale_stamps
+
+        forget_stale_stamps(self)
+        return admit_manifest(self, node_id, claims)
 
     # ================================================================ membership
     def register(
@@ -185,8 +212,8 @@ class MasterService:
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
         )
 
-    def heartbeat(self, node_id: str) -> list[tuple[str, int]]:
-        """Mark a node alive. Returns the (segment, offset) pairs it may forget.
+    def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
 
         Raises:
             NodeUnavailableError: the node is unknown (declared dead): it must register again.
@@ -262,13 +289,13 @@ class MasterService:
         segment, node = self._place(size, excluded)
         offset = segment.allocator.allocate(size)
         assert offset is not None, "placement chose a segment without room"
-        replica = Replica(node.node_id, segment.name, offset, size)
+        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
+        replica = Replica(node.node_id, segment.name, offset, size, expires)
         put = PendingPut(
             next(self._put_ids), key, size, [replica], self.clock() + self.config.put_timeout_s
         )
         self.pending[put.put_id] = put
         self.pending_by_key[key] = put.put_id
-        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
         return PutTicket(put.put_id, [self._location(replica, key, grants.OP_WRITE, expires)])
 
     def _place(self, size: int, excluded: set[str]) -> tuple[Segment, Node]:
@@ -349,7 +376,7 @@ class MasterService:
             if node is None:
                 continue  # the node is gone and its allocator with it
             node.segments[r.segment].allocator.free(r.offset)
-            node.forgotten.append((r.segment, r.offset))
+            node.forgotten.append((r.segment, r.offset, r.stamp))
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:

@@ -48,6 +48,7 @@ class ManifestEntry:
     key: bytes
     size: int
     checksum: int
+    stamp: int = 0  # the write grant's expiry: orders versions of a key (kvstore.manifest)
 
 
 class Manifest:
@@ -61,10 +62,17 @@ class Manifest:
         with self._lock:
             self._entries[(segment, offset)] = entry
 
-    def forget(self, pairs: list[tuple[str, int]]) -> None:
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
         with self._lock:
-            for p in pairs:
-                self._entries.pop(p, None)
+            for item in items:
+                pos = (item[0], item[1])
+                entry = self._entries.get(pos)
+                if entry is None:
+                    continue
+                if len(item) > 2 and item[2] and entry.stamp != item[2]:
+                    continue  # the extent was reused by a newer write since
+                del self._entries[pos]
 
     def clear(self) -> None:
         with self._lock:
@@ -73,7 +81,8 @@ class Manifest:
     def snapshot(self) -> list[list[Any]]:
         with self._lock:
             return [
-                [seg, off, e.key, e.size, e.checksum] for (seg, off), e in self._entries.items()
+                [seg, off, e.key, e.size, e.checksum, e.stamp]
+                for (seg, off), e in self._entries.items()
             ]
 
     def __len__(self) -> int:
@@ -264,7 +273,9 @@ class DataServer:
             protocol.recv_exact_into(fs.sock, dest)
             if start == 0 and length == grant.size:
                 self.manifest.record(
-                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
                 )
             results.append([0, None])
         self.num_writes += len(items)
