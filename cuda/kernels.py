@@ -38,7 +38,22 @@ def _module(name: str) -> Any:
     import cupy
 
     source = (KERNEL_DIR / f"{name}.cu").read_text()
-    return cupy.RawModule(code=source, options=("--std=c++17",))
+    return cupy.RawModule(code=source, options=("--std=c++17", *_include_options()))
+
+
+def _include_options() -> tuple[str, ...]:
+    """``-I`` for the CUDA headers of the ``nvidia-cuda-runtime-cu12`` wheel (``cuda_fp8.h``),
+    where no CUDA toolkit is installed; CuPy adds the toolkit's own include folder itself."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("nvidia.cuda_runtime")
+    except ModuleNotFoundError:
+        return ()
+    if spec is None or not spec.submodule_search_locations:
+        return ()
+    include = Path(next(iter(spec.submodule_search_locations))) / "include"
+    return (f"-I{include}",) if (include / "cuda_fp8.h").exists() else ()
 
 
 def _launch(module: str, kernel: str, n: int, args: tuple[Any, ...]) -> None:

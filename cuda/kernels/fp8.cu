@@ -5,7 +5,8 @@
 //   q      [num_tokens, num_heads, head_dim]   uint8 E4M3 bit patterns
 // quantise:   q = e4m3(clamp(x / scale[h], -448, 448))   round to nearest even, saturating
 // dequantise: y = float(q) * scale[h]
-// The division (not a multiply by 1/scale) matches the CPU reference bit for bit:
+// The division (not a multiply by 1/scale) matches the CPU reference bit for bit for finite
+// inputs (a NaN input saturates here but stays NaN in torch; KV never holds NaN):
 // kvstore.cuda.reference.quantize_e4m3 / dequantize_e4m3.
 
 #include <cuda_fp8.h>
