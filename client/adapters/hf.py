@@ -18,11 +18,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from kvstore.errors import InvalidRequestError, KVTimeoutError
 from kvstore.keys import Namespace
+
+#: The transformers version the adapters are written and tested against (pinned in pyproject).
+SUPPORTED_TRANSFORMERS = "5.24.0"
+if not transformers.__version__.startswith("5."):
+    raise ImportError(
+        f"kvstore.client.adapters needs transformers 5.x (tested: {SUPPORTED_TRANSFORMERS}); "
+        f"found {transformers.__version__}"
+    )
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 NAME_TO_DTYPE = {v: k for k, v in _DTYPE_NAMES.items()}
