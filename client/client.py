@@ -14,7 +14,7 @@ from typing import Any
 import xxhash
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.buffers import as_bytes_view
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
@@ -25,6 +25,7 @@ from kvstore.errors import (
     MasterUnavailableError,
     NodeUnavailableError,
     ProtocolError,
+    UnauthenticatedError,
 )
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
@@ -40,21 +41,33 @@ def checksum(view: memoryview) -> int:
 class _ControlChannel:
     """The connection to the master. Thread-safe: one request at a time under a lock."""
 
-    def __init__(self, address: Address, timeout: float) -> None:
+    def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.token = token
         self._conn: protocol.FramedSocket | None = None
         self._lock = threading.Lock()
 
     def _connect(self) -> protocol.FramedSocket:
         try:
-            return protocol.FramedSocket.connect(
+            conn = protocol.FramedSocket.connect(
                 self.address.host, self.address.port, timeout=self.timeout
             )
         except NodeUnavailableError as err:
             raise MasterUnavailableError(
                 f"master {self.address} unreachable: {err.message}"
             ) from None
+        try:
+            auth.hello(conn, self.token)
+        except (OSError, ConnectionError) as exc:
+            conn.close()
+            raise MasterUnavailableError(
+                f"master {self.address} failed during hello: {exc}"
+            ) from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def call(self, verb: str, args: dict[str, Any]) -> Any:
         with self._lock:
@@ -63,8 +76,8 @@ class _ControlChannel:
                     self._conn = self._connect()
                 try:
                     return self._conn.call(verb, args)
-                except ProtocolError:
-                    self._drop()
+                except (ProtocolError, UnauthenticatedError):
+                    self._drop()  # the master hangs up after either
                     raise
                 except KVStoreError:
                     raise
@@ -103,21 +116,39 @@ class Client:
     Use :meth:`connect`; close with :meth:`close` or a ``with`` block.
     """
 
-    def __init__(self, master: Address, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, master: Address, timeout: float = DEFAULT_TIMEOUT_S, token: auth.Token | None = None
+    ) -> None:
         self.master = master
         self.timeout = timeout
-        self._control = _ControlChannel(master, timeout)
-        self._tcp = TcpTransport(timeout)
+        self._control = _ControlChannel(master, timeout, token)
+        self._tcp = TcpTransport(timeout, token)
 
     @classmethod
-    def connect(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Client:
+    def connect(
+        cls,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        token: str | bytes | auth.Token | None = None,
+    ) -> Client:
         """Connect to the master at ``HOST:PORT``.
 
+        Args:
+            address: the master's control address.
+            timeout: seconds for every network call.
+            token: the cluster token; None reads ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``.
+
         Raises:
-            InvalidRequestError: a malformed address.
+            InvalidRequestError: a malformed address or token.
             MasterUnavailableError: nothing answers there.
+            UnauthenticatedError: the master needs a token and this is not it.
         """
-        client = cls(Address.parse(address), timeout)
+        if token is None:
+            token = auth.load_token()
+        elif not isinstance(token, auth.Token):
+            token = auth.Token(token)
+        client = cls(Address.parse(address), timeout, token)
         client._control.call("ping", {})
         return client
 

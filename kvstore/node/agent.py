@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
 from kvstore.node.server import DataServer
@@ -26,6 +26,7 @@ class MasterLink:
         advertise_host: the host clients should dial for this node's data port.
         server: the data server (its port, secret and manifest).
         segments: what to offer the master.
+        token: the cluster token, presented on every connection to the master.
     """
 
     def __init__(
@@ -35,8 +36,10 @@ class MasterLink:
         advertise_host: str,
         server: DataServer,
         segments: list[SegmentSpec],
+        token: auth.Token | None = None,
     ) -> None:
         self.master = master
+        self.token = token
         self.node_id = node_id
         self.advertise_host = advertise_host
         self.server = server
@@ -78,6 +81,7 @@ class MasterLink:
                 conn = protocol.FramedSocket.connect(
                     self.master.host, self.master.port, timeout=CONNECT_TIMEOUT_S
                 )
+                auth.hello(conn, self.token)
                 self._register(conn)
                 backoff = 0.1
                 while not self._stop.wait(self.heartbeat_interval_s):

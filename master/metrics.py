@@ -1,0 +1,242 @@
+"""The master's Prometheus metrics, in a registry of its own (several masters fit in one process).
+
+Two kinds of figures:
+
+* recorded as they happen, at the RPC edge (``server.dispatch`` calls :meth:`observe`): requests
+  per verb and error code, latency histograms per verb, lookup hits and misses per tier;
+* read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
+  nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
+  (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist.
+
+``kvstore_prefix_match_hit_ratio`` is a gauge fed by :meth:`record_prefix_match` (the admin
+``/api/v1/prefix/match`` route today; the radix prefix index when it lands).
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import Any
+
+from kvstore.master.service import MasterService
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore import protocol
+from kvstore.errors import ErrorCode
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Latency buckets in seconds: 50 µs .. 10 s (control verbs are sub-millisecond when healthy).
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+#: Optional figures other subsystems may put into ``service.stats()``, as (stats key, metric
+#: name, help). Absent keys read as zero, so the series exist from the first scrape.
+_OPTIONAL_GAUGES = (
+    ("num_leases", "kvstore_leases_held", "Read leases currently held"),
+    ("num_pins", "kvstore_pins_held", "Pins currently held"),
+    ("replication_backlog", "kvstore_replication_backlog", "Replicas waiting to be copied"),
+)
+_TIER_COUNTERS = ("evictions", "demotions", "promotions")
+
+
+class MasterMetrics:
+    """Every metric of one master. Thread-safe (prometheus_client's own locking).
+
+    Args:
+        service: the service whose state is read at scrape time.
+    """
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvstore_requests",
+            "Control-plane requests served, by verb and error code name (OK on success)",
+            ["verb", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_request_duration_seconds",
+            "Time to serve a control-plane request, by verb",
+            ["verb"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.lookups = Counter(
+            "kvstore_tier_lookups",
+            "Keys looked up for reading, by tier of the replica served (hit) or tier=none (miss)",
+            ["tier", "result"],
+            registry=self.registry,
+        )
+        self.prefix_queries = Counter(
+            "kvstore_prefix_match_queried_blocks",
+            "Blocks asked about in prefix matches",
+            registry=self.registry,
+        )
+        self.prefix_hits = Counter(
+            "kvstore_prefix_match_matched_blocks",
+            "Blocks found in prefix matches",
+            registry=self.registry,
+        )
+        self.prefix_hit_ratio = Gauge(
+            "kvstore_prefix_match_hit_ratio",
+            "Matched / queried blocks over all prefix matches so far",
+            registry=self.registry,
+        )
+        self.registry.register(_ServiceCollector(service))
+        self._verbs = frozenset(_known_verbs())
+        # Totals the status page samples (cheap to read, no registry walk).
+        self.num_requests = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_prefix_queried = 0
+        self.num_prefix_matched = 0
+
+    # ------------------------------------------------------------------ recording
+    def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
+        """Record one served request (called by the RPC edge for every request)."""
+        verb = request.verb if request.verb in self._verbs else "unknown"
+        try:
+            code_name = ErrorCode(code).name
+        except ValueError:
+            code_name = "UNKNOWN"
+        self.requests.labels(verb, code_name).inc()
+        self.latency.labels(verb).observe(seconds)
+        self.num_requests += 1
+        if verb == "get_locations" and code == 0 and isinstance(result, list):
+            self._record_lookups(request.args.get("keys"), result)
+
+    def _record_lookups(self, keys: Any, results: list[Any]) -> None:
+        if not isinstance(keys, list) or len(keys) != len(results):
+            return
+        tiers: Tally[str] = Tally()
+        objects, nodes = self.service.objects, self.service.nodes
+        for key, r in zip(keys, results, strict=True):
+            if not (isinstance(r, list) and r and r[0] == 0):
+                tiers["none"] += 1
+                continue
+            obj = objects.get(key.encode() if isinstance(key, str) else key)
+            replica = obj.replicas[0] if obj is not None and obj.replicas else None
+            node = nodes.get(replica.node_id) if replica is not None else None
+            seg = node.segments.get(replica.segment) if node is not None else None
+            tiers[seg.tier if seg is not None else "unknown"] += 1
+        for tier, n in tiers.items():
+            self.lookups.labels(tier, "miss" if tier == "none" else "hit").inc(n)
+            if tier == "none":
+                self.num_misses += n
+            else:
+                self.num_hits += n
+
+    def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
+        """Feed the prefix-match hit ratio: ``num_matched`` of ``num_queried`` blocks hit."""
+        self.prefix_queries.inc(num_queried)
+        self.prefix_hits.inc(num_matched)
+        self.num_prefix_queried += num_queried
+        self.num_prefix_matched += num_matched
+        if self.num_prefix_queried:
+            self.prefix_hit_ratio.set(self.num_prefix_matched / self.num_prefix_queried)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def _known_verbs() -> list[str]:
+    from kvstore.master.server import HANDLERS
+
+    return [*HANDLERS, "hello"]
+
+
+class _ServiceCollector(Collector):
+    """Figures read from the service at scrape time.
+
+    NOTE: the service is single-threaded; scrape on the master's event loop, never in a thread.
+    """
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        svc = self.service
+        stats = svc.stats()
+        used = GaugeMetricFamily(
+            "kvstore_tier_used_bytes", "Bytes allocated in each tier", labels=["tier"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvstore_tier_capacity_bytes", "Bytes each tier can hold", labels=["tier"]
+        )
+        objects = GaugeMetricFamily(
+            "kvstore_tier_objects", "Committed replicas held in each tier", labels=["tier"]
+        )
+        by_tier: dict[str, list[int]] = {}
+        for node in list(svc.nodes.values()):
+            for seg in list(node.segments.values()):
+                fig = by_tier.setdefault(seg.tier, [0, 0, 0])
+                fig[0] += seg.allocator.used_bytes
+                fig[1] += seg.allocator.capacity
+        tier_of = {
+            (n.node_id, s.name): s.tier
+            for n in list(svc.nodes.values())
+            for s in list(n.segments.values())
+        }
+        for obj in list(svc.objects.values()):
+            for r in obj.replicas:
+                tier = tier_of.get((r.node_id, r.segment))
+                if tier is not None:
+                    by_tier[tier][2] += 1
+        for tier, (u, c, o) in sorted(by_tier.items()):
+            used.add_metric([tier], u)
+            capacity.add_metric([tier], c)
+            objects.add_metric([tier], o)
+        yield used
+        yield capacity
+        yield objects
+
+        tier_stats = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
+        for what in _TIER_COUNTERS:
+            family = CounterMetricFamily(
+                f"kvstore_tier_{what}", f"Objects {what[:-1]}ed, by tier", labels=["tier"]
+            )
+            for tier in sorted(set(by_tier) | set(tier_stats)):
+                family.add_metric([tier], float((tier_stats.get(tier) or {}).get(what, 0)))
+            yield family
+
+        yield _gauge("kvstore_nodes_alive", "Registered, live storage nodes", len(svc.nodes))
+        yield _gauge("kvstore_objects", "Committed objects", len(svc.objects))
+        yield _gauge("kvstore_pending_puts", "Puts started and not yet committed", len(svc.pending))
+        yield _gauge(
+            "kvstore_object_bytes", "Bytes of committed objects", stats.get("object_bytes", 0)
+        )
+        for key, name, doc in _OPTIONAL_GAUGES:
+            yield _gauge(name, doc, stats.get(key, 0))
+        yield _counter(
+            "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
+        )
+        yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
+
+
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value or 0))
+
+
+def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value or 0))
