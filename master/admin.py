@@ -129,7 +129,12 @@ def init_app(
     """
     settings = settings or AdminSettings()
     metrics = metrics or MasterMetrics(service)
-    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware],
+        # Longest legitimate URL: a 511-byte prefix and a cursor, percent-encoded (~15 KiB).
+        # Anything the HTTP parser refuses gets aiohttp's plain-text 400, not our JSON.
+        handler_args={"max_line_size": 64 << 10},
+    )
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = metrics
     app[SETTINGS_KEY] = settings

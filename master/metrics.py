@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvstore.master.service import MasterService
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -67,6 +74,7 @@ class MasterMetrics:
 
     def __init__(self, service: MasterService) -> None:
         self.service = service
+        disable_created_metrics()  # no *_created series: noise for every counter
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvstore_requests",

@@ -9,6 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
+from kvstore.master.rest.security import READ_ONLY_POSTS
+from kvstore.master.rest.state import SETTINGS_KEY
+
+from kvstore.config import MAX_KEY_BYTES
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -29,19 +34,26 @@ def _ok(schema: dict[str, Any], description: str = "ok") -> dict[str, Any]:
     }
 
 
-def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": required or list(props)}
+def _obj(
+    props: dict[str, Any], required: list[str] | None = None, strict: bool = False
+) -> dict[str, Any]:
+    schema = {"type": "object", "properties": props, "required": required or list(props)}
+    if strict:  # request bodies: the server refuses unknown fields
+        schema["additionalProperties"] = False
+    return schema
 
 
 _INT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
 _NULLABLE_STR = {"type": "string", "nullable": True}
-_KEY_PATH = {
-    "name": "key",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string", "minLength": 1, "maxLength": 511},
+#: Keys are 1..511 bytes of UTF-8; JSON Schema counts characters, which equal bytes for ASCII.
+_KEY = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_KEY_BYTES,
+    "description": f"1..{MAX_KEY_BYTES} bytes of UTF-8",
 }
+_KEY_PATH = {"name": "key", "in": "path", "required": True, "schema": _KEY}
 _KEYS_BODY = {
     "required": True,
     "content": {
@@ -51,9 +63,10 @@ _KEYS_BODY = {
                     "keys": {
                         "type": "array",
                         "maxItems": 10000,
-                        "items": {"type": "string", "minLength": 1, "maxLength": 127},
+                        "items": _KEY,
                     }
-                }
+                },
+                strict=True,
             )
         }
     },
@@ -89,8 +102,29 @@ OBJECT = _obj(
 )
 
 
-def document() -> dict[str, Any]:
-    """The OpenAPI document (a fresh dict each call)."""
+def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
+    """The OpenAPI document (a fresh dict each call), for how this master guards itself.
+
+    Args:
+        secured_reads: whether read-only operations need the bearer token.
+        secured_writes: whether mutating operations need it (false only without a token).
+
+    Returns:
+        The document as a JSON-ready dict.
+    """
+    doc = _document()
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if "security" in op:
+                continue  # always open (probes)
+            mutating = method != "get" and path not in READ_ONLY_POSTS
+            if not (secured_writes if mutating else secured_reads):
+                op["security"] = []
+                op["responses"].pop("401", None)
+    return doc
+
+
+def _document() -> dict[str, Any]:
     return {
         "openapi": "3.0.3",
         "info": {
@@ -197,7 +231,7 @@ def document() -> dict[str, Any]:
                             "name": "node_id",
                             "in": "path",
                             "required": True,
-                            "schema": {"type": "string", "minLength": 1, "maxLength": 128},
+                            "schema": {"type": "string"},
                         }
                     ],
                     "responses": {**_ok(NODE), **_errors(401, 404)},
@@ -207,13 +241,30 @@ def document() -> dict[str, Any]:
                 "get": {
                     "summary": "objects, sorted by key, a page at a time",
                     "parameters": [
-                        {"name": "prefix", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "prefix",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "maxLength": MAX_KEY_BYTES,
+                                "description": f"at most {MAX_KEY_BYTES} bytes of UTF-8",
+                            },
+                        },
                         {
                             "name": "limit",
                             "in": "query",
                             "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
                         },
-                        {"name": "cursor", "in": "query", "schema": {"type": "string"}},
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "minLength": 2,
+                                "maxLength": MAX_CURSOR_CHARS,
+                                "pattern": CURSOR_PATTERN,
+                            },
+                        },
                     ],
                     "responses": {
                         **_ok(
@@ -270,6 +321,7 @@ def document() -> dict[str, Any]:
                                                 },
                                             },
                                             ["prefix"],
+                                            strict=True,
                                         ),
                                     ]
                                 }
@@ -287,4 +339,6 @@ def document() -> dict[str, Any]:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(document())
+    settings = request.app[SETTINGS_KEY]
+    secured = settings.token is not None
+    return web.json_response(document(secured and not settings.public_reads, secured))

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import binascii
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -50,11 +51,15 @@ def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) 
     return value
 
 
-async def json_body(request: web.Request) -> dict[str, Any]:
+async def json_body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]:
     """The request's JSON object body.
 
+    Args:
+        request: the request.
+        allowed: the fields the route knows; any other is refused.
+
     Raises:
-        InvalidRequestError: not JSON, or not an object.
+        InvalidRequestError: not JSON, not an object, or an unknown field.
     """
     try:
         body = await request.json(loads=json.loads)
@@ -62,6 +67,11 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         raise InvalidRequestError("the body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown field(s): {', '.join(repr(u[:64]) for u in unknown[:5])}"
+        )
     return body
 
 
@@ -78,13 +88,24 @@ def encode_cursor(key: bytes) -> str:
     return base64.urlsafe_b64encode(key).decode().rstrip("=")
 
 
+CURSOR_PATTERN = r"^(?:[A-Za-z0-9_-]{4})*(?:[A-Za-z0-9_-]{2,3})?$"
+_CURSOR_RE = re.compile(CURSOR_PATTERN)
+MAX_CURSOR_CHARS = 4 * ((MAX_KEY_BYTES + 2) // 3)
+
+
 def decode_cursor(text: str) -> bytes:
-    """Raises InvalidRequestError for anything that is not a cursor this API handed out."""
+    """The key a cursor points after (unpadded base64url of it).
+
+    Raises:
+        InvalidRequestError: not unpadded base64url of 1..511 bytes.
+    """
+    if not text or len(text) > MAX_CURSOR_CHARS or not _CURSOR_RE.match(text):
+        raise InvalidRequestError("bad cursor")
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
         raise InvalidRequestError("bad cursor") from None
-    if not raw or len(raw) > MAX_KEY_BYTES or encode_cursor(raw) != text:
+    if not raw or len(raw) > MAX_KEY_BYTES:
         raise InvalidRequestError("bad cursor")
     return raw
 
@@ -180,7 +201,7 @@ async def list_objects(request: web.Request) -> web.Response:
     if len(prefix) > MAX_KEY_BYTES:
         raise InvalidRequestError(f"prefix is longer than {MAX_KEY_BYTES} bytes")
     cursor = request.query.get("cursor")
-    after = decode_cursor(cursor) if cursor else None
+    after = decode_cursor(cursor) if cursor is not None else None
     snapshot = list(svc.objects)  # C-speed copy on the loop; the sort runs in a thread
     page = await asyncio.to_thread(_page, snapshot, prefix, after, limit)
     more = len(page) > limit
@@ -216,7 +237,7 @@ async def delete_object(request: web.Request) -> web.Response:
 async def prefix_match(request: web.Request) -> web.Response:
     """How many leading keys of a chain of block keys are stored (a chain breaks at a miss)."""
     svc = request.app[SERVICE_KEY]
-    keys = _key_list(await json_body(request))
+    keys = _key_list(await json_body(request, frozenset({"keys"})))
     num_matched = 0
     for k in keys:
         if k not in svc.objects:
@@ -229,7 +250,9 @@ async def prefix_match(request: web.Request) -> web.Response:
 async def evict(request: web.Request) -> web.Response:
     """Remove objects by key list or by prefix (``limit`` caps a prefix eviction)."""
     svc = request.app[SERVICE_KEY]
-    body = await json_body(request)
+    body = await json_body(request, frozenset({"keys", "prefix", "limit"}))
+    if "limit" in body and "prefix" not in body:
+        raise InvalidRequestError("'limit' goes with 'prefix'")
     if ("keys" in body) == ("prefix" in body):
         raise InvalidRequestError("give exactly one of 'keys' or 'prefix'")
     if "keys" in body:

@@ -165,7 +165,9 @@ def test_objects_paging_get_delete(http: Http, client: Client) -> None:
         "limit=abc",
         "cursor=%%%",
         "cursor=not-a-cursor!",
-        "cursor=QR",  # decodes, but is not in canonical form
+        "cursor=Q",  # not a whole base64 group
+        "cursor=" + "A" * 800,
+        "cursor=QQ==",  # padded
         "prefix=" + "x" * 600,
     ],
 )
