@@ -332,8 +332,16 @@ def test_client_without_token_is_refused(cluster: Cluster, monkeypatch) -> None:
 def test_private_reads(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(SECRET)
-    master = start_master("--token-file", str(token_file), "--no-public-reads")
+    flags = ("--token-file", str(token_file), "--no-public-reads")
+    cluster = Cluster(tmp_path, start_master(*flags), node_args=flags)
+    master = cluster.master
     try:
+        node = cluster.add_node("16MiB")
+        node_http = Http(node.field("admin"))
+        assert node_http("GET", "/health")[0] == 200
+        status, body = node_http("GET", "/metrics")
+        assert status == 401 and _error_code(body) == ErrorCode.UNAUTHENTICATED
+        assert node_http("GET", "/metrics", token=SECRET)[0] == 200
         http = Http(master.field("admin"))
         assert http("GET", "/health")[0] == 200
         assert http("GET", "/")[0] == 200  # the page asks for the token itself
@@ -342,7 +350,14 @@ def test_private_reads(tmp_path: Path) -> None:
             assert status == 401 and _error_code(body) == ErrorCode.UNAUTHENTICATED
             assert http("GET", path, token=SECRET)[0] == 200
         assert http("POST", "/api/v1/prefix/match", {"keys": ["a"]})[0] == 401
-        assert not any(SECRET.encode() in b for b in http.bodies)
+        assert not any(SECRET.encode() in b for b in http.bodies + node_http.bodies)
     finally:
-        master.stop()
-    assert SECRET not in "".join(master.lines)
+        cluster.stop()
+    assert SECRET not in "".join(master.lines + node.lines)
+
+
+def test_token_is_not_on_any_command_line(cluster: Cluster) -> None:
+    for daemon in [cluster.master, *cluster.nodes]:
+        cmdline = Path(f"/proc/{daemon.pid}/cmdline")
+        if cmdline.exists():
+            assert SECRET.encode() not in cmdline.read_bytes()
