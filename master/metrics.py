@@ -112,6 +112,7 @@ class MasterMetrics:
         )
         self.registry.register(_ServiceCollector(service))
         self._verbs = frozenset(_known_verbs())
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         # Totals the status page samples (cheap to read, no registry walk).
         self.num_requests = 0
         self.num_hits = 0
@@ -123,12 +124,16 @@ class MasterMetrics:
     def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
         """Record one served request (called by the RPC edge for every request)."""
         verb = request.verb if request.verb in self._verbs else "unknown"
-        try:
-            code_name = ErrorCode(code).name
-        except ValueError:
-            code_name = "UNKNOWN"
-        self.requests.labels(verb, code_name).inc()
-        self.latency.labels(verb).observe(seconds)
+        children = self._children.get((verb, code))
+        if children is None:
+            try:
+                code_name = ErrorCode(code).name
+            except ValueError:
+                code_name = "UNKNOWN"
+            children = (self.requests.labels(verb, code_name), self.latency.labels(verb))
+            self._children[(verb, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
         self.num_requests += 1
         if verb == "get_locations" and code == 0 and isinstance(result, list):
             self._record_lookups(request.args.get("keys"), result)
@@ -136,23 +141,30 @@ class MasterMetrics:
     def _record_lookups(self, keys: Any, results: list[Any]) -> None:
         if not isinstance(keys, list) or len(keys) != len(results):
             return
-        tiers: Tally[str] = Tally()
-        objects, nodes = self.service.objects, self.service.nodes
+        # Count hits per (node, segment) of the first replica, then map each pair to its tier once.
+        places: Tally[tuple[str, str]] = Tally()
+        num_misses = 0
+        objects = self.service.objects
         for key, r in zip(keys, results, strict=True):
-            if not (isinstance(r, list) and r and r[0] == 0):
-                tiers["none"] += 1
-                continue
-            obj = objects.get(key.encode() if isinstance(key, str) else key)
-            replica = obj.replicas[0] if obj is not None and obj.replicas else None
-            node = nodes.get(replica.node_id) if replica is not None else None
-            seg = node.segments.get(replica.segment) if node is not None else None
-            tiers[seg.tier if seg is not None else "unknown"] += 1
-        for tier, n in tiers.items():
-            self.lookups.labels(tier, "miss" if tier == "none" else "hit").inc(n)
-            if tier == "none":
-                self.num_misses += n
+            obj = None
+            if r[0] == 0:
+                obj = objects.get(key.encode() if isinstance(key, str) else key)
+            if obj is None or not obj.replicas:
+                num_misses += 1
             else:
-                self.num_hits += n
+                replica = obj.replicas[0]
+                places[(replica.node_id, replica.segment)] += 1
+        tiers: Tally[str] = Tally()
+        for (node_id, segment), n in places.items():
+            node = self.service.nodes.get(node_id)
+            seg = node.segments.get(segment) if node is not None else None
+            tiers[seg.tier if seg is not None else "unknown"] += n
+        for tier, n in tiers.items():
+            self.lookups.labels(tier, "hit").inc(n)
+            self.num_hits += n
+        if num_misses:
+            self.lookups.labels("none", "miss").inc(num_misses)
+            self.num_misses += num_misses
 
     def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
         """Feed the prefix-match hit ratio: ``num_matched`` of ``num_queried`` blocks hit."""
