@@ -80,7 +80,7 @@ class Namespace:
     Validated on creation; ``digest`` (16 bytes) is computed once and is part of every block key.
 
     Attributes:
-        model_id: model name or path, e.g. ``"meta-llama/Llama-3.1-8B"`` (1..1024 UTF-8 bytes).
+        model: model name or path, e.g. ``"meta-llama/Llama-3.1-8B"`` (1..1024 UTF-8 bytes).
         dtype: KV element type: ``float16``, ``bfloat16``, ``float32`` or ``float8_e4m3``.
         num_layers: transformer layers whose KV the block holds.
         num_kv_heads: KV heads held by this tensor-parallel rank.
@@ -92,7 +92,7 @@ class Namespace:
         hash_algorithm: ``xxh3_128`` (default) or ``blake2b_128`` for mutually untrusting tenants.
     """
 
-    model_id: str
+    model: str
     dtype: str
     num_layers: int
     num_kv_heads: int
@@ -105,7 +105,7 @@ class Namespace:
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check_str("model_id", self.model_id)
+        _check_str("model", self.model)
         if self.dtype not in DTYPE_BYTES:
             raise InvalidRequestError(
                 f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}"
@@ -127,14 +127,14 @@ class Namespace:
         """The canonical encoding of this namespace (see ``docs/block-keys.md``).
 
         Returns:
-            ``b"KVNS"``, version byte 1, then model_id, dtype (u16-length-prefixed UTF-8),
+            ``b"KVNS"``, version byte 1, then model, dtype (u16-length-prefixed UTF-8),
             num_layers, num_kv_heads, head_dim, block_size, tp_rank, tp_size (u32 LE),
             hash_algorithm (u16-length-prefixed), a salt flag byte and, if set, the salt.
         """
         parts = [
             _NS_MAGIC,
             bytes([NAMESPACE_ENCODING_VERSION]),
-            _encode_str(self.model_id.encode("utf-8")),
+            _encode_str(self.model.encode("utf-8")),
             _encode_str(self.dtype.encode("utf-8")),
             struct.pack(
                 "<6I",
@@ -156,7 +156,7 @@ class Namespace:
     def to_dict(self) -> dict[str, Any]:
         """A plain dict of the fields (for msgpack / JSON); ``Namespace(**d)`` rebuilds it."""
         return {
-            "model_id": self.model_id,
+            "model": self.model,
             "dtype": self.dtype,
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,

@@ -22,9 +22,10 @@ from kvstore.master.rest.state import (
     SETTINGS_KEY,
     AdminSettings,
 )
+from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
 
-from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
+from kvstore.errors import ErrorCode, KVStoreError
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def init_app(
     app.router.add_get("/api/v1/cluster", cluster)
     app.router.add_get("/api/v1/openapi.json", openapi.openapi)
     routes.add_routes(app)
+    scheduler_routes.add_routes(app)
     return app
 
 
@@ -158,6 +160,4 @@ __all__ = [
     "http_status",
     "AdminSettings",
     "SERVICE_KEY",
-    "InvalidRequestError",
-    "KeyNotFoundError",
 ]

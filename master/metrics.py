@@ -8,8 +8,9 @@ Two kinds of figures:
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
   (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist.
 
-``kvstore_prefix_match_hit_ratio`` is a gauge fed by :meth:`record_prefix_match` (the admin
-``/api/v1/prefix/match`` route today; the radix prefix index when it lands).
+Prefix matching: ``kvstore_prefix_match_hit_ratio`` is the master's prefix index's own figure
+(tokens hit / tokens asked, over ``kv_match`` and the admin route's token form), with its counters;
+the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from kvstore.master.service import MasterService
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -96,18 +96,13 @@ class MasterMetrics:
             registry=self.registry,
         )
         self.prefix_queries = Counter(
-            "kvstore_prefix_match_queried_blocks",
-            "Blocks asked about in prefix matches",
+            "kvstore_prefix_chain_queried_keys",
+            "Keys asked about in key-chain prefix matches (admin API)",
             registry=self.registry,
         )
         self.prefix_hits = Counter(
-            "kvstore_prefix_match_matched_blocks",
-            "Blocks found in prefix matches",
-            registry=self.registry,
-        )
-        self.prefix_hit_ratio = Gauge(
-            "kvstore_prefix_match_hit_ratio",
-            "Matched / queried blocks over all prefix matches so far",
+            "kvstore_prefix_chain_matched_keys",
+            "Leading keys found in key-chain prefix matches (admin API)",
             registry=self.registry,
         )
         self.registry.register(_ServiceCollector(service))
@@ -117,8 +112,6 @@ class MasterMetrics:
         self.num_requests = 0
         self.num_hits = 0
         self.num_misses = 0
-        self.num_prefix_queried = 0
-        self.num_prefix_matched = 0
 
     # ------------------------------------------------------------------ recording
     def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
@@ -167,13 +160,9 @@ class MasterMetrics:
             self.num_misses += num_misses
 
     def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
-        """Feed the prefix-match hit ratio: ``num_matched`` of ``num_queried`` blocks hit."""
+        """Count a key-chain match: ``num_matched`` leading keys of ``num_queried`` were stored."""
         self.prefix_queries.inc(num_queried)
         self.prefix_hits.inc(num_matched)
-        self.num_prefix_queried += num_queried
-        self.num_prefix_matched += num_matched
-        if self.num_prefix_queried:
-            self.prefix_hit_ratio.set(self.num_prefix_matched / self.num_prefix_queried)
 
     def exposition(self) -> bytes:
         """The registry in Prometheus text format."""
@@ -252,6 +241,28 @@ class _ServiceCollector(Collector):
             "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
         )
         yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
+        prefix = stats.get("prefix") if isinstance(stats.get("prefix"), dict) else {}
+        yield _gauge(
+            "kvstore_prefix_match_hit_ratio",
+            "Prefix index: tokens found / tokens asked, over all matches so far",
+            prefix.get("hit_ratio", 0.0),
+        )
+        yield _counter(
+            "kvstore_prefix_match_queries", "Prefix index matches", prefix.get("num_queries", 0)
+        )
+        yield _counter(
+            "kvstore_prefix_match_query_tokens",
+            "Tokens asked about in prefix matches",
+            prefix.get("num_query_tokens", 0),
+        )
+        yield _counter(
+            "kvstore_prefix_match_hit_tokens",
+            "Tokens found cached in prefix matches",
+            prefix.get("num_hit_tokens", 0),
+        )
+        yield _gauge(
+            "kvstore_prefix_index_blocks", "Blocks in the prefix index", prefix.get("num_blocks", 0)
+        )
 
 
 def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:

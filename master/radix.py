@@ -23,10 +23,14 @@ leaf blocks (leaf-first eviction), so evicting what it yields never cascades.
 
 Memory layout (why not a Python object per block): with 1M blocks a Python object, a dict entry
 and a bytes key per block would cost ~300 B before storing a single token. Instead each tree keeps
-per-block *slots* in parallel numpy arrays (tokens, key, value, owning node), nodes hold only a
-numpy array of their slots, and the key -> slot map is an open-addressing table of int32 slot
-numbers. Tokens are stored as a uint16 low half plus one packed bit-plane per extra high bit
+per-block *slots* in parallel numpy arrays (tokens, key, value, owning node), nodes hold only
+their slot numbers (packed int32), and the key -> slot map is an open-addressing table of int32
+slot numbers. Tokens are stored as a uint16 low half plus one packed bit-plane per extra high bit
 actually used (17 bits for a 128K vocabulary: 2.125 B per token instead of 4).
+
+Measured with ``bench/bench_radix.py`` (1M blocks of 64 tokens): ~180 B per block with a 128K
+vocabulary, ~174 B with a 32K one. Each node (one per branch) costs ~190 B more, so a workload of
+prompts whose unique suffix is only ~2 blocks (one leaf node per 2 blocks) reaches ~280 B per block.
 
 This module is pure: no I/O, no clocks, no locks (the master serialises calls).
 """
@@ -136,25 +140,47 @@ def _resized(arr: np.ndarray, capacity: int) -> np.ndarray:
 class _Node:
     """A compressed edge: a run of blocks (slots) and the branches after it.
 
-    ``children`` maps the first token of a child's first block to the children starting with it;
-    siblings may share a first token (they differ later in the block), hence a list.
+    ``children`` maps the first token of a child's first block to the child starting with it,
+    or to a list when siblings share a first token (they differ later in the block); the list
+    is rare, so the common case saves its ~64 B.
+
+    The slots are kept as packed int32 ``bytes`` (48 B for a short edge) rather than a numpy
+    array (112 B of header): short-suffix prompts make one node per prompt, so per-node bytes
+    count. ``slots`` returns a read-only zero-copy numpy view.
     """
 
-    __slots__ = ("node_id", "parent", "slots", "children")
+    __slots__ = ("node_id", "parent", "_slots", "children")
 
     def __init__(self, node_id: int, parent: _Node | None, slots: np.ndarray) -> None:
         self.node_id = node_id
         self.parent = parent
-        self.slots = slots
-        self.children: dict[int, list[_Node]] | None = None
+        self._slots = slots.astype(np.int32).tobytes()
+        self.children: dict[int, _Node | list[_Node]] | None = None
+
+    @property
+    def slots(self) -> np.ndarray:
+        return np.frombuffer(self._slots, dtype=np.int32)
+
+    @slots.setter
+    def slots(self, value: np.ndarray) -> None:
+        self._slots = value.astype(np.int32).tobytes()
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots) // 4
 
     def num_children(self) -> int:
-        return 0 if not self.children else sum(len(c) for c in self.children.values())
+        if not self.children:
+            return 0
+        return sum(len(g) if isinstance(g, list) else 1 for g in self.children.values())
 
     def iter_children(self) -> Iterator[_Node]:
         if self.children:
             for group in self.children.values():
-                yield from group
+                if isinstance(group, list):
+                    yield from group
+                else:
+                    yield group
 
 
 class _KeyTable:
@@ -355,14 +381,24 @@ class _Tree:
     def attach(self, parent: _Node, child: _Node, first_token: int) -> None:
         if parent.children is None:
             parent.children = {}
-        parent.children.setdefault(first_token, []).append(child)
+        group = parent.children.get(first_token)
+        if group is None:
+            parent.children[first_token] = child
+        elif isinstance(group, list):
+            group.append(child)
+        else:
+            parent.children[first_token] = [group, child]
         child.parent = parent
 
     def detach(self, parent: _Node, child: _Node, first_token: int) -> None:
         assert parent.children is not None, "detach from a node without children"
         group = parent.children[first_token]
-        group.remove(child)
-        if not group:
+        if isinstance(group, list):
+            group.remove(child)
+            if len(group) == 1:
+                parent.children[first_token] = group[0]
+        else:
+            assert group is child, "detaching a node filed elsewhere"
             del parent.children[first_token]
         if not parent.children:
             parent.children = None
@@ -416,6 +452,8 @@ class _Tree:
                 return path, None
             # Pick the child sharing the most tokens of its first block (ties: any).
             head = q[pos : pos + bs]
+            if not isinstance(group, list):
+                group = [group]
             best, best_n = group[0], -1
             for child in group:
                 shared = _common_prefix(self.tokens.get(child.slots[:1]), head)
@@ -714,10 +752,12 @@ class RadixIndex:
             for node in tree.nodes:
                 if node is None:
                     continue
-                total += sys.getsizeof(node) + sys.getsizeof(node.slots)
+                total += sys.getsizeof(node) + sys.getsizeof(node._slots)
                 if node.children:
                     total += sys.getsizeof(node.children)
-                    total += sum(sys.getsizeof(g) for g in node.children.values())
+                    total += sum(
+                        sys.getsizeof(g) for g in node.children.values() if isinstance(g, list)
+                    )
         return total
 
     def check_invariants(self) -> None:
@@ -735,7 +775,8 @@ class RadixIndex:
                     assert (tree.owner[node.slots] == node.node_id).all(), "owner mismatch"
                 seen += len(node.slots)
                 for first, group in (node.children or {}).items():
-                    for child in group:
+                    assert not isinstance(group, list) or len(group) > 1, "list of one child"
+                    for child in group if isinstance(group, list) else [group]:
                         assert child.parent is node, "child's parent pointer"
                         assert tree.first_token(child) == first, "child filed under wrong token"
             assert seen == tree.num_blocks == tree.table.count, "block count mismatch"

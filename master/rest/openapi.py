@@ -14,6 +14,7 @@ from kvstore.master.rest.security import READ_ONLY_POSTS
 from kvstore.master.rest.state import SETTINGS_KEY
 
 from kvstore.config import MAX_KEY_BYTES
+from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -73,6 +74,27 @@ _KEYS_BODY = {
 }
 _SECURED = [{"bearer": []}]
 _READ_ERRORS = (400, 401)
+
+U32_MAX = (1 << 32) - 1
+_U32 = {"type": "integer", "minimum": 0, "maximum": U32_MAX}
+_POS_U32 = {"type": "integer", "minimum": 1, "maximum": U32_MAX}
+_NS_STR = {"type": "string", "minLength": 1, "maxLength": 1024}
+NAMESPACE = _obj(
+    {
+        "model": _NS_STR,
+        "dtype": {"type": "string", "enum": sorted(DTYPE_BYTES)},
+        "num_layers": _POS_U32,
+        "num_kv_heads": _POS_U32,
+        "head_dim": _POS_U32,
+        "block_size": _POS_U32,
+        "salt": {**_NS_STR, "nullable": True},
+        "tp_rank": {**_U32, "description": "must be < tp_size"},
+        "tp_size": _POS_U32,
+        "hash_algorithm": {"type": "string", "enum": list(HASH_ALGORITHMS)},
+    },
+    ["model", "dtype", "num_layers", "num_kv_heads", "head_dim"],
+    strict=True,
+)
 
 SEGMENT = _obj(
     {"name": _STR, "tier": _STR, "capacity_bytes": _INT, "used_bytes": _INT},
@@ -293,10 +315,56 @@ def _document() -> dict[str, Any]:
             },
             "/api/v1/prefix/match": {
                 "post": {
-                    "summary": "how many leading keys of a chain of block keys are stored",
-                    "requestBody": _KEYS_BODY,
+                    "summary": "what of a prompt is cached: by tokens through the prefix index, "
+                    "or how many leading keys of a chain of object keys are stored",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        _KEYS_BODY["content"]["application/json"]["schema"],
+                                        _obj(
+                                            {
+                                                "namespace": NAMESPACE,
+                                                "tokens": {
+                                                    "type": "array",
+                                                    "maxItems": 1 << 20,
+                                                    "items": {
+                                                        "type": "integer",
+                                                        "minimum": 0,
+                                                        "maximum": U32_MAX,
+                                                    },
+                                                },
+                                            },
+                                            strict=True,
+                                        ),
+                                    ]
+                                }
+                            }
+                        },
+                    },
                     "responses": {
-                        **_ok(_obj({"num_matched": _INT, "num_queried": _INT})),
+                        **_ok(
+                            {
+                                "oneOf": [
+                                    _obj({"num_matched": _INT, "num_queried": _INT}),
+                                    _obj(
+                                        {
+                                            "num_tokens": _INT,
+                                            "num_queried_tokens": _INT,
+                                            "block_size": _INT,
+                                            "blocks": {
+                                                "type": "array",
+                                                "items": _obj(
+                                                    {"key_hex": _STR, "num_tokens": _INT}
+                                                ),
+                                            },
+                                        }
+                                    ),
+                                ]
+                            }
+                        ),
                         **_errors(400, 401, 413),
                     },
                 }

@@ -26,6 +26,7 @@ from kvstore.errors import (
     KVStoreError,
     NodeUnavailableError,
 )
+from kvstore.keys import Namespace, as_token_array
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -234,17 +235,53 @@ async def delete_object(request: web.Request) -> web.Response:
 
 
 # ------------------------------------------------------------------ prefix match, evict
+MAX_JSON_TOKENS = 1 << 20
+
+
 async def prefix_match(request: web.Request) -> web.Response:
-    """How many leading keys of a chain of block keys are stored (a chain breaks at a miss)."""
+    """What of a prompt is cached.
+
+    Two forms: ``{"namespace": {...}, "tokens": [ids]}`` asks the master's prefix index (block
+    keys computed by the master; answers token-granular and feeds the hit ratio), and
+    ``{"keys": [...]}`` counts how many leading keys of a chain of object keys are stored.
+    """
     svc = request.app[SERVICE_KEY]
-    keys = _key_list(await json_body(request, frozenset({"keys"})))
-    num_matched = 0
-    for k in keys:
-        if k not in svc.objects:
-            break
-        num_matched += 1
-    request.app[METRICS_KEY].record_prefix_match(num_matched, len(keys))
-    return web.json_response({"num_matched": num_matched, "num_queried": len(keys)})
+    body = await json_body(request, frozenset({"keys", "namespace", "tokens"}))
+    if "keys" in body:
+        if "namespace" in body or "tokens" in body:
+            raise InvalidRequestError("give 'keys', or 'namespace' and 'tokens'")
+        keys = _key_list(body)
+        num_matched = 0
+        for k in keys:
+            if k not in svc.objects:
+                break
+            num_matched += 1
+        request.app[METRICS_KEY].record_prefix_match(num_matched, len(keys))
+        return web.json_response({"num_matched": num_matched, "num_queried": len(keys)})
+    if "namespace" not in body or "tokens" not in body:
+        raise InvalidRequestError("give 'keys', or 'namespace' and 'tokens'")
+    raw_ns = body["namespace"]
+    if isinstance(raw_ns, dict):
+        for value in raw_ns.values():
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequestError("namespace strings must be valid UTF-8") from None
+    namespace = Namespace.from_dict(raw_ns)
+    raw_tokens = body["tokens"]
+    if not isinstance(raw_tokens, list) or len(raw_tokens) > MAX_JSON_TOKENS:
+        raise InvalidRequestError(f"'tokens' must be a list of at most {MAX_JSON_TOKENS} ids")
+    tokens = as_token_array(raw_tokens)
+    match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
+    return web.json_response(
+        {
+            "num_tokens": match.num_tokens,
+            "num_queried_tokens": len(tokens),
+            "block_size": match.block_size,
+            "blocks": [{"key_hex": k.hex(), "num_tokens": n} for k, n in match.blocks],
+        }
+    )
 
 
 async def evict(request: web.Request) -> web.Response:

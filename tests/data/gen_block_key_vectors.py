@@ -11,14 +11,14 @@ from pathlib import Path
 from kvstore.keys import Namespace, block_keys
 
 TINY = {
-    "model_id": "test/tiny",
+    "model": "test/tiny",
     "dtype": "float16",
     "num_layers": 2,
     "num_kv_heads": 2,
     "head_dim": 4,
 }
 LLAMA = {
-    "model_id": "meta-llama/Llama-3.1-8B",
+    "model": "meta-llama/Llama-3.1-8B",
     "dtype": "bfloat16",
     "num_layers": 32,
     "num_kv_heads": 8,
@@ -54,7 +54,7 @@ CASES = [
         "fp8, tp rank 1 of 2, unicode model id",
         {
             **TINY,
-            "model_id": "modèle/ü",
+            "model": "modèle/ü",
             "dtype": "float8_e4m3",
             "block_size": 2,
             "tp_rank": 1,

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from conftest import Cluster, start_master
-from kvstore.client import Client
+from kvstore.client import Client, KVCache, Namespace
 
 from kvstore import protocol
 from kvstore.errors import ErrorCode, UnauthenticatedError
+from tests.support import Cluster, start_master
 
 SECRET = "admin-test-token-7f3a9c1e5b2d4f60"
 WRONG = "wrong-token-00000000000000000000"
@@ -235,6 +236,16 @@ def test_evict(http: Http, client: Client) -> None:
     )
 
 
+NS = {
+    "model": "tiny",
+    "dtype": "float16",
+    "num_layers": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "block_size": 16,
+}
+
+
 def test_prefix_match_and_metrics(http: Http, client: Client) -> None:
     chain = [f"blk/{i}" for i in range(4)]
     client.batch_put(chain[:3], [b"k"] * 3)
@@ -243,6 +254,31 @@ def test_prefix_match_and_metrics(http: Http, client: Client) -> None:
         {"num_matched": 3, "num_queried": 4},
     )
     assert http("POST", "/api/v1/prefix/match", {"keys": ["blk/9", *chain]})[1]["num_matched"] == 0
+
+    # The token form asks the master's prefix index (full blocks of 16 tokens are indexed).
+    tokens = np.arange(40, dtype=np.uint32)
+    kv = [(np.ones((40, 1, 8), np.float16), np.ones((40, 1, 8), np.float16))] * 2
+    KVCache(client, Namespace(**NS)).store(tokens, kv)
+    status, match = http(
+        "POST", "/api/v1/prefix/match", {"namespace": NS, "tokens": list(range(40))}
+    )
+    assert status == 200, match
+    assert match["num_tokens"] == 32 and len(match["blocks"]) == 2
+    status, miss = http(
+        "POST", "/api/v1/prefix/match", {"namespace": {**NS, "salt": "other"}, "tokens": [1, 2]}
+    )
+    assert status == 200 and miss["num_tokens"] == 0
+    for bad in [
+        {"namespace": {**NS, "tp_rank": 3}, "tokens": [1]},
+        {"namespace": NS, "tokens": [-1]},
+        {"namespace": NS, "tokens": [True]},
+        {"namespace": {**NS, "model": "\ud800"}, "tokens": [1]},
+        {"namespace": NS},
+        {"keys": ["a"], "tokens": [1]},
+    ]:
+        status, err = http("POST", "/api/v1/prefix/match", bad)
+        assert status == 400 and _error_code(err) == ErrorCode.INVALID_REQUEST, (bad, err)
+
     client.batch_get(["blk/0", "blk/missing"])
     status, text = http("GET", "/metrics")
     assert status == 200
@@ -255,12 +291,20 @@ def test_prefix_match_and_metrics(http: Http, client: Client) -> None:
         'kvstore_tier_lookups_total{result="miss",tier="none"}',
         'kvstore_tier_evictions_total{tier="dram"}',
         "kvstore_nodes_alive 2.0",
-        "kvstore_prefix_match_hit_ratio 0.333",  # 3 of 4, then 0 of 5
+        "kvstore_prefix_chain_queried_keys_total 9.0",
+        "kvstore_prefix_chain_matched_keys_total 3.0",
+        "kvstore_prefix_index_blocks 2.0",
         "kvstore_leases_held",
         "kvstore_pins_held",
         "kvstore_replication_backlog",
     ]:
         assert needle in text, needle
+    ratio = next(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("kvstore_prefix_match_hit_ratio ")
+    )
+    assert 0 < ratio <= 1
 
 
 def test_node_rest(cluster: Cluster, client: Client) -> None:

@@ -15,8 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from kvstore.client import Client
+
+from tests.support import wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

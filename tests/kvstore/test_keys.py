@@ -47,7 +47,7 @@ def _spec_keys(fields: dict, tokens: list[int]) -> tuple[bytes, list[bytes]]:
         raw = text.encode("utf-8")
         return struct.pack("<H", len(raw)) + raw
 
-    canonical = b"KVNS" + bytes([1]) + s(fields["model_id"]) + s(fields["dtype"])
+    canonical = b"KVNS" + bytes([1]) + s(fields["model"]) + s(fields["dtype"])
     canonical += struct.pack(
         "<6I",
         *(
@@ -109,7 +109,7 @@ def test_separate_processes_compute_identical_keys(hash_seed) -> None:
     "change",
     [
         {"salt": "tenant-a"},
-        {"model_id": "m2"},
+        {"model": "m2"},
         {"dtype": "bfloat16"},
         {"num_layers": 3},
         {"num_kv_heads": 1},
@@ -202,9 +202,9 @@ def test_bad_parent_raises() -> None:
 @pytest.mark.parametrize(
     "fields",
     [
-        {"model_id": ""},
-        {"model_id": 7},
-        {"model_id": "x" * 2000},
+        {"model": ""},
+        {"model": 7},
+        {"model": "x" * 2000},
         {"dtype": "int8"},
         {"num_layers": 0},
         {"num_kv_heads": -1},
@@ -226,7 +226,7 @@ def test_bad_namespace_raises(fields) -> None:
 def test_namespace_round_trip_and_bad_dict() -> None:
     assert Namespace.from_dict(NS.to_dict()) == NS
     assert Namespace.from_dict(NS.to_dict()).digest == NS.digest
-    for bad in (None, [], {"model_id": "m"}, {**NS.to_dict(), "extra": 1}):
+    for bad in (None, [], {"model": "m"}, {**NS.to_dict(), "extra": 1}):
         with pytest.raises(InvalidRequestError):
             Namespace.from_dict(bad)
 

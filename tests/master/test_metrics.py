@@ -66,8 +66,14 @@ def test_edge_records_verbs_codes_latency_and_lookups() -> None:
 def test_registries_are_per_master() -> None:
     a, b = MasterMetrics(_service()), MasterMetrics(_service())
     a.record_prefix_match(3, 4)
-    assert _samples(a)[("kvstore_prefix_match_hit_ratio", ())] == 0.75
-    assert _samples(b)[("kvstore_prefix_match_hit_ratio", ())] == 0
+    assert _samples(a)[("kvstore_prefix_chain_matched_keys_total", ())] == 3
+    assert _samples(b)[("kvstore_prefix_chain_matched_keys_total", ())] == 0
+
+
+def test_prefix_hit_ratio_comes_from_the_index() -> None:
+    svc = _service()
+    svc.prefix.num_query_tokens, svc.prefix.num_hit_tokens = 10, 4
+    assert _samples(MasterMetrics(svc))[("kvstore_prefix_match_hit_ratio", ())] == 0.4
 
 
 def test_optional_figures_come_from_stats() -> None:
