@@ -43,6 +43,9 @@ class Token:
             raise InvalidRequestError(
                 f"a cluster token must be {MIN_TOKEN_BYTES}..{MAX_TOKEN_BYTES} bytes"
             )
+        if not (raw.isascii() and raw.decode().isprintable()) or b" " in raw:
+            # It travels in HTTP headers: visible ASCII only.
+            raise InvalidRequestError("a cluster token must be printable ASCII without spaces")
         self._secret = raw
 
     def matches(self, offered: object) -> bool:

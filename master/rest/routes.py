@@ -157,6 +157,7 @@ def _object_json(svc: MasterService, obj: ObjectMeta) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ probes and metrics
 async def ready(request: web.Request) -> web.Response:
+    """200 once a storage node is registered, else 503 (NODE_UNAVAILABLE)."""
     svc = request.app[SERVICE_KEY]
     if not svc.nodes:
         raise NodeUnavailableError("no storage node is registered yet")
@@ -164,22 +165,26 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format."""
     # Collected on the loop: the collector reads the single-threaded service.
     body = request.app[METRICS_KEY].exposition()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def history(request: web.Request) -> web.Response:
+    """Recent samples behind the status page."""
     return web.json_response(request.app[HISTORY_KEY].to_json())
 
 
 # ------------------------------------------------------------------ nodes
 async def nodes(request: web.Request) -> web.Response:
+    """Every registered storage node, sorted by id."""
     svc = request.app[SERVICE_KEY]
     return web.json_response({"nodes": [_node_json(svc, n) for n in sorted(svc.nodes)]})
 
 
 async def node(request: web.Request) -> web.Response:
+    """One node; 404 (NODE_NOT_FOUND) for an unknown id."""
     svc = request.app[SERVICE_KEY]
     node_id = request.match_info["node_id"]
     if node_id not in svc.nodes:
@@ -195,6 +200,7 @@ def _page(keys: list[bytes], prefix: bytes, after: bytes | None, limit: int) -> 
 
 
 async def list_objects(request: web.Request) -> web.Response:
+    """Objects sorted by key, ``limit`` at a time; ``next_cursor`` continues after the page."""
     svc = request.app[SERVICE_KEY]
     limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     prefix_text = request.query.get("prefix", "")
@@ -218,6 +224,7 @@ def _path_key(request: web.Request) -> bytes:
 
 
 async def get_object(request: web.Request) -> web.Response:
+    """One object's size, checksum and replicas."""
     svc = request.app[SERVICE_KEY]
     key = _path_key(request)
     obj = svc.objects.get(key)
@@ -227,6 +234,7 @@ async def get_object(request: web.Request) -> web.Response:
 
 
 async def delete_object(request: web.Request) -> web.Response:
+    """Remove one object (the token is checked by the middleware)."""
     svc = request.app[SERVICE_KEY]
     err = svc.remove([_path_key(request)])[0]
     if err is not None:

@@ -37,7 +37,17 @@ def test_token_matches_only_itself(offered: object, ok: bool) -> None:
     assert auth.Token(SECRET).matches(offered) is ok
 
 
-@pytest.mark.parametrize("bad", ["short", "x" * 5000, "   "])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "short",
+        "x" * 5000,
+        "   ",
+        "with a space in it 0123",
+        "ünïcödé-token-0123456789",
+        "tab\there-0123456789",
+    ],
+)
 def test_token_length_is_checked(bad: str) -> None:
     with pytest.raises(InvalidRequestError) as exc:
         auth.Token(bad)
