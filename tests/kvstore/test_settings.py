@@ -59,6 +59,8 @@ def test_precedence(files, flags, env, use_file, admin, token, timeout, src) -> 
     assert got.timeout == timeout
     assert (got.token is None) if token is None else got.token.matches(token)
     assert got.sources["admin"] == src
+    for secret in (TOKEN_A, TOKEN_B, TOKEN_ENV):
+        assert secret not in repr(got)
 
 
 def test_config_from_env_variable(files, monkeypatch) -> None:
