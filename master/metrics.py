@@ -55,14 +55,61 @@ LATENCY_BUCKETS = (
     10.0,
 )
 
-#: Optional figures other subsystems may put into ``service.stats()``, as (stats key, metric
-#: name, help). Absent keys read as zero, so the series exist from the first scrape.
-_OPTIONAL_GAUGES = (
-    ("num_leases", "kvstore_leases_held", "Read leases currently held"),
-    ("num_pins", "kvstore_pins_held", "Pins currently held"),
-    ("replication_backlog", "kvstore_replication_backlog", "Replicas waiting to be copied"),
+#: Figures other subsystems keep in ``service.stats()``: (metric, kind, help, candidate paths).
+#: The first path present wins; none present reads as zero, so every series exists from the first
+#: scrape. Paths follow the tier/lease/replication work's stats (``eviction``, ``replication``).
+_STATS_FIGURES: tuple[tuple[str, str, str, tuple[tuple[str, ...], ...]], ...] = (
+    ("kvstore_leases_held", "gauge", "Read leases currently held", (("num_leases",),)),
+    ("kvstore_pins_held", "gauge", "Objects pinned now", (("num_pins",), ("num_pinned",))),
+    (
+        "kvstore_replication_backlog",
+        "gauge",
+        "Objects with fewer replicas than wanted",
+        (("replication_backlog",), ("replication", "num_under_replicated")),
+    ),
+    (
+        "kvstore_replication_copies_in_flight",
+        "gauge",
+        "Replica copies (replication, drain) in flight",
+        (("replication", "num_copies_in_flight"),),
+    ),
+    (
+        "kvstore_evictions",
+        "counter",
+        "Replicas deleted from their last tier by background eviction",
+        (("eviction", "num_evictions"),),
+    ),
+    (
+        "kvstore_sync_evictions",
+        "counter",
+        "Replicas deleted to make room for a put",
+        (("eviction", "num_sync_evictions"),),
+    ),
+    (
+        "kvstore_demotions",
+        "counter",
+        "Replicas moved to a lower tier",
+        (("eviction", "num_demotions"),),
+    ),
+    (
+        "kvstore_promotions",
+        "counter",
+        "Replicas moved to a higher tier",
+        (("eviction", "num_promotions"),),
+    ),
+    ("kvstore_held_frees", "gauge", "Freed extents held for leases", (("num_held_frees",),)),
 )
 _TIER_COUNTERS = ("evictions", "demotions", "promotions")
+
+
+def _figure(stats: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> float:
+    for path in paths:
+        value: Any = stats
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
 
 
 class MasterMetrics:
@@ -226,7 +273,9 @@ class _ServiceCollector(Collector):
                 f"kvstore_tier_{what}", f"Objects {what[:-1]}ed, by tier", labels=["tier"]
             )
             for tier in sorted(set(by_tier) | set(tier_stats)):
-                family.add_metric([tier], float((tier_stats.get(tier) or {}).get(what, 0)))
+                fig = tier_stats.get(tier) or {}
+                paths = ((what,), (f"num_{what}",))
+                family.add_metric([tier], _figure(fig, paths))
             yield family
 
         yield _gauge("kvstore_nodes_alive", "Registered, live storage nodes", len(svc.nodes))
@@ -235,8 +284,9 @@ class _ServiceCollector(Collector):
         yield _gauge(
             "kvstore_object_bytes", "Bytes of committed objects", stats.get("object_bytes", 0)
         )
-        for key, name, doc in _OPTIONAL_GAUGES:
-            yield _gauge(name, doc, stats.get(key, 0))
+        for name, kind, doc, paths in _STATS_FIGURES:
+            make = _gauge if kind == "gauge" else _counter
+            yield make(name, doc, _figure(stats, paths))
         yield _counter(
             "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
         )

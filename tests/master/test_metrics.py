@@ -81,13 +81,25 @@ def test_optional_figures_come_from_stats() -> None:
     stats = svc.stats
 
     def more() -> dict[str, object]:
-        return {**stats(), "num_pins": 5, "tiers": {"dram": {"evictions": 9}}}
+        return {
+            **stats(),
+            "num_pinned": 5,
+            "tiers": {"dram": {"num_evictions": 9, "capacity_bytes": 1}},
+            "eviction": {"num_demotions": 3, "num_evictions": 4, "policy": "lru"},
+            "replication": {"num_under_replicated": 2, "num_copies_in_flight": 1},
+        }
 
     svc.stats = more  # type: ignore[method-assign]
     got = _samples(MasterMetrics(svc))
     assert got[("kvstore_pins_held", ())] == 5
+    assert got[("kvstore_leases_held", ())] == 0
     assert got[("kvstore_tier_evictions_total", (("tier", "dram"),))] == 9
     assert got[("kvstore_tier_demotions_total", (("tier", "dram"),))] == 0
+    assert got[("kvstore_demotions_total", ())] == 3
+    assert got[("kvstore_evictions_total", ())] == 4
+    assert got[("kvstore_promotions_total", ())] == 0
+    assert got[("kvstore_replication_backlog", ())] == 2
+    assert got[("kvstore_replication_copies_in_flight", ())] == 1
 
 
 def test_history_keeps_a_window() -> None:
