@@ -284,6 +284,15 @@ class _ServiceCollector(Collector):
         yield _gauge(
             "kvstore_object_bytes", "Bytes of committed objects", stats.get("object_bytes", 0)
         )
+        if "num_leases" not in stats:
+            # Objects under a read lease (``lease_until`` in the future), where objects carry one.
+            now = svc.clock()
+            stats = {
+                **stats,
+                "num_leases": sum(
+                    1 for o in list(svc.objects.values()) if getattr(o, "lease_until", 0.0) > now
+                ),
+            }
         for name, kind, doc, paths in _STATS_FIGURES:
             make = _gauge if kind == "gauge" else _counter
             yield make(name, doc, _figure(stats, paths))
