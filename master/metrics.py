@@ -249,16 +249,23 @@ class _ServiceCollector(Collector):
                 fig = by_tier.setdefault(seg.tier, [0, 0, 0])
                 fig[0] += seg.allocator.used_bytes
                 fig[1] += seg.allocator.capacity
-        tier_of = {
-            (n.node_id, s.name): s.tier
-            for n in list(svc.nodes.values())
-            for s in list(n.segments.values())
-        }
-        for obj in list(svc.objects.values()):
-            for r in obj.replicas:
-                tier = tier_of.get((r.node_id, r.segment))
-                if tier is not None:
-                    by_tier[tier][2] += 1
+        tier_stats = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
+        if all(
+            isinstance(tier_stats.get(t), dict) and "num_replicas" in tier_stats[t] for t in by_tier
+        ):
+            for tier, fig in by_tier.items():  # the service counts them: no walk over objects
+                fig[2] = int(tier_stats[tier]["num_replicas"])
+        else:
+            tier_of = {
+                (n.node_id, s.name): s.tier
+                for n in list(svc.nodes.values())
+                for s in list(n.segments.values())
+            }
+            for obj in list(svc.objects.values()):
+                for r in obj.replicas:
+                    tier = tier_of.get((r.node_id, r.segment))
+                    if tier is not None:
+                        by_tier[tier][2] += 1
         for tier, (u, c, o) in sorted(by_tier.items()):
             used.add_metric([tier], u)
             capacity.add_metric([tier], c)
@@ -267,7 +274,6 @@ class _ServiceCollector(Collector):
         yield capacity
         yield objects
 
-        tier_stats = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
         for what in _TIER_COUNTERS:
             family = CounterMetricFamily(
                 f"kvstore_tier_{what}", f"Objects {what[:-1]}ed, by tier", labels=["tier"]
