@@ -84,7 +84,7 @@ def test_optional_figures_come_from_stats() -> None:
         return {
             **stats(),
             "num_pinned": 5,
-            "tiers": {"dram": {"num_evictions": 9, "capacity_bytes": 1}},
+            "tiers": {"dram": {"num_evictions": 9, "num_replicas": 7}},
             "eviction": {"num_demotions": 3, "num_evictions": 4, "policy": "lru"},
             "replication": {"num_under_replicated": 2, "num_copies_in_flight": 1},
         }
@@ -92,6 +92,7 @@ def test_optional_figures_come_from_stats() -> None:
     svc.stats = more  # type: ignore[method-assign]
     got = _samples(MasterMetrics(svc))
     assert got[("kvstore_pins_held", ())] == 5
+    assert got[("kvstore_tier_objects", (("tier", "dram"),))] == 7
     assert got[("kvstore_leases_held", ())] == 0
     assert got[("kvstore_tier_evictions_total", (("tier", "dram"),))] == 9
     assert got[("kvstore_tier_demotions_total", (("tier", "dram"),))] == 0
