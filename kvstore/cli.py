@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstore import auth, ops
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import KVStoreError
 
@@ -57,9 +58,14 @@ def _master_config(args: argparse.Namespace) -> object:
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    from kvstore.master.daemon import serve_master
+    from kvstore.master.daemon import serve_master, tls_context
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
+    security = {
+        "token": auth.load_token(args.token_file),
+        "public_reads": args.public_reads,
+        "ssl_context": tls_context(args.tls_cert, args.tls_key),
+    }
     if args.etcd:
         from kvstore.etcd import parse_endpoints
         from kvstore.master.ha import HAConfig, serve_master_ha
@@ -73,9 +79,11 @@ def cmd_master(args: argparse.Namespace) -> int:
             advertise_host=args.advertise_host or "",
         )
         # grpc.aio runs on the standard asyncio loop.
-        asyncio.run(serve_master_ha(args.host, args.port, admin_port, _master_config(args), ha))  # type: ignore[arg-type]
+        asyncio.run(
+            serve_master_ha(args.host, args.port, admin_port, _master_config(args), ha, **security)
+        )  # type: ignore[arg-type]
         return 0
-    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args)))
+    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args), **security))
     return 0
 
 
@@ -93,10 +101,20 @@ def cmd_node(args: argparse.Namespace) -> int:
             args.port,
             parse_size(args.dram),
             Path(args.data_dir),
+            token=auth.load_token(args.token_file),
+            admin_port=args.admin_port,
+            public_reads=args.public_reads,
         )
         return 0
     serve_node(
-        Address.parse(args.master), args.host, args.port, parse_size(args.dram), Path(args.data_dir)
+        Address.parse(args.master),
+        args.host,
+        args.port,
+        parse_size(args.dram),
+        Path(args.data_dir),
+        token=auth.load_token(args.token_file),
+        admin_port=args.admin_port,
+        public_reads=args.public_reads,
     )
     return 0
 
@@ -106,7 +124,18 @@ async def _up(args: argparse.Namespace) -> int:
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
-    master = Master(args.host, args.port, admin_port, _master_config(args))  # type: ignore[arg-type]
+    from kvstore.master.daemon import tls_context
+
+    token = auth.load_token(args.token_file)  # the node child reads the same env / file
+    master = Master(
+        args.host,
+        args.port,
+        admin_port,
+        _master_config(args),  # type: ignore[arg-type]
+        token=token,
+        public_reads=args.public_reads,
+        ssl_context=tls_context(args.tls_cert, args.tls_key),
+    )
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -128,6 +157,8 @@ async def _up(args: argparse.Namespace) -> int:
         args.dram,
         "--data-dir",
         str(data_dir / "node-0"),
+        *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
+        *([] if args.public_reads else ["--no-public-reads"]),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
     )
@@ -254,6 +285,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the cluster token (else env KVSTORE_TOKEN / KVSTORE_TOKEN_FILE; "
+        "none: no authentication)",
+    )
+    p.add_argument(
+        "--public-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve read-only REST endpoints without the token (mutating calls always need it)",
+    )
+    if tls:
+        p.add_argument("--tls-cert", default=None, help="PEM certificate: serve REST over HTTPS")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--put-timeout",
@@ -305,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--etcd-attempts", type=int, default=5, help="tries to reach etcd at start")
     p.add_argument("--advertise-host", default=None, help="host published to clients")
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
@@ -319,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.add_argument(
+        "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
+    )
+    _add_security_flags(p, tls=False)
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -329,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", default="512MiB")
     p.add_argument("--data-dir", default=".kvstore-data")
     _add_master_flags(p)
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
@@ -344,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--dram", default="256MiB")
     p.set_defaults(func=cmd_demo)
+
+    ops.add_parsers(sub)
     return parser
 
 

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from kvstore.master.daemon import Master, install_stop_signals
 from kvstore.master.service import MasterConfig, MasterService
 
 from kvstore import protocol
+from kvstore.auth import Token
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
 from kvstore.errors import (
@@ -320,7 +322,15 @@ class Elector:
 
 
 async def serve_master_ha(
-    host: str, port: int, admin_port: int, config: MasterConfig, ha: HAConfig
+    host: str,
+    port: int,
+    admin_port: int,
+    config: MasterConfig,
+    ha: HAConfig,
+    *,
+    token: Token | None = None,
+    public_reads: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run one of several masters until SIGINT/SIGTERM: standby until elected.
 
@@ -331,7 +341,15 @@ async def serve_master_ha(
         EtcdUnavailableError: etcd did not answer at start (after bounded retries).
     """
     store = await EtcdStore.connect(ha.endpoints, attempts=ha.connect_attempts)
-    master = Master(host, port, admin_port, config)
+    master = Master(
+        host,
+        port,
+        admin_port,
+        config,
+        token=token,
+        public_reads=public_reads,
+        ssl_context=ssl_context,
+    )
     fence = Leadership(master.service)
     master.control.fence = fence
     endpoints = await master.start()

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix_restore import PromptMetaBacklog
 
 from kvstore import grants
 from kvstore.config import MAX_OBJECT_BYTES
@@ -41,6 +42,7 @@ from kvstore.errors import (
     PutNotFoundError,
 )
 from kvstore.keys import Namespace
+from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 if TYPE_CHECKING:
@@ -152,6 +154,8 @@ class MasterService:
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
         self.prefix = PrefixIndex()
+        self.prompt_metas = PromptMetaBacklog()
+        self.prompt_metas_dirty = False
         # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
         # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
         self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
@@ -169,7 +173,34 @@ class MasterService:
         from kvstore.master.recovery import admit_manifest, forget_stale_stamps
 
         forget_stale_stamps(self)
-        return admit_manifest(self, node_id, claims)
+        claims = list(claims)
+        report = admit_manifest(self, node_id, claims)
+        # Prompt metas let the prefix index be rebuilt (master/prefix_restore.py); new objects
+        # may also complete prompts fetched earlier.
+        self.prompt_metas.to_fetch.update(
+            c.key for c in claims if c.key.startswith(KV_META_PREFIX) and c.key in self.objects
+        )
+        self.prompt_metas_dirty = True
+        return report
+
+    def restore_prefix_index(self) -> int:
+        """Index every fetched prompt meta whose blocks are all committed by now.
+
+        Returns:
+            Prompts fully indexed by this call (the others wait for more nodes to re-register).
+        """
+        done = 0
+        for key, (namespace, tokens) in list(self.prompt_metas.incomplete.items()):
+            if key not in self.objects:
+                del self.prompt_metas.incomplete[key]  # the meta itself went away
+                continue
+            self.prefix.index(namespace, tokens, self.objects.__contains__)
+            full = len(tokens) // namespace.block_size * namespace.block_size
+            if self.prefix.radix.match(namespace, tokens).num_tokens >= full:
+                del self.prompt_metas.incomplete[key]
+                done += 1
+        self.prompt_metas.num_restored += done
+        return done
 
     # ================================================================ membership
     def register(

@@ -15,9 +15,12 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
     def make(
-        num_nodes: int = 1, dram: str = "256MiB", master_args: tuple[str, ...] = ()
+        num_nodes: int = 1,
+        dram: str = "256MiB",
+        master_args: tuple[str, ...] = (),
+        node_args: tuple[str, ...] = (),
     ) -> Cluster:
-        c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args))
+        c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args), node_args=node_args)
         made.append(c)
         for _ in range(num_nodes):
             c.add_node(dram)

@@ -92,6 +92,7 @@ class Cluster:
     tmp: Path
     master: Daemon
     nodes: list[Daemon] = field(default_factory=list)
+    node_args: tuple[str, ...] = ()  # extra flags for every node (e.g. --token-file)
 
     @property
     def address(self) -> str:
@@ -101,7 +102,9 @@ class Cluster:
     def admin(self) -> str:
         return self.master.field("admin")
 
-    def add_node(self, dram: str = "256MiB", name: str | None = None) -> Daemon:
+    def add_node(
+        self, dram: str = "256MiB", name: str | None = None, extra: tuple[str, ...] = ()
+    ) -> Daemon:
         name = name or f"node{len(self.nodes)}"
         node = Daemon(
             [
@@ -114,6 +117,8 @@ class Cluster:
                 dram,
                 "--data-dir",
                 str(self.tmp / name),
+                *self.node_args,
+                *extra,
             ],
             ready=r"kvstore node ready",
         )

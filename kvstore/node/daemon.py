@@ -9,9 +9,10 @@ import threading
 import uuid
 from pathlib import Path
 
-from kvstore import grants
+from kvstore import auth, grants
 from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path
 from kvstore.node.server import DataServer
@@ -40,21 +41,42 @@ class StorageNode:
     """A node's parts, started and stopped together."""
 
     def __init__(
-        self, master: Address, host: str, port: int, dram_bytes: int, data_dir: Path
+        self,
+        master: Address,
+        host: str,
+        port: int,
+        dram_bytes: int,
+        data_dir: Path,
+        *,
+        token: auth.Token | None = None,
+        admin_port: int | None = None,
+        public_reads: bool = True,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
         self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
-        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port)
+        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port, token=token)
         self.link = MasterLink(
             master,
             self.node_id,
             host,
             self.server,
             [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
+            token=token,
         )
+        self.admin: NodeAdmin | None = None
+        if admin_port is not None:
+            self.admin = NodeAdmin(
+                host,
+                admin_port,
+                self.node_id,
+                self.server.stats,
+                {"dram": ("dram", dram_bytes)},
+                token=token,
+                public_reads=public_reads,
+            )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
         """Serve, and wait until the master has accepted us.
@@ -63,6 +85,8 @@ class StorageNode:
             MasterUnavailableError: no registration within ``register_timeout_s``.
         """
         self.server.start()
+        if self.admin is not None:
+            self.admin.start()
         self.link.start()
         if not self.link.registered.wait(register_timeout_s):
             self.stop()
@@ -72,19 +96,41 @@ class StorageNode:
 
     def stop(self) -> None:
         self.link.stop()
+        if self.admin is not None:
+            self.admin.stop()
         self.server.stop()
         self.dram.close()
 
 
-def serve_node(master: Address, host: str, port: int, dram_bytes: int, data_dir: Path) -> None:
+def serve_node(
+    master: Address,
+    host: str,
+    port: int,
+    dram_bytes: int,
+    data_dir: Path,
+    *,
+    token: auth.Token | None = None,
+    admin_port: int | None = None,
+    public_reads: bool = True,
+) -> None:
     """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(master, host, port, dram_bytes, data_dir)
+    node = StorageNode(
+        master,
+        host,
+        port,
+        dram_bytes,
+        data_dir,
+        token=token,
+        admin_port=admin_port,
+        public_reads=public_reads,
+    )
     node.start()
+    admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{admin}",
         flush=True,
     )
     try:
