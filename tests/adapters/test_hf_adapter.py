@@ -178,3 +178,35 @@ def test_a_saved_model_folder_loads_with_the_same_weights(tmp_path: Path) -> Non
     assert hf.model_shape(again) == hf.model_shape(model)
     with pytest.raises(InvalidRequestError, match="unknown model"):
         build_model(str(tmp_path / "missing"))
+
+
+class _KillsTheNodeMidLoad:
+    """The real KVCache, but the storage node is killed (SIGKILL, by PID) once layer 0 arrived
+    (layer 1 is already in flight then; the later layers' reads fail)."""
+
+    def __init__(self, kv: KVCache, node) -> None:
+        self.kv = kv
+        self.namespace = kv.namespace
+        self.node = node
+
+    def load_layers(self, tokens: np.ndarray, bufs: list) -> Iterator:
+        for layer, k, v in self.kv.load_layers(tokens, bufs):
+            yield layer, k, v
+            if layer == 0:
+                self.node.kill()
+
+
+def test_a_node_killed_mid_load_means_recompute_never_a_wrong_token(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    model = build_model("tiny-llama")  # 4 layers: layer 2 is read after the kill
+    with Client.connect(cluster.address, timeout=5) as client:
+        kv = KVCache(client, hf.namespace_for(model, "killed", block_size=BS))
+        tokens = prompt(6 * BS + 3, 6)
+        first = PrefillWorker(model, kv).prefill(tokens).first_token
+        want = colocated_generate(model, tokens, 6)
+        result = DecodeWorker(model, _KillsTheNodeMidLoad(kv, cluster.nodes[0])).generate(  # type: ignore[arg-type]
+            tokens, 6, first_token=first
+        )
+        assert result.fell_back and result.num_loaded == 0, result.notes
+        assert result.tokens == want
+        kv.close()
