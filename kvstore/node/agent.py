@@ -10,7 +10,8 @@ from kvstore import protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
 from kvstore.node.server import DataServer
-from kvstore.types import SegmentSpec
+from kvstore.node.tasks import run_tasks
+from kvstore.types import ManifestRecord, SegmentSpec
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class MasterLink:
         self.server = server
         self.segments = segments
         self.registered = threading.Event()
+        #: Set when the master retired this node (after a drain): the node should exit.
+        self.retired = threading.Event()
+        self._done: list[list[object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
         self.heartbeat_interval_s = 1.0
@@ -54,8 +58,16 @@ class MasterLink:
         self._thread.join(timeout=10)
 
     def _register(self, conn: protocol.FramedSocket) -> None:
-        # A fresh registration means the master holds nothing of ours: start a clean manifest.
-        self.server.manifest.clear()
+        # A fresh registration means the master holds nothing of ours: start a clean manifest,
+        # except for durable tiers (NVMe), whose objects we report for the master to re-admit.
+        durable = {name for name, t in self.server.tiers.items() if t.durable}
+        self.server.manifest.clear_volatile(durable)
+        tier_of = {s.name: s.tier for s in self.segments}
+        records = [
+            ManifestRecord(seg, tier_of.get(seg, ""), off, key, size, checksum).to_wire()
+            for seg, off, key, size, checksum in self.server.manifest.snapshot()
+        ]
+        self._done = []
         reply = conn.call(
             "register",
             {
@@ -64,6 +76,7 @@ class MasterLink:
                 "port": self.server.port,
                 "secret": self.server.secret,
                 "segments": [s.to_wire() for s in self.segments],
+                "manifest": records,
             },
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
@@ -80,9 +93,12 @@ class MasterLink:
                 )
                 self._register(conn)
                 backoff = 0.1
-                while not self._stop.wait(self.heartbeat_interval_s):
+                wait_s = self.heartbeat_interval_s
+                while not self._stop.wait(wait_s):
+                    wait_s = self.heartbeat_interval_s
+                    done, self._done = self._done, []
                     try:
-                        reply = conn.call("heartbeat", {"node_id": self.node_id})
+                        reply = conn.call("heartbeat", {"node_id": self.node_id, "done": done})
                     except KVStoreError as err:
                         if err.code != ErrorCode.NODE_UNAVAILABLE:
                             raise
@@ -91,7 +107,15 @@ class MasterLink:
                         continue
                     forget = reply.get("forget", [])
                     if forget:
-                        self.server.manifest.forget([(s, o) for s, o in forget])
+                        self.server.forget([(s, o) for s, o in forget])
+                    tasks = reply.get("tasks") or []
+                    if tasks:
+                        self._done = run_tasks(self.server, tasks)
+                        wait_s = 0.0  # report at once: the master may have more work queued
+                    if reply.get("retire"):
+                        log.info("the master retired this node (drained): stopping")
+                        self.retired.set()
+                        return
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
                 self.registered.clear()
                 log.warning(

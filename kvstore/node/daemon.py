@@ -14,7 +14,10 @@ from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path
+from kvstore.node.hbm import open_hbm
+from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.node.tiers import Tier
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -40,21 +43,35 @@ class StorageNode:
     """A node's parts, started and stopped together."""
 
     def __init__(
-        self, master: Address, host: str, port: int, dram_bytes: int, data_dir: Path
+        self,
+        master: Address,
+        host: str,
+        port: int,
+        dram_bytes: int,
+        data_dir: Path,
+        nvme_bytes: int = 0,
+        hbm_bytes: int = 0,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
+        if nvme_bytes < 0 or hbm_bytes < 0:
+            raise InvalidRequestError("--nvme and --hbm must be >= 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
+        # NOTE: lmdb must be opened after any fork: this is the node's own process.
+        tiers: dict[str, Tier] = {}
+        hbm = open_hbm(hbm_bytes)
+        if hbm is not None:
+            tiers[hbm.segment] = hbm
+        if nvme_bytes:
+            nvme = NvmeTier(data_dir / "nvme", nvme_bytes)
+            tiers[nvme.segment] = nvme
+        self.tiers = tiers
         self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
-        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port)
-        self.link = MasterLink(
-            master,
-            self.node_id,
-            host,
-            self.server,
-            [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
-        )
+        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers)
+        specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
+        specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]
+        self.link = MasterLink(master, self.node_id, host, self.server, specs)
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
         """Serve, and wait until the master has accepted us.
@@ -74,19 +91,33 @@ class StorageNode:
         self.link.stop()
         self.server.stop()
         self.dram.close()
+        for tier in self.tiers.values():
+            tier.close()
 
 
-def serve_node(master: Address, host: str, port: int, dram_bytes: int, data_dir: Path) -> None:
-    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line."""
+def serve_node(
+    master: Address,
+    host: str,
+    port: int,
+    dram_bytes: int,
+    data_dir: Path,
+    nvme_bytes: int = 0,
+    hbm_bytes: int = 0,
+) -> None:
+    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(master, host, port, dram_bytes, data_dir)
+    node = StorageNode(master, host, port, dram_bytes, data_dir, nvme_bytes, hbm_bytes)
     node.start()
+    tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}",
         flush=True,
     )
+    threading.Thread(
+        target=lambda: (node.link.retired.wait(), stop.set()), name="node-retire", daemon=True
+    ).start()
     try:
         stop.wait()
     finally:
