@@ -56,19 +56,80 @@ def _master_config(args: argparse.Namespace) -> object:
     )
 
 
+def _tier_config(args: argparse.Namespace) -> object:
+    from kvstore.master.tiering import TierConfig
+
+    return TierConfig(
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        eviction_policy=args.eviction_policy,
+        lease_s=args.lease,
+        promote_after_hits=args.promote_after,
+    )
+
+
 def cmd_master(args: argparse.Namespace) -> int:
     from kvstore.master.daemon import serve_master
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
-    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args)))
+    _run_loop(
+        serve_master(
+            args.host,
+            args.port,
+            admin_port,
+            _master_config(args),  # type: ignore[arg-type]
+            _tier_config(args),  # type: ignore[arg-type]
+        )
+    )
     return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """``kvstore drain NODE``: ask the master to drain a node, and wait until it retires."""
+    import json
+    import time
+    import urllib.error
+    import urllib.request
+
+    url = f"{args.admin.rstrip('/')}/api/v1/nodes/{args.node_id}/drain"
+    deadline = time.monotonic() + args.timeout
+    while True:
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(url, method="POST"), timeout=10
+            ) as r:
+                status = json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            body = json.loads(exc.read() or b"{}").get("error", {})
+            print(f"kvstore drain: {body.get('message', exc.reason)}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"kvstore drain: admin API {args.admin} unreachable: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"node {status['node_id']}: {status['state']}, "
+            f"{status['num_objects_left']} object(s) left",
+            flush=True,
+        )
+        if status["state"] == "retired" or args.no_wait:
+            return 0
+        if time.monotonic() > deadline:
+            print("kvstore drain: timed out; the drain continues in the master", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import serve_node
 
     serve_node(
-        Address.parse(args.master), args.host, args.port, parse_size(args.dram), Path(args.data_dir)
+        Address.parse(args.master),
+        args.host,
+        args.port,
+        parse_size(args.dram),
+        Path(args.data_dir),
+        parse_size(args.nvme),
+        parse_size(args.hbm),
     )
     return 0
 
@@ -78,7 +139,7 @@ async def _up(args: argparse.Namespace) -> int:
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
-    master = Master(args.host, args.port, admin_port, _master_config(args))  # type: ignore[arg-type]
+    master = Master(args.host, args.port, admin_port, _master_config(args), _tier_config(args))  # type: ignore[arg-type]
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -98,6 +159,8 @@ async def _up(args: argparse.Namespace) -> int:
         str(node_port),
         "--dram",
         args.dram,
+        "--nvme",
+        args.nvme,
         "--data-dir",
         str(data_dir / "node-0"),
         stdout=asyncio.subprocess.PIPE,
@@ -173,6 +236,15 @@ def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats"
     )
+    p.add_argument(
+        "--high-watermark", type=float, default=0.90, help="tier fill that starts eviction"
+    )
+    p.add_argument("--low-watermark", type=float, default=0.80, help="tier fill eviction stops at")
+    p.add_argument("--eviction-policy", default="lru", help="lru or lfu")
+    p.add_argument("--lease", type=float, default=5.0, help="seconds a read lease lasts")
+    p.add_argument(
+        "--promote-after", type=int, default=3, help="reads before an NVMe object moves to DRAM"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size under --data-dir; 0: none")
+    p.add_argument("--hbm", default="0", help="GPU memory tier size where a GPU exists; 0: none")
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -207,9 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=None, help="default: port + 1")
     p.add_argument("--node-port", type=int, default=None, help="default: port + 2")
     p.add_argument("--dram", default="512MiB")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
     p.add_argument("--data-dir", default=".kvstore-data")
     _add_master_flags(p)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("drain", help="move a node's objects elsewhere, then retire the node")
+    p.add_argument("node_id", metavar="NODE")
+    p.add_argument("--admin", default="http://127.0.0.1:7701", help="the master's admin URL")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for retirement")
+    p.add_argument("--no-wait", action="store_true", help="start the drain and return")
+    p.set_defaults(func=cmd_drain)
     return parser
 
 

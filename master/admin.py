@@ -65,12 +65,22 @@ async def cluster(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].stats())
 
 
+async def drain_node(request: web.Request) -> web.Response:
+    """``POST /api/v1/nodes/{id}/drain``: move the node's objects elsewhere, then retire it.
+
+    Answers 202 with the drain status (``state``, ``num_objects_left``); POST again to poll.
+    """
+    status = request.app[SERVICE_KEY].drain_node(request.match_info["id"])
+    return web.json_response(status, status=202 if status["state"] != "retired" else 200)
+
+
 def init_app(service: MasterService) -> web.Application:
     """Build the admin application around a live service (nothing starts at import time)."""
     app = web.Application(middlewares=[error_middleware])
     app[SERVICE_KEY] = service
     app.router.add_get("/health", health)
     app.router.add_get("/api/v1/cluster", cluster)
+    app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
     return app
 
 

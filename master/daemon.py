@@ -12,6 +12,7 @@ from aiohttp import web
 from kvstore.master.admin import init_app
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ class Master:
         port: int = 0,
         admin_port: int = 0,
         config: MasterConfig | None = None,
+        tiers: TierConfig | None = None,
     ) -> None:
-        self.service = MasterService(config)
+        self.service = MasterService(config, tiers=tiers)
         self.control = ControlServer(self.service, host, port)
         self.host = host
         self.admin_port = admin_port
@@ -58,6 +60,7 @@ class Master:
             try:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
+                self.service.tick()
             except Exception:  # a bug here must not stop the master from serving
                 log.exception("housekeeping failed")
 
@@ -77,9 +80,11 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve_master(host: str, port: int, admin_port: int, config: MasterConfig) -> None:
+async def serve_master(
+    host: str, port: int, admin_port: int, config: MasterConfig, tiers: TierConfig | None = None
+) -> None:
     """Run a master until SIGINT/SIGTERM. Prints one ``ready`` line with both endpoints."""
-    master = Master(host, port, admin_port, config)
+    master = Master(host, port, admin_port, config, tiers)
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)

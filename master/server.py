@@ -22,7 +22,7 @@ from kvstore.errors import (
     ProtocolError,
     UnknownVerbError,
 )
-from kvstore.types import SegmentSpec, result_to_wire
+from kvstore.types import ManifestRecord, SegmentSpec, result_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -71,31 +71,48 @@ def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _register(svc: MasterService, args: dict[str, Any]) -> Any:
     segments = [SegmentSpec.from_wire(s) for s in _list(args, "segments")]
+    manifest = (
+        [ManifestRecord.from_wire(e) for e in _list(args, "manifest")] if "manifest" in args else []
+    )
+    node_id = _arg(args, "node_id", str)
     svc.register(
-        _arg(args, "node_id", str),
+        node_id,
         _arg(args, "host", str),
         _arg(args, "port", int),
         _arg(args, "secret", bytes),
         segments,
     )
+    admitted = svc.admit_manifest(node_id, manifest) if manifest else {}
     return {
+        **admitted,
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
         "node_ttl_s": svc.config.node_ttl_s,
     }
 
 
 def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
-    return {"forget": [list(p) for p in svc.heartbeat(_arg(args, "node_id", str))]}
+    # The node reports the tasks it ran; the reply carries what to forget and what to do next
+    # (see kvstore/node/tasks.py), and whether a drained node may stop.
+    node_id = _arg(args, "node_id", str)
+    if "done" in args:
+        svc.tasks_done(node_id, _list(args, "done", list))
+    forget = svc.heartbeat(node_id)
+    return {
+        "forget": [list(p) for p in forget],
+        "tasks": svc.take_tasks(node_id),
+        "retire": svc.take_retirement(node_id),
+    }
 
 
 def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     keys = _list(args, "keys")
     sizes = _list(args, "sizes", int)
     exclude = _list(args, "exclude", str) if "exclude" in args else []
+    replicas = _arg(args, "replicas", int) if "replicas" in args else 1
     if len(sizes) != len(keys):
         raise InvalidRequestError("keys and sizes differ in length")
     results = _per_key(
-        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude)
+        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude, replicas)
     )
     return [result_to_wire(r) for r in results]
 
@@ -123,6 +140,18 @@ def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
     return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
 
 
+def _pin(svc: MasterService, args: dict[str, Any]) -> Any:
+    ttl = _arg(args, "ttl_s", (int, float))
+    hard = _arg(args, "hard", bool) if "hard" in args else False
+    return [
+        result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.pin(k, ttl, hard))
+    ]
+
+
+def _unpin(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.unpin(k))]
+
+
 def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.stats()
 
@@ -137,6 +166,8 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "get_locations": _get_locations,
     "exists": _exists,
     "remove": _remove,
+    "pin": _pin,
+    "unpin": _unpin,
     "stats": _stats,
 }
 
