@@ -35,6 +35,7 @@ class Replicator:
         self.num_copies_failed = 0
         self.num_drained = 0
         self.num_retired = 0
+        self.retired: dict[str, dict[str, Any]] = {}  # node id -> its final drain status
 
     # ================================================================ hooks
     def replica_lost(self, obj: ObjectMeta) -> None:
@@ -117,6 +118,8 @@ class Replicator:
             InvalidRequestError: it holds objects and no other node can take data.
         """
         node = self.svc.nodes.get(node_id)
+        if node is None and node_id in self.retired:
+            return self.retired[node_id]
         if node is None:
             raise KeyNotFoundError(f"node {node_id!r} is not registered")
         if not node.draining:
@@ -138,6 +141,8 @@ class Replicator:
 
     def drain_status(self, node_id: str) -> dict[str, Any]:
         node = self.svc.nodes.get(node_id)
+        if node is None and node_id in self.retired:
+            return self.retired[node_id]
         if node is None:
             raise KeyNotFoundError(f"node {node_id!r} is not registered")
         return {

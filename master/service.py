@@ -194,6 +194,7 @@ class MasterService:
                 raise InvalidRequestError(f"segment {s.name!r} has negative capacity")
             if s.tier not in TIER_RANK:
                 raise InvalidRequestError(f"segment {s.name!r} has unknown tier {s.tier!r}")
+        self.replication.retired.pop(node_id, None)
         if node_id in self.nodes:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
             self._drop_node(node_id)
@@ -568,6 +569,7 @@ class MasterService:
         node = self.nodes.get(node_id)
         if node is None or not node.retired:
             return False
+        self.replication.retired[node_id] = self.replication.drain_status(node_id)
         self.nodes.pop(node_id)
         self.tasks.outbox.pop(node_id, None)
         return True

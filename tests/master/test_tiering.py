@@ -350,8 +350,9 @@ def test_drain_moves_everything_then_retires(clock: FakeClock) -> None:
     assert svc.drain_node("n0")["state"] == "retired"
     assert all(o.replicas[0].node_id == "n1" for o in svc.objects.values())
     assert svc.take_retirement("n0") and "n0" not in svc.nodes
+    assert svc.drain_node("n0")["state"] == "retired"  # a poll after retirement still answers
     with pytest.raises(KeyNotFoundError):
-        svc.drain_node("n0")
+        svc.drain_node("nope")
 
 
 def test_drain_of_the_only_node_is_refused(clock: FakeClock) -> None:
