@@ -63,6 +63,10 @@ class ByteBudget:
         self._next_id = max(self._next_id, offset + 1)
         return True
 
+    def skip_past(self, offset: int) -> None:
+        """Never hand out ``offset`` or anything below it (a node still holds records there)."""
+        self._next_id = max(self._next_id, offset + 1)
+
     def free(self, offset: int) -> None:
         """Raises InvalidRequestError when ``offset`` is not a live allocation."""
         need = self._allocated.pop(offset, None)

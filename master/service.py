@@ -604,6 +604,9 @@ class MasterService:
         now = self.clock()
         for e in entries:
             seg = node.segments.get(e.segment)
+            if seg is not None and isinstance(seg.allocator, ByteBudget):
+                # Even a dropped id stays unused until the node has forgotten it.
+                seg.allocator.skip_past(e.offset)
             obj = self.objects.get(e.key)
             ok = (
                 seg is not None

@@ -90,7 +90,12 @@ class NvmeTier(Tier):
         path.mkdir(parents=True, exist_ok=True)
         try:
             self.env = lmdb.open(
-                str(path), map_size=map_size, max_dbs=2, subdir=True, readahead=False
+                str(path),
+                map_size=map_size,
+                max_dbs=2,
+                subdir=True,
+                readahead=False,
+                max_readers=1024,  # one read transaction per data connection at a time
             )
             self._meta = self.env.open_db(b"meta")
             self._data = self.env.open_db(b"data")

@@ -372,11 +372,12 @@ def test_admit_manifest_readmits_and_drops_the_rest(clock: FakeClock) -> None:
         ManifestRecord("nvme", "nvme", 8, b"live", 10, 999),  # other bytes than the stored ones
         ManifestRecord("nope", "nvme", 9, b"x", 10, 1),  # no such segment
         ManifestRecord("nvme", "nvme", 7, b"dup", 10, 1),  # id already taken
+        ManifestRecord("nvme", "nvme", 50, b"live", 10, 999),  # dropped, and its id never reused
     ]
-    assert svc.admit_manifest("n0", entries) == {"num_admitted": 1, "num_dropped": 3}
+    assert svc.admit_manifest("n0", entries) == {"num_admitted": 1, "num_dropped": 4}
     info = svc.get_locations([b"kept"])[0]
     assert isinstance(info, ObjectInfo) and info.checksum == 5
     assert svc.objects[b"live"].checksum == len(b"live")
-    assert set(svc.heartbeat("n0")) == {("nvme", 8), ("nope", 9), ("nvme", 7)}
-    (ticket,) = svc.put_start([b"after"], [5 * MIB // 2])  # NVMe ids continue above 7
-    assert isinstance(ticket, PutTicket) and ticket.locations[0].grant.offset > 7
+    assert set(svc.heartbeat("n0")) == {("nvme", 8), ("nope", 9), ("nvme", 7), ("nvme", 50)}
+    (ticket,) = svc.put_start([b"after"], [5 * MIB // 2])  # NVMe ids continue above 50
+    assert isinstance(ticket, PutTicket) and ticket.locations[0].grant.offset > 50
