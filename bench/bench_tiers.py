@@ -125,7 +125,7 @@ def main() -> None:
     rows: list[str] = []
     with tempfile.TemporaryDirectory() as tmp_:
         tmp = Path(tmp_)
-        procs = cluster(tmp, "dram", ["--dram", f"{2 * total}", "--nvme", "0"], [])
+        procs = cluster(tmp, "dram", ["--dram", f"{4 * total}", "--nvme", "0"], [])
         try:
             with Client.connect(procs[1].field("control")) as c:
                 rows += rw_rows(c, "dram", total, "dram")

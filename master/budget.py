@@ -22,6 +22,9 @@ class ByteBudget:
         self.capacity = capacity
         self.alignment = alignment
         self.used_bytes = 0
+        #: Bytes freed here that the node may not have deleted yet (its forget is in flight).
+        #: lmdb still holds them, so ``used + limbo`` may not pass twice the capacity.
+        self.limbo_bytes = 0
         self._allocated: dict[int, int] = {}
         self._next_id = 1
 
@@ -31,7 +34,7 @@ class ByteBudget:
 
     @property
     def largest_free(self) -> int:
-        return self.free_bytes
+        return max(0, min(self.free_bytes, 2 * self.capacity - self.used_bytes - self.limbo_bytes))
 
     def reserved_size(self, size: int) -> int:
         a = self.alignment
@@ -45,7 +48,7 @@ class ByteBudget:
         if size < 0:
             raise InvalidRequestError(f"size must be >= 0, got {size}")
         need = self.reserved_size(size)
-        if need > self.free_bytes:
+        if need > self.largest_free:
             return None
         offset = self._next_id
         self._next_id += 1
@@ -67,9 +70,19 @@ class ByteBudget:
         """Never hand out ``offset`` or anything below it (a node still holds records there)."""
         self._next_id = max(self._next_id, offset + 1)
 
-    def free(self, offset: int) -> None:
-        """Raises InvalidRequestError when ``offset`` is not a live allocation."""
+    def free(self, offset: int) -> int:
+        """Free an id; its bytes stay in limbo until :meth:`ack`. Returns them.
+
+        Raises:
+            InvalidRequestError: ``offset`` is not a live allocation.
+        """
         need = self._allocated.pop(offset, None)
         if need is None:
             raise InvalidRequestError(f"id {offset} is not allocated")
         self.used_bytes -= need
+        self.limbo_bytes += need
+        return need
+
+    def ack(self, num_bytes: int) -> None:
+        """The node has deleted ``num_bytes`` of freed objects."""
+        self.limbo_bytes = max(0, self.limbo_bytes - num_bytes)

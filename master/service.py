@@ -93,6 +93,9 @@ class Node:
     last_seen: float
     # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
     forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # Budget bytes freed since the last heartbeat, and those the last reply told it to forget.
+    limbo: list[tuple[str, int]] = field(default_factory=list)
+    delivered: list[tuple[str, int]] = field(default_factory=list)
     draining: bool = False  # no new data; its objects are being copied elsewhere
     retired: bool = False  # drained: told to stop at its next heartbeat
 
@@ -228,6 +231,12 @@ class MasterService:
         if node is None:
             raise NodeUnavailableError(f"node {node_id!r} is not registered")
         node.last_seen = self.clock()
+        # The node applied the previous reply's forgets before sending this heartbeat.
+        for segment, num_bytes in node.delivered:
+            allocator = node.segments[segment].allocator
+            if isinstance(allocator, ByteBudget):
+                allocator.ack(num_bytes)
+        node.delivered, node.limbo = node.limbo, []
         forgotten, node.forgotten = node.forgotten, []
         return forgotten
 
@@ -414,8 +423,15 @@ class MasterService:
         if hold_until > self.clock():
             self.deferred.hold(hold_until, node, replica.segment, replica.offset, replica.size)
             return
-        seg.allocator.free(replica.offset)
-        node.forgotten.append((replica.segment, replica.offset))
+        self._free_now(node, replica.segment, replica.offset)
+
+    def _free_now(self, node: Node, segment: str, offset: int) -> None:
+        allocator = node.segments[segment].allocator
+        if isinstance(allocator, ByteBudget):
+            node.limbo.append((segment, allocator.free(offset)))
+        else:
+            allocator.free(offset)
+        node.forgotten.append((segment, offset))
 
     def hold_until(self, obj: ObjectMeta, now: float) -> float:
         """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
@@ -526,8 +542,7 @@ class MasterService:
         for owner, segment, offset in self.deferred.due(now):
             if self.nodes.get(owner.node_id) is not owner:
                 continue  # the node died or re-registered: that allocator is gone
-            owner.segments[segment].allocator.free(offset)
-            owner.forgotten.append((segment, offset))
+            self._free_now(owner, segment, offset)
         for task in self.tasks.expired(now):
             log.warning("task %d (%s of %r) timed out", task.task_id, task.purpose, task.key[:64])
             self._settle(task.task_id, ok=False)

@@ -39,9 +39,11 @@ from kvstore.node.tiers import TIER_NVME, StoredObject, Tier, verify_checksum
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-#: Room lmdb needs beyond the payload (B-tree pages, overflow page headers, free pages).
-_OVERHEAD_FRACTION = 0.10
-_OVERHEAD_BYTES = 32 << 20
+#: Map size beyond the capacity. lmdb needs room for its pages, and the master reuses budget
+#: freed for objects this node deletes only at its next heartbeat (forgets ride the reply); the
+#: master bounds that lag to one capacity (``ByteBudget.limbo_bytes``), so the map holds two.
+_OVERHEAD_FRACTION = 1.0
+_OVERHEAD_BYTES = 64 << 20
 _ID = struct.Struct(">Q")
 _CHUNK = struct.Struct(">QI")
 

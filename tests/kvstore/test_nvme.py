@@ -80,7 +80,7 @@ def test_full_lmdb_file_fails_the_items_that_do_not_fit(
 ) -> None:
     monkeypatch.setattr(nvme, "_OVERHEAD_BYTES", 256 << 10)
     tier = NvmeTier(tmp_path / "nvme", 1 << 20)
-    items = [obj(i, os.urandom(300_000)) for i in range(1, 6)]  # 1.5 MB into a ~1.3 MB map
+    items = [obj(i, os.urandom(300_000)) for i in range(1, 11)]  # 3 MB into a ~2.3 MB map
     res = tier.write(items)
     assert any(r is None for r in res)
     assert any(isinstance(r, NoSpaceError) for r in res)

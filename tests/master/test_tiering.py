@@ -381,3 +381,23 @@ def test_admit_manifest_readmits_and_drops_the_rest(clock: FakeClock) -> None:
     assert set(svc.heartbeat("n0")) == {("nvme", 8), ("nope", 9), ("nvme", 7), ("nvme", 50)}
     (ticket,) = svc.put_start([b"after"], [5 * MIB // 2])  # NVMe ids continue above 50
     assert isinstance(ticket, PutTicket) and ticket.locations[0].grant.offset > 50
+
+
+def test_nvme_budget_waits_for_the_node_to_forget(clock: FakeClock) -> None:
+    """lmdb still holds a freed object until the node applies its forget (next heartbeat): the
+    master lets such bytes pile up to one capacity, never more."""
+    svc = make(clock, dram=0, nvme=256 * KIB)
+    nvme = svc.nodes["n0"].segments["nvme"].allocator
+    for round_ in range(2):
+        keys = [b"r%d/%d" % (round_, i) for i in range(4)]
+        for k in keys:
+            put(svc, k, 64 * KIB)
+        svc.remove(keys)
+    assert nvme.used_bytes == 0 and nvme.limbo_bytes == 512 * KIB
+    (err,) = svc.put_start([b"x"], [64 * KIB])
+    assert isinstance(err, NoSpaceError)
+    svc.heartbeat("n0")  # delivers the forgets
+    assert nvme.limbo_bytes == 512 * KIB
+    svc.heartbeat("n0")  # the node applied them before this one
+    assert nvme.limbo_bytes == 0
+    assert isinstance(svc.put_start([b"x"], [64 * KIB])[0], PutTicket)
