@@ -154,6 +154,17 @@ class Client:
         Returns:
             Per key, None on success or the error for that key (nothing stored for it).
         """
+        return self._batch_put(keys, values, replicas=replicas)
+
+    def _batch_put(
+        self,
+        keys: Sequence[str | bytes],
+        values: Sequence[Any],
+        commit: dict[str, Any] | None = None,
+        replicas: int = 1,
+    ) -> list[KVStoreError | None]:
+        """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
+        KV-cache layer indexes the prompt in the same call as the commit)."""
         if len(keys) != len(values):
             raise InvalidRequestError("keys and values differ in length")
         results: list[KVStoreError | None] = [None] * len(keys)
@@ -176,7 +187,7 @@ class Client:
             if not todo:
                 break
             todo, dead = self._put_round(
-                todo, wire_keys, views, sums, index, results, excluded, replicas
+                todo, wire_keys, views, sums, index, results, excluded, commit, replicas
             )
             excluded.extend(dead)
         return results
@@ -190,16 +201,17 @@ class Client:
         index: list[int],
         results: list[KVStoreError | None],
         excluded: list[str],
+        commit_extra: dict[str, Any] | None = None,
         replicas: int = 1,
     ) -> tuple[list[int], list[str]]:
-        args: dict[str, Any] = {
+        start: dict[str, Any] = {
             "keys": [wire_keys[j] for j in todo],
             "sizes": [len(views[j]) for j in todo],
             "exclude": excluded,
         }
         if replicas != 1:
-            args["replicas"] = replicas
-        reply = self._control.call("put_start", args)
+            start["replicas"] = replicas
+        reply = self._control.call("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -225,14 +237,15 @@ class Client:
         revoke = [(j, t) for j, t in tickets if j in failed]
         if revoke:
             self._control.call("put_revoke", {"put_ids": [t.put_id for _, t in revoke]})
-        if commit:
-            reply = self._control.call(
-                "put_end",
-                {
-                    "put_ids": [t.put_id for _, t in commit],
-                    "checksums": [sums[j] for j, _ in commit],
-                },
-            )
+        if commit or commit_extra is not None:
+            args = {
+                "put_ids": [t.put_id for _, t in commit],
+                "checksums": [sums[j] for j, _ in commit],
+            }
+            if commit_extra is None:
+                reply = self._control.call("put_end", args)
+            else:
+                reply = self._control.call("kv_commit", {**args, **commit_extra})["results"]
             for (j, _), r in zip(commit, reply, strict=True):
                 results[index[j]], _ = result_from_wire(r)
         retry = [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]

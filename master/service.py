@@ -28,9 +28,11 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
+from kvstore.master.prefix import PrefixIndex, PrefixMatch
 from kvstore.master.replication import Replicator
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
@@ -45,6 +47,7 @@ from kvstore.errors import (
     ObjectBusyError,
     PutNotFoundError,
 )
+from kvstore.keys import Namespace
 from kvstore.types import Location, ManifestRecord, ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -171,6 +174,7 @@ class MasterService:
         self.tasks = TaskBook()
         self.tiering = TierManager(self, tiers or TierConfig())
         self.replication = Replicator(self)
+        self.prefix = PrefixIndex()
 
     # ================================================================ membership
     def register(
@@ -274,6 +278,7 @@ class MasterService:
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
                 del self.objects[key]
+                self.prefix.forget(key)
             else:
                 self.replication.replica_lost(obj)
 
@@ -444,6 +449,7 @@ class MasterService:
         obj.replicas.remove(replica)
         if not obj.replicas:
             del self.objects[obj.key]
+            self.prefix.forget(obj.key)
         elif len(obj.replicas) < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
             obj.replicas_wanted = len(obj.replicas)
@@ -489,6 +495,7 @@ class MasterService:
             else:
                 # A reader holding a lease finishes on intact bytes; the space waits for it.
                 self._free_replicas(obj.replicas, hold_until=self.hold_until(obj, self.clock()))
+                self.prefix.forget(key)
                 results.append(None)
         return results
 
@@ -647,6 +654,29 @@ class MasterService:
             log.info("node %s: re-admitted %d object(s), dropped %d", node_id, admitted, dropped)
         return {"num_admitted": admitted, "num_dropped": dropped}
 
+    # ================================================================ KV cache (prefix index)
+    def kv_commit(
+        self,
+        put_ids: Sequence[int],
+        checksums: Sequence[int],
+        namespace: Namespace,
+        tokens: np.ndarray,
+    ) -> tuple[list[KVStoreError | None], int]:
+        """``put_end`` for a prompt's new block objects, then index the prompt's committed prefix.
+
+        Returns:
+            Per put, None or its error; and the number of blocks newly indexed.
+        """
+        results = self.put_end(put_ids, checksums)
+        return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
+
+    def kv_match(
+        self, namespace: Namespace, tokens: np.ndarray
+    ) -> tuple[PrefixMatch, list[ObjectInfo | KVStoreError]]:
+        """The cached prefix of a prompt and, per block, where its replicas are (one call)."""
+        match = self.prefix.match(namespace, tokens, self.objects.__contains__)
+        return match, self.get_locations([key for key, _ in match.blocks])
+
     # ================================================================ helpers
     def _location(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> Location:
         node = self.nodes[replica.node_id]
@@ -694,6 +724,7 @@ class MasterService:
             "object_bytes": sum(o.size for o in self.objects.values()),
             "num_reclaimed": self.num_reclaimed,
             "num_dead_nodes": self.num_dead_nodes,
+            "prefix": self.prefix.stats(),
             "nodes": [
                 {
                     "node_id": n.node_id,

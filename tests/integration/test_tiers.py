@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
 from kvstore.client import Client
 
 from kvstore.errors import (
@@ -21,6 +20,7 @@ from kvstore.errors import (
     KVStoreError,
     NoSpaceError,
 )
+from tests.support import wait_until
 
 FAST = ("--heartbeat-interval", "0.1", "--node-ttl", "1")
 
