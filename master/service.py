@@ -99,6 +99,8 @@ class Node:
     # Budget bytes freed since the last heartbeat, and those the last reply told it to forget.
     limbo: list[tuple[str, int]] = field(default_factory=list)
     delivered: list[tuple[str, int]] = field(default_factory=list)
+    # (segment, offset) pairs the last heartbeat reply told it to forget (not yet confirmed).
+    unconfirmed: list[tuple[str, int]] = field(default_factory=list)
     draining: bool = False  # no new data; its objects are being copied elsewhere
     retired: bool = False  # drained: told to stop at its next heartbeat
 
@@ -175,6 +177,7 @@ class MasterService:
         self.tiering = TierManager(self, tiers or TierConfig())
         self.replication = Replicator(self)
         self.prefix = PrefixIndex()
+        self._tombstones: dict[str, set[tuple[str, int]]] = {}
 
     # ================================================================ membership
     def register(
@@ -242,6 +245,7 @@ class MasterService:
                 allocator.ack(num_bytes)
         node.delivered, node.limbo = node.limbo, []
         forgotten, node.forgotten = node.forgotten, []
+        node.unconfirmed = forgotten
         return forgotten
 
     def expire_nodes(self) -> list[str]:
@@ -261,7 +265,10 @@ class MasterService:
         return dead
 
     def _drop_node(self, node_id: str) -> None:
-        self.nodes.pop(node_id)
+        node = self.nodes.pop(node_id)
+        # What it was told to forget but may still hold (a restart before the next heartbeat):
+        # never re-admit those (an overwritten or removed version must not come back).
+        self._tombstones[node_id] = {*node.forgotten, *node.unconfirmed}
         for put in [
             p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
         ]:
@@ -584,7 +591,10 @@ class MasterService:
 
     def take_tasks(self, node_id: str) -> list[dict[str, object]]:
         """Tasks to hand ``node_id`` in its heartbeat reply."""
-        return self.tasks.take(node_id, self.tiering.config.max_tasks_per_heartbeat)
+        cfg = self.tiering.config
+        return self.tasks.take(
+            node_id, cfg.max_tasks_per_heartbeat, cfg.max_task_bytes_per_heartbeat
+        )
 
     def take_retirement(self, node_id: str) -> bool:
         """True once a drained node may stop; it leaves the membership at the same time."""
@@ -624,6 +634,7 @@ class MasterService:
             raise NodeUnavailableError(f"node {node_id!r} is not registered")
         admitted = dropped = 0
         now = self.clock()
+        tombstones = self._tombstones.pop(node_id, set())
         for e in entries:
             seg = node.segments.get(e.segment)
             if seg is not None and isinstance(seg.allocator, ByteBudget):
@@ -632,6 +643,7 @@ class MasterService:
             obj = self.objects.get(e.key)
             ok = (
                 seg is not None
+                and (e.segment, e.offset) not in tombstones
                 and e.key not in self.pending_by_key
                 and (obj is None or (obj.checksum == e.checksum and obj.size == e.size))
                 and (obj is None or all(r.node_id != node_id for r in obj.replicas))

@@ -48,13 +48,27 @@ class TaskBook:
         self.by_id[task.task_id] = task
         self.outbox.setdefault(task.node_id, []).append(task.task_id)
 
-    def take(self, node_id: str, limit: int) -> list[dict[str, Any]]:
-        """Up to ``limit`` queued tasks of ``node_id``, in their wire form."""
+    def take(self, node_id: str, limit: int, max_bytes: int) -> list[dict[str, Any]]:
+        """Queued tasks of ``node_id`` in their wire form: at most ``limit`` of them and (past
+        the first) ``max_bytes`` of objects, so a node's heartbeat thread is never busy for
+        long enough to be declared dead."""
         queue = self.outbox.get(node_id)
         if not queue:
             return []
-        ids, self.outbox[node_id] = queue[:limit], queue[limit:]
-        return [self.by_id[i].wire for i in ids if i in self.by_id]
+        out: list[dict[str, Any]] = []
+        num_bytes = taken = 0
+        for task_id in queue:
+            task = self.by_id.get(task_id)
+            taken += 1
+            if task is None:
+                continue  # settled before it was handed out
+            if out and (len(out) >= limit or num_bytes + task.dst.size > max_bytes):
+                taken -= 1
+                break
+            out.append(task.wire)
+            num_bytes += task.dst.size
+        self.outbox[node_id] = queue[taken:]
+        return out
 
     def pop(self, task_id: int) -> Task | None:
         return self.by_id.pop(task_id, None)

@@ -55,6 +55,7 @@ class TierConfig:
         promote_after_hits: reads of an NVMe-only object before it moves up (0: never).
         task_timeout_s: a node task not reported done by then is abandoned.
         max_tasks_per_heartbeat: tasks handed to a node per heartbeat reply.
+        max_task_bytes_per_heartbeat: bytes those tasks may move (past the first task).
         max_pin_ttl_s: the longest pin.
     """
 
@@ -67,6 +68,7 @@ class TierConfig:
     promote_after_hits: int = 3
     task_timeout_s: float = 30.0
     max_tasks_per_heartbeat: int = 256
+    max_task_bytes_per_heartbeat: int = 64 << 20
     max_pin_ttl_s: float = 86400.0
 
     def __post_init__(self) -> None:
@@ -86,8 +88,8 @@ class TierConfig:
             raise InvalidRequestError("lease_grace_s must be >= 0")
         if not isinstance(self.promote_after_hits, int) or self.promote_after_hits < 0:
             raise InvalidRequestError("promote_after_hits must be an integer >= 0")
-        if self.max_tasks_per_heartbeat <= 0:
-            raise InvalidRequestError("max_tasks_per_heartbeat must be > 0")
+        if self.max_tasks_per_heartbeat <= 0 or self.max_task_bytes_per_heartbeat <= 0:
+            raise InvalidRequestError("per-heartbeat task limits must be > 0")
 
     def marks(self, tier: str) -> tuple[float, float]:
         """``(high, low)`` for a tier."""

@@ -401,3 +401,35 @@ def test_nvme_budget_waits_for_the_node_to_forget(clock: FakeClock) -> None:
     svc.heartbeat("n0")  # the node applied them before this one
     assert nvme.limbo_bytes == 0
     assert isinstance(svc.put_start([b"x"], [64 * KIB])[0], PutTicket)
+
+
+def test_restart_before_a_forget_arrives_never_resurrects_an_old_version(clock: FakeClock) -> None:
+    svc = make(clock, dram=64 * KIB, nvme=MIB)
+    put(svc, b"filler", 60 * KIB)
+    (old,) = svc.put_start([b"k"], [64 * KIB])  # DRAM is full: lands in NVMe
+    assert isinstance(old, PutTicket) and old.locations[0].grant.segment == "nvme"
+    svc.put_end([old.put_id], [1])
+    svc.remove([b"filler"])
+    put(svc, b"k", 100)  # a new version in DRAM; the NVMe one is to be forgotten ...
+    # ... but the node restarts before the heartbeat that would tell it, and reports the old one.
+    svc.register(
+        "n0",
+        "127.0.0.1",
+        9000,
+        b"A" * 32,
+        [SegmentSpec("dram", "dram", 64 * KIB), SegmentSpec("nvme", "nvme", MIB)],
+    )
+    record = ManifestRecord("nvme", "nvme", old.locations[0].grant.offset, b"k", 64 * KIB, 1)
+    assert svc.admit_manifest("n0", [record]) == {"num_admitted": 0, "num_dropped": 1}
+    assert isinstance(svc.get_locations([b"k"])[0], KeyNotFoundError)
+
+
+def test_tasks_per_heartbeat_are_bounded_by_bytes(clock: FakeClock) -> None:
+    svc = make(clock, max_task_bytes_per_heartbeat=100 * KIB)
+    for i in range(15):
+        put(svc, b"k%d" % i, 64 * KIB)
+    svc.tick()
+    first = svc.take_tasks("n0")
+    second = svc.take_tasks("n0")
+    assert len(first) == 1 and second, "at most 100 KiB of moves per reply"
+    assert {t["id"] for t in first}.isdisjoint(t["id"] for t in second)
