@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, Task
+from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
 from kvstore.master.tiering import ordered_segments
 
 from kvstore import grants
@@ -83,7 +83,8 @@ class Replicator:
             "dst": [dst.segment, dst.offset],
             "deadline_ms": expires,
         }
-        svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, now + timeout, wire))
+        deadline = now + timeout + TASK_GRACE_S
+        svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id
 
     def tick(self, now: float) -> None:

@@ -18,6 +18,10 @@ PURPOSE_PROMOTE = "promote"
 PURPOSE_REPLICATE = "replicate"
 PURPOSE_DRAIN = "drain"
 
+#: The master gives a task up this long after the deadline it sent the node (which then refuses
+#: to store it): so a node never stores into space the master already handed to someone else.
+TASK_GRACE_S = 2.0
+
 
 @dataclass(slots=True)
 class Task:

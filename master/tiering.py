@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.master.eviction import make_policy
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
-from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, Task
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task
 
 from kvstore.errors import InvalidRequestError, NoSpaceError
 
@@ -316,7 +316,7 @@ class TierManager:
         dst = Replica(node.node_id, dst_seg.name, offset, obj.size, dst_seg.tier)
         tasks = self.svc.tasks
         task_id = tasks.next_id()
-        deadline = now + self.config.task_timeout_s
+        deadline = now + self.config.task_timeout_s + TASK_GRACE_S
         wire: dict[str, Any] = {
             "id": task_id,
             "kind": "move",

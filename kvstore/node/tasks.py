@@ -13,7 +13,9 @@ Task (a dict on the wire)::
      "from": location, "dst": [segment, offset]}                  # from a peer, with a read grant
 
 Result: ``[id, code, message]`` (code 0 on success). Every copy is checked against the object's
-checksum before it is stored, so a task can never store other bytes under a key.
+checksum before it is stored, so a task can never store other bytes under a key. A task past its
+``deadline_ms`` (wall clock) is not stored: the master has given its destination up by then and
+may have handed that space to someone else.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
+    KVTimeoutError,
     NodeUnavailableError,
     ProtocolError,
 )
@@ -73,12 +76,16 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
     """
     results: list[list[Any]] = []
     batches: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}
+    deadlines: dict[int, int] = {}
     for task in tasks:
         task_id = task.get("id") if isinstance(task, dict) else None
         try:
             if not isinstance(task_id, int):
                 raise InvalidRequestError("task without an id")
             kind = task.get("kind")
+            deadline_ms = int(task.get("deadline_ms", 1 << 62))
+            if server.clock_ms() > deadline_ms:
+                raise KVTimeoutError("task arrived after its deadline")
             key, size, checksum = task["key"], int(task["size"]), int(task["checksum"])
             dst_segment, dst_offset = task["dst"]
             if kind == "move":
@@ -93,6 +100,7 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
             obj = StoredObject(int(dst_offset), key, size, checksum)
             # NOTE: a DRAM source view stays valid: the master frees the source only after the
             # node reports this task done.
+            deadlines[len(results)] = deadline_ms
             batches.setdefault(dst_segment, []).append((len(results), obj, data))
             results.append([task_id, 0, None])
         except KVStoreError as err:
@@ -100,6 +108,11 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
         except (KeyError, TypeError, ValueError) as exc:
             results.append([task_id, int(InvalidRequestError.code), f"malformed task: {exc}"])
     for segment, batch in batches.items():
+        now_ms = server.clock_ms()
+        late = [i for i, _, _ in batch if now_ms > deadlines[i]]
+        for i in late:
+            results[i] = [results[i][0], int(KVTimeoutError.code), "task passed its deadline"]
+        batch = [b for b in batch if b[0] not in late]
         errs = server.store_objects(segment, [(obj, data) for _, obj, data in batch])
         for (i, _, _), err in zip(batch, errs, strict=True):
             if err is not None:

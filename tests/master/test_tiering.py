@@ -247,7 +247,7 @@ def test_failed_or_late_move_frees_its_destination(clock: FakeClock) -> None:
     assert nvme.used_bytes == 0 and all(tiers_of(svc, b"k%d" % i) == ["dram"] for i in range(15))
     svc.tick()
     assert svc.take_tasks("n0")
-    clock.now += 6  # the node never answers
+    clock.now += 8  # the node never answers (5 s, and the master's grace past that)
     svc.tick()  # settles the late ones (and plans new moves)
     assert svc.tasks.num_failed >= 2
 
