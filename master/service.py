@@ -381,6 +381,8 @@ class MasterService:
                 replicas_wanted=put.replicas_wanted,
                 last_access=now,
             )
+            if old is not None:  # a pin belongs to the key: it holds the new version too
+                self.objects[put.key].pin, self.objects[put.key].pin_until = old.pin, old.pin_until
             for r in put.replicas:
                 self.attach(put.key, r)
             results.append(None)

@@ -433,3 +433,11 @@ def test_tasks_per_heartbeat_are_bounded_by_bytes(clock: FakeClock) -> None:
     second = svc.take_tasks("n0")
     assert len(first) == 1 and second, "at most 100 KiB of moves per reply"
     assert {t["id"] for t in first}.isdisjoint(t["id"] for t in second)
+
+
+def test_a_pin_holds_across_an_overwrite(clock: FakeClock) -> None:
+    svc = make(clock)
+    put(svc, b"k", 10)
+    svc.pin([b"k"], ttl_s=100, hard=True)
+    put(svc, b"k", 20)
+    assert svc.objects[b"k"].pin and svc.stats()["num_pinned"] == 1
