@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import xxhash
+from kvstore.client.discovery import LeaderChannel
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 
 from kvstore import protocol
@@ -26,6 +27,7 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
+from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -39,6 +41,8 @@ def checksum(view: memoryview) -> int:
 
 class _ControlChannel:
     """The connection to the master. Thread-safe: one request at a time under a lock."""
+
+    epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
 
     def __init__(self, address: Address, timeout: float) -> None:
         self.address = address
@@ -56,7 +60,12 @@ class _ControlChannel:
                 f"master {self.address} unreachable: {err.message}"
             ) from None
 
-    def call(self, verb: str, args: dict[str, Any]) -> Any:
+    def call_epoch(
+        self, verb: str, args: dict[str, Any], pin_epoch: int | None = None
+    ) -> tuple[Any, int | None]:
+        return self.call(verb, args), None
+
+    def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         with self._lock:
             for attempt in range(2):
                 if self._conn is None:
@@ -103,20 +112,38 @@ class Client:
     Use :meth:`connect`; close with :meth:`close` or a ``with`` block.
     """
 
-    def __init__(self, master: Address, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        master: Address | None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        *,
+        control: _ControlChannel | LeaderChannel | None = None,
+    ) -> None:
         self.master = master
         self.timeout = timeout
-        self._control = _ControlChannel(master, timeout)
+        if control is None:
+            assert master is not None, "a client needs a master address or a control channel"
+            control = _ControlChannel(master, timeout)
+        self._control = control
         self._tcp = TcpTransport(timeout)
 
     @classmethod
     def connect(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Client:
-        """Connect to the master at ``HOST:PORT``.
+        """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
+        found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
 
         Raises:
             InvalidRequestError: a malformed address.
-            MasterUnavailableError: nothing answers there.
+            MasterUnavailableError: nothing answers there (no leader, for ``etcd://``).
         """
+        if is_etcd_url(address):
+            client = cls(None, timeout, control=LeaderChannel(address, timeout))
+            try:
+                client._control.call("ping", {})
+            except BaseException:
+                client.close()
+                raise
+            return client
         client = cls(Address.parse(address), timeout)
         client._control.call("ping", {})
         return client
@@ -211,7 +238,7 @@ class Client:
         }
         if replicas != 1:
             start["replicas"] = replicas
-        reply = self._control.call("put_start", start)
+        reply, epoch = self._control.call_epoch("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -236,16 +263,21 @@ class Client:
         commit = [(j, t) for j, t in tickets if j not in failed]
         revoke = [(j, t) for j, t in tickets if j in failed]
         if revoke:
-            self._control.call("put_revoke", {"put_ids": [t.put_id for _, t in revoke]})
+            self._control.call(
+                "put_revoke", {"put_ids": [t.put_id for _, t in revoke]}, pin_epoch=epoch
+            )
         if commit or commit_extra is not None:
             args = {
                 "put_ids": [t.put_id for _, t in commit],
                 "checksums": [sums[j] for j, _ in commit],
             }
+            # NOTE: pinned: a put id means nothing to another leader.
             if commit_extra is None:
-                reply = self._control.call("put_end", args)
+                reply = self._control.call("put_end", args, pin_epoch=epoch)
             else:
-                reply = self._control.call("kv_commit", {**args, **commit_extra})["results"]
+                reply = self._control.call("kv_commit", {**args, **commit_extra}, pin_epoch=epoch)[
+                    "results"
+                ]
             for (j, _), r in zip(commit, reply, strict=True):
                 results[index[j]], _ = result_from_wire(r)
         retry = [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]

@@ -72,6 +72,30 @@ def cmd_master(args: argparse.Namespace) -> int:
     from kvstore.master.daemon import serve_master
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
+    if args.etcd:
+        from kvstore.etcd import parse_endpoints
+        from kvstore.master.ha import HAConfig, serve_master_ha
+
+        ha = HAConfig(
+            parse_endpoints(args.etcd),
+            prefix=args.etcd_prefix,
+            lease_ttl_s=args.lease_ttl,
+            recovery_s=args.recovery,
+            connect_attempts=args.etcd_attempts,
+            advertise_host=args.advertise_host or "",
+        )
+        # grpc.aio runs on the standard asyncio loop.
+        asyncio.run(
+            serve_master_ha(
+                args.host,
+                args.port,
+                admin_port,
+                _master_config(args),  # type: ignore[arg-type]
+                ha,
+                _tier_config(args),  # type: ignore[arg-type]
+            )
+        )
+        return 0
     _run_loop(
         serve_master(
             args.host,
@@ -122,6 +146,19 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import serve_node
 
+    if args.master.startswith("etcd://"):
+        from kvstore.node.follow import serve_node_ha
+
+        serve_node_ha(
+            args.master,
+            args.etcd_prefix,
+            args.etcd_ttl,
+            args.host,
+            args.port,
+            parse_size(args.dram),
+            Path(args.data_dir),
+        )
+        return 0
     serve_node(
         Address.parse(args.master),
         args.host,
@@ -263,10 +300,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port", type=int, default=None, help="admin REST port (default: port + 1)"
     )
     _add_master_flags(p)
+    p.add_argument(
+        "--etcd",
+        default=None,
+        help="HOST:PORT[,HOST:PORT]: join an HA group of masters through etcd (default: embedded)",
+    )
+    p.add_argument("--etcd-prefix", default="/kvstore/default", help="our keys in etcd")
+    p.add_argument(
+        "--lease-ttl", type=int, default=2, help="leader lease TTL in seconds (failover time)"
+    )
+    p.add_argument(
+        "--recovery",
+        type=float,
+        default=1.5,
+        help="seconds a new leader waits for live nodes to re-register",
+    )
+    p.add_argument("--etcd-attempts", type=int, default=5, help="tries to reach etcd at start")
+    p.add_argument("--advertise-host", default=None, help="host published to clients")
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
-    p.add_argument("--master", required=True, help="the master's HOST:PORT")
+    p.add_argument(
+        "--master", required=True, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT]"
+    )
+    p.add_argument("--etcd-prefix", default="/kvstore/default", help="our keys in etcd")
+    p.add_argument(
+        "--etcd-ttl", type=int, default=2, help="membership lease TTL in seconds (with etcd://)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")

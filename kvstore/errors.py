@@ -52,6 +52,7 @@ class ErrorCode(enum.IntEnum):
     NOT_LEADER = 600
     STALE_EPOCH = 601
     MASTER_UNAVAILABLE = 602
+    ETCD_UNAVAILABLE = 603
 
     UNAUTHENTICATED = 700
     FORBIDDEN = 701
@@ -202,6 +203,12 @@ class MasterUnavailableError(KVStoreError, ConnectionError):
     code = ErrorCode.MASTER_UNAVAILABLE
 
 
+class EtcdUnavailableError(KVStoreError, ConnectionError):
+    """etcd (leader election, membership, discovery) cannot be reached or refused the call."""
+
+    code = ErrorCode.ETCD_UNAVAILABLE
+
+
 class UnauthenticatedError(KVStoreError):
     code = ErrorCode.UNAUTHENTICATED
 
@@ -236,6 +243,7 @@ for _cls in (
     NotLeaderError,
     StaleEpochError,
     MasterUnavailableError,
+    EtcdUnavailableError,
     UnauthenticatedError,
     ForbiddenError,
     InternalError,

@@ -93,39 +93,6 @@ class SegmentSpec:
         return SegmentSpec(obj[0], obj[1], obj[2], obj[3])
 
 
-@dataclass(frozen=True, slots=True)
-class ManifestRecord:
-    """One object a node holds, as it reports it when it registers (for re-admission)."""
-
-    segment: str
-    tier: str
-    offset: int
-    key: bytes
-    size: int
-    checksum: int
-
-    def to_wire(self) -> list[Any]:
-        return [self.segment, self.tier, self.offset, self.key, self.size, self.checksum]
-
-    @staticmethod
-    def from_wire(obj: Any) -> ManifestRecord:
-        if (
-            not isinstance(obj, list)
-            or len(obj) != 6
-            or not isinstance(obj[0], str)
-            or not isinstance(obj[1], str)
-            or not isinstance(obj[3], bytes)
-            or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                for v in (obj[2], obj[4], obj[5])
-            )
-        ):
-            raise ProtocolError(
-                "manifest record must be [segment, tier, offset, key, size, checksum]"
-            )
-        return ManifestRecord(obj[0], obj[1], obj[2], obj[3], obj[4], obj[5])
-
-
 def result_to_wire(result: Any) -> list[Any]:
     """One per-key result of a batch verb: a value, None, or a KVStoreError."""
     if isinstance(result, KVStoreError):

@@ -36,9 +36,7 @@ class _Held:
     release_at: float
     seq: int
     owner: Any = field(compare=False)  # the Node record: a re-registered node is another one
-    segment: str = field(compare=False)
-    offset: int = field(compare=False)
-    size: int = field(compare=False)
+    replica: Any = field(compare=False)
 
 
 class DeferredFrees:
@@ -48,20 +46,20 @@ class DeferredFrees:
         self._heap: list[_Held] = []
         self._seq = 0
 
-    def hold(self, release_at: float, owner: Any, segment: str, offset: int, size: int) -> None:
+    def hold(self, release_at: float, owner: Any, replica: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, _Held(release_at, self._seq, owner, segment, offset, size))
+        heapq.heappush(self._heap, _Held(release_at, self._seq, owner, replica))
 
-    def due(self, now: float) -> list[tuple[Any, str, int]]:
-        """Pop and return ``(owner, segment, offset)`` of everything whose time has come."""
-        out: list[tuple[Any, str, int]] = []
+    def due(self, now: float) -> list[tuple[Any, Any]]:
+        """Pop and return ``(owner, replica)`` of everything whose time has come."""
+        out: list[tuple[Any, Any]] = []
         while self._heap and self._heap[0].release_at <= now:
             h = heapq.heappop(self._heap)
-            out.append((h.owner, h.segment, h.offset))
+            out.append((h.owner, h.replica))
         return out
 
     def held_bytes(self) -> int:
-        return sum(h.size for h in self._heap)
+        return sum(h.replica.size for h in self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)

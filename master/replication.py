@@ -65,7 +65,7 @@ class Replicator:
         svc = self.svc
         offset = seg.allocator.allocate(obj.size)
         assert offset is not None, "a copy was planned without room"
-        dst = Replica(node.node_id, seg.name, offset, obj.size, seg.tier)
+        dst = Replica(node.node_id, seg.name, offset, obj.size, stamp=src.stamp, tier=seg.tier)
         timeout = svc.tiering.config.task_timeout_s
         expires = svc.wall_ms() + int(timeout * 1000)
         src_node = svc.nodes[src.node_id]
@@ -81,6 +81,7 @@ class Replicator:
             "checksum": obj.checksum,
             "from": [src_node.node_id, src_node.host, src_node.port, grant.to_wire()],
             "dst": [dst.segment, dst.offset],
+            "stamp": dst.stamp,
             "deadline_ms": expires,
         }
         deadline = now + timeout + TASK_GRACE_S

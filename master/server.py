@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.master.service import MasterService
 
@@ -24,7 +24,8 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
-from kvstore.types import ManifestRecord, SegmentSpec, result_to_wire
+from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.types import SegmentSpec, result_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,8 @@ def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _register(svc: MasterService, args: dict[str, Any]) -> Any:
     segments = [SegmentSpec.from_wire(s) for s in _list(args, "segments")]
-    manifest = (
-        [ManifestRecord.from_wire(e) for e in _list(args, "manifest")] if "manifest" in args else []
-    )
     node_id = _arg(args, "node_id", str)
+    claims = claims_from_wire(args["manifest"]) if "manifest" in args else None
     svc.register(
         node_id,
         _arg(args, "host", str),
@@ -84,12 +83,17 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         _arg(args, "secret", bytes),
         segments,
     )
-    admitted = svc.admit_manifest(node_id, manifest) if manifest else {}
-    return {
-        **admitted,
+    reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
         "node_ttl_s": svc.config.node_ttl_s,
     }
+    if claims is not None:  # a node that kept objects across a master change (HA, etcd)
+        report = svc.admit_manifest(node_id, [c for c in claims if isinstance(c, ManifestClaim)])
+        for bad in (c for c in claims if not isinstance(c, ManifestClaim)):
+            report.num_rejected += 1
+            log.warning("manifest claim of %s rejected: %s", node_id, bad.message)
+        reply["admission"] = report.to_wire()
+    return reply
 
 
 def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -212,6 +216,12 @@ def dispatch(svc: MasterService, request: protocol.Request) -> bytes:
         return protocol.encode_error(request.req_id, InternalError("internal error"))
 
 
+class Fence(Protocol):
+    """Decides, before any handler runs, whether this master may serve a request (HA mode)."""
+
+    def check(self, request: protocol.Request) -> KVStoreError | None: ...
+
+
 class ControlServer:
     """Serves the msgpack control protocol for one :class:`MasterService` on an asyncio loop."""
 
@@ -222,8 +232,10 @@ class ControlServer:
         port: int,
         *,
         max_body: int = protocol.DEFAULT_MAX_BODY,
+        fence: Fence | None = None,
     ) -> None:
         self.service = service
+        self.fence = fence
         self.host = host
         self.port = port
         self.max_body = max_body
@@ -267,7 +279,11 @@ class ControlServer:
                 except ProtocolError as err:
                     writer.write(protocol.encode_error(protocol.request_id_of(body), err))
                 else:
-                    writer.write(dispatch(self.service, request))
+                    refusal = self.fence.check(request) if self.fence is not None else None
+                    if refusal is not None:
+                        writer.write(protocol.encode_error(request.req_id, refusal))
+                    else:
+                        writer.write(dispatch(self.service, request))
                 await writer.drain()
         except ConnectionError:
             return

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvstore.master.allocator import OffsetAllocator
@@ -48,7 +49,12 @@ from kvstore.errors import (
     PutNotFoundError,
 )
 from kvstore.keys import Namespace
-from kvstore.types import Location, ManifestRecord, ObjectInfo, PutTicket, SegmentSpec
+from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
+
+if TYPE_CHECKING:
+    from kvstore.master.recovery import AdmissionReport
+
+    from kvstore.manifest import ManifestClaim
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +100,15 @@ class Node:
     secret: bytes
     segments: dict[str, Segment]
     last_seen: float
-    # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
-    forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
+    # from its manifest. The stamp names the version: an extent already reused by a newer
+    # write (another stamp) stays in the manifest.
+    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
     # Budget bytes freed since the last heartbeat, and those the last reply told it to forget.
     limbo: list[tuple[str, int]] = field(default_factory=list)
     delivered: list[tuple[str, int]] = field(default_factory=list)
-    # (segment, offset) pairs the last heartbeat reply told it to forget (not yet confirmed).
-    unconfirmed: list[tuple[str, int]] = field(default_factory=list)
+    # What the last heartbeat reply told it to forget (not yet confirmed by the next heartbeat).
+    unconfirmed: list[tuple[str, int, int]] = field(default_factory=list)
     draining: bool = False  # no new data; its objects are being copied elsewhere
     retired: bool = False  # drained: told to stop at its next heartbeat
 
@@ -115,6 +123,7 @@ class Replica:
     segment: str
     offset: int
     size: int
+    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
     tier: str = TIER_DRAM
 
 
@@ -177,7 +186,27 @@ class MasterService:
         self.tiering = TierManager(self, tiers or TierConfig())
         self.replication = Replicator(self)
         self.prefix = PrefixIndex()
-        self._tombstones: dict[str, set[tuple[str, int]]] = {}
+        # node id -> (segment, offset) it was told to forget but may still hold when it comes
+        # back (restart before the next heartbeat): admission never takes those (recovery.py).
+        self.tombstones: dict[str, set[tuple[str, int]]] = {}
+        # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
+        # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
+        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
+
+    def reset(self) -> None:
+        """Forget everything (a master that lost leadership starts its next term empty)."""
+        self.__init__(self.config, self.clock, self.wall_ms, self.tiering.config)  # type: ignore[misc]
+
+    def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
+        """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
+
+        Raises:
+            NodeUnavailableError: the node is not registered.
+        """
+        from kvstore.master.recovery import admit_manifest, forget_stale_stamps
+
+        forget_stale_stamps(self)
+        return admit_manifest(self, node_id, claims)
 
     # ================================================================ membership
     def register(
@@ -228,8 +257,8 @@ class MasterService:
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
         )
 
-    def heartbeat(self, node_id: str) -> list[tuple[str, int]]:
-        """Mark a node alive. Returns the (segment, offset) pairs it may forget.
+    def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
 
         Raises:
             NodeUnavailableError: the node is unknown (declared dead): it must register again.
@@ -268,7 +297,7 @@ class MasterService:
         node = self.nodes.pop(node_id)
         # What it was told to forget but may still hold (a restart before the next heartbeat):
         # never re-admit those (an overwritten or removed version must not come back).
-        self._tombstones[node_id] = {*node.forgotten, *node.unconfirmed}
+        self.tombstones[node_id] = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
         for put in [
             p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
         ]:
@@ -333,18 +362,20 @@ class MasterService:
             )
         if key in self.pending_by_key:
             raise ObjectBusyError("another put of this key is in flight")
+        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
         placed: list[Replica] = []
         for segment, node in self.tiering.place(size, excluded, num_replicas):
             offset = segment.allocator.allocate(size)
             assert offset is not None, "placement chose a segment without room"
-            placed.append(Replica(node.node_id, segment.name, offset, size, segment.tier))
+            placed.append(
+                Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
+            )
         put = PendingPut(
             next(self._put_ids), key, size, placed, self.clock() + self.config.put_timeout_s
         )
         put.replicas_wanted = num_replicas
         self.pending[put.put_id] = put
         self.pending_by_key[key] = put.put_id
-        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
         return PutTicket(
             put.put_id, [self._location(r, key, grants.OP_WRITE, expires) for r in placed]
         )
@@ -435,17 +466,17 @@ class MasterService:
         seg = node.segments[replica.segment]
         seg.holding.pop(replica.offset, None)
         if hold_until > self.clock():
-            self.deferred.hold(hold_until, node, replica.segment, replica.offset, replica.size)
+            self.deferred.hold(hold_until, node, replica)
             return
-        self._free_now(node, replica.segment, replica.offset)
+        self._free_now(node, replica)
 
-    def _free_now(self, node: Node, segment: str, offset: int) -> None:
-        allocator = node.segments[segment].allocator
+    def _free_now(self, node: Node, replica: Replica) -> None:
+        allocator = node.segments[replica.segment].allocator
         if isinstance(allocator, ByteBudget):
-            node.limbo.append((segment, allocator.free(offset)))
+            node.limbo.append((replica.segment, allocator.free(replica.offset)))
         else:
-            allocator.free(offset)
-        node.forgotten.append((segment, offset))
+            allocator.free(replica.offset)
+        node.forgotten.append((replica.segment, replica.offset, replica.stamp))
 
     def hold_until(self, obj: ObjectMeta, now: float) -> float:
         """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
@@ -555,10 +586,10 @@ class MasterService:
     def tick(self) -> None:
         """Background work: free space whose leases ended, settle late tasks, evict, replicate."""
         now = self.clock()
-        for owner, segment, offset in self.deferred.due(now):
+        for owner, replica in self.deferred.due(now):
             if self.nodes.get(owner.node_id) is not owner:
                 continue  # the node died or re-registered: that allocator is gone
-            self._free_now(owner, segment, offset)
+            self._free_now(owner, replica)
         for task in self.tasks.expired(now):
             log.warning("task %d (%s of %r) timed out", task.task_id, task.purpose, task.key[:64])
             self._settle(task.task_id, ok=False)
@@ -616,57 +647,6 @@ class MasterService:
             InvalidRequestError: it holds objects and no other node can take them.
         """
         return self.replication.drain(node_id)
-
-    def admit_manifest(self, node_id: str, entries: Sequence[ManifestRecord]) -> dict[str, int]:
-        """Re-admit objects a (re)registering node reports it still holds (its NVMe tier).
-
-        An entry is admitted when its segment exists, its space is free in the master's
-        allocator and the key is not stored with other bytes; a key stored with the same
-        checksum gains the entry as another replica. Everything else is dropped: the node is
-        told to forget it at its next heartbeat.
-
-        Returns:
-            ``{"num_admitted": a, "num_dropped": d}``.
-
-        Raises:
-            NodeUnavailableError: the node is not registered.
-        """
-        node = self.nodes.get(node_id)
-        if node is None:
-            raise NodeUnavailableError(f"node {node_id!r} is not registered")
-        admitted = dropped = 0
-        now = self.clock()
-        tombstones = self._tombstones.pop(node_id, set())
-        for e in entries:
-            seg = node.segments.get(e.segment)
-            if seg is not None and isinstance(seg.allocator, ByteBudget):
-                # Even a dropped id stays unused until the node has forgotten it.
-                seg.allocator.skip_past(e.offset)
-            obj = self.objects.get(e.key)
-            ok = (
-                seg is not None
-                and (e.segment, e.offset) not in tombstones
-                and e.key not in self.pending_by_key
-                and (obj is None or (obj.checksum == e.checksum and obj.size == e.size))
-                and (obj is None or all(r.node_id != node_id for r in obj.replicas))
-                and seg.allocator.allocate_at(e.offset, e.size)
-            )
-            if not ok or seg is None:
-                dropped += 1
-                node.forgotten.append((e.segment, e.offset))
-                continue
-            replica = Replica(node_id, seg.name, e.offset, e.size, seg.tier)
-            if obj is None:
-                self.objects[e.key] = ObjectMeta(
-                    e.key, e.size, e.checksum, [replica], last_access=now
-                )
-            else:
-                obj.replicas.append(replica)
-            self.attach(e.key, replica)
-            admitted += 1
-        if admitted or dropped:
-            log.info("node %s: re-admitted %d object(s), dropped %d", node_id, admitted, dropped)
-        return {"num_admitted": admitted, "num_dropped": dropped}
 
     # ================================================================ KV cache (prefix index)
     def kv_commit(

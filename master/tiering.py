@@ -313,7 +313,9 @@ class TierManager:
 
         offset = dst_seg.allocator.allocate(obj.size)
         assert offset is not None, "a move was planned without room"
-        dst = Replica(node.node_id, dst_seg.name, offset, obj.size, dst_seg.tier)
+        dst = Replica(
+            node.node_id, dst_seg.name, offset, obj.size, stamp=src.stamp, tier=dst_seg.tier
+        )
         tasks = self.svc.tasks
         task_id = tasks.next_id()
         deadline = now + self.config.task_timeout_s + TASK_GRACE_S
@@ -325,6 +327,7 @@ class TierManager:
             "checksum": obj.checksum,
             "src": [src.segment, src.offset],
             "dst": [dst.segment, dst.offset],
+            "stamp": dst.stamp,
             "deadline_ms": self.svc.wall_ms() + int(self.config.task_timeout_s * 1000),
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))

@@ -2,7 +2,7 @@
 
 Layout (two named databases in one environment, ``<data_dir>/nvme``):
 
-``meta``  ``id (8 bytes, big endian)`` → msgpack ``[key, size, checksum, num_chunks]``
+``meta``  ``id (8 bytes, big endian)`` → msgpack ``[key, size, checksum, num_chunks, stamp]``
 ``data``  ``id (8 bytes) ‖ chunk number (4 bytes)`` → up to ``chunk_bytes`` of the object
 
 The id is the replica's offset as the master hands it out for this segment: the master never
@@ -115,7 +115,7 @@ class NvmeTier(Tier):
                 raw = txn.get(_meta_key(offset), db=self._meta)
                 if raw is None:
                     raise KeyNotFoundError(f"no object with id {offset} on the NVMe tier")
-                key, stored_size, _checksum, num_chunks = msgpack.unpackb(bytes(raw))
+                key, stored_size, _checksum, num_chunks, *_ = msgpack.unpackb(bytes(raw))
                 if stored_size != size:
                     raise KeyNotFoundError(
                         f"NVMe object {offset} holds {stored_size} bytes, not {size}"
@@ -139,12 +139,13 @@ class NvmeTier(Tier):
             with self.env.begin() as txn:
                 for k, v in txn.cursor(db=self._meta):
                     try:
-                        key, size, checksum, _n = msgpack.unpackb(v)
+                        key, size, checksum, _n, *rest = msgpack.unpackb(v)
                         (offset,) = _ID.unpack(k)
                     except (ValueError, TypeError, struct.error, msgpack.UnpackException):
                         log.warning("skipping an unreadable NVMe manifest record")
                         continue
-                    out.append(StoredObject(offset, bytes(key), int(size), int(checksum)))
+                    stamp = int(rest[0]) if rest else 0
+                    out.append(StoredObject(offset, bytes(key), int(size), int(checksum), stamp))
         except lmdb.Error as exc:
             raise TierError(f"NVMe manifest scan failed: {exc}") from None
         return out
@@ -192,7 +193,7 @@ class NvmeTier(Tier):
                     )
                 txn.put(
                     _meta_key(obj.offset),
-                    msgpack.packb([obj.key, obj.size, obj.checksum, num_chunks]),
+                    msgpack.packb([obj.key, obj.size, obj.checksum, num_chunks, obj.stamp]),
                     db=self._meta,
                 )
 

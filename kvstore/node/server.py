@@ -53,6 +53,7 @@ class ManifestEntry:
     key: bytes
     size: int
     checksum: int
+    stamp: int = 0  # the write grant's expiry: orders versions of a key (kvstore.manifest)
 
 
 class Manifest:
@@ -66,10 +67,17 @@ class Manifest:
         with self._lock:
             self._entries[(segment, offset)] = entry
 
-    def forget(self, pairs: list[tuple[str, int]]) -> None:
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
         with self._lock:
-            for p in pairs:
-                self._entries.pop(p, None)
+            for item in items:
+                pos = (item[0], item[1])
+                entry = self._entries.get(pos)
+                if entry is None:
+                    continue
+                if len(item) > 2 and item[2] and entry.stamp != item[2]:
+                    continue  # the extent was reused by a newer write since
+                del self._entries[pos]
 
     def clear(self) -> None:
         with self._lock:
@@ -83,7 +91,8 @@ class Manifest:
     def snapshot(self) -> list[list[Any]]:
         with self._lock:
             return [
-                [seg, off, e.key, e.size, e.checksum] for (seg, off), e in self._entries.items()
+                [seg, off, e.key, e.size, e.checksum, e.stamp]
+                for (seg, off), e in self._entries.items()
             ]
 
     def __len__(self) -> int:
@@ -118,7 +127,9 @@ class DataServer:
         for tier in self.tiers.values():
             for obj in tier.stored():
                 self.manifest.record(
-                    tier.segment, obj.offset, ManifestEntry(obj.key, obj.size, obj.checksum)
+                    tier.segment,
+                    obj.offset,
+                    ManifestEntry(obj.key, obj.size, obj.checksum, obj.stamp),
                 )
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.host = host
@@ -155,11 +166,13 @@ class DataServer:
                     c.shutdown(socket.SHUT_RDWR)
         self._accept_thread.join(timeout=5)
 
-    def forget(self, pairs: list[tuple[str, int]]) -> None:
-        """The master freed these (segment, offset) pairs: drop them from the manifest and tiers."""
-        self.manifest.forget(pairs)
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """The master freed these ``(segment, offset[, stamp])``: drop them from the manifest,
+        and delete what durable tiers keep for them (NVMe ids are never reused)."""
+        self.manifest.forget(items)
         by_tier: dict[str, list[int]] = {}
-        for seg, off in pairs:
+        for item in items:
+            seg, off = item[0], item[1]
             if seg in self.tiers:
                 by_tier.setdefault(seg, []).append(off)
         for seg, offsets in by_tier.items():
@@ -202,7 +215,7 @@ class DataServer:
         for (obj, _), err in zip(items, results, strict=True):
             if err is None:
                 self.manifest.record(
-                    segment, obj.offset, ManifestEntry(obj.key, obj.size, obj.checksum)
+                    segment, obj.offset, ManifestEntry(obj.key, obj.size, obj.checksum, obj.stamp)
                 )
         return results
 
@@ -352,7 +365,7 @@ class DataServer:
             if grant is not None and dest is None and err is None:
                 buf = memoryview(bytearray(length))
                 protocol.recv_exact_into(fs.sock, buf)
-                obj = StoredObject(grant.offset, grant.key, grant.size, checksum)
+                obj = StoredObject(grant.offset, grant.key, grant.size, checksum, grant.expires_ms)
                 tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
                 results.append([0, None])
                 continue
@@ -363,7 +376,9 @@ class DataServer:
             protocol.recv_exact_into(fs.sock, dest)
             if start == 0 and length == grant.size:
                 self.manifest.record(
-                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
                 )
             results.append([0, None])
         for segment, batch in tier_items.items():

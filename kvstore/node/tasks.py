@@ -97,7 +97,7 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
                 raise InvalidRequestError(f"unknown task kind {kind!r}")
             if checksum_of(data) != checksum:
                 raise ChecksumMismatchError(f"source bytes of {key[:64]!r} fail their checksum")
-            obj = StoredObject(int(dst_offset), key, size, checksum)
+            obj = StoredObject(int(dst_offset), key, size, checksum, int(task.get("stamp", 0)))
             # NOTE: a DRAM source view stays valid: the master frees the source only after the
             # node reports this task done.
             deadlines[len(results)] = deadline_ms

@@ -33,6 +33,7 @@ class StoredObject:
     key: bytes
     size: int
     checksum: int
+    stamp: int = 0  # the version (the write grant's expiry, kept across moves)
 
 
 def checksum_of(view: memoryview | bytes) -> int:

@@ -8,7 +8,8 @@ from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
-from kvstore.types import ManifestRecord, ObjectInfo, PutTicket, SegmentSpec
+from kvstore.manifest import ManifestClaim
+from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 KIB = 1024
 MIB = 1 << 20
@@ -367,20 +368,25 @@ def test_drain_of_the_only_node_is_refused(clock: FakeClock) -> None:
 def test_admit_manifest_readmits_and_drops_the_rest(clock: FakeClock) -> None:
     svc = make(clock, nodes=1)
     put(svc, b"live", 10)
-    entries = [
-        ManifestRecord("nvme", "nvme", 7, b"kept", 100, 5),
-        ManifestRecord("nvme", "nvme", 8, b"live", 10, 999),  # other bytes than the stored ones
-        ManifestRecord("nope", "nvme", 9, b"x", 10, 1),  # no such segment
-        ManifestRecord("nvme", "nvme", 7, b"dup", 10, 1),  # id already taken
-        ManifestRecord("nvme", "nvme", 50, b"live", 10, 999),  # dropped, and its id never reused
+    claims = [
+        ManifestClaim("nvme", 7, b"kept", 100, 5, 1),
+        ManifestClaim("nvme", 8, b"live", 10, 999, 1),  # other bytes than the live version
+        ManifestClaim("nope", 9, b"x", 10, 1, 1),  # no such segment
+        ManifestClaim("nvme", 7, b"dup", 10, 1, 1),  # id already taken
+        ManifestClaim("nvme", 50, b"live", 10, 999, 1),  # dropped, and its id never reused
     ]
-    assert svc.admit_manifest("n0", entries) == {"num_admitted": 1, "num_dropped": 4}
+    report = svc.admit_manifest("n0", claims)
+    assert (report.num_admitted, report.num_rejected) == (1, 4)
     info = svc.get_locations([b"kept"])[0]
     assert isinstance(info, ObjectInfo) and info.checksum == 5
+    assert tiers_of(svc, b"kept") == ["nvme"], "an admitted replica takes its segment's tier"
     assert svc.objects[b"live"].checksum == len(b"live")
-    assert set(svc.heartbeat("n0")) == {("nvme", 8), ("nope", 9), ("nvme", 7), ("nvme", 50)}
+    forgot = {(s, o) for s, o, _ in svc.heartbeat("n0")}
+    assert forgot == {("nvme", 8), ("nope", 9), ("nvme", 7), ("nvme", 50)}
     (ticket,) = svc.put_start([b"after"], [5 * MIB // 2])  # NVMe ids continue above 50
     assert isinstance(ticket, PutTicket) and ticket.locations[0].grant.offset > 50
+    svc.remove([b"kept"])  # admitted objects are in the eviction index too
+    assert not svc.nodes["n0"].segments["nvme"].holding.get(7)
 
 
 def test_nvme_budget_waits_for_the_node_to_forget(clock: FakeClock) -> None:
@@ -419,8 +425,9 @@ def test_restart_before_a_forget_arrives_never_resurrects_an_old_version(clock: 
         b"A" * 32,
         [SegmentSpec("dram", "dram", 64 * KIB), SegmentSpec("nvme", "nvme", MIB)],
     )
-    record = ManifestRecord("nvme", "nvme", old.locations[0].grant.offset, b"k", 64 * KIB, 1)
-    assert svc.admit_manifest("n0", [record]) == {"num_admitted": 0, "num_dropped": 1}
+    claim = ManifestClaim("nvme", old.locations[0].grant.offset, b"k", 64 * KIB, 1, 1)
+    report = svc.admit_manifest("n0", [claim])
+    assert (report.num_admitted, report.num_rejected) == (0, 1)
     assert isinstance(svc.get_locations([b"k"])[0], KeyNotFoundError)
 
 
