@@ -15,7 +15,7 @@ import xxhash
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.buffers import as_bytes_view
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
@@ -26,6 +26,7 @@ from kvstore.errors import (
     MasterUnavailableError,
     NodeUnavailableError,
     ProtocolError,
+    UnauthenticatedError,
 )
 from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
@@ -44,21 +45,33 @@ class _ControlChannel:
 
     epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
 
-    def __init__(self, address: Address, timeout: float) -> None:
+    def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.token = token
         self._conn: protocol.FramedSocket | None = None
         self._lock = threading.Lock()
 
     def _connect(self) -> protocol.FramedSocket:
         try:
-            return protocol.FramedSocket.connect(
+            conn = protocol.FramedSocket.connect(
                 self.address.host, self.address.port, timeout=self.timeout
             )
         except NodeUnavailableError as err:
             raise MasterUnavailableError(
                 f"master {self.address} unreachable: {err.message}"
             ) from None
+        try:
+            auth.hello(conn, self.token)
+        except (OSError, ConnectionError) as exc:
+            conn.close()
+            raise MasterUnavailableError(
+                f"master {self.address} failed during hello: {exc}"
+            ) from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def call_epoch(
         self, verb: str, args: dict[str, Any], pin_epoch: int | None = None
@@ -72,8 +85,8 @@ class _ControlChannel:
                     self._conn = self._connect()
                 try:
                     return self._conn.call(verb, args)
-                except ProtocolError:
-                    self._drop()
+                except (ProtocolError, UnauthenticatedError):
+                    self._drop()  # the master hangs up after either
                     raise
                 except KVStoreError:
                     raise
@@ -116,6 +129,7 @@ class Client:
         self,
         master: Address | None,
         timeout: float = DEFAULT_TIMEOUT_S,
+        token: auth.Token | None = None,
         *,
         control: _ControlChannel | LeaderChannel | None = None,
     ) -> None:
@@ -123,28 +137,44 @@ class Client:
         self.timeout = timeout
         if control is None:
             assert master is not None, "a client needs a master address or a control channel"
-            control = _ControlChannel(master, timeout)
+            control = _ControlChannel(master, timeout, token)
         self._control = control
-        self._tcp = TcpTransport(timeout)
+        self._tcp = TcpTransport(timeout, token)
 
     @classmethod
-    def connect(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Client:
+    def connect(
+        cls,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        token: str | bytes | auth.Token | None = None,
+    ) -> Client:
         """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
         found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
 
+        Args:
+            address: the master's control address.
+            timeout: seconds for every network call.
+            token: the cluster token; None reads ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``.
+
         Raises:
-            InvalidRequestError: a malformed address.
+            InvalidRequestError: a malformed address or token.
             MasterUnavailableError: nothing answers there (no leader, for ``etcd://``).
+            UnauthenticatedError: the master needs a token and this is not it.
         """
+        if token is None:
+            token = auth.load_token()
+        elif not isinstance(token, auth.Token):
+            token = auth.Token(token)
         if is_etcd_url(address):
-            client = cls(None, timeout, control=LeaderChannel(address, timeout))
+            client = cls(None, timeout, token, control=LeaderChannel(address, timeout, token))
             try:
                 client._control.call("ping", {})
             except BaseException:
                 client.close()
                 raise
             return client
-        client = cls(Address.parse(address), timeout)
+        client = cls(Address.parse(address), timeout, token)
         client._control.call("ping", {})
         return client
 

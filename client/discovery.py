@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
 from kvstore.errors import (
@@ -48,11 +48,13 @@ class LeaderChannel:
         self,
         etcd_url: str,
         timeout: float,
+        token: auth.Token | None = None,
         *,
         failover_timeout: float = DEFAULT_FAILOVER_TIMEOUT_S,
         prefix: str = DEFAULT_PREFIX,
     ) -> None:
         self.url = etcd_url
+        self.token = token
         self.timeout = min(timeout, HA_CALL_TIMEOUT_S)
         self.failover_timeout = min(failover_timeout, max(timeout, 1.0))
         self.resolver = LeaderResolver(parse_endpoints(etcd_url), EtcdLayout(prefix))
@@ -68,9 +70,15 @@ class LeaderChannel:
             if self.epoch is not None and rec.epoch != self.epoch:
                 self.num_failovers += 1
             self.address, self.epoch = rec.control, rec.epoch
-            self._conn = protocol.FramedSocket.connect(
+            conn = protocol.FramedSocket.connect(
                 rec.control.host, rec.control.port, timeout=self.timeout
             )
+            try:
+                auth.hello(conn, self.token)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:

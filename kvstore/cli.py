@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import KVStoreError
 
@@ -69,9 +70,14 @@ def _tier_config(args: argparse.Namespace) -> object:
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    from kvstore.master.daemon import serve_master
+    from kvstore.master.daemon import serve_master, tls_context
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
+    security = {
+        "token": auth.load_token(args.token_file),
+        "public_reads": args.public_reads,
+        "ssl_context": tls_context(args.tls_cert, args.tls_key),
+    }
     if args.etcd:
         from kvstore.etcd import parse_endpoints
         from kvstore.master.ha import HAConfig, serve_master_ha
@@ -93,6 +99,7 @@ def cmd_master(args: argparse.Namespace) -> int:
                 _master_config(args),  # type: ignore[arg-type]
                 ha,
                 _tier_config(args),  # type: ignore[arg-type]
+                **security,
             )
         )
         return 0
@@ -103,44 +110,10 @@ def cmd_master(args: argparse.Namespace) -> int:
             admin_port,
             _master_config(args),  # type: ignore[arg-type]
             _tier_config(args),  # type: ignore[arg-type]
+            **security,
         )
     )
     return 0
-
-
-def cmd_drain(args: argparse.Namespace) -> int:
-    """``kvstore drain NODE``: ask the master to drain a node, and wait until it retires."""
-    import json
-    import time
-    import urllib.error
-    import urllib.request
-
-    url = f"{args.admin.rstrip('/')}/api/v1/nodes/{args.node_id}/drain"
-    deadline = time.monotonic() + args.timeout
-    while True:
-        try:
-            with urllib.request.urlopen(
-                urllib.request.Request(url, method="POST"), timeout=10
-            ) as r:
-                status = json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            body = json.loads(exc.read() or b"{}").get("error", {})
-            print(f"kvstore drain: {body.get('message', exc.reason)}", file=sys.stderr)
-            return 2
-        except OSError as exc:
-            print(f"kvstore drain: admin API {args.admin} unreachable: {exc}", file=sys.stderr)
-            return 2
-        print(
-            f"node {status['node_id']}: {status['state']}, "
-            f"{status['num_objects_left']} object(s) left",
-            flush=True,
-        )
-        if status["state"] == "retired" or args.no_wait:
-            return 0
-        if time.monotonic() > deadline:
-            print("kvstore drain: timed out; the drain continues in the master", file=sys.stderr)
-            return 1
-        time.sleep(0.5)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -157,6 +130,11 @@ def cmd_node(args: argparse.Namespace) -> int:
             args.port,
             parse_size(args.dram),
             Path(args.data_dir),
+            token=auth.load_token(args.token_file),
+            admin_port=args.admin_port,
+            public_reads=args.public_reads,
+            nvme_bytes=parse_size(args.nvme),
+            hbm_bytes=parse_size(args.hbm),
         )
         return 0
     serve_node(
@@ -167,6 +145,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         Path(args.data_dir),
         parse_size(args.nvme),
         parse_size(args.hbm),
+        token=auth.load_token(args.token_file),
+        admin_port=args.admin_port,
+        public_reads=args.public_reads,
     )
     return 0
 
@@ -176,7 +157,19 @@ async def _up(args: argparse.Namespace) -> int:
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
-    master = Master(args.host, args.port, admin_port, _master_config(args), _tier_config(args))  # type: ignore[arg-type]
+    from kvstore.master.daemon import tls_context
+
+    token = auth.load_token(args.token_file)  # the node child reads the same env / file
+    master = Master(
+        args.host,
+        args.port,
+        admin_port,
+        _master_config(args),  # type: ignore[arg-type]
+        _tier_config(args),  # type: ignore[arg-type]
+        token=token,
+        public_reads=args.public_reads,
+        ssl_context=tls_context(args.tls_cert, args.tls_key),
+    )
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -200,6 +193,8 @@ async def _up(args: argparse.Namespace) -> int:
         args.nvme,
         "--data-dir",
         str(data_dir / "node-0"),
+        *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
+        *([] if args.public_reads else ["--no-public-reads"]),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
     )
@@ -255,6 +250,24 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     _run_loop(main())
     return result[0] if result else 1
+
+
+def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the cluster token (else env KVSTORE_TOKEN / KVSTORE_TOKEN_FILE; "
+        "none: no authentication)",
+    )
+    p.add_argument(
+        "--public-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve read-only REST endpoints without the token (mutating calls always need it)",
+    )
+    if tls:
+        p.add_argument("--tls-cert", default=None, help="PEM certificate: serve REST over HTTPS")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
 
 
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
@@ -317,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--etcd-attempts", type=int, default=5, help="tries to reach etcd at start")
     p.add_argument("--advertise-host", default=None, help="host published to clients")
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
@@ -333,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
     p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size under --data-dir; 0: none")
     p.add_argument("--hbm", default="0", help="GPU memory tier size where a GPU exists; 0: none")
+    p.add_argument(
+        "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
+    )
+    _add_security_flags(p, tls=False)
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -344,14 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
     p.add_argument("--data-dir", default=".kvstore-data")
     _add_master_flags(p)
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("drain", help="move a node's objects elsewhere, then retire the node")
-    p.add_argument("node_id", metavar="NODE")
-    p.add_argument("--admin", default="http://127.0.0.1:7701", help="the master's admin URL")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for retirement")
-    p.add_argument("--no-wait", action="store_true", help="start the drain and return")
-    p.set_defaults(func=cmd_drain)
+    ops.add_parsers(sub)
+    ops_drain.add_parser(sub)
     return parser
 
 

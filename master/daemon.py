@@ -6,13 +6,17 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from dataclasses import dataclass
 
 from aiohttp import web
-from kvstore.master.admin import init_app
+from kvstore.master.admin import AdminSettings, init_app
+from kvstore.master.metrics import MasterMetrics
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
+
+from kvstore.auth import Token
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +37,16 @@ class Master:
         admin_port: int = 0,
         config: MasterConfig | None = None,
         tiers: TierConfig | None = None,
+        *,
+        token: Token | None = None,
+        public_reads: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.service = MasterService(config, tiers=tiers)
-        self.control = ControlServer(self.service, host, port)
+        self.metrics = MasterMetrics(self.service)
+        self.control = ControlServer(self.service, host, port, observer=self.metrics, token=token)
+        self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
+        self.ssl_context = ssl_context
         self.host = host
         self.admin_port = admin_port
         self._runner: web.AppRunner | None = None
@@ -43,14 +54,16 @@ class Master:
 
     async def start(self) -> MasterEndpoints:
         await self.control.start()
-        self._runner = web.AppRunner(init_app(self.service), access_log=None)
+        app = init_app(self.service, self.metrics, self.admin_settings)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.admin_port)
+        site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self._housekeeping = asyncio.create_task(self._housekeep())
+        scheme = "https" if self.ssl_context is not None else "http"
         return MasterEndpoints(
-            f"{self.host}:{self.control.port}", f"http://{self.host}:{self.admin_port}"
+            f"{self.host}:{self.control.port}", f"{scheme}://{self.host}:{self.admin_port}"
         )
 
     async def _housekeep(self) -> None:
@@ -80,11 +93,48 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
+def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """A server TLS context for the admin REST API, or None without a certificate.
+
+    Raises:
+        InvalidRequestError: only one of the two files given, or they cannot be loaded.
+    """
+    from kvstore.errors import InvalidRequestError
+
+    if cert_file is None and key_file is None:
+        return None
+    if cert_file is None or key_file is None:
+        raise InvalidRequestError("--tls-cert and --tls-key go together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequestError(f"cannot load the TLS certificate or key: {exc}") from None
+    return ctx
+
+
 async def serve_master(
-    host: str, port: int, admin_port: int, config: MasterConfig, tiers: TierConfig | None = None
+    host: str,
+    port: int,
+    admin_port: int,
+    config: MasterConfig,
+    tiers: TierConfig | None = None,
+    *,
+    token: Token | None = None,
+    public_reads: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run a master until SIGINT/SIGTERM. Prints one ``ready`` line with both endpoints."""
-    master = Master(host, port, admin_port, config, tiers)
+    master = Master(
+        host,
+        port,
+        admin_port,
+        config,
+        tiers,
+        token=token,
+        public_reads=public_reads,
+        ssl_context=ssl_context,
+    )
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 
 from kvstore import protocol
+from kvstore.auth import Token
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
 from kvstore.errors import (
@@ -327,6 +329,10 @@ async def serve_master_ha(
     config: MasterConfig,
     ha: HAConfig,
     tiers: TierConfig | None = None,
+    *,
+    token: Token | None = None,
+    public_reads: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run one of several masters until SIGINT/SIGTERM: standby until elected.
 
@@ -337,7 +343,16 @@ async def serve_master_ha(
         EtcdUnavailableError: etcd did not answer at start (after bounded retries).
     """
     store = await EtcdStore.connect(ha.endpoints, attempts=ha.connect_attempts)
-    master = Master(host, port, admin_port, config, tiers)
+    master = Master(
+        host,
+        port,
+        admin_port,
+        config,
+        tiers,
+        token=token,
+        public_reads=public_reads,
+        ssl_context=ssl_context,
+    )
     fence = Leadership(master.service)
     master.control.fence = fence
     endpoints = await master.start()

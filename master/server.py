@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvstore.master.service import MasterService
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.config import check_wire_key
 from kvstore.errors import (
     InternalError,
@@ -202,18 +203,34 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
 }
 
 
-def dispatch(svc: MasterService, request: protocol.Request) -> bytes:
+class RpcObserver(Protocol):
+    """Records each served request (metrics). ``result`` is the handler's return value or None."""
+
+    def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
+        """Args: the request, its error code (0 = ok), the handler's result, the time it took."""
+
+
+def dispatch(
+    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+) -> bytes:
     """Run one request and return the encoded response frame."""
     handler = HANDLERS.get(request.verb)
+    started, code, result = time.perf_counter(), 0, None
     try:
         if handler is None:
             raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
-        return protocol.encode_response(request.req_id, handler(svc, request.args))
+        result = handler(svc, request.args)
+        return protocol.encode_response(request.req_id, result)
     except KVStoreError as err:
+        code = int(err.code)
         return protocol.encode_error(request.req_id, err)
     except Exception:
+        code = int(InternalError.code)
         log.exception("internal error while serving %r", request.verb[:64])
         return protocol.encode_error(request.req_id, InternalError("internal error"))
+    finally:
+        if observer is not None:
+            observer.observe(request, code, result, time.perf_counter() - started)
 
 
 class Fence(Protocol):
@@ -233,9 +250,13 @@ class ControlServer:
         *,
         max_body: int = protocol.DEFAULT_MAX_BODY,
         fence: Fence | None = None,
+        observer: RpcObserver | None = None,
+        token: auth.Token | None = None,
     ) -> None:
         self.service = service
         self.fence = fence
+        self.observer = observer
+        self.token = token
         self.host = host
         self.port = port
         self.max_body = max_body
@@ -255,6 +276,7 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        gate = auth.Gate(self.token)
         try:
             while True:
                 try:
@@ -279,11 +301,18 @@ class ControlServer:
                 except ProtocolError as err:
                     writer.write(protocol.encode_error(protocol.request_id_of(body), err))
                 else:
+                    screened = gate.screen(request)
+                    if screened is not None:
+                        writer.write(screened[0])
+                        await writer.drain()
+                        if screened[1]:
+                            return
+                        continue
                     refusal = self.fence.check(request) if self.fence is not None else None
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
-                        writer.write(dispatch(self.service, request))
+                        writer.write(dispatch(self.service, request, self.observer))
                 await writer.drain()
         except ConnectionError:
             return

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvstore import grants, protocol
+from kvstore import auth, grants, protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
 from kvstore.manifest import ManifestClaim, verify_claims
@@ -37,6 +37,7 @@ class MasterLink:
             manifest when it registers with a new leader (failover keeps the cache), puts the
             epoch in every call, and rotates its grant secret per epoch, so grants of a deposed
             leader no longer open its arena.
+        token: the cluster token, presented on every connection to the master.
     """
 
     def __init__(
@@ -47,8 +48,10 @@ class MasterLink:
         server: DataServer,
         segments: list[SegmentSpec],
         resolver: Callable[[], tuple[Address, int]] | None = None,
+        token: auth.Token | None = None,
     ) -> None:
         self.master = master
+        self.token = token
         self.resolver = resolver
         self.epoch = 0
         self._secret_epoch = 0
@@ -154,6 +157,7 @@ class MasterLink:
                 conn = protocol.FramedSocket.connect(
                     self.master.host, self.master.port, timeout=timeout
                 )
+                auth.hello(conn, self.token)
                 if self.resolver is None or self._registered_to != (self.master, self.epoch):
                     self._register(conn)
                 else:

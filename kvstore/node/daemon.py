@@ -9,9 +9,10 @@ import threading
 import uuid
 from pathlib import Path
 
-from kvstore import grants
+from kvstore import auth, grants
 from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path
 from kvstore.node.hbm import open_hbm
@@ -51,6 +52,10 @@ class StorageNode:
         data_dir: Path,
         nvme_bytes: int = 0,
         hbm_bytes: int = 0,
+        *,
+        token: auth.Token | None = None,
+        admin_port: int | None = None,
+        public_reads: bool = True,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
@@ -68,10 +73,26 @@ class StorageNode:
             tiers[nvme.segment] = nvme
         self.tiers = tiers
         self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
-        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers)
+        self.server = DataServer(
+            {"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers, token=token
+        )
         specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
         specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]
-        self.link = MasterLink(master, self.node_id, host, self.server, specs)
+        self.link = MasterLink(master, self.node_id, host, self.server, specs, token=token)
+        self.admin: NodeAdmin | None = None
+        if admin_port is not None:
+            self.admin = NodeAdmin(
+                host,
+                admin_port,
+                self.node_id,
+                self.server.stats,
+                {
+                    "dram": ("dram", dram_bytes),
+                    **{t.segment: (t.tier, t.capacity) for t in tiers.values()},
+                },
+                token=token,
+                public_reads=public_reads,
+            )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
         """Serve, and wait until the master has accepted us.
@@ -80,6 +101,8 @@ class StorageNode:
             MasterUnavailableError: no registration within ``register_timeout_s``.
         """
         self.server.start()
+        if self.admin is not None:
+            self.admin.start()
         self.link.start()
         if not self.link.registered.wait(register_timeout_s):
             self.stop()
@@ -89,6 +112,8 @@ class StorageNode:
 
     def stop(self) -> None:
         self.link.stop()
+        if self.admin is not None:
+            self.admin.stop()
         self.server.stop()
         self.dram.close()
         for tier in self.tiers.values():
@@ -103,16 +128,32 @@ def serve_node(
     data_dir: Path,
     nvme_bytes: int = 0,
     hbm_bytes: int = 0,
+    *,
+    token: auth.Token | None = None,
+    admin_port: int | None = None,
+    public_reads: bool = True,
 ) -> None:
     """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(master, host, port, dram_bytes, data_dir, nvme_bytes, hbm_bytes)
+    node = StorageNode(
+        master,
+        host,
+        port,
+        dram_bytes,
+        data_dir,
+        nvme_bytes,
+        hbm_bytes,
+        token=token,
+        admin_port=admin_port,
+        public_reads=public_reads,
+    )
     node.start()
+    admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
     tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin}",
         flush=True,
     )
     threading.Thread(

@@ -15,6 +15,7 @@ import signal
 import threading
 from pathlib import Path
 
+from kvstore.auth import Token
 from kvstore.config import Address
 from kvstore.discovery import EtcdLayout, LeaderResolver, NodeRecord
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
@@ -109,6 +110,12 @@ def serve_node_ha(
     dram_bytes: int,
     data_dir: Path,
     join_timeout_s: float = 30.0,
+    *,
+    token: Token | None = None,
+    admin_port: int | None = None,
+    public_reads: bool = True,
+    nvme_bytes: int = 0,
+    hbm_bytes: int = 0,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.
 
@@ -129,7 +136,18 @@ def serve_node_ha(
         return rec.control, rec.epoch
 
     _check_etcd(resolver, etcd_url)
-    node = StorageNode(Address("etcd", 0), host, port, dram_bytes, data_dir)
+    node = StorageNode(
+        Address("etcd", 0),
+        host,
+        port,
+        dram_bytes,
+        data_dir,
+        nvme_bytes,
+        hbm_bytes,
+        token=token,
+        admin_port=admin_port,
+        public_reads=public_reads,
+    )
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2
     membership = EtcdMembership(

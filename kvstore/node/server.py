@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore import grants, protocol
+from kvstore import auth, grants, protocol
 from kvstore.errors import (
     GrantInvalidError,
     InternalError,
@@ -107,6 +107,7 @@ class DataServer:
         secret: the key the master signs this node's grants with.
         host, port: where to listen (port 0 picks a free one).
         clock_ms: wall-clock milliseconds, for grant expiry.
+        token: the cluster token every connection must present first (None: no check).
     """
 
     def __init__(
@@ -117,8 +118,10 @@ class DataServer:
         port: int = 0,
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         tiers: dict[str, Tier] | None = None,
+        token: auth.Token | None = None,
     ) -> None:
         self.segments = segments
+        self.token = token
         #: Segments served through the tier interface (NVMe, HBM), by segment name.
         self.tiers: dict[str, Tier] = dict(tiers or {})
         self.secret = secret
@@ -244,6 +247,7 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
         scratch = memoryview(bytearray(1 << 16))
+        gate = auth.Gate(self.token)
         try:
             while not self._stopped.is_set():
                 try:
@@ -259,6 +263,13 @@ class DataServer:
                 body = fs.read_body(header)
                 try:
                     request = protocol.decode_request(body)
+                    screened = gate.screen(request)
+                    if screened is not None:
+                        protocol.discard(conn, header.payload_len, scratch)
+                        fs.send_frame(screened[0])
+                        if screened[1]:
+                            return
+                        continue
                     handler = self._verbs.get(request.verb)
                     if handler is None:
                         raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")

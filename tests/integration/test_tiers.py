@@ -156,7 +156,7 @@ def test_node_restart_keeps_its_nvme_objects(cluster_factory) -> None:
         assert len(on_nvme) > 20
         cluster.nodes[0].stop()
         cluster.nodes.clear()
-        cluster.add_node("1MiB", name="node0", extra=("--nvme", "32MiB"))
+        cluster.add_node("1MiB", name="node0")  # the cluster's node_args: --nvme 32MiB
         wait_until(lambda: c.stats()["num_nodes"] == 1, what="node back")
         wait_until(lambda: c.stats()["num_objects"] >= len(on_nvme), what="re-admission")
         for k in on_nvme:
