@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from aiohttp import web
 from kvstore.master.admin import AdminSettings, init_app
 from kvstore.master.metrics import MasterMetrics
+from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 
 from kvstore.auth import Token
+from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Master:
         self.admin_port = admin_port
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._restoring: asyncio.Task[None] | None = None
 
     async def start(self) -> MasterEndpoints:
         await self.control.start()
@@ -74,8 +77,32 @@ class Master:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
                 self.service.tick()
+                if self.service.prompt_metas_dirty and self._restoring is None:
+                    self._restoring = asyncio.create_task(self._restore_prefix_index())
             except Exception:  # a bug here must not stop the master from serving
                 log.exception("housekeeping failed")
+
+    async def _restore_prefix_index(self) -> None:
+        """After manifests were admitted: fetch prompt metas off the loop, then index them."""
+        svc = self.service
+        svc.prompt_metas_dirty = False  # admissions from now on trigger another round
+        try:
+            keys = sorted(svc.prompt_metas.to_fetch)
+            infos = [
+                (k, i)
+                for k, i in zip(keys, svc.get_locations(keys), strict=True)
+                if isinstance(i, ObjectInfo)
+            ]
+            svc.prompt_metas.to_fetch.difference_update(keys)
+            fetched = await asyncio.to_thread(fetch_objects, infos, self.control.token)
+            svc.prompt_metas.add_fetched(fetched)
+            done = svc.restore_prefix_index()
+            if done:
+                log.info("prefix index: %d prompt(s) restored from the nodes' manifests", done)
+        except Exception:
+            log.exception("prefix index restore failed")
+        finally:
+            self._restoring = None
 
     async def stop(self) -> None:
         if self._housekeeping is not None:

@@ -34,6 +34,7 @@ from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
 from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
@@ -49,6 +50,7 @@ from kvstore.errors import (
     PutNotFoundError,
 )
 from kvstore.keys import Namespace
+from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 if TYPE_CHECKING:
@@ -189,6 +191,8 @@ class MasterService:
         # node id -> (segment, offset) it was told to forget but may still hold when it comes
         # back (restart before the next heartbeat): admission never takes those (recovery.py).
         self.tombstones: dict[str, set[tuple[str, int]]] = {}
+        self.prompt_metas = PromptMetaBacklog()
+        self.prompt_metas_dirty = False
         # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
         # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
         self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
@@ -206,7 +210,34 @@ class MasterService:
         from kvstore.master.recovery import admit_manifest, forget_stale_stamps
 
         forget_stale_stamps(self)
-        return admit_manifest(self, node_id, claims)
+        claims = list(claims)
+        report = admit_manifest(self, node_id, claims)
+        # Prompt metas let the prefix index be rebuilt (master/prefix_restore.py); new objects
+        # may also complete prompts fetched earlier.
+        self.prompt_metas.to_fetch.update(
+            c.key for c in claims if c.key.startswith(KV_META_PREFIX) and c.key in self.objects
+        )
+        self.prompt_metas_dirty = True
+        return report
+
+    def restore_prefix_index(self) -> int:
+        """Index every fetched prompt meta whose blocks are all committed by now.
+
+        Returns:
+            Prompts fully indexed by this call (the others wait for more nodes to re-register).
+        """
+        done = 0
+        for key, (namespace, tokens) in list(self.prompt_metas.incomplete.items()):
+            if key not in self.objects:
+                del self.prompt_metas.incomplete[key]  # the meta itself went away
+                continue
+            self.prefix.index(namespace, tokens, self.objects.__contains__)
+            full = len(tokens) // namespace.block_size * namespace.block_size
+            if self.prefix.radix.match(namespace, tokens).num_tokens >= full:
+                del self.prompt_metas.incomplete[key]
+                done += 1
+        self.prompt_metas.num_restored += done
+        return done
 
     # ================================================================ membership
     def register(
