@@ -189,29 +189,36 @@ class Client:
         self.close()
 
     # ================================================================ puts
-    def put(self, key: str | bytes, value: Any) -> None:
+    def put(self, key: str | bytes, value: Any, *, replicas: int = 1) -> None:
         """Store ``value`` (any contiguous buffer) under ``key``, replacing an earlier value.
+
+        Args:
+            replicas: copies on distinct nodes; reads use any live one.
 
         Raises:
             InvalidRequestError, NoSpaceError, NodeUnavailableError, ObjectBusyError, ...
         """
-        _raise_if_error(self.batch_put([key], [value])[0])
+        _raise_if_error(self.batch_put([key], [value], replicas=replicas)[0])
 
     def batch_put(
-        self, keys: Sequence[str | bytes], values: Sequence[Any]
+        self, keys: Sequence[str | bytes], values: Sequence[Any], *, replicas: int = 1
     ) -> list[KVStoreError | None]:
         """Store many objects: one master call to allocate, one write per node, one to commit.
+
+        Args:
+            replicas: copies of each object on distinct nodes.
 
         Returns:
             Per key, None on success or the error for that key (nothing stored for it).
         """
-        return self._batch_put(keys, values)
+        return self._batch_put(keys, values, replicas=replicas)
 
     def _batch_put(
         self,
         keys: Sequence[str | bytes],
         values: Sequence[Any],
         commit: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> list[KVStoreError | None]:
         """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
         KV-cache layer indexes the prompt in the same call as the commit)."""
@@ -237,7 +244,7 @@ class Client:
             if not todo:
                 break
             todo, dead = self._put_round(
-                todo, wire_keys, views, sums, index, results, excluded, commit
+                todo, wire_keys, views, sums, index, results, excluded, commit, replicas
             )
             excluded.extend(dead)
         return results
@@ -252,15 +259,16 @@ class Client:
         results: list[KVStoreError | None],
         excluded: list[str],
         commit_extra: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> tuple[list[int], list[str]]:
-        reply, epoch = self._control.call_epoch(
-            "put_start",
-            {
-                "keys": [wire_keys[j] for j in todo],
-                "sizes": [len(views[j]) for j in todo],
-                "exclude": excluded,
-            },
-        )
+        start: dict[str, Any] = {
+            "keys": [wire_keys[j] for j in todo],
+            "sizes": [len(views[j]) for j in todo],
+            "exclude": excluded,
+        }
+        if replicas != 1:
+            start["replicas"] = replicas
+        reply, epoch = self._control.call_epoch("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -435,6 +443,56 @@ class Client:
     def remove(self, key: str | bytes) -> None:
         """Delete one object. Raises KeyNotFoundError when it is not stored."""
         _raise_if_error(self.batch_remove([key])[0])
+
+    def batch_pin(
+        self, keys: Sequence[str | bytes], *, ttl: float = 60.0, hard: bool = False
+    ) -> list[KVStoreError | None]:
+        """Pin many objects; per key None or the error (KeyNotFoundError when missing)."""
+        reply = self._control.call(
+            "pin", {"keys": [encode_key(k) for k in keys], "ttl_s": ttl, "hard": hard}
+        )
+        return [result_from_wire(r)[0] for r in reply]
+
+    def pin(self, key: str | bytes, *, ttl: float = 60.0, hard: bool = False) -> None:
+        """Keep an object from eviction for ``ttl`` seconds.
+
+        A soft pin (default) makes it go last and only under pressure; a hard pin keeps it until
+        :meth:`unpin` or the TTL ends. Pinning again replaces the earlier pin.
+
+        Raises:
+            KeyNotFoundError: the key is not stored.
+            InvalidRequestError: a TTL out of range.
+        """
+        _raise_if_error(self.batch_pin([key], ttl=ttl, hard=hard)[0])
+
+    def batch_unpin(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
+        reply = self._control.call("unpin", {"keys": [encode_key(k) for k in keys]})
+        return [result_from_wire(r)[0] for r in reply]
+
+    def unpin(self, key: str | bytes) -> None:
+        """Drop a pin. Raises KeyNotFoundError when the key is not stored."""
+        _raise_if_error(self.batch_unpin([key])[0])
+
+    def locate(self, key: str | bytes) -> ObjectInfo:
+        """Where an object lives, with a read lease (its grants expire with the lease).
+
+        Pair with :meth:`read_located`; a read after the lease ended fails with
+        GrantInvalidError instead of returning bytes that may have been reused.
+
+        Raises:
+            KeyNotFoundError, InvalidRequestError.
+        """
+        return _raise_if_error(self._locations([encode_key(key)])[0])
+
+    def read_located(self, info: ObjectInfo, buffer: Any) -> int:
+        """Read an object located earlier by :meth:`locate` into ``buffer``; returns its size.
+
+        Raises:
+            GrantInvalidError (lease over), NodeUnavailableError, ChecksumMismatchError, ...
+        """
+        results: list[Any] = [None]
+        self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+        return _raise_if_error(results[0])
 
     def stats(self) -> dict[str, Any]:
         """The master's cluster figures."""

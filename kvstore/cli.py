@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvstore import auth, ops
+from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import KVStoreError
 
@@ -57,6 +57,18 @@ def _master_config(args: argparse.Namespace) -> object:
     )
 
 
+def _tier_config(args: argparse.Namespace) -> object:
+    from kvstore.master.tiering import TierConfig
+
+    return TierConfig(
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        eviction_policy=args.eviction_policy,
+        lease_s=args.lease,
+        promote_after_hits=args.promote_after,
+    )
+
+
 def cmd_master(args: argparse.Namespace) -> int:
     from kvstore.master.daemon import serve_master, tls_context
 
@@ -80,10 +92,27 @@ def cmd_master(args: argparse.Namespace) -> int:
         )
         # grpc.aio runs on the standard asyncio loop.
         asyncio.run(
-            serve_master_ha(args.host, args.port, admin_port, _master_config(args), ha, **security)
-        )  # type: ignore[arg-type]
+            serve_master_ha(
+                args.host,
+                args.port,
+                admin_port,
+                _master_config(args),  # type: ignore[arg-type]
+                ha,
+                _tier_config(args),  # type: ignore[arg-type]
+                **security,
+            )
+        )
         return 0
-    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args), **security))
+    _run_loop(
+        serve_master(
+            args.host,
+            args.port,
+            admin_port,
+            _master_config(args),  # type: ignore[arg-type]
+            _tier_config(args),  # type: ignore[arg-type]
+            **security,
+        )
+    )
     return 0
 
 
@@ -104,6 +133,8 @@ def cmd_node(args: argparse.Namespace) -> int:
             token=auth.load_token(args.token_file),
             admin_port=args.admin_port,
             public_reads=args.public_reads,
+            nvme_bytes=parse_size(args.nvme),
+            hbm_bytes=parse_size(args.hbm),
         )
         return 0
     serve_node(
@@ -112,6 +143,8 @@ def cmd_node(args: argparse.Namespace) -> int:
         args.port,
         parse_size(args.dram),
         Path(args.data_dir),
+        parse_size(args.nvme),
+        parse_size(args.hbm),
         token=auth.load_token(args.token_file),
         admin_port=args.admin_port,
         public_reads=args.public_reads,
@@ -132,6 +165,7 @@ async def _up(args: argparse.Namespace) -> int:
         args.port,
         admin_port,
         _master_config(args),  # type: ignore[arg-type]
+        _tier_config(args),  # type: ignore[arg-type]
         token=token,
         public_reads=args.public_reads,
         ssl_context=tls_context(args.tls_cert, args.tls_key),
@@ -155,6 +189,8 @@ async def _up(args: argparse.Namespace) -> int:
         str(node_port),
         "--dram",
         args.dram,
+        "--nvme",
+        args.nvme,
         "--data-dir",
         str(data_dir / "node-0"),
         *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
@@ -319,6 +355,15 @@ def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats"
     )
+    p.add_argument(
+        "--high-watermark", type=float, default=0.90, help="tier fill that starts eviction"
+    )
+    p.add_argument("--low-watermark", type=float, default=0.80, help="tier fill eviction stops at")
+    p.add_argument("--eviction-policy", default="lru", help="lru or lfu")
+    p.add_argument("--lease", type=float, default=5.0, help="seconds a read lease lasts")
+    p.add_argument(
+        "--promote-after", type=int, default=3, help="reads before an NVMe object moves to DRAM"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size under --data-dir; 0: none")
+    p.add_argument("--hbm", default="0", help="GPU memory tier size where a GPU exists; 0: none")
     p.add_argument(
         "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
     )
@@ -381,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=None, help="default: port + 1")
     p.add_argument("--node-port", type=int, default=None, help="default: port + 2")
     p.add_argument("--dram", default="512MiB")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
     p.add_argument("--data-dir", default=".kvstore-data")
     _add_master_flags(p)
     _add_security_flags(p, tls=True)
@@ -401,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     ops.add_parsers(sub)
+    ops_drain.add_parser(sub)
     return parser
 
 

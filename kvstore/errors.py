@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     PUT_NOT_FOUND = 203
 
     NO_SPACE = 300
+    TIER_FAILED = 301
 
     NODE_UNAVAILABLE = 400
     NODE_NOT_FOUND = 401
@@ -152,6 +153,12 @@ class NoSpaceError(KVStoreError):
     code = ErrorCode.NO_SPACE
 
 
+class TierError(KVStoreError, RuntimeError):
+    """A tier's storage failed: an lmdb file that is corrupt or unusable, a GPU that went away."""
+
+    code = ErrorCode.TIER_FAILED
+
+
 class NodeUnavailableError(KVStoreError, ConnectionError):
     """A storage node could not be reached, or died while serving."""
 
@@ -226,6 +233,7 @@ for _cls in (
     ChecksumMismatchError,
     PutNotFoundError,
     NoSpaceError,
+    TierError,
     NodeUnavailableError,
     GrantInvalidError,
     OutOfRangeError,

@@ -56,9 +56,11 @@ class AdminClient:
         except urllib.error.HTTPError as exc:
             try:
                 err = json.loads(exc.read())["error"]
-                raise KVStoreError.from_wire([err["code"], err["message"]]) from None
+                wire = [err["code"], err["message"]]
             except (ValueError, KeyError, TypeError):
                 raise ProtocolError(f"the admin API answered HTTP {exc.code}") from None
+            # NOTE: raised outside the try: KeyNotFoundError is a KeyError.
+            raise KVStoreError.from_wire(wire) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise MasterUnavailableError(

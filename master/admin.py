@@ -95,6 +95,15 @@ async def cluster(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].stats())
 
 
+async def drain_node(request: web.Request) -> web.Response:
+    """``POST /api/v1/nodes/{id}/drain``: move the node's objects elsewhere, then retire it.
+
+    Answers 202 with the drain status (``state``, ``num_objects_left``); POST again to poll.
+    """
+    status = request.app[SERVICE_KEY].drain_node(request.match_info["id"])
+    return web.json_response(status, status=202 if status["state"] != "retired" else 200)
+
+
 def _history_sample(service: MasterService, metrics: MasterMetrics) -> dict[str, float]:
     capacity = used = 0
     for node in service.nodes.values():
@@ -150,6 +159,7 @@ def init_app(
     app.router.add_get("/api/v1/cluster", cluster)
     app.router.add_get("/api/v1/openapi.json", openapi.openapi)
     routes.add_routes(app)
+    app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
     scheduler_routes.add_routes(app)
     return app
 

@@ -15,6 +15,7 @@ from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
 
 from kvstore.auth import Token
 from kvstore.types import ObjectInfo
@@ -37,12 +38,13 @@ class Master:
         port: int = 0,
         admin_port: int = 0,
         config: MasterConfig | None = None,
+        tiers: TierConfig | None = None,
         *,
         token: Token | None = None,
         public_reads: bool = True,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.service = MasterService(config)
+        self.service = MasterService(config, tiers=tiers)
         self.metrics = MasterMetrics(self.service)
         self.control = ControlServer(self.service, host, port, observer=self.metrics, token=token)
         self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
@@ -74,6 +76,7 @@ class Master:
             try:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
+                self.service.tick()
                 if self.service.prompt_metas_dirty and self._restoring is None:
                     self._restoring = asyncio.create_task(self._restore_prefix_index())
             except Exception:  # a bug here must not stop the master from serving
@@ -142,6 +145,7 @@ async def serve_master(
     port: int,
     admin_port: int,
     config: MasterConfig,
+    tiers: TierConfig | None = None,
     *,
     token: Token | None = None,
     public_reads: bool = True,
@@ -153,6 +157,7 @@ async def serve_master(
         port,
         admin_port,
         config,
+        tiers,
         token=token,
         public_reads=public_reads,
         ssl_context=ssl_context,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from kvstore.master.daemon import Master, install_stop_signals
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
 
 from kvstore import protocol
 from kvstore.auth import Token
@@ -327,6 +328,7 @@ async def serve_master_ha(
     admin_port: int,
     config: MasterConfig,
     ha: HAConfig,
+    tiers: TierConfig | None = None,
     *,
     token: Token | None = None,
     public_reads: bool = True,
@@ -346,6 +348,7 @@ async def serve_master_ha(
         port,
         admin_port,
         config,
+        tiers,
         token=token,
         public_reads=public_reads,
         ssl_context=ssl_context,

@@ -15,6 +15,10 @@ Rules, in order:
    lower node id wins, so every order of registration ends in the same table.
 4. Every rejected claim is logged with its reason and goes to the node's forget list, so the
    node drops it and never claims it again.
+5. Tiers: a replica takes its segment's tier. NVMe ids a node reports are never handed out again
+   while the node may still hold them (``ByteBudget.skip_past``), and a claim the master had
+   told the node to forget just before it went away (a restart before the next heartbeat) is
+   rejected: an overwritten or removed version never comes back.
 
 PENDING puts of an old leader: the node records an entry only once the bytes arrived completely,
 and checks them against their checksum before claiming them. A complete, verified extent is
@@ -95,16 +99,29 @@ def admit_manifest(
     node = svc.nodes.get(node_id)
     if node is None:
         raise NodeUnavailableError(f"node {node_id!r} is not registered")
+    from kvstore.master.budget import ByteBudget
+
     report = AdmissionReport()
+    tombstones = svc.tombstones.pop(node_id, set())
+    claims = list(claims)
+    for claim in claims:
+        seg = node.segments.get(claim.segment)
+        if seg is not None and isinstance(seg.allocator, ByteBudget):
+            seg.allocator.skip_past(claim.offset)
     # Newest first: a node's own older versions of a key then lose to its newer one.
     ordered = sorted(claims, key=lambda c: (-c.stamp, c.segment, c.offset))
     for claim in ordered:
         why = _check_claim(svc, node, claim)
+        if not why and (claim.segment, claim.offset) in tombstones:
+            why = "this master had told the node to forget it (freed or replaced)"
         if why:
             report.reject(claim, node_id, why)
             node.forgotten.append((claim.segment, claim.offset, claim.stamp))
             continue
-        replica = Replica(node_id, claim.segment, claim.offset, claim.size, claim.stamp)
+        tier = node.segments[claim.segment].tier
+        replica = Replica(
+            node_id, claim.segment, claim.offset, claim.size, stamp=claim.stamp, tier=tier
+        )
         cur = svc.objects.get(claim.key)
         admitted = svc.manifest_stamps.get(claim.key)
         if cur is not None and (admitted is None or admitted[1] is not cur):
@@ -112,6 +129,7 @@ def admit_manifest(
         elif cur is not None and cur.size == claim.size and cur.checksum == claim.checksum:
             if _reserve(node, claim):
                 cur.replicas.append(replica)
+                svc.attach(claim.key, replica)
                 report.num_replicas += 1
                 continue
             why = "extent not free on this node (overlap, misaligned or outside the segment)"
@@ -131,8 +149,11 @@ def admit_manifest(
                 )
                 svc._free_replicas(cur.replicas)
                 report.num_replaced += 1
-            meta = ObjectMeta(claim.key, claim.size, claim.checksum, [replica])
+            meta = ObjectMeta(
+                claim.key, claim.size, claim.checksum, [replica], last_access=svc.clock()
+            )
             svc.objects[claim.key] = meta
+            svc.attach(claim.key, replica)
             svc.manifest_stamps[claim.key] = (claim.stamp, meta)
             report.num_admitted += 1
             continue

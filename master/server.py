@@ -98,17 +98,28 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
 
 
 def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
-    return {"forget": [list(p) for p in svc.heartbeat(_arg(args, "node_id", str))]}
+    # The node reports the tasks it ran; the reply carries what to forget and what to do next
+    # (see kvstore/node/tasks.py), and whether a drained node may stop.
+    node_id = _arg(args, "node_id", str)
+    if "done" in args:
+        svc.tasks_done(node_id, _list(args, "done", list))
+    forget = svc.heartbeat(node_id)
+    return {
+        "forget": [list(p) for p in forget],
+        "tasks": svc.take_tasks(node_id),
+        "retire": svc.take_retirement(node_id),
+    }
 
 
 def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     keys = _list(args, "keys")
     sizes = _list(args, "sizes", int)
     exclude = _list(args, "exclude", str) if "exclude" in args else []
+    replicas = _arg(args, "replicas", int) if "replicas" in args else 1
     if len(sizes) != len(keys):
         raise InvalidRequestError("keys and sizes differ in length")
     results = _per_key(
-        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude)
+        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude, replicas)
     )
     return [result_to_wire(r) for r in results]
 
@@ -134,6 +145,18 @@ def _exists(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
     return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
+
+
+def _pin(svc: MasterService, args: dict[str, Any]) -> Any:
+    ttl = _arg(args, "ttl_s", (int, float))
+    hard = _arg(args, "hard", bool) if "hard" in args else False
+    return [
+        result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.pin(k, ttl, hard))
+    ]
+
+
+def _unpin(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.unpin(k))]
 
 
 def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -172,6 +195,8 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "get_locations": _get_locations,
     "exists": _exists,
     "remove": _remove,
+    "pin": _pin,
+    "unpin": _unpin,
     "stats": _stats,
     "kv_commit": _kv_commit,
     "kv_match": _kv_match,

@@ -12,6 +12,8 @@ from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
 from kvstore.manifest import ManifestClaim, verify_claims
 from kvstore.node.server import DataServer
+from kvstore.node.tasks import run_tasks
+from kvstore.node.tiers import checksum_of
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class MasterLink:
         self.server = server
         self.segments = segments
         self.registered = threading.Event()
+        #: Set when the master retired this node (after a drain): the node should exit.
+        self.retired = threading.Event()
+        self._done: list[list[object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
         self.heartbeat_interval_s = 1.0
@@ -78,7 +83,31 @@ class MasterLink:
     def _verified_manifest(self) -> list[list[object]]:
         claims = [ManifestClaim(*e) for e in self.server.manifest.snapshot()]
         views = {name: arena.view for name, arena in self.server.segments.items()}
-        good, bad = verify_claims(claims, views)
+        # Durable tiers (NVMe) verified every object's checksum when they stored it, in one
+        # atomic transaction; other tiers (HBM) are read back and checked here.
+        tiers = self.server.tiers
+        in_arenas: list[ManifestClaim] = []
+        good: list[ManifestClaim] = []
+        bad: list[tuple[ManifestClaim, str]] = []
+        for c in claims:
+            tier = tiers.get(c.segment)
+            if tier is None:
+                in_arenas.append(c)
+            elif tier.durable:
+                good.append(c)
+            else:
+                try:
+                    same = checksum_of(tier.read(c.offset, c.size)) == c.checksum
+                except KVStoreError as err:
+                    same = False
+                    log.warning("cannot read %s@%d back: %s", c.segment, c.offset, err)
+                if same:
+                    good.append(c)
+                else:
+                    bad.append((c, "bytes do not match the checksum"))
+        good_arena, bad_arena = verify_claims(in_arenas, views)
+        good += good_arena
+        bad += bad_arena
         for claim, why in bad:
             log.warning("dropping manifest entry %s@%d: %s", claim.segment, claim.offset, why)
         self.server.manifest.forget([(c.segment, c.offset, c.stamp) for c, _ in bad])
@@ -91,9 +120,14 @@ class MasterLink:
             "port": self.server.port,
             "segments": [s.to_wire() for s in self.segments],
         }
+        self._done = []
         if self.resolver is None:
-            # A fresh registration means the master holds nothing of ours: start a clean manifest.
-            self.server.manifest.clear()
+            # A fresh registration means the master holds nothing of ours: start a clean manifest,
+            # except for durable tiers (NVMe), whose objects we claim for it to re-admit.
+            durable = {name for name, t in self.server.tiers.items() if t.durable}
+            self.server.manifest.clear_volatile(durable)
+            if durable:
+                args["manifest"] = self._verified_manifest()
         else:
             if self._secret_epoch != self.epoch:
                 # NOTE: rotate before the manifest snapshot: a write granted by the old leader
@@ -129,9 +163,12 @@ class MasterLink:
                 else:
                     self.registered.set()  # same leader: resume; it says if it forgot us
                 backoff = 0.1
-                while not self._stop.wait(self.heartbeat_interval_s):
+                wait_s = self.heartbeat_interval_s
+                while not self._stop.wait(wait_s):
+                    wait_s = self.heartbeat_interval_s
+                    done, self._done = self._done, []
                     try:
-                        beat: dict[str, object] = {"node_id": self.node_id}
+                        beat: dict[str, object] = {"node_id": self.node_id, "done": done}
                         if self.resolver is not None:
                             beat["epoch"] = self.epoch
                         reply = conn.call("heartbeat", beat)
@@ -143,7 +180,15 @@ class MasterLink:
                         continue
                     forget = reply.get("forget", [])
                     if forget:
-                        self.server.manifest.forget([tuple(p) for p in forget])
+                        self.server.forget([tuple(p) for p in forget])
+                    tasks = reply.get("tasks") or []
+                    if tasks:
+                        self._done = run_tasks(self.server, tasks)
+                        wait_s = 0.0  # report at once: the master may have more work queued
+                    if reply.get("retire"):
+                        log.info("the master retired this node (drained): stopping")
+                        self.retired.set()
+                        return
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
                 # With etcd, a failover is routine: say it once per outage, not every retry.
                 level = (

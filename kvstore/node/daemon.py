@@ -15,7 +15,10 @@ from kvstore.errors import InvalidRequestError, MasterUnavailableError
 from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path
+from kvstore.node.hbm import open_hbm
+from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.node.tiers import Tier
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ class StorageNode:
         port: int,
         dram_bytes: int,
         data_dir: Path,
+        nvme_bytes: int = 0,
+        hbm_bytes: int = 0,
         *,
         token: auth.Token | None = None,
         admin_port: int | None = None,
@@ -54,18 +59,26 @@ class StorageNode:
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
+        if nvme_bytes < 0 or hbm_bytes < 0:
+            raise InvalidRequestError("--nvme and --hbm must be >= 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
+        # NOTE: lmdb must be opened after any fork: this is the node's own process.
+        tiers: dict[str, Tier] = {}
+        hbm = open_hbm(hbm_bytes)
+        if hbm is not None:
+            tiers[hbm.segment] = hbm
+        if nvme_bytes:
+            nvme = NvmeTier(data_dir / "nvme", nvme_bytes)
+            tiers[nvme.segment] = nvme
+        self.tiers = tiers
         self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
-        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port, token=token)
-        self.link = MasterLink(
-            master,
-            self.node_id,
-            host,
-            self.server,
-            [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
-            token=token,
+        self.server = DataServer(
+            {"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers, token=token
         )
+        specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
+        specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]
+        self.link = MasterLink(master, self.node_id, host, self.server, specs, token=token)
         self.admin: NodeAdmin | None = None
         if admin_port is not None:
             self.admin = NodeAdmin(
@@ -73,7 +86,10 @@ class StorageNode:
                 admin_port,
                 self.node_id,
                 self.server.stats,
-                {"dram": ("dram", dram_bytes)},
+                {
+                    "dram": ("dram", dram_bytes),
+                    **{t.segment: (t.tier, t.capacity) for t in tiers.values()},
+                },
                 token=token,
                 public_reads=public_reads,
             )
@@ -100,6 +116,8 @@ class StorageNode:
             self.admin.stop()
         self.server.stop()
         self.dram.close()
+        for tier in self.tiers.values():
+            tier.close()
 
 
 def serve_node(
@@ -108,12 +126,14 @@ def serve_node(
     port: int,
     dram_bytes: int,
     data_dir: Path,
+    nvme_bytes: int = 0,
+    hbm_bytes: int = 0,
     *,
     token: auth.Token | None = None,
     admin_port: int | None = None,
     public_reads: bool = True,
 ) -> None:
-    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line."""
+    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -123,16 +143,22 @@ def serve_node(
         port,
         dram_bytes,
         data_dir,
+        nvme_bytes,
+        hbm_bytes,
         token=token,
         admin_port=admin_port,
         public_reads=public_reads,
     )
     node.start()
     admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
+    tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{admin}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin}",
         flush=True,
     )
+    threading.Thread(
+        target=lambda: (node.link.retired.wait(), stop.set()), name="node-retire", daemon=True
+    ).start()
     try:
         stop.wait()
     finally:

@@ -114,6 +114,8 @@ def serve_node_ha(
     token: Token | None = None,
     admin_port: int | None = None,
     public_reads: bool = True,
+    nvme_bytes: int = 0,
+    hbm_bytes: int = 0,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.
 
@@ -140,6 +142,8 @@ def serve_node_ha(
         port,
         dram_bytes,
         data_dir,
+        nvme_bytes,
+        hbm_bytes,
         token=token,
         admin_port=admin_port,
         public_reads=public_reads,
