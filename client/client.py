@@ -268,6 +268,8 @@ class Client:
         }
         if replicas != 1:
             start["replicas"] = replicas
+        if commit_extra is not None:
+            start["kv"] = True  # the KV-cache layer writes kv/ keys (see MasterService.put_start)
         reply, epoch = self._control.call_epoch("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []

@@ -25,7 +25,13 @@ from kvstore.client.client import Client
 from kvstore.client.transport import ReadItem
 
 from kvstore.buffers import as_bytes_view
-from kvstore.errors import ChecksumMismatchError, InvalidRequestError, KVStoreError
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KVStoreError,
+    ObjectBusyError,
+    ObjectExistsError,
+)
 from kvstore.keys import DTYPE_BYTES, Namespace, as_token_array, block_bytes, block_keys
 from kvstore.kvblocks import encode_prompt_meta, kv_meta_key, kv_object_key, tokens_to_wire
 from kvstore.types import ObjectInfo, result_from_wire
@@ -166,7 +172,10 @@ class KVCache:
             commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(tok[: num_full * bs])},
         )
         for r in results:
-            if isinstance(r, KVStoreError):
+            # Another writer stored (or is storing) the same block: equal keys, equal KV.
+            if isinstance(r, KVStoreError) and not isinstance(
+                r, ObjectExistsError | ObjectBusyError
+            ):
                 raise r
         return num_new * bs
 

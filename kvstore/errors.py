@@ -36,6 +36,7 @@ class ErrorCode(enum.IntEnum):
     OBJECT_BUSY = 201
     CHECKSUM_MISMATCH = 202
     PUT_NOT_FOUND = 203
+    OBJECT_EXISTS = 204
 
     NO_SPACE = 300
     TIER_FAILED = 301
@@ -137,6 +138,12 @@ class ObjectBusyError(KVStoreError):
     code = ErrorCode.OBJECT_BUSY
 
 
+class ObjectExistsError(KVStoreError):
+    """A KV block that is already stored: blocks are immutable (equal keys mean equal tokens)."""
+
+    code = ErrorCode.OBJECT_EXISTS
+
+
 class ChecksumMismatchError(KVStoreError, RuntimeError):
     """The bytes read do not match the checksum recorded at put time."""
 
@@ -230,6 +237,7 @@ for _cls in (
     UnknownVerbError,
     KeyNotFoundError,
     ObjectBusyError,
+    ObjectExistsError,
     ChecksumMismatchError,
     PutNotFoundError,
     NoSpaceError,

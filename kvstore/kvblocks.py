@@ -21,6 +21,11 @@ KV_META_PREFIX = b"kvmeta/"
 _KEY_LEN = len(KV_PREFIX) + 32 + 1 + 2 * BLOCK_KEY_BYTES
 
 
+def is_kv_key(key: bytes) -> bool:
+    """Keys the KV-cache layer owns (blocks and prompt metas)."""
+    return key.startswith(KV_PREFIX) or key.startswith(KV_META_PREFIX)
+
+
 def kv_object_key(ns_digest: bytes, block_key: BlockKey) -> bytes:
     return KV_PREFIX + ns_digest.hex().encode() + b"/" + block_key.hex().encode()
 

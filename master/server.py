@@ -118,8 +118,12 @@ def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     replicas = _arg(args, "replicas", int) if "replicas" in args else 1
     if len(sizes) != len(keys):
         raise InvalidRequestError("keys and sizes differ in length")
+    kv_blocks = args.get("kv") is True
     results = _per_key(
-        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude, replicas)
+        keys,
+        lambda valid, idx: svc.put_start(
+            valid, [sizes[i] for i in idx], exclude, replicas, kv_blocks
+        ),
     )
     return [result_to_wire(r) for r in results]
 

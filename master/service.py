@@ -47,10 +47,11 @@ from kvstore.errors import (
     KVStoreError,
     NodeUnavailableError,
     ObjectBusyError,
+    ObjectExistsError,
     PutNotFoundError,
 )
 from kvstore.keys import Namespace
-from kvstore.kvblocks import KV_META_PREFIX
+from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 if TYPE_CHECKING:
@@ -356,11 +357,15 @@ class MasterService:
         sizes: Sequence[int],
         exclude_nodes: Iterable[str] = (),
         replicas: int = 1,
+        kv_blocks: bool = False,
     ) -> list[PutTicket | KVStoreError]:
         """Allocate room for each key; the client then writes the bytes straight to the node.
 
         Args:
             replicas: copies of each object, on distinct nodes (the client writes every one).
+            kv_blocks: the KV-cache layer is writing: keys under ``kv/`` and ``kvmeta/`` are
+                allowed, and one that is already stored gets ``ObjectExistsError`` (blocks are
+                immutable: the prefix index may be serving it).
 
         Returns:
             Per key, a ticket (put id and where to write) or the error for that key.
@@ -377,6 +382,13 @@ class MasterService:
         results: list[PutTicket | KVStoreError] = []
         for key, size in zip(keys, sizes, strict=True):
             try:
+                if is_kv_key(key):
+                    if not kv_blocks:
+                        raise InvalidRequestError(
+                            "keys under kv/ and kvmeta/ are written by KVCache only"
+                        )
+                    if key in self.objects:
+                        raise ObjectExistsError("this KV block is already stored")
                 results.append(self._put_start_one(key, size, excluded, replicas))
             except KVStoreError as err:
                 results.append(err)

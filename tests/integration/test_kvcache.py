@@ -182,3 +182,28 @@ def test_cross_process_store_then_load_seventy_percent(cluster_factory, tmp_path
         timeout=60,
     )
     assert out.stdout.split() == [str(7 * BS), "True"], out.stderr
+
+
+def test_kv_blocks_are_immutable_and_not_writable_by_plain_puts(cluster_factory) -> None:
+    """A plain put cannot replace a block the prefix index serves (that would be a wrong hit)."""
+    from kvstore.errors import ObjectExistsError
+
+    cluster = cluster_factory(num_nodes=1, dram="32MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(2 * BS)
+        layers = make_kv(tokens)
+        kv.store(tokens, layers)
+        _, blocks = kv._match(tokens)
+        with pytest.raises(InvalidRequestError):
+            c.put(blocks[0].key, b"garbage")
+        with pytest.raises(InvalidRequestError):
+            c.put(b"kv/new-key", b"garbage")
+        # A second writer of the same prompt (a race between two prefill workers) is fine.
+        res = c._batch_put(
+            [blocks[0].key], [b"x" * 10], commit={"namespace": kv._ns_wire, "tokens": b""}
+        )
+        assert isinstance(res[0], ObjectExistsError)
+        out = empty_kv(len(tokens))
+        assert kv.load(tokens, out) == 2 * BS
+        assert all(np.array_equal(o[0], w[0]) for o, w in zip(out, layers, strict=True))
