@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import xxhash
-from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
+from kvstore.client.datapath import DataPath
+from kvstore.client.transport import ReadItem, WriteItem
 
 from kvstore import protocol
 from kvstore.buffers import as_bytes_view
@@ -29,7 +30,7 @@ from kvstore.errors import (
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
 DEFAULT_TIMEOUT_S = 30.0
-_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping"})
+_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping", "node_transports"})
 
 
 def checksum(view: memoryview) -> int:
@@ -103,27 +104,36 @@ class Client:
     Use :meth:`connect`; close with :meth:`close` or a ``with`` block.
     """
 
-    def __init__(self, master: Address, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, master: Address, timeout: float = DEFAULT_TIMEOUT_S, *, shm: bool = True
+    ) -> None:
         self.master = master
         self.timeout = timeout
         self._control = _ControlChannel(master, timeout)
-        self._tcp = TcpTransport(timeout)
+        self._data = DataPath(timeout, lambda: self._control.call("node_transports", {}), shm=shm)
 
     @classmethod
-    def connect(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Client:
+    def connect(
+        cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S, shm: bool = True
+    ) -> Client:
         """Connect to the master at ``HOST:PORT``.
+
+        Args:
+            address: the master's ``HOST:PORT``.
+            timeout: seconds any one network wait may take.
+            shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
 
         Raises:
             InvalidRequestError: a malformed address.
             MasterUnavailableError: nothing answers there.
         """
-        client = cls(Address.parse(address), timeout)
+        client = cls(Address.parse(address), timeout, shm=shm)
         client._control.call("ping", {})
         return client
 
     def close(self) -> None:
         self._control.close()
-        self._tcp.close()
+        self._data.close()
 
     def __enter__(self) -> Client:
         return self
@@ -201,7 +211,7 @@ class Client:
             ticket = PutTicket.from_wire(payload)
             tickets.append((j, ticket))
             writes.extend(WriteItem(loc, views[j], sums[j]) for loc in ticket.locations)
-        self._tcp.write(writes)
+        self._data.write(writes)
         failed: dict[int, KVStoreError] = {}
         dead_nodes: set[str] = set()
         w = iter(writes)
@@ -291,7 +301,7 @@ class Client:
                 pending.append((j, info, 0))
         while pending:
             items = [ReadItem(info.locations[r], dests[j][: info.size]) for j, info, r in pending]
-            self._tcp.read(items)
+            self._data.read(items)
             retry: list[tuple[int, ObjectInfo, int]] = []
             for (j, info, r), item in zip(pending, items, strict=True):
                 if item.result is None:

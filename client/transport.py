@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,6 +168,35 @@ class TcpTransport:
             if results is None:
                 for item in ex.items:
                     item.result = ex.error
+                continue
+            for item, r in zip(ex.items, results, strict=True):
+                item.result, _ = result_from_wire(r)
+            self._finish(ex)
+
+    # -------------------------------------------------------------- small per-item calls
+    def call_per_node(
+        self, verb: str, items: Sequence[WriteItem], item_args: Callable[[WriteItem], Any]
+    ) -> None:
+        """One ``verb`` request per node carrying ``item_args(item)`` per item, no payload;
+        sets each ``item.result`` (None on success), all nodes in flight together."""
+        exchanges: dict[Endpoint, _Exchange] = {}
+        for item in items:
+            ep = (item.location.host, item.location.port)
+            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        for ex in exchanges.values():
+            self._send(ex, verb, {"items": [item_args(i) for i in ex.items]}, ())
+        for ex in exchanges.values():
+            results = self._receive(ex) if ex.error is None else None
+            if results is None:
+                for item in ex.items:
+                    item.result = ex.error
+                continue
+            if ex.payload_len:
+                assert ex.conn is not None
+                ex.conn.close()
+                ex.conn = None
+                for item in ex.items:
+                    item.result = ProtocolError(f"{verb} reply carries an unexpected payload")
                 continue
             for item, r in zip(ex.items, results, strict=True):
                 item.result, _ = result_from_wire(r)

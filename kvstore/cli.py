@@ -68,7 +68,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import serve_node
 
     serve_node(
-        Address.parse(args.master), args.host, args.port, parse_size(args.dram), Path(args.data_dir)
+        Address.parse(args.master),
+        args.host,
+        args.port,
+        parse_size(args.dram),
+        Path(args.data_dir),
+        shm=args.shm,
     )
     return 0
 
@@ -100,6 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
         args.dram,
         "--data-dir",
         str(data_dir / "node-0"),
+        *(["--shm"] if args.shm else []),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
     )
@@ -199,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="let same-host clients of this user map the DRAM arena (shm transport)",
+    )
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -208,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-port", type=int, default=None, help="default: port + 2")
     p.add_argument("--dram", default="512MiB")
     p.add_argument("--data-dir", default=".kvstore-data")
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="let same-host clients of this user map the DRAM arena (shm transport)",
+    )
     _add_master_flags(p)
     p.set_defaults(func=cmd_up)
     return parser

@@ -22,6 +22,7 @@ from kvstore.errors import (
     ProtocolError,
     UnknownVerbError,
 )
+from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         _arg(args, "port", int),
         _arg(args, "secret", bytes),
         segments,
+        check_transports(args.get("transports", {})),
     )
     return {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
@@ -123,6 +125,10 @@ def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
     return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
 
 
+def _node_transports(svc: MasterService, args: dict[str, Any]) -> Any:
+    return svc.node_transports()
+
+
 def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.stats()
 
@@ -138,6 +144,7 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "exists": _exists,
     "remove": _remove,
     "stats": _stats,
+    "node_transports": _node_transports,
 }
 
 

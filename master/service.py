@@ -83,6 +83,9 @@ class Node:
     last_seen: float
     # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
     forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
+    # read them with ``node_transports`` (see kvstore/transports.py).
+    transports: dict[str, object] = field(default_factory=dict)
 
     @property
     def free_bytes(self) -> int:
@@ -142,7 +145,13 @@ class MasterService:
 
     # ================================================================ membership
     def register(
-        self, node_id: str, host: str, port: int, secret: bytes, segments: Sequence[SegmentSpec]
+        self,
+        node_id: str,
+        host: str,
+        port: int,
+        secret: bytes,
+        segments: Sequence[SegmentSpec],
+        transports: dict[str, object] | None = None,
     ) -> None:
         """Add a node (or replace an earlier incarnation with the same id, dropping its objects).
 
@@ -176,6 +185,7 @@ class MasterService:
                 for s in segments
             },
             last_seen=self.clock(),
+            transports=dict(transports or {}),
         )
         log.info(
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
@@ -345,6 +355,10 @@ class MasterService:
                 continue  # the node is gone and its allocator with it
             node.segments[r.segment].allocator.free(r.offset)
             node.forgotten.append((r.segment, r.offset))
+
+    def node_transports(self) -> dict[str, dict[str, object]]:
+        """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
+        return {n.node_id: n.transports for n in self.nodes.values()}
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:

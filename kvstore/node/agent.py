@@ -35,12 +35,14 @@ class MasterLink:
         advertise_host: str,
         server: DataServer,
         segments: list[SegmentSpec],
+        transports: dict[str, dict[str, object]] | None = None,
     ) -> None:
         self.master = master
         self.node_id = node_id
         self.advertise_host = advertise_host
         self.server = server
         self.segments = segments
+        self.transports = transports or {}
         self.registered = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
@@ -64,6 +66,7 @@ class MasterLink:
                 "port": self.server.port,
                 "secret": self.server.secret,
                 "segments": [s.to_wire() for s in self.segments],
+                "transports": self.transports,
             },
         )
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])

@@ -40,7 +40,13 @@ class StorageNode:
     """A node's parts, started and stopped together."""
 
     def __init__(
-        self, master: Address, host: str, port: int, dram_bytes: int, data_dir: Path
+        self,
+        master: Address,
+        host: str,
+        port: int,
+        dram_bytes: int,
+        data_dir: Path,
+        shm: bool = False,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
@@ -54,6 +60,7 @@ class StorageNode:
             host,
             self.server,
             [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
+            node_transports(self.server, {"dram": self.dram.path}, shm),
         )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
@@ -76,15 +83,44 @@ class StorageNode:
         self.dram.close()
 
 
-def serve_node(master: Address, host: str, port: int, dram_bytes: int, data_dir: Path) -> None:
-    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line."""
+def node_transports(
+    server: DataServer, arena_files: dict[str, Path], shm: bool
+) -> dict[str, dict[str, object]]:
+    """What this node offers beyond TCP: shm when asked for (``--shm``), RDMA where a device is."""
+    from kvstore import rdma
+    from kvstore.node.shm_verbs import make_shm_commit
+    from kvstore.transports import ShmOffer
+
+    offered: dict[str, dict[str, object]] = {}
+    if shm:
+        server._verbs["shm_commit"] = make_shm_commit(server)
+        offered["shm"] = ShmOffer.of_files(arena_files).to_wire()
+    rdma_offer = rdma.node_offer(arena_files)
+    if rdma_offer is not None:
+        offered["rdma"] = rdma_offer
+    return offered
+
+
+def serve_node(
+    master: Address,
+    host: str,
+    port: int,
+    dram_bytes: int,
+    data_dir: Path,
+    shm: bool = False,
+) -> None:
+    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line.
+
+    Args:
+        shm: offer same-host clients of this user the arena file (the shm transport).
+    """
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(master, host, port, dram_bytes, data_dir)
+    node = StorageNode(master, host, port, dram_bytes, data_dir, shm=shm)
     node.start()
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes} shm={'on' if shm else 'off'}",
         flush=True,
     )
     try:
