@@ -8,11 +8,12 @@ every full read verifies it, so a read returns the exact bytes or raises.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
 from kvstore.client.datapath import DataPath
+from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.transport import ReadItem, WriteItem
 
 from kvstore import protocol
@@ -82,6 +83,50 @@ class _ControlChannel:
                     ) from None
             raise AssertionError("unreachable")
 
+    def call_overlapped(self, verb: str, args: dict[str, Any], work: Callable[[], None]) -> Any:
+        """Send ``verb``, run ``work()`` while the master answers, then read the answer.
+
+        Raises:
+            Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
+        """
+        sent = False
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                req_id = self._conn.send_request(verb, args)
+                sent = True
+            except (TimeoutError, OSError):
+                self._drop()
+            except KVStoreError:
+                pass  # unreachable master: call() below raises the right error
+            work_error: BaseException | None = None
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the answer is read
+                work_error = exc
+            if sent:
+                assert self._conn is not None
+                try:
+                    response, payload_len = self._conn.read_response()
+                    if response.req_id != req_id or payload_len:
+                        raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
+                except ProtocolError:
+                    self._drop()
+                    raise
+                except (TimeoutError, OSError) as exc:
+                    self._drop()
+                    if verb not in _IDEMPOTENT:
+                        raise MasterUnavailableError(
+                            f"master {self.address} failed during {verb}: {exc}"
+                        ) from None
+                    sent = False
+            if work_error is not None:
+                raise work_error
+            if sent:
+                return response.unwrap()
+        return self.call(verb, args)
+
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -111,6 +156,7 @@ class Client:
         self.timeout = timeout
         self._control = _ControlChannel(master, timeout)
         self._data = DataPath(timeout, lambda: self._control.call("node_transports", {}), shm=shm)
+        self._cache = LocationCache()
 
     @classmethod
     def connect(
@@ -173,7 +219,8 @@ class Client:
             wire_keys.append(wk)
             views.append(view)
             index.append(i)
-        sums = [checksum(v) for v in views]
+        sums: list[int] = []  # filled while the master answers the first put_start
+        self._cache.forget(wire_keys)
         excluded: list[str] = []
         todo = list(range(len(wire_keys)))
         for _round in range(2):  # a second round retries keys whose node died, elsewhere
@@ -193,13 +240,18 @@ class Client:
         results: list[KVStoreError | None],
         excluded: list[str],
     ) -> tuple[list[int], list[str]]:
-        reply = self._control.call(
+        def checksums() -> None:
+            if not sums:
+                sums.extend(checksum(v) for v in views)
+
+        reply = self._control.call_overlapped(
             "put_start",
             {
                 "keys": [wire_keys[j] for j in todo],
                 "sizes": [len(views[j]) for j in todo],
                 "exclude": excluded,
             },
+            checksums,
         )
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
@@ -243,7 +295,10 @@ class Client:
 
     # ================================================================ gets
     def _locations(self, wire_keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
-        reply = self._control.call("get_locations", {"keys": wire_keys})
+        return self._decode_locations(self._control.call("get_locations", {"keys": wire_keys}))
+
+    @staticmethod
+    def _decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
         out: list[ObjectInfo | KVStoreError] = []
         for r in reply:
             err, payload = result_from_wire(r)
@@ -275,9 +330,48 @@ class Client:
             index.append(i)
         if not wire_keys:
             return results
-        infos = self._locations(wire_keys)
-        self._read_objects(infos, dests, index, results)
+        self._get(wire_keys, dests, index, results)
         return results
+
+    def _get(
+        self, wire_keys: list[bytes], dests: list[memoryview], index: list[int], results: list[Any]
+    ) -> None:
+        """Locate and read objects; reads of cached locations overlap the master's answer."""
+        cached = self._cache.get_many(wire_keys)
+        guesses: dict[int, ReadItem] = {}
+        for j, info in enumerate(cached):
+            if info is not None and len(dests[j]) >= info.size:
+                guesses[j] = ReadItem(info.locations[0], dests[j][: info.size])
+        if not guesses:
+            infos = self._locations(wire_keys)
+            self._cache.put_many(wire_keys, infos)
+            self._read_objects(infos, dests, index, results)
+            return
+        reply = self._control.call_overlapped(
+            "get_locations", {"keys": wire_keys}, lambda: self._data.read(list(guesses.values()))
+        )
+        infos = self._decode_locations(reply)
+        self._cache.put_many(wire_keys, infos)
+        redo: list[int] = []
+        for j, info in enumerate(infos):
+            item = guesses.get(j)
+            if (
+                item is not None
+                and isinstance(info, ObjectInfo)
+                and item.result is None
+                and same_replica(info, cached[j], item.location)  # type: ignore[arg-type]
+                and checksum(item.dest) == info.checksum
+            ):
+                results[index[j]] = info.size
+            else:
+                redo.append(j)
+        if redo:
+            self._read_objects(
+                [infos[j] for j in redo],
+                [dests[j] for j in redo],
+                [index[j] for j in redo],
+                results,
+            )
 
     def _read_objects(
         self,
@@ -339,6 +433,7 @@ class Client:
                 results[i] = err
         if wire_keys:
             infos = self._locations(wire_keys)
+            self._cache.put_many(wire_keys, infos)
             bufs = [bytearray(info.size if isinstance(info, ObjectInfo) else 0) for info in infos]
             self._read_objects(infos, [memoryview(b) for b in bufs], index, results)
             for j, i in enumerate(index):
@@ -363,7 +458,9 @@ class Client:
         return self.batch_exists([key])[0]
 
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
-        reply = self._control.call("remove", {"keys": [encode_key(k) for k in keys]})
+        wire_keys = [encode_key(k) for k in keys]
+        self._cache.forget(wire_keys)
+        reply = self._control.call("remove", {"keys": wire_keys})
         return [result_from_wire(r)[0] for r in reply]
 
     def remove(self, key: str | bytes) -> None:

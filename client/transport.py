@@ -248,13 +248,24 @@ class TcpTransport:
         if expected != ex.payload_len:
             raise ConnectionError("reply payload does not match its item lengths")
         scratch: memoryview | None = None
+        run: list[ReadItem] = []  # consecutive good items: one scatter read for all of them
         for item, r in zip(ex.items, results, strict=True):
             err, length = result_from_wire(r)
             if err is not None:
                 continue
             if item.result is None:
-                protocol.recv_exact_into(ex.conn.sock, item.dest)
-                item.filled = len(item.dest)
-            else:
-                scratch = scratch or memoryview(bytearray(1 << 16))
-                protocol.discard(ex.conn.sock, length, scratch)
+                run.append(item)
+                continue
+            self._fill(ex, run)
+            scratch = scratch or memoryview(bytearray(1 << 16))
+            protocol.discard(ex.conn.sock, length, scratch)
+        self._fill(ex, run)
+
+    @staticmethod
+    def _fill(ex: _Exchange, run: list[ReadItem]) -> None:
+        assert ex.conn is not None
+        if run:
+            protocol.recv_exact_scatter(ex.conn.sock, [i.dest for i in run])
+            for i in run:
+                i.filled = len(i.dest)
+            run.clear()
