@@ -55,7 +55,12 @@ class DataPath:
     # ---------------------------------------------------------------- offers
     def _learn(self, node_ids: set[str]) -> None:
         """Fetch offers when a node is new to us (rate-limited)."""
-        if self.shm is None or node_ids <= self._known:
+        if self.shm is None:
+            return
+        if self.shm.dropped:  # a mapping failed its checks: ask the master again
+            self._known -= self.shm.dropped
+            self.shm.dropped.clear()
+        if node_ids <= self._known:
             return
         now = time.monotonic()
         if now - self._fetched_at < REFRESH_INTERVAL_S:

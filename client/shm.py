@@ -104,6 +104,7 @@ class ShmTransport:
         # (node_id, segment) -> mapping, or the reason it cannot be mapped (not retried).
         self._maps: dict[tuple[str, str], ShmMapping | TransportUnavailableError] = {}
         self._offers: dict[str, ShmOffer] = {}
+        self.dropped: set[str] = set()  # nodes whose offer must be fetched again
 
     def learn(self, node_id: str, offer_wire: Any) -> None:
         """Record a node's shm offer (from ``node_transports``); a new one replaces mappings."""
@@ -147,6 +148,7 @@ class ShmTransport:
         if isinstance(m, ShmMapping):
             m.close()
         self._offers.pop(node_id, None)
+        self.dropped.add(node_id)
 
     def close(self) -> None:
         for m in self._maps.values():

@@ -104,7 +104,9 @@ class Cluster:
     def admin(self) -> str:
         return self.master.field("admin")
 
-    def add_node(self, dram: str = "256MiB", name: str | None = None) -> Daemon:
+    def add_node(
+        self, dram: str = "256MiB", name: str | None = None, extra: tuple[str, ...] = ()
+    ) -> Daemon:
         name = name or f"node{len(self.nodes)}"
         node = Daemon(
             [
@@ -117,6 +119,7 @@ class Cluster:
                 dram,
                 "--data-dir",
                 str(self.tmp / name),
+                *extra,
             ],
             ready=r"kvstore node ready",
         )
@@ -142,12 +145,15 @@ def cluster_factory(tmp_path: Path) -> Iterator[callable]:
     made: list[Cluster] = []
 
     def make(
-        num_nodes: int = 1, dram: str = "256MiB", master_args: tuple[str, ...] = ()
+        num_nodes: int = 1,
+        dram: str = "256MiB",
+        master_args: tuple[str, ...] = (),
+        node_args: tuple[str, ...] = (),
     ) -> Cluster:
         c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args))
         made.append(c)
         for _ in range(num_nodes):
-            c.add_node(dram)
+            c.add_node(dram, extra=node_args)
         return c
 
     yield make
