@@ -1,5 +1,8 @@
-"""The client SDK: ``from kvstore.client import Client``."""
+"""The client SDK: ``from kvstore.client import Client, KVCache, Namespace``."""
 
 from kvstore.client.client import Client
+from kvstore.client.kvcache import KVCache
 
-__all__ = ["Client"]
+from kvstore.keys import Namespace
+
+__all__ = ["Client", "KVCache", "Namespace"]

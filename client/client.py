@@ -157,6 +157,7 @@ class Client:
         self._control = _ControlChannel(master, timeout)
         self._data = DataPath(timeout, lambda: self._control.call("node_transports", {}), shm=shm)
         self._cache = LocationCache()
+        self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
     def connect(
@@ -204,6 +205,16 @@ class Client:
         Returns:
             Per key, None on success or the error for that key (nothing stored for it).
         """
+        return self._batch_put(keys, values)
+
+    def _batch_put(
+        self,
+        keys: Sequence[str | bytes],
+        values: Sequence[Any],
+        commit: dict[str, Any] | None = None,
+    ) -> list[KVStoreError | None]:
+        """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
+        KV-cache layer indexes the prompt in the same call as the commit)."""
         if len(keys) != len(values):
             raise InvalidRequestError("keys and values differ in length")
         results: list[KVStoreError | None] = [None] * len(keys)
@@ -226,7 +237,9 @@ class Client:
         for _round in range(2):  # a second round retries keys whose node died, elsewhere
             if not todo:
                 break
-            todo, dead = self._put_round(todo, wire_keys, views, sums, index, results, excluded)
+            todo, dead = self._put_round(
+                todo, wire_keys, views, sums, index, results, excluded, commit
+            )
             excluded.extend(dead)
         return results
 
@@ -239,6 +252,7 @@ class Client:
         index: list[int],
         results: list[KVStoreError | None],
         excluded: list[str],
+        commit_extra: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[str]]:
         def checksums() -> None:
             if not sums:
@@ -278,14 +292,15 @@ class Client:
         revoke = [(j, t) for j, t in tickets if j in failed]
         if revoke:
             self._control.call("put_revoke", {"put_ids": [t.put_id for _, t in revoke]})
-        if commit:
-            reply = self._control.call(
-                "put_end",
-                {
-                    "put_ids": [t.put_id for _, t in commit],
-                    "checksums": [sums[j] for j, _ in commit],
-                },
-            )
+        if commit or commit_extra is not None:
+            args = {
+                "put_ids": [t.put_id for _, t in commit],
+                "checksums": [sums[j] for j, _ in commit],
+            }
+            if commit_extra is None:
+                reply = self._control.call("put_end", args)
+            else:
+                reply = self._control.call("kv_commit", {**args, **commit_extra})["results"]
             for (j, _), r in zip(commit, reply, strict=True):
                 results[index[j]], _ = result_from_wire(r)
         retry = [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]

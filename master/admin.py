@@ -10,9 +10,10 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
 
-from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
+from kvstore.errors import ErrorCode, KVStoreError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,5 @@ def init_app(service: MasterService) -> web.Application:
     app[SERVICE_KEY] = service
     app.router.add_get("/health", health)
     app.router.add_get("/api/v1/cluster", cluster)
+    scheduler_routes.add_routes(app)
     return app
-
-
-__all__ = ["init_app", "error_body", "http_status", "InvalidRequestError", "KeyNotFoundError"]

@@ -22,6 +22,8 @@ from kvstore.errors import (
     ProtocolError,
     UnknownVerbError,
 )
+from kvstore.keys import Namespace
+from kvstore.kvblocks import tokens_from_wire
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
@@ -133,6 +135,28 @@ def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.stats()
 
 
+def _kv_commit(svc: MasterService, args: dict[str, Any]) -> Any:
+    namespace = Namespace.from_dict(_arg(args, "namespace", dict))
+    tokens = tokens_from_wire(args.get("tokens"))
+    results, num_indexed = svc.kv_commit(
+        _list(args, "put_ids", int), _list(args, "checksums", int), namespace, tokens
+    )
+    return {"results": [result_to_wire(r) for r in results], "num_indexed": num_indexed}
+
+
+def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
+    namespace = Namespace.from_dict(_arg(args, "namespace", dict))
+    match, infos = svc.kv_match(namespace, tokens_from_wire(args.get("tokens")))
+    return {
+        "num_tokens": match.num_tokens,
+        "block_size": match.block_size,
+        "blocks": [
+            [key, n, result_to_wire(info)]
+            for (key, n), info in zip(match.blocks, infos, strict=True)
+        ],
+    }
+
+
 HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "ping": _ping,
     "register": _register,
@@ -145,6 +169,8 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "remove": _remove,
     "stats": _stats,
     "node_transports": _node_transports,
+    "kv_commit": _kv_commit,
+    "kv_match": _kv_match,
 }
 
 

@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from kvstore.master.allocator import OffsetAllocator
+from kvstore.master.prefix import PrefixIndex, PrefixMatch
 
 from kvstore import grants
 from kvstore.config import MAX_OBJECT_BYTES
@@ -37,6 +39,7 @@ from kvstore.errors import (
     ObjectBusyError,
     PutNotFoundError,
 )
+from kvstore.keys import Namespace
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -142,6 +145,7 @@ class MasterService:
         self._put_ids = itertools.count(1)
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
+        self.prefix = PrefixIndex()
 
     # ================================================================ membership
     def register(
@@ -233,6 +237,7 @@ class MasterService:
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
                 del self.objects[key]
+                self.prefix.forget(key)
 
     # ================================================================ puts
     def put_start(
@@ -389,8 +394,32 @@ class MasterService:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
             else:
                 self._free_replicas(obj.replicas)
+                self.prefix.forget(key)
                 results.append(None)
         return results
+
+    # ================================================================ KV cache (prefix index)
+    def kv_commit(
+        self,
+        put_ids: Sequence[int],
+        checksums: Sequence[int],
+        namespace: Namespace,
+        tokens: np.ndarray,
+    ) -> tuple[list[KVStoreError | None], int]:
+        """``put_end`` for a prompt's new block objects, then index the prompt's committed prefix.
+
+        Returns:
+            Per put, None or its error; and the number of blocks newly indexed.
+        """
+        results = self.put_end(put_ids, checksums)
+        return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
+
+    def kv_match(
+        self, namespace: Namespace, tokens: np.ndarray
+    ) -> tuple[PrefixMatch, list[ObjectInfo | KVStoreError]]:
+        """The cached prefix of a prompt and, per block, where its replicas are (one call)."""
+        match = self.prefix.match(namespace, tokens, self.objects.__contains__)
+        return match, self.get_locations([key for key, _ in match.blocks])
 
     # ================================================================ helpers
     def _location(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> Location:
@@ -421,6 +450,7 @@ class MasterService:
             "object_bytes": sum(o.size for o in self.objects.values()),
             "num_reclaimed": self.num_reclaimed,
             "num_dead_nodes": self.num_dead_nodes,
+            "prefix": self.prefix.stats(),
             "nodes": [
                 {
                     "node_id": n.node_id,

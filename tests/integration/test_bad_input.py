@@ -18,7 +18,7 @@ from kvstore.errors import ErrorCode, KVStoreError
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    from conftest import Cluster, start_master
+    from tests.support import Cluster, start_master
 
     c = Cluster(tmp_path_factory.mktemp("bad"), start_master())
     c.add_node("8MiB")

@@ -10,7 +10,6 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import wait_until
 from kvstore.client import Client
 
 from kvstore import protocol
@@ -21,6 +20,7 @@ from kvstore.errors import (
     NodeUnavailableError,
     NoSpaceError,
 )
+from tests.support import wait_until
 
 SIZES = [0, 1, 63, 64, 65, 4096, 65536 + 7, 1 << 20, (3 << 20) + 5, 16 << 20, 64 << 20]
 

@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from conftest import wait_until
 from kvstore.client import Client
 from kvstore.client.transport import ReadItem, TcpTransport
 
 from kvstore import grants, protocol
 from kvstore.errors import KeyNotFoundError, KVTimeoutError, NodeUnavailableError
 from kvstore.types import Location
+from tests.support import wait_until
 
 
 def node_stats(cluster, i: int = 0) -> dict:

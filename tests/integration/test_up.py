@@ -11,8 +11,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import Daemon
 from kvstore.client import Client
+
+from tests.support import Daemon
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -1,0 +1,109 @@
+"""The master's prefix index: which leading tokens of a prompt are cached, and where.
+
+Wraps :class:`kvstore.master.radix.RadixIndex` with the rules that keep it honest:
+
+* The master computes block keys from the tokens itself (never trusting a client's keys), so a
+  client cannot make another client hit blocks of other tokens.
+* A block enters the index only once its object is committed, and only as part of a prefix whose
+  every block is committed (the index is prefix-closed).
+* A block whose object went away (removed, evicted, its node died) is dropped; ``match`` also
+  re-checks every block it returns against the object table and truncates at the first missing
+  one, so a stale entry can only ever cost a miss, never a wrong hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from kvstore.master.radix import RadixIndex
+
+from kvstore.errors import KeyNotFoundError
+from kvstore.keys import BlockKey, Namespace, block_keys
+from kvstore.kvblocks import kv_object_key, parse_kv_object_key
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """Leading tokens cached, and per block (object key, tokens of it that match)."""
+
+    num_tokens: int
+    block_size: int
+    blocks: list[tuple[bytes, int]]
+
+
+class PrefixIndex:
+    """Prefix index over committed KV block objects, for every namespace."""
+
+    def __init__(self) -> None:
+        self.radix = RadixIndex()
+        self.num_queries = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    def index(
+        self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
+    ) -> int:
+        """Index the full blocks of ``tokens`` up to the first block whose object is missing.
+
+        Returns:
+            The number of blocks newly indexed.
+        """
+        keys = block_keys(namespace, tokens)
+        digest = namespace.digest
+        n = 0
+        for k in keys:
+            if not is_committed(kv_object_key(digest, k)):
+                break
+            n += 1
+        if n == 0:
+            return 0
+        return self.radix.insert(namespace, tokens[: n * namespace.block_size], keys[:n], [0] * n)
+
+    def match(
+        self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
+    ) -> PrefixMatch:
+        """Longest cached prefix of ``tokens`` (token-granular) whose blocks are all committed."""
+        m = self.radix.match(namespace, tokens)
+        digest = namespace.digest
+        blocks: list[tuple[bytes, int]] = []
+        num_tokens = 0
+        for i, key in enumerate(m.block_keys):
+            obj_key = kv_object_key(digest, key)
+            if not is_committed(obj_key):
+                self.forget(obj_key)  # stale: its object went away without telling us
+                break
+            n = m.tokens_in_block(i)
+            blocks.append((obj_key, n))
+            num_tokens += n
+        self.num_queries += 1
+        self.num_query_tokens += len(tokens)
+        self.num_hit_tokens += num_tokens
+        return PrefixMatch(num_tokens, namespace.block_size, blocks)
+
+    def forget(self, object_key: bytes) -> int:
+        """Drop a block (and the blocks after it, now unreachable) when its object goes away.
+
+        Returns:
+            The number of blocks dropped (0 for keys that are not KV blocks).
+        """
+        parsed = parse_kv_object_key(object_key)
+        if parsed is None:
+            return 0
+        digest, block = parsed
+        try:
+            return len(self.radix.remove(digest, BlockKey(block)))
+        except KeyNotFoundError:
+            return 0
+
+    def stats(self) -> dict[str, float | int]:
+        return {
+            "num_blocks": self.radix.num_blocks(),
+            "num_queries": self.num_queries,
+            "num_query_tokens": self.num_query_tokens,
+            "num_hit_tokens": self.num_hit_tokens,
+            "hit_ratio": self.num_hit_tokens / self.num_query_tokens
+            if self.num_query_tokens
+            else 0.0,
+        }

@@ -1,0 +1,184 @@
+"""The KV-cache API across processes: store in one, load bit-exactly in another."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from kvstore.client import Client, KVCache, Namespace
+
+from kvstore.errors import InvalidRequestError
+
+L, H, D, BS = 3, 2, 16, 16
+
+
+def ns(**kw) -> Namespace:
+    return Namespace(
+        **{
+            "model": "tiny",
+            "dtype": "float16",
+            "num_layers": L,
+            "num_kv_heads": H,
+            "head_dim": D,
+            "block_size": BS,
+            **kw,
+        }
+    )
+
+
+def make_kv(
+    tokens: np.ndarray, seed: int = 0, dtype=np.float16
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Deterministic KV that depends on the whole prefix (like a real model's)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((L, 2, len(tokens), H, D)).astype(dtype)
+    return [(base[layer, 0], base[layer, 1]) for layer in range(L)]
+
+
+def empty_kv(n: int, dtype=np.float16) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [
+        (np.full((n, H, D), np.nan, dtype), np.full((n, H, D), np.nan, dtype)) for _ in range(L)
+    ]
+
+
+def test_store_lookup_load_token_granular(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=2, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(1000, 1000 + 5 * BS + 7)  # 5 full blocks + 7 tokens
+        layers = make_kv(tokens)
+        assert kv.lookup(tokens) == 0
+        assert kv.store(tokens, layers) == 5 * BS
+        assert kv.store(tokens, layers) == 0, "stores only new blocks"
+        assert kv.lookup(tokens) == 5 * BS
+        assert kv.lookup(tokens[: 3 * BS + 5]) == 3 * BS + 5, "a prompt ending mid-block"
+        diverge = tokens.copy()
+        diverge[2 * BS + 9] = 7  # shares 2 blocks + 9 tokens of block 2
+        assert kv.lookup(diverge) == 2 * BS + 9
+
+        out = empty_kv(len(diverge))
+        assert kv.load(diverge, out) == 2 * BS + 9
+        for (k, v), (ko, vo) in zip(layers, out, strict=True):
+            assert np.array_equal(ko[: 2 * BS + 9], k[: 2 * BS + 9])
+            assert np.array_equal(vo[: 2 * BS + 9], v[: 2 * BS + 9])
+            assert np.isnan(ko[2 * BS + 9 :].astype(np.float32)).all(), (
+                "nothing written past the hit"
+            )
+
+        seen = []
+        out2 = empty_kv(len(tokens))
+        for layer, k, v in kv.load_layers(tokens, out2):
+            seen.append(layer)
+            assert np.array_equal(k, layers[layer][0][: 5 * BS])
+            assert np.array_equal(v, layers[layer][1][: 5 * BS])
+        assert seen == list(range(L))
+        kv.close()
+
+
+def test_namespaces_and_salts_are_isolated(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1, dram="32MiB")
+    with Client.connect(cluster.address) as c:
+        tokens = np.arange(4 * BS)
+        KVCache(c, ns()).store(tokens, make_kv(tokens))
+        assert KVCache(c, ns(salt="tenant-b")).lookup(tokens) == 0
+        assert KVCache(c, ns(model="other")).lookup(tokens) == 0
+        assert KVCache(c, ns()).lookup(tokens) == 4 * BS
+
+
+def test_removed_block_cuts_the_match(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1, dram="32MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(4 * BS)
+        kv.store(tokens, make_kv(tokens))
+        _, blocks = kv._match(tokens)
+        c.remove(blocks[2].key)
+        assert kv.lookup(tokens) == 2 * BS
+        out = empty_kv(len(tokens))
+        assert kv.load(tokens, out) == 2 * BS
+
+
+def test_bad_input_stores_nothing(cluster_factory) -> None:
+    torch = pytest.importorskip("torch")
+    cluster = cluster_factory(num_nodes=1, dram="32MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(2 * BS)
+        good = make_kv(tokens)
+        bad_cases = [
+            (tokens.astype(np.float32), good),
+            ([1, -2, 3], good),
+            (tokens, good[:-1]),
+            (tokens, [(k[:, :1], v) for k, v in good]),
+            (tokens, [(k.astype(np.float32), v.astype(np.float32)) for k, v in good]),
+            (tokens, [(k[:5], v[:5]) for k, v in good]),
+        ]
+        for toks, layers in bad_cases:
+            with pytest.raises(InvalidRequestError):
+                kv.store(toks, layers)
+        assert c.stats()["num_objects"] == 0
+        kv.store(tokens, good)
+        with pytest.raises(InvalidRequestError):
+            kv.load(tokens, [(k[:3].copy(), v[:3].copy()) for k, v in good])  # buffers too small
+        ro = [(np.frombuffer(k.tobytes(), np.float16).reshape(k.shape), v.copy()) for k, v in good]
+        with pytest.raises(InvalidRequestError):
+            kv.load(tokens, ro)
+        # bfloat16 torch tensors round-trip bit-exactly
+        kvb = KVCache(c, ns(dtype="bfloat16"))
+        tl = [
+            (
+                torch.randn(2 * BS, H, D).to(torch.bfloat16),
+                torch.randn(2 * BS, H, D).to(torch.bfloat16),
+            )
+            for _ in range(L)
+        ]
+        assert kvb.store(tokens, tl) == 2 * BS
+        outb = [
+            (
+                torch.empty(2 * BS, H, D, dtype=torch.bfloat16),
+                torch.empty(2 * BS, H, D, dtype=torch.bfloat16),
+            )
+            for _ in range(L)
+        ]
+        assert kvb.load(tokens, outb) == 2 * BS
+        assert all(
+            torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(tl, outb, strict=True)
+        )
+
+
+LOADER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    sys.path.insert(0, sys.argv[2])
+    from test_kvcache import ns, make_kv, empty_kv, BS
+    from kvstore.client import Client, KVCache
+    c = Client.connect(sys.argv[1])
+    kv = KVCache(c, ns())
+    first = np.arange(10 * BS) + 5
+    second = first.copy(); second[7 * BS:] += 100000   # shares 70% of the first prompt
+    want = make_kv(first)
+    out = empty_kv(len(second))
+    n = kv.load(second, out)
+    ok = all(np.array_equal(o[0][:n], w[0][:n]) and np.array_equal(o[1][:n], w[1][:n]) for o, w in zip(out, want))
+    print(n, ok)
+    """
+)
+
+
+def test_cross_process_store_then_load_seventy_percent(cluster_factory, tmp_path) -> None:
+    from pathlib import Path
+
+    cluster = cluster_factory(num_nodes=2, dram="32MiB")
+    with Client.connect(cluster.address) as c:
+        first = np.arange(10 * BS) + 5
+        assert KVCache(c, ns()).store(first, make_kv(first)) == 10 * BS
+    out = subprocess.run(
+        [sys.executable, "-c", LOADER, cluster.address, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.split() == [str(7 * BS), "True"], out.stderr

@@ -1,0 +1,148 @@
+"""Test support: real daemons in real processes, started and stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 30.0
+
+
+class Daemon:
+    """A ``python -m kvstore ...`` child process whose stdout we follow line by line."""
+
+    def __init__(self, args: list[str], *, ready: str, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "--log-level", "warning", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready_line = self.wait_for(ready)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"{self.args[0]}: no line matching {pattern!r}; output:\n{''.join(self.lines)}"
+                )
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                raise RuntimeError(
+                    f"{self.args[0]} exited with {self.proc.wait()}; output:\n{''.join(self.lines)}"
+                )
+            if re.search(pattern, line):
+                return line
+
+    def field(self, name: str) -> str:
+        m = re.search(rf"{name}=(\S+)", self.ready_line)
+        assert m, f"no {name}= in {self.ready_line!r}"
+        return m.group(1)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+                raise
+        return self.proc.returncode
+
+
+@dataclass
+class Cluster:
+    """A master and storage nodes, each its own process."""
+
+    tmp: Path
+    master: Daemon
+    nodes: list[Daemon] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.master.field("control")
+
+    @property
+    def admin(self) -> str:
+        return self.master.field("admin")
+
+    def add_node(
+        self, dram: str = "256MiB", name: str | None = None, extra: tuple[str, ...] = ()
+    ) -> Daemon:
+        name = name or f"node{len(self.nodes)}"
+        node = Daemon(
+            [
+                "node",
+                "--master",
+                self.address,
+                "--port",
+                "0",
+                "--dram",
+                dram,
+                "--data-dir",
+                str(self.tmp / name),
+                *extra,
+            ],
+            ready=r"kvstore node ready",
+        )
+        self.nodes.append(node)
+        return node
+
+    def stop(self) -> None:
+        for d in [*self.nodes, self.master]:
+            try:
+                d.stop()
+            except Exception:  # noqa: BLE001 - stop everything we started, whatever happens
+                d.kill()
+
+
+def start_master(*extra: str) -> Daemon:
+    return Daemon(
+        ["master", "--port", "0", "--admin-port", "0", *extra], ready=r"kvstore master ready"
+    )
+
+
+def wait_until(
+    predicate: callable, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` until true; bounded. (Polling a state, not sleeping as synchronisation.)"""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
