@@ -234,24 +234,27 @@ class TcpTransport:
     def _read_payload(self, ex: _Exchange, results: list[Any]) -> None:
         assert ex.conn is not None
         expected = 0
+        lengths: list[int | None] = []  # None: an error result, no bytes follow
         for item, r in zip(ex.items, results, strict=True):
             err, length = result_from_wire(r)
             if err is not None:
                 item.result = err
+                lengths.append(None)
                 continue
-            if not isinstance(length, int) or length != len(item.dest):
+            if type(length) is not int or length != len(item.dest):
                 item.result = ProtocolError(
                     f"node sent {length!r} bytes, expected {len(item.dest)}"
                 )
                 # The bytes still follow in the payload: they must be consumed below.
-            expected += length if isinstance(length, int) else 0
+                length = length if type(length) is int and length >= 0 else 0
+            expected += length
+            lengths.append(length)
         if expected != ex.payload_len:
             raise ConnectionError("reply payload does not match its item lengths")
         scratch: memoryview | None = None
         run: list[ReadItem] = []  # consecutive good items: one scatter read for all of them
-        for item, r in zip(ex.items, results, strict=True):
-            err, length = result_from_wire(r)
-            if err is not None:
+        for item, length in zip(ex.items, lengths, strict=True):
+            if length is None:
                 continue
             if item.result is None:
                 run.append(item)
