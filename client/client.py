@@ -137,6 +137,11 @@ class _ControlChannel:
             self._drop()
 
 
+def _digest(item: ReadItem) -> int:
+    """The checksum of what was read: from the transport if it hashed while moving bytes."""
+    return item.digest if item.digest is not None else checksum(item.dest)
+
+
 def _raise_if_error(result: Any) -> Any:
     if isinstance(result, KVStoreError):
         raise result
@@ -375,7 +380,7 @@ class Client:
                 and isinstance(info, ObjectInfo)
                 and item.result is None
                 and same_replica(info, cached[j], item.location)  # type: ignore[arg-type]
-                and checksum(item.dest) == info.checksum
+                and _digest(item) == info.checksum
             ):
                 results[index[j]] = info.size
             else:
@@ -414,7 +419,7 @@ class Client:
             retry: list[tuple[int, ObjectInfo, int]] = []
             for (j, info, r), item in zip(pending, items, strict=True):
                 if item.result is None:
-                    if checksum(item.dest) != info.checksum:
+                    if _digest(item) != info.checksum:
                         results[index[j]] = ChecksumMismatchError(
                             "object bytes do not match their checksum (overwritten or corrupt)"
                         )

@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from kvstore import protocol
 from kvstore.errors import (
     KVStoreError,
@@ -40,6 +42,18 @@ class ReadItem:
     ranges: list[list[int]] | None = None
     result: KVStoreError | None = None
     filled: int = 0
+    # xxh3_64 of ``dest``, where the transport hashed the bytes while moving them (large
+    # objects: chunk by chunk, each chunk while it is still in cache); None: not computed.
+    digest: int | None = None
+
+
+#: Objects at least this large are hashed while they move, chunk by chunk.
+STREAM_HASH_MIN = 2 << 20
+STREAM_CHUNK = 256 << 10
+
+
+def stream_hash_target(item: ReadItem) -> bool:
+    return item.ranges is None and len(item.dest) >= STREAM_HASH_MIN
 
 
 @dataclass(slots=True)
@@ -267,8 +281,17 @@ class TcpTransport:
     @staticmethod
     def _fill(ex: _Exchange, run: list[ReadItem]) -> None:
         assert ex.conn is not None
-        if run:
+        if len(run) == 1 and stream_hash_target(run[0]):
+            # One large object: hash each chunk as it lands, while the node sends the next.
+            item, h, dest = run[0], xxhash.xxh3_64(), run[0].dest
+            for pos in range(0, len(dest), STREAM_CHUNK):
+                chunk = dest[pos : pos + STREAM_CHUNK]
+                protocol.recv_exact_into(ex.conn.sock, chunk)
+                h.update(chunk)
+            item.digest = h.intdigest()
+            item.filled = len(dest)
+        elif run:
             protocol.recv_exact_scatter(ex.conn.sock, [i.dest for i in run])
             for i in run:
                 i.filled = len(i.dest)
-            run.clear()
+        run.clear()
