@@ -13,8 +13,10 @@ What it does, in one run:
 3. runs the same workloads against each (bench/peers_worker.py: sizes 4 KiB, 64 KiB, 1 MiB,
    16 MiB; put/get of bytes, put_from/get_into of buffers, batches of 16), verifying the bytes;
    kvstore twice: over TCP, and through shared memory;
-4. stops everything it started by PID and prints one table: each system's GB/s (and p50 µs), and
-   kvstore's ratio to each peer. With ``--repeat N`` each cell is the best of N runs.
+4. stops everything it started by PID and prints one table: each system's GB/s (bytes per
+   operation over the median operation time, so that other jobs on a shared machine skew it
+   less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer.
+   With ``--repeat N`` each cell is the best of N runs.
 """
 
 from __future__ import annotations
@@ -341,7 +343,8 @@ def main() -> None:
                     runs["redis"].append(run_worker(peers_python, "redis", address, "", f"r{rep}"))
     results = {s: best(r) for s, r in runs.items() if r}
     print(
-        f"best of {args.repeat} run(s); load average {os.getloadavg()[0]:.2f}; "
+        f"GB/s = bytes per op / median op time; best of {args.repeat} run(s); "
+        f"load average {os.getloadavg()[0]:.2f}; "
         f"{os.cpu_count()} cores; loopback; storage in separate processes"
     )
     print(table(results))

@@ -1,7 +1,8 @@
 """One system's side of the side-by-side benchmark (run by bench_peers.py, never alone).
 
 Runs the same workloads against kvstore, Mooncake Store or Redis and prints one JSON line per
-row: ``{"workload", "size", "gbps", "p50_us"}``. It runs under the Python that has the system's
+row: ``{"workload", "size", "gbps", "gbps_mean", "p50_us"}`` (``gbps``: bytes per operation over
+the median operation time; ``gbps_mean``: over the mean). It runs under the Python that has the system's
 client: the repo's venv for kvstore, the throwaway peers venv for Mooncake and Redis. It uses
 only numpy and that client, so it must not import anything else from this repository.
 """
@@ -182,7 +183,9 @@ def emit(workload: str, label: str, per_op_bytes: int, samples: list[float]) -> 
             {
                 "workload": workload,
                 "size": label,
-                "gbps": per_op_bytes * len(s) / s.sum() / 1e9,
+                "gbps_mean": per_op_bytes * len(s) / s.sum() / 1e9,
+                # Bytes per op over the median op time: robust to other jobs on a shared machine.
+                "gbps": per_op_bytes / float(np.percentile(s, 50)) / 1e9,
                 "p50_us": float(np.percentile(s, 50) * 1e6),
             }
         ),
