@@ -13,10 +13,11 @@ from typing import Any
 
 import xxhash
 from kvstore.client.datapath import DataPath
+from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.transport import ReadItem, WriteItem
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.buffers import as_bytes_view
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
@@ -27,7 +28,9 @@ from kvstore.errors import (
     MasterUnavailableError,
     NodeUnavailableError,
     ProtocolError,
+    UnauthenticatedError,
 )
+from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -44,31 +47,50 @@ def checksum(view: memoryview) -> int:
 class _ControlChannel:
     """The connection to the master. Thread-safe: one request at a time under a lock."""
 
-    def __init__(self, address: Address, timeout: float) -> None:
+    epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
+
+    def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.token = token
         self._conn: protocol.FramedSocket | None = None
         self._lock = threading.Lock()
 
     def _connect(self) -> protocol.FramedSocket:
         try:
-            return protocol.FramedSocket.connect(
+            conn = protocol.FramedSocket.connect(
                 self.address.host, self.address.port, timeout=self.timeout
             )
         except NodeUnavailableError as err:
             raise MasterUnavailableError(
                 f"master {self.address} unreachable: {err.message}"
             ) from None
+        try:
+            auth.hello(conn, self.token)
+        except (OSError, ConnectionError) as exc:
+            conn.close()
+            raise MasterUnavailableError(
+                f"master {self.address} failed during hello: {exc}"
+            ) from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
-    def call(self, verb: str, args: dict[str, Any]) -> Any:
+    def call_epoch(
+        self, verb: str, args: dict[str, Any], pin_epoch: int | None = None
+    ) -> tuple[Any, int | None]:
+        return self.call(verb, args), None
+
+    def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         with self._lock:
             for attempt in range(2):
                 if self._conn is None:
                     self._conn = self._connect()
                 try:
                     return self._conn.call(verb, args)
-                except ProtocolError:
-                    self._drop()
+                except (ProtocolError, UnauthenticatedError):
+                    self._drop()  # the master hangs up after either
                     raise
                 except KVStoreError:
                     raise
@@ -126,7 +148,11 @@ class _ControlChannel:
             if work_error is not None:
                 raise work_error
             if sent:
-                return response.unwrap()
+                try:
+                    return response.unwrap()
+                except UnauthenticatedError:
+                    self._drop()  # the master hangs up after it
+                    raise
         return self.call(verb, args)
 
     def _drop(self) -> None:
@@ -157,6 +183,20 @@ class _Scratch:
         return memoryview(buf)
 
 
+def _call_overlapped(
+    control: _ControlChannel | LeaderChannel,
+    verb: str,
+    args: dict[str, Any],
+    work: Callable[[], None],
+) -> Any:
+    """``control.call_overlapped`` where the channel has it; else ``work()`` then the call."""
+    overlapped = getattr(control, "call_overlapped", None)
+    if overlapped is None:
+        work()
+        return control.call(verb, args)
+    return overlapped(verb, args, work)
+
+
 def _digest(item: ReadItem) -> int:
     """The checksum of what was read: from the transport if it hashed while moving bytes."""
     return item.digest if item.digest is not None else checksum(item.dest)
@@ -175,21 +215,44 @@ class Client:
     """
 
     def __init__(
-        self, master: Address, timeout: float = DEFAULT_TIMEOUT_S, *, shm: bool = True
+        self,
+        master: Address | None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        token: auth.Token | None = None,
+        *,
+        control: _ControlChannel | LeaderChannel | None = None,
+        shm: bool = True,
     ) -> None:
         self.master = master
         self.timeout = timeout
-        self._control = _ControlChannel(master, timeout)
-        self._data = DataPath(timeout, lambda: self._control.call("node_transports", {}), shm=shm)
+        if control is None:
+            assert master is not None, "a client needs a master address or a control channel"
+            control = _ControlChannel(master, timeout, token)
+        self._control = control
+        self._data = DataPath(
+            timeout, lambda: self._control.call("node_transports", {}), shm=shm, token=token
+        )
         self._cache = LocationCache()
         self._scratch = _Scratch()
         self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
     def connect(
-        cls, address: str, *, timeout: float = DEFAULT_TIMEOUT_S, shm: bool = True
+        cls,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        token: str | bytes | auth.Token | None = None,
+        shm: bool = True,
     ) -> Client:
-        """Connect to the master at ``HOST:PORT``.
+        """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
+        found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
+
+        Args:
+            address: the master's control address.
+            timeout: seconds for every network call.
+            token: the cluster token; None reads ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``.
+            shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
 
         Args:
             address: the master's ``HOST:PORT``.
@@ -197,10 +260,25 @@ class Client:
             shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
 
         Raises:
-            InvalidRequestError: a malformed address.
-            MasterUnavailableError: nothing answers there.
+            InvalidRequestError: a malformed address or token.
+            MasterUnavailableError: nothing answers there (no leader, for ``etcd://``).
+            UnauthenticatedError: the master needs a token and this is not it.
         """
-        client = cls(Address.parse(address), timeout, shm=shm)
+        if token is None:
+            token = auth.load_token()
+        elif not isinstance(token, auth.Token):
+            token = auth.Token(token)
+        if is_etcd_url(address):
+            client = cls(
+                None, timeout, token, control=LeaderChannel(address, timeout, token), shm=shm
+            )
+            try:
+                client._control.call("ping", {})
+            except BaseException:
+                client.close()
+                raise
+            return client
+        client = cls(Address.parse(address), timeout, token, shm=shm)
         client._control.call("ping", {})
         return client
 
@@ -215,29 +293,36 @@ class Client:
         self.close()
 
     # ================================================================ puts
-    def put(self, key: str | bytes, value: Any) -> None:
+    def put(self, key: str | bytes, value: Any, *, replicas: int = 1) -> None:
         """Store ``value`` (any contiguous buffer) under ``key``, replacing an earlier value.
+
+        Args:
+            replicas: copies on distinct nodes; reads use any live one.
 
         Raises:
             InvalidRequestError, NoSpaceError, NodeUnavailableError, ObjectBusyError, ...
         """
-        _raise_if_error(self.batch_put([key], [value])[0])
+        _raise_if_error(self.batch_put([key], [value], replicas=replicas)[0])
 
     def batch_put(
-        self, keys: Sequence[str | bytes], values: Sequence[Any]
+        self, keys: Sequence[str | bytes], values: Sequence[Any], *, replicas: int = 1
     ) -> list[KVStoreError | None]:
         """Store many objects: one master call to allocate, one write per node, one to commit.
+
+        Args:
+            replicas: copies of each object on distinct nodes.
 
         Returns:
             Per key, None on success or the error for that key (nothing stored for it).
         """
-        return self._batch_put(keys, values)
+        return self._batch_put(keys, values, replicas=replicas)
 
     def _batch_put(
         self,
         keys: Sequence[str | bytes],
         values: Sequence[Any],
         commit: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> list[KVStoreError | None]:
         """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
         KV-cache layer indexes the prompt in the same call as the commit)."""
@@ -256,7 +341,7 @@ class Client:
             wire_keys.append(wk)
             views.append(view)
             index.append(i)
-        sums: list[int] = []  # filled while the master answers the first put_start
+        sums = [checksum(v) for v in views]
         self._cache.forget(wire_keys)
         excluded: list[str] = []
         todo = list(range(len(wire_keys)))
@@ -264,7 +349,7 @@ class Client:
             if not todo:
                 break
             todo, dead = self._put_round(
-                todo, wire_keys, views, sums, index, results, excluded, commit
+                todo, wire_keys, views, sums, index, results, excluded, commit, replicas
             )
             excluded.extend(dead)
         return results
@@ -279,20 +364,16 @@ class Client:
         results: list[KVStoreError | None],
         excluded: list[str],
         commit_extra: dict[str, Any] | None = None,
+        replicas: int = 1,
     ) -> tuple[list[int], list[str]]:
-        def checksums() -> None:
-            if not sums:
-                sums.extend(checksum(v) for v in views)
-
-        reply = self._control.call_overlapped(
-            "put_start",
-            {
-                "keys": [wire_keys[j] for j in todo],
-                "sizes": [len(views[j]) for j in todo],
-                "exclude": excluded,
-            },
-            checksums,
-        )
+        start: dict[str, Any] = {
+            "keys": [wire_keys[j] for j in todo],
+            "sizes": [len(views[j]) for j in todo],
+            "exclude": excluded,
+        }
+        if replicas != 1:
+            start["replicas"] = replicas
+        reply, epoch = self._control.call_epoch("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -317,16 +398,21 @@ class Client:
         commit = [(j, t) for j, t in tickets if j not in failed]
         revoke = [(j, t) for j, t in tickets if j in failed]
         if revoke:
-            self._control.call("put_revoke", {"put_ids": [t.put_id for _, t in revoke]})
+            self._control.call(
+                "put_revoke", {"put_ids": [t.put_id for _, t in revoke]}, pin_epoch=epoch
+            )
         if commit or commit_extra is not None:
             args = {
                 "put_ids": [t.put_id for _, t in commit],
                 "checksums": [sums[j] for j, _ in commit],
             }
+            # NOTE: pinned: a put id means nothing to another leader.
             if commit_extra is None:
-                reply = self._control.call("put_end", args)
+                reply = self._control.call("put_end", args, pin_epoch=epoch)
             else:
-                reply = self._control.call("kv_commit", {**args, **commit_extra})["results"]
+                reply = self._control.call("kv_commit", {**args, **commit_extra}, pin_epoch=epoch)[
+                    "results"
+                ]
             for (j, _), r in zip(commit, reply, strict=True):
                 results[index[j]], _ = result_from_wire(r)
         retry = [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
@@ -392,8 +478,11 @@ class Client:
             self._cache.put_many(wire_keys, infos)
             self._read_objects(infos, dests, index, results)
             return
-        reply = self._control.call_overlapped(
-            "get_locations", {"keys": wire_keys}, lambda: self._data.read(list(guesses.values()))
+        reply = _call_overlapped(
+            self._control,
+            "get_locations",
+            {"keys": wire_keys},
+            lambda: self._data.read(list(guesses.values())),
         )
         infos = self._decode_locations(reply)
         self._cache.put_many(wire_keys, infos)
@@ -521,6 +610,56 @@ class Client:
     def remove(self, key: str | bytes) -> None:
         """Delete one object. Raises KeyNotFoundError when it is not stored."""
         _raise_if_error(self.batch_remove([key])[0])
+
+    def batch_pin(
+        self, keys: Sequence[str | bytes], *, ttl: float = 60.0, hard: bool = False
+    ) -> list[KVStoreError | None]:
+        """Pin many objects; per key None or the error (KeyNotFoundError when missing)."""
+        reply = self._control.call(
+            "pin", {"keys": [encode_key(k) for k in keys], "ttl_s": ttl, "hard": hard}
+        )
+        return [result_from_wire(r)[0] for r in reply]
+
+    def pin(self, key: str | bytes, *, ttl: float = 60.0, hard: bool = False) -> None:
+        """Keep an object from eviction for ``ttl`` seconds.
+
+        A soft pin (default) makes it go last and only under pressure; a hard pin keeps it until
+        :meth:`unpin` or the TTL ends. Pinning again replaces the earlier pin.
+
+        Raises:
+            KeyNotFoundError: the key is not stored.
+            InvalidRequestError: a TTL out of range.
+        """
+        _raise_if_error(self.batch_pin([key], ttl=ttl, hard=hard)[0])
+
+    def batch_unpin(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
+        reply = self._control.call("unpin", {"keys": [encode_key(k) for k in keys]})
+        return [result_from_wire(r)[0] for r in reply]
+
+    def unpin(self, key: str | bytes) -> None:
+        """Drop a pin. Raises KeyNotFoundError when the key is not stored."""
+        _raise_if_error(self.batch_unpin([key])[0])
+
+    def locate(self, key: str | bytes) -> ObjectInfo:
+        """Where an object lives, with a read lease (its grants expire with the lease).
+
+        Pair with :meth:`read_located`; a read after the lease ended fails with
+        GrantInvalidError instead of returning bytes that may have been reused.
+
+        Raises:
+            KeyNotFoundError, InvalidRequestError.
+        """
+        return _raise_if_error(self._locations([encode_key(key)])[0])
+
+    def read_located(self, info: ObjectInfo, buffer: Any) -> int:
+        """Read an object located earlier by :meth:`locate` into ``buffer``; returns its size.
+
+        Raises:
+            GrantInvalidError (lease over), NodeUnavailableError, ChecksumMismatchError, ...
+        """
+        results: list[Any] = [None]
+        self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+        return _raise_if_error(results[0])
 
     def stats(self) -> dict[str, Any]:
         """The master's cluster figures."""

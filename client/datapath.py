@@ -17,7 +17,7 @@ from typing import Any
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 
-from kvstore import rdma
+from kvstore import auth, rdma
 from kvstore.errors import KVStoreError
 
 #: How often (seconds) an unknown node id may trigger a fresh ``node_transports`` call.
@@ -31,6 +31,7 @@ class DataPath:
         timeout: socket timeout for TCP.
         fetch_transports: returns the master's ``node_transports`` map.
         shm: whether to use shared memory where a node offers it.
+        token: the cluster token for TCP connections to nodes.
     """
 
     def __init__(
@@ -38,8 +39,9 @@ class DataPath:
         timeout: float,
         fetch_transports: Callable[[], dict[str, Any]],
         shm: bool = True,
+        token: auth.Token | None = None,
     ) -> None:
-        self.tcp = TcpTransport(timeout)
+        self.tcp = TcpTransport(timeout, token)
         self.shm = ShmTransport() if shm else None
         self._fetch = fetch_transports
         self._known: set[str] = set()

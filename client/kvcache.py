@@ -27,7 +27,7 @@ from kvstore.client.transport import ReadItem
 from kvstore.buffers import as_bytes_view
 from kvstore.errors import ChecksumMismatchError, InvalidRequestError, KVStoreError
 from kvstore.keys import DTYPE_BYTES, Namespace, as_token_array, block_bytes, block_keys
-from kvstore.kvblocks import kv_object_key, tokens_to_wire
+from kvstore.kvblocks import encode_prompt_meta, kv_meta_key, kv_object_key, tokens_to_wire
 from kvstore.types import ObjectInfo, result_from_wire
 
 _TORCH_DTYPES = {
@@ -159,9 +159,10 @@ class KVCache:
                 col = (2 * layer + which) * self._plane
                 staging[:, col : col + self._plane] = src[lo:hi].reshape(num_new, self._plane)
         obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_new:]]
+        meta = encode_prompt_meta(self._ns_wire, tok[: num_full * bs])
         results = self.client._batch_put(
-            obj_keys,
-            list(staging),
+            [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
+            [*staging, meta],
             commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(tok[: num_full * bs])},
         )
         for r in results:

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.errors import (
     KVStoreError,
     KVTimeoutError,
@@ -69,8 +69,11 @@ class _Exchange:
 class NodePool:
     """Idle connections per node. Thread-safe; a connection is used by one thread at a time."""
 
-    def __init__(self, timeout: float, max_idle_per_node: int = 8) -> None:
+    def __init__(
+        self, timeout: float, max_idle_per_node: int = 8, token: auth.Token | None = None
+    ) -> None:
         self.timeout = timeout
+        self.token = token
         self.max_idle_per_node = max_idle_per_node
         self._idle: dict[Endpoint, list[protocol.FramedSocket]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -82,6 +85,14 @@ class NodePool:
             if idle:
                 return idle.pop(), True
         conn = protocol.FramedSocket.connect(endpoint[0], endpoint[1], timeout=self.timeout)
+        try:
+            auth.hello(conn, self.token)
+        except (OSError, ConnectionError) as exc:
+            conn.close()
+            raise _io_error(endpoint, exc) from None
+        except BaseException:
+            conn.close()
+            raise
         return conn, False
 
     def release(self, endpoint: Endpoint, conn: protocol.FramedSocket) -> None:
@@ -111,8 +122,8 @@ def _io_error(endpoint: Endpoint, exc: BaseException) -> KVStoreError:
 class TcpTransport:
     """Moves object bytes between this process and storage nodes over TCP."""
 
-    def __init__(self, timeout: float) -> None:
-        self.pool = NodePool(timeout)
+    def __init__(self, timeout: float, token: auth.Token | None = None) -> None:
+        self.pool = NodePool(timeout, token=token)
 
     def close(self) -> None:
         self.pool.close()

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import KVStoreError
 
@@ -56,23 +57,98 @@ def _master_config(args: argparse.Namespace) -> object:
     )
 
 
+def _tier_config(args: argparse.Namespace) -> object:
+    from kvstore.master.tiering import TierConfig
+
+    return TierConfig(
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+        eviction_policy=args.eviction_policy,
+        lease_s=args.lease,
+        promote_after_hits=args.promote_after,
+    )
+
+
 def cmd_master(args: argparse.Namespace) -> int:
-    from kvstore.master.daemon import serve_master
+    from kvstore.master.daemon import serve_master, tls_context
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
-    _run_loop(serve_master(args.host, args.port, admin_port, _master_config(args)))
+    security = {
+        "token": auth.load_token(args.token_file),
+        "public_reads": args.public_reads,
+        "ssl_context": tls_context(args.tls_cert, args.tls_key),
+    }
+    if args.etcd:
+        from kvstore.etcd import parse_endpoints
+        from kvstore.master.ha import HAConfig, serve_master_ha
+
+        ha = HAConfig(
+            parse_endpoints(args.etcd),
+            prefix=args.etcd_prefix,
+            lease_ttl_s=args.lease_ttl,
+            recovery_s=args.recovery,
+            connect_attempts=args.etcd_attempts,
+            advertise_host=args.advertise_host or "",
+        )
+        # grpc.aio runs on the standard asyncio loop.
+        asyncio.run(
+            serve_master_ha(
+                args.host,
+                args.port,
+                admin_port,
+                _master_config(args),  # type: ignore[arg-type]
+                ha,
+                _tier_config(args),  # type: ignore[arg-type]
+                **security,
+            )
+        )
+        return 0
+    _run_loop(
+        serve_master(
+            args.host,
+            args.port,
+            admin_port,
+            _master_config(args),  # type: ignore[arg-type]
+            _tier_config(args),  # type: ignore[arg-type]
+            **security,
+        )
+    )
     return 0
 
 
 def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import serve_node
 
+    if args.master.startswith("etcd://"):
+        from kvstore.node.follow import serve_node_ha
+
+        serve_node_ha(
+            args.master,
+            args.etcd_prefix,
+            args.etcd_ttl,
+            args.host,
+            args.port,
+            parse_size(args.dram),
+            Path(args.data_dir),
+            token=auth.load_token(args.token_file),
+            admin_port=args.admin_port,
+            public_reads=args.public_reads,
+            nvme_bytes=parse_size(args.nvme),
+            hbm_bytes=parse_size(args.hbm),
+            shm=args.shm,
+        )
+        return 0
     serve_node(
         Address.parse(args.master),
         args.host,
         args.port,
         parse_size(args.dram),
         Path(args.data_dir),
+        parse_size(args.nvme),
+        parse_size(args.hbm),
+        token=auth.load_token(args.token_file),
+        admin_port=args.admin_port,
+        public_reads=args.public_reads,
         shm=args.shm,
     )
     return 0
@@ -83,7 +159,19 @@ async def _up(args: argparse.Namespace) -> int:
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
-    master = Master(args.host, args.port, admin_port, _master_config(args))  # type: ignore[arg-type]
+    from kvstore.master.daemon import tls_context
+
+    token = auth.load_token(args.token_file)  # the node child reads the same env / file
+    master = Master(
+        args.host,
+        args.port,
+        admin_port,
+        _master_config(args),  # type: ignore[arg-type]
+        _tier_config(args),  # type: ignore[arg-type]
+        token=token,
+        public_reads=args.public_reads,
+        ssl_context=tls_context(args.tls_cert, args.tls_key),
+    )
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -103,8 +191,12 @@ async def _up(args: argparse.Namespace) -> int:
         str(node_port),
         "--dram",
         args.dram,
+        "--nvme",
+        args.nvme,
         "--data-dir",
         str(data_dir / "node-0"),
+        *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
+        *([] if args.public_reads else ["--no-public-reads"]),
         *(["--shm"] if args.shm else []),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
@@ -163,6 +255,24 @@ def cmd_up(args: argparse.Namespace) -> int:
     return result[0] if result else 1
 
 
+def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the cluster token (else env KVSTORE_TOKEN / KVSTORE_TOKEN_FILE; "
+        "none: no authentication)",
+    )
+    p.add_argument(
+        "--public-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve read-only REST endpoints without the token (mutating calls always need it)",
+    )
+    if tls:
+        p.add_argument("--tls-cert", default=None, help="PEM certificate: serve REST over HTTPS")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--put-timeout",
@@ -178,6 +288,15 @@ def _add_master_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--heartbeat-interval", type=float, default=1.0, help="seconds between node heartbeats"
+    )
+    p.add_argument(
+        "--high-watermark", type=float, default=0.90, help="tier fill that starts eviction"
+    )
+    p.add_argument("--low-watermark", type=float, default=0.80, help="tier fill eviction stops at")
+    p.add_argument("--eviction-policy", default="lru", help="lru or lfu")
+    p.add_argument("--lease", type=float, default=5.0, help="seconds a read lease lasts")
+    p.add_argument(
+        "--promote-after", type=int, default=3, help="reads before an NVMe object moves to DRAM"
     )
 
 
@@ -197,14 +316,44 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port", type=int, default=None, help="admin REST port (default: port + 1)"
     )
     _add_master_flags(p)
+    p.add_argument(
+        "--etcd",
+        default=None,
+        help="HOST:PORT[,HOST:PORT]: join an HA group of masters through etcd (default: embedded)",
+    )
+    p.add_argument("--etcd-prefix", default="/kvstore/default", help="our keys in etcd")
+    p.add_argument(
+        "--lease-ttl", type=int, default=2, help="leader lease TTL in seconds (failover time)"
+    )
+    p.add_argument(
+        "--recovery",
+        type=float,
+        default=1.5,
+        help="seconds a new leader waits for live nodes to re-register",
+    )
+    p.add_argument("--etcd-attempts", type=int, default=5, help="tries to reach etcd at start")
+    p.add_argument("--advertise-host", default=None, help="host published to clients")
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
-    p.add_argument("--master", required=True, help="the master's HOST:PORT")
+    p.add_argument(
+        "--master", required=True, help="the master's HOST:PORT, or etcd://HOST:PORT[,HOST:PORT]"
+    )
+    p.add_argument("--etcd-prefix", default="/kvstore/default", help="our keys in etcd")
+    p.add_argument(
+        "--etcd-ttl", type=int, default=2, help="membership lease TTL in seconds (with etcd://)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="data port (0 picks a free one)")
     p.add_argument("--dram", default="512MiB", help="DRAM arena size, e.g. 512MiB, 4GiB")
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size under --data-dir; 0: none")
+    p.add_argument("--hbm", default="0", help="GPU memory tier size where a GPU exists; 0: none")
+    p.add_argument(
+        "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
+    )
+    _add_security_flags(p, tls=False)
     p.add_argument(
         "--shm",
         action="store_true",
@@ -218,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-port", type=int, default=None, help="default: port + 1")
     p.add_argument("--node-port", type=int, default=None, help="default: port + 2")
     p.add_argument("--dram", default="512MiB")
+    p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
     p.add_argument("--data-dir", default=".kvstore-data")
     p.add_argument(
         "--shm",
@@ -225,7 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="let same-host clients of this user map the DRAM arena (shm transport)",
     )
     _add_master_flags(p)
+    _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_up)
+
+    ops.add_parsers(sub)
+    ops_drain.add_parser(sub)
     return parser
 
 

@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     PUT_NOT_FOUND = 203
 
     NO_SPACE = 300
+    TIER_FAILED = 301
 
     NODE_UNAVAILABLE = 400
     NODE_NOT_FOUND = 401
@@ -51,6 +52,7 @@ class ErrorCode(enum.IntEnum):
     NOT_LEADER = 600
     STALE_EPOCH = 601
     MASTER_UNAVAILABLE = 602
+    ETCD_UNAVAILABLE = 603
 
     UNAUTHENTICATED = 700
     FORBIDDEN = 701
@@ -151,6 +153,12 @@ class NoSpaceError(KVStoreError):
     code = ErrorCode.NO_SPACE
 
 
+class TierError(KVStoreError, RuntimeError):
+    """A tier's storage failed: an lmdb file that is corrupt or unusable, a GPU that went away."""
+
+    code = ErrorCode.TIER_FAILED
+
+
 class NodeUnavailableError(KVStoreError, ConnectionError):
     """A storage node could not be reached, or died while serving."""
 
@@ -195,6 +203,12 @@ class MasterUnavailableError(KVStoreError, ConnectionError):
     code = ErrorCode.MASTER_UNAVAILABLE
 
 
+class EtcdUnavailableError(KVStoreError, ConnectionError):
+    """etcd (leader election, membership, discovery) cannot be reached or refused the call."""
+
+    code = ErrorCode.ETCD_UNAVAILABLE
+
+
 class UnauthenticatedError(KVStoreError):
     code = ErrorCode.UNAUTHENTICATED
 
@@ -219,6 +233,7 @@ for _cls in (
     ChecksumMismatchError,
     PutNotFoundError,
     NoSpaceError,
+    TierError,
     NodeUnavailableError,
     GrantInvalidError,
     OutOfRangeError,
@@ -228,6 +243,7 @@ for _cls in (
     NotLeaderError,
     StaleEpochError,
     MasterUnavailableError,
+    EtcdUnavailableError,
     UnauthenticatedError,
     ForbiddenError,
     InternalError,

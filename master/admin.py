@@ -1,6 +1,7 @@
-"""The master's admin REST API (aiohttp): health and cluster figures.
+"""The master's admin REST API (aiohttp): probes, metrics, cluster, nodes, objects, status page.
 
-Errors map to JSON bodies carrying our error codes; blocking work never runs on the loop.
+Errors map to JSON bodies carrying our error codes; blocking work never runs on the loop. The
+routes live in ``kvstore.master.rest`` (one module per area); this module assembles them.
 """
 
 from __future__ import annotations
@@ -10,6 +11,17 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from kvstore.master.metrics import MasterMetrics
+from kvstore.master.rest import openapi, page, routes
+from kvstore.master.rest.history import History, history_ctx
+from kvstore.master.rest.security import auth_middleware
+from kvstore.master.rest.state import (
+    HISTORY_KEY,
+    METRICS_KEY,
+    SERVICE_KEY,
+    SETTINGS_KEY,
+    AdminSettings,
+)
 from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
 
@@ -17,10 +29,10 @@ from kvstore.errors import ErrorCode, KVStoreError
 
 log = logging.getLogger(__name__)
 
-SERVICE_KEY = web.AppKey("service", MasterService)
-
 _HTTP_STATUS = {
     ErrorCode.KEY_NOT_FOUND: 404,
+    ErrorCode.NODE_NOT_FOUND: 404,
+    ErrorCode.NODE_UNAVAILABLE: 503,
     ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.NO_SPACE: 507,
@@ -31,10 +43,12 @@ _HTTP_STATUS = {
 
 
 def error_body(err: KVStoreError) -> dict[str, object]:
+    """The JSON body of an error: ``{"error": {"code", "name", "message"}}``."""
     return {"error": {"code": int(err.code), "name": err.code.name, "message": err.message}}
 
 
 def http_status(err: KVStoreError) -> int:
+    """The HTTP status for an error code (4xx for the caller's mistakes)."""
     if err.code in _HTTP_STATUS:
         return _HTTP_STATUS[err.code]
     return 400 if 100 <= err.code < 200 else 409
@@ -47,15 +61,30 @@ async def error_middleware(
     try:
         return await handler(request)
     except KVStoreError as err:
-        return web.json_response(error_body(err), status=http_status(err))
+        headers = {"WWW-Authenticate": "Bearer"} if err.code == ErrorCode.UNAUTHENTICATED else None
+        return web.json_response(error_body(err), status=http_status(err), headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = ErrorCode.KEY_NOT_FOUND if exc.status == 404 else ErrorCode.INVALID_REQUEST
-        body = {"error": {"code": int(code), "name": code.name, "message": exc.reason}}
+        code = ErrorCode.INVALID_REQUEST
+        message = exc.reason
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path[:128]}"
+        body = {"error": {"code": int(code), "name": code.name, "message": message}}
         return web.Response(
             status=exc.status, text=json.dumps(body), content_type="application/json"
         )
+    except Exception:
+        # Never a 500 with the exception's text in it: the text may hold anything.
+        log.exception("admin %s %s failed", request.method, request.path[:128])
+        body = {
+            "error": {
+                "code": int(ErrorCode.INTERNAL),
+                "name": "INTERNAL",
+                "message": "internal error",
+            }
+        }
+        return web.json_response(body, status=500)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -66,11 +95,79 @@ async def cluster(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE_KEY].stats())
 
 
-def init_app(service: MasterService) -> web.Application:
-    """Build the admin application around a live service (nothing starts at import time)."""
-    app = web.Application(middlewares=[error_middleware])
+async def drain_node(request: web.Request) -> web.Response:
+    """``POST /api/v1/nodes/{id}/drain``: move the node's objects elsewhere, then retire it.
+
+    Answers 202 with the drain status (``state``, ``num_objects_left``); POST again to poll.
+    """
+    status = request.app[SERVICE_KEY].drain_node(request.match_info["id"])
+    return web.json_response(status, status=202 if status["state"] != "retired" else 200)
+
+
+def _history_sample(service: MasterService, metrics: MasterMetrics) -> dict[str, float]:
+    capacity = used = 0
+    for node in service.nodes.values():
+        for seg in node.segments.values():
+            capacity += seg.allocator.capacity
+            used += seg.allocator.used_bytes
+    return {
+        "num_requests": metrics.num_requests,
+        "num_hits": metrics.num_hits,
+        "num_misses": metrics.num_misses,
+        "num_nodes": len(service.nodes),
+        "num_objects": len(service.objects),
+        "used_bytes": used,
+        "capacity_bytes": capacity,
+    }
+
+
+def init_app(
+    service: MasterService,
+    metrics: MasterMetrics | None = None,
+    settings: AdminSettings | None = None,
+) -> web.Application:
+    """Build the admin application around a live service (nothing starts at import time).
+
+    Args:
+        service: the master's service.
+        metrics: the master's metrics (the RPC edge records into the same object); a fresh
+            one when None.
+        settings: token, public reads, history sampling.
+
+    Returns:
+        The application; its history sampler runs while the app runs (``cleanup_ctx``).
+    """
+    settings = settings or AdminSettings()
+    metrics = metrics or MasterMetrics(service)
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware],
+        # Longest legitimate URL: a 511-byte prefix and a cursor, percent-encoded (~15 KiB).
+        # Anything the HTTP parser refuses gets aiohttp's plain-text 400, not our JSON.
+        handler_args={"max_line_size": 64 << 10},
+    )
     app[SERVICE_KEY] = service
+    app[METRICS_KEY] = metrics
+    app[SETTINGS_KEY] = settings
+    app[HISTORY_KEY] = History(
+        lambda: _history_sample(service, metrics),
+        settings.history_interval_s,
+        settings.history_window_s,
+    )
+    app.cleanup_ctx.append(history_ctx(HISTORY_KEY))
+    app.router.add_get("/", page.status_page)
     app.router.add_get("/health", health)
     app.router.add_get("/api/v1/cluster", cluster)
+    app.router.add_get("/api/v1/openapi.json", openapi.openapi)
+    routes.add_routes(app)
+    app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
     scheduler_routes.add_routes(app)
     return app
+
+
+__all__ = [
+    "init_app",
+    "error_body",
+    "http_status",
+    "AdminSettings",
+    "SERVICE_KEY",
+]

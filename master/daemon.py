@@ -6,12 +6,19 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from dataclasses import dataclass
 
 from aiohttp import web
-from kvstore.master.admin import init_app
+from kvstore.master.admin import AdminSettings, init_app
+from kvstore.master.metrics import MasterMetrics
+from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
+
+from kvstore.auth import Token
+from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)
 
@@ -31,24 +38,35 @@ class Master:
         port: int = 0,
         admin_port: int = 0,
         config: MasterConfig | None = None,
+        tiers: TierConfig | None = None,
+        *,
+        token: Token | None = None,
+        public_reads: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.service = MasterService(config)
-        self.control = ControlServer(self.service, host, port)
+        self.service = MasterService(config, tiers=tiers)
+        self.metrics = MasterMetrics(self.service)
+        self.control = ControlServer(self.service, host, port, observer=self.metrics, token=token)
+        self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
+        self.ssl_context = ssl_context
         self.host = host
         self.admin_port = admin_port
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._restoring: asyncio.Task[None] | None = None
 
     async def start(self) -> MasterEndpoints:
         await self.control.start()
-        self._runner = web.AppRunner(init_app(self.service), access_log=None)
+        app = init_app(self.service, self.metrics, self.admin_settings)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.admin_port)
+        site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self._housekeeping = asyncio.create_task(self._housekeep())
+        scheme = "https" if self.ssl_context is not None else "http"
         return MasterEndpoints(
-            f"{self.host}:{self.control.port}", f"http://{self.host}:{self.admin_port}"
+            f"{self.host}:{self.control.port}", f"{scheme}://{self.host}:{self.admin_port}"
         )
 
     async def _housekeep(self) -> None:
@@ -58,8 +76,33 @@ class Master:
             try:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
+                self.service.tick()
+                if self.service.prompt_metas_dirty and self._restoring is None:
+                    self._restoring = asyncio.create_task(self._restore_prefix_index())
             except Exception:  # a bug here must not stop the master from serving
                 log.exception("housekeeping failed")
+
+    async def _restore_prefix_index(self) -> None:
+        """After manifests were admitted: fetch prompt metas off the loop, then index them."""
+        svc = self.service
+        svc.prompt_metas_dirty = False  # admissions from now on trigger another round
+        try:
+            keys = sorted(svc.prompt_metas.to_fetch)
+            infos = [
+                (k, i)
+                for k, i in zip(keys, svc.get_locations(keys), strict=True)
+                if isinstance(i, ObjectInfo)
+            ]
+            svc.prompt_metas.to_fetch.difference_update(keys)
+            fetched = await asyncio.to_thread(fetch_objects, infos, self.control.token)
+            svc.prompt_metas.add_fetched(fetched)
+            done = svc.restore_prefix_index()
+            if done:
+                log.info("prefix index: %d prompt(s) restored from the nodes' manifests", done)
+        except Exception:
+            log.exception("prefix index restore failed")
+        finally:
+            self._restoring = None
 
     async def stop(self) -> None:
         if self._housekeeping is not None:
@@ -77,9 +120,48 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve_master(host: str, port: int, admin_port: int, config: MasterConfig) -> None:
+def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """A server TLS context for the admin REST API, or None without a certificate.
+
+    Raises:
+        InvalidRequestError: only one of the two files given, or they cannot be loaded.
+    """
+    from kvstore.errors import InvalidRequestError
+
+    if cert_file is None and key_file is None:
+        return None
+    if cert_file is None or key_file is None:
+        raise InvalidRequestError("--tls-cert and --tls-key go together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequestError(f"cannot load the TLS certificate or key: {exc}") from None
+    return ctx
+
+
+async def serve_master(
+    host: str,
+    port: int,
+    admin_port: int,
+    config: MasterConfig,
+    tiers: TierConfig | None = None,
+    *,
+    token: Token | None = None,
+    public_reads: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
+) -> None:
     """Run a master until SIGINT/SIGTERM. Prints one ``ready`` line with both endpoints."""
-    master = Master(host, port, admin_port, config)
+    master = Master(
+        host,
+        port,
+        admin_port,
+        config,
+        tiers,
+        token=token,
+        public_reads=public_reads,
+        ssl_context=ssl_context,
+    )
     endpoints = await master.start()
     stop = asyncio.Event()
     install_stop_signals(stop)

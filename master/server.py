@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.master.service import MasterService
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.config import check_wire_key
 from kvstore.errors import (
     InternalError,
@@ -24,6 +25,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
+from kvstore.manifest import ManifestClaim, claims_from_wire
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
@@ -74,32 +76,52 @@ def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _register(svc: MasterService, args: dict[str, Any]) -> Any:
     segments = [SegmentSpec.from_wire(s) for s in _list(args, "segments")]
+    node_id = _arg(args, "node_id", str)
+    claims = claims_from_wire(args["manifest"]) if "manifest" in args else None
     svc.register(
-        _arg(args, "node_id", str),
+        node_id,
         _arg(args, "host", str),
         _arg(args, "port", int),
         _arg(args, "secret", bytes),
         segments,
         check_transports(args.get("transports", {})),
     )
-    return {
+    reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
         "node_ttl_s": svc.config.node_ttl_s,
     }
+    if claims is not None:  # a node that kept objects across a master change (HA, etcd)
+        report = svc.admit_manifest(node_id, [c for c in claims if isinstance(c, ManifestClaim)])
+        for bad in (c for c in claims if not isinstance(c, ManifestClaim)):
+            report.num_rejected += 1
+            log.warning("manifest claim of %s rejected: %s", node_id, bad.message)
+        reply["admission"] = report.to_wire()
+    return reply
 
 
 def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
-    return {"forget": [list(p) for p in svc.heartbeat(_arg(args, "node_id", str))]}
+    # The node reports the tasks it ran; the reply carries what to forget and what to do next
+    # (see kvstore/node/tasks.py), and whether a drained node may stop.
+    node_id = _arg(args, "node_id", str)
+    if "done" in args:
+        svc.tasks_done(node_id, _list(args, "done", list))
+    forget = svc.heartbeat(node_id)
+    return {
+        "forget": [list(p) for p in forget],
+        "tasks": svc.take_tasks(node_id),
+        "retire": svc.take_retirement(node_id),
+    }
 
 
 def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     keys = _list(args, "keys")
     sizes = _list(args, "sizes", int)
     exclude = _list(args, "exclude", str) if "exclude" in args else []
+    replicas = _arg(args, "replicas", int) if "replicas" in args else 1
     if len(sizes) != len(keys):
         raise InvalidRequestError("keys and sizes differ in length")
     results = _per_key(
-        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude)
+        keys, lambda valid, idx: svc.put_start(valid, [sizes[i] for i in idx], exclude, replicas)
     )
     return [result_to_wire(r) for r in results]
 
@@ -129,6 +151,18 @@ def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _node_transports(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.node_transports()
+
+
+def _pin(svc: MasterService, args: dict[str, Any]) -> Any:
+    ttl = _arg(args, "ttl_s", (int, float))
+    hard = _arg(args, "hard", bool) if "hard" in args else False
+    return [
+        result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.pin(k, ttl, hard))
+    ]
+
+
+def _unpin(svc: MasterService, args: dict[str, Any]) -> Any:
+    return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.unpin(k))]
 
 
 def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -167,6 +201,8 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "get_locations": _get_locations,
     "exists": _exists,
     "remove": _remove,
+    "pin": _pin,
+    "unpin": _unpin,
     "stats": _stats,
     "node_transports": _node_transports,
     "kv_commit": _kv_commit,
@@ -174,18 +210,40 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
 }
 
 
-def dispatch(svc: MasterService, request: protocol.Request) -> bytes:
+class RpcObserver(Protocol):
+    """Records each served request (metrics). ``result`` is the handler's return value or None."""
+
+    def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
+        """Args: the request, its error code (0 = ok), the handler's result, the time it took."""
+
+
+def dispatch(
+    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+) -> bytes:
     """Run one request and return the encoded response frame."""
     handler = HANDLERS.get(request.verb)
+    started, code, result = time.perf_counter(), 0, None
     try:
         if handler is None:
             raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
-        return protocol.encode_response(request.req_id, handler(svc, request.args))
+        result = handler(svc, request.args)
+        return protocol.encode_response(request.req_id, result)
     except KVStoreError as err:
+        code = int(err.code)
         return protocol.encode_error(request.req_id, err)
     except Exception:
+        code = int(InternalError.code)
         log.exception("internal error while serving %r", request.verb[:64])
         return protocol.encode_error(request.req_id, InternalError("internal error"))
+    finally:
+        if observer is not None:
+            observer.observe(request, code, result, time.perf_counter() - started)
+
+
+class Fence(Protocol):
+    """Decides, before any handler runs, whether this master may serve a request (HA mode)."""
+
+    def check(self, request: protocol.Request) -> KVStoreError | None: ...
 
 
 class ControlServer:
@@ -198,8 +256,14 @@ class ControlServer:
         port: int,
         *,
         max_body: int = protocol.DEFAULT_MAX_BODY,
+        fence: Fence | None = None,
+        observer: RpcObserver | None = None,
+        token: auth.Token | None = None,
     ) -> None:
         self.service = service
+        self.fence = fence
+        self.observer = observer
+        self.token = token
         self.host = host
         self.port = port
         self.max_body = max_body
@@ -219,6 +283,7 @@ class ControlServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        gate = auth.Gate(self.token)
         try:
             while True:
                 try:
@@ -243,7 +308,18 @@ class ControlServer:
                 except ProtocolError as err:
                     writer.write(protocol.encode_error(protocol.request_id_of(body), err))
                 else:
-                    writer.write(dispatch(self.service, request))
+                    screened = gate.screen(request)
+                    if screened is not None:
+                        writer.write(screened[0])
+                        await writer.drain()
+                        if screened[1]:
+                            return
+                        continue
+                    refusal = self.fence.check(request) if self.fence is not None else None
+                    if refusal is not None:
+                        writer.write(protocol.encode_error(request.req_id, refusal))
+                    else:
+                        writer.write(dispatch(self.service, request, self.observer))
                 await writer.drain()
         except ConnectionError:
             return

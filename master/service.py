@@ -13,6 +13,10 @@ A ``put_end`` over a COMPLETE key replaces it: the new bytes become visible atom
 old replicas' space is freed (last committed writer wins). Readers of the old version that are
 still in flight either finish before the space is reused or fail the checksum: never wrong bytes.
 
+Tiers, leases, pins, replication and drain live in their own modules (``tiering.py``,
+``leases.py``, ``replication.py``, ``tasks.py``); this module keeps the tables they act on and
+small hooks into them. ``tick`` runs their background work (the daemon calls it).
+
 NOTE: single-threaded by design; the master's event loop is the only caller.
 """
 
@@ -23,10 +27,17 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 from kvstore.master.allocator import OffsetAllocator
+from kvstore.master.budget import ByteBudget
+from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
 from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix_restore import PromptMetaBacklog
+from kvstore.master.replication import Replicator
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
+from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
 
 from kvstore import grants
 from kvstore.config import MAX_OBJECT_BYTES
@@ -35,12 +46,17 @@ from kvstore.errors import (
     KeyNotFoundError,
     KVStoreError,
     NodeUnavailableError,
-    NoSpaceError,
     ObjectBusyError,
     PutNotFoundError,
 )
 from kvstore.keys import Namespace
+from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
+
+if TYPE_CHECKING:
+    from kvstore.master.recovery import AdmissionReport
+
+    from kvstore.manifest import ManifestClaim
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +88,10 @@ class MasterConfig:
 class Segment:
     name: str
     tier: str
-    allocator: OffsetAllocator
+    allocator: OffsetAllocator | ByteBudget
     shm_path: str = ""
+    # offset -> key of every committed replica here (what eviction and drain walk).
+    holding: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -84,8 +102,17 @@ class Node:
     secret: bytes
     segments: dict[str, Segment]
     last_seen: float
-    # (segment, offset) pairs freed since the last heartbeat: the node drops them from its manifest.
-    forgotten: list[tuple[str, int]] = field(default_factory=list)
+    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
+    # from its manifest. The stamp names the version: an extent already reused by a newer
+    # write (another stamp) stays in the manifest.
+    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
+    # Budget bytes freed since the last heartbeat, and those the last reply told it to forget.
+    limbo: list[tuple[str, int]] = field(default_factory=list)
+    delivered: list[tuple[str, int]] = field(default_factory=list)
+    # What the last heartbeat reply told it to forget (not yet confirmed by the next heartbeat).
+    unconfirmed: list[tuple[str, int, int]] = field(default_factory=list)
+    draining: bool = False  # no new data; its objects are being copied elsewhere
+    retired: bool = False  # drained: told to stop at its next heartbeat
     # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
     # read them with ``node_transports`` (see kvstore/transports.py).
     transports: dict[str, object] = field(default_factory=dict)
@@ -101,6 +128,8 @@ class Replica:
     segment: str
     offset: int
     size: int
+    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
+    tier: str = TIER_DRAM
 
 
 @dataclass(slots=True)
@@ -109,6 +138,14 @@ class ObjectMeta:
     size: int
     checksum: int
     replicas: list[Replica]
+    replicas_wanted: int = 1
+    last_access: float = 0.0
+    hits: int = 0
+    hits_since_move: int = 0
+    lease_until: float = 0.0  # monotonic; readers hold grants until then
+    pin: int = PIN_NONE
+    pin_until: float = 0.0
+    busy: int = 0  # id of the move/copy task in flight, 0 when none
 
 
 @dataclass(slots=True)
@@ -118,6 +155,7 @@ class PendingPut:
     size: int
     replicas: list[Replica]
     deadline: float
+    replicas_wanted: int = 1
 
 
 class MasterService:
@@ -134,6 +172,7 @@ class MasterService:
         config: MasterConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        tiers: TierConfig | None = None,
     ) -> None:
         self.config = config or MasterConfig()
         self.clock = clock
@@ -145,7 +184,63 @@ class MasterService:
         self._put_ids = itertools.count(1)
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.deferred = DeferredFrees()
+        self.tasks = TaskBook()
+        self.tiering = TierManager(self, tiers or TierConfig())
+        self.replication = Replicator(self)
         self.prefix = PrefixIndex()
+        # node id -> (segment, offset) it was told to forget but may still hold when it comes
+        # back (restart before the next heartbeat): admission never takes those (recovery.py).
+        self.tombstones: dict[str, set[tuple[str, int]]] = {}
+        self.prompt_metas = PromptMetaBacklog()
+        self.prompt_metas_dirty = False
+        # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
+        # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
+        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
+
+    def reset(self) -> None:
+        """Forget everything (a master that lost leadership starts its next term empty)."""
+        self.__init__(self.config, self.clock, self.wall_ms, self.tiering.config)  # type: ignore[misc]
+
+    def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
+        """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
+
+        Raises:
+            NodeUnavailableError: the node is not registered.
+        """
+        from kvstore.master.recovery import admit_manifest, forget_stale_stamps
+
+        forget_stale_stamps(self)
+        claims = list(claims)
+        report = admit_manifest(self, node_id, claims)
+        # Prompt metas let the prefix index be rebuilt (master/prefix_restore.py); new objects
+        # may also complete prompts fetched earlier.
+        self.prompt_metas.to_fetch.update(
+            c.key for c in claims if c.key.startswith(KV_META_PREFIX) and c.key in self.objects
+        )
+        self.prompt_metas_dirty = True
+        return report
+
+    def restore_prefix_index(self) -> int:
+        """Index every fetched prompt meta whose blocks are all committed by now.
+
+        Returns:
+            Prompts fully indexed by this call (the others wait for more nodes to re-register).
+        """
+        done = 0
+        for key, (namespace, tokens) in list(self.prompt_metas.incomplete.items()):
+            if key not in self.objects:
+                del self.prompt_metas.incomplete[key]  # the meta itself went away
+                continue
+            self.prefix.index(namespace, tokens, self.objects.__contains__)
+            full = len(tokens) // namespace.block_size * namespace.block_size
+            if self.prefix.radix.match(namespace, tokens).num_tokens >= full:
+                del self.prompt_metas.incomplete[key]
+                done += 1
+        self.prompt_metas.num_restored += done
+        return done
 
     # ================================================================ membership
     def register(
@@ -176,6 +271,9 @@ class MasterService:
         for s in segments:
             if s.capacity < 0:
                 raise InvalidRequestError(f"segment {s.name!r} has negative capacity")
+            if s.tier not in TIER_RANK:
+                raise InvalidRequestError(f"segment {s.name!r} has unknown tier {s.tier!r}")
+        self.replication.retired.pop(node_id, None)
         if node_id in self.nodes:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
             self._drop_node(node_id)
@@ -185,7 +283,12 @@ class MasterService:
             port=port,
             secret=secret,
             segments={
-                s.name: Segment(s.name, s.tier, OffsetAllocator(s.capacity), s.shm_path)
+                s.name: Segment(
+                    s.name,
+                    s.tier,
+                    ByteBudget(s.capacity) if s.tier == TIER_NVME else OffsetAllocator(s.capacity),
+                    s.shm_path,
+                )
                 for s in segments
             },
             last_seen=self.clock(),
@@ -195,8 +298,8 @@ class MasterService:
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
         )
 
-    def heartbeat(self, node_id: str) -> list[tuple[str, int]]:
-        """Mark a node alive. Returns the (segment, offset) pairs it may forget.
+    def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
 
         Raises:
             NodeUnavailableError: the node is unknown (declared dead): it must register again.
@@ -205,7 +308,14 @@ class MasterService:
         if node is None:
             raise NodeUnavailableError(f"node {node_id!r} is not registered")
         node.last_seen = self.clock()
+        # The node applied the previous reply's forgets before sending this heartbeat.
+        for segment, num_bytes in node.delivered:
+            allocator = node.segments[segment].allocator
+            if isinstance(allocator, ByteBudget):
+                allocator.ack(num_bytes)
+        node.delivered, node.limbo = node.limbo, []
         forgotten, node.forgotten = node.forgotten, []
+        node.unconfirmed = forgotten
         return forgotten
 
     def expire_nodes(self) -> list[str]:
@@ -225,11 +335,19 @@ class MasterService:
         return dead
 
     def _drop_node(self, node_id: str) -> None:
-        self.nodes.pop(node_id)
+        node = self.nodes.pop(node_id)
+        # What it was told to forget but may still hold (a restart before the next heartbeat):
+        # never re-admit those (an overwritten or removed version must not come back).
+        self.tombstones[node_id] = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
         for put in [
             p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
         ]:
             self._discard_pending(put)
+        for task in [
+            t for t in self.tasks.by_id.values() if t.node_id == node_id or t.src.node_id == node_id
+        ]:
+            self._settle(task.task_id, ok=False)
+        self.tasks.outbox.pop(node_id, None)
         for key in [
             k for k, o in self.objects.items() if any(r.node_id == node_id for r in o.replicas)
         ]:
@@ -238,29 +356,45 @@ class MasterService:
             if not obj.replicas:
                 del self.objects[key]
                 self.prefix.forget(key)
+            else:
+                self.replication.replica_lost(obj)
 
     # ================================================================ puts
     def put_start(
-        self, keys: Sequence[bytes], sizes: Sequence[int], exclude_nodes: Iterable[str] = ()
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        exclude_nodes: Iterable[str] = (),
+        replicas: int = 1,
     ) -> list[PutTicket | KVStoreError]:
         """Allocate room for each key; the client then writes the bytes straight to the node.
 
+        Args:
+            replicas: copies of each object, on distinct nodes (the client writes every one).
+
         Returns:
             Per key, a ticket (put id and where to write) or the error for that key.
+
+        Raises:
+            InvalidRequestError: a malformed batch or replica count.
         """
         self._check_batch(keys)
         if len(sizes) != len(keys):
             raise InvalidRequestError("keys and sizes differ in length")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
+            raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
         excluded = set(exclude_nodes)
         results: list[PutTicket | KVStoreError] = []
         for key, size in zip(keys, sizes, strict=True):
             try:
-                results.append(self._put_start_one(key, size, excluded))
+                results.append(self._put_start_one(key, size, excluded, replicas))
             except KVStoreError as err:
                 results.append(err)
         return results
 
-    def _put_start_one(self, key: bytes, size: int, excluded: set[str]) -> PutTicket:
+    def _put_start_one(
+        self, key: bytes, size: int, excluded: set[str], num_replicas: int = 1
+    ) -> PutTicket:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
         if size > self.config.max_object_bytes:
@@ -269,34 +403,23 @@ class MasterService:
             )
         if key in self.pending_by_key:
             raise ObjectBusyError("another put of this key is in flight")
-        segment, node = self._place(size, excluded)
-        offset = segment.allocator.allocate(size)
-        assert offset is not None, "placement chose a segment without room"
-        replica = Replica(node.node_id, segment.name, offset, size)
+        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
+        placed: list[Replica] = []
+        for segment, node in self.tiering.place(size, excluded, num_replicas):
+            offset = segment.allocator.allocate(size)
+            assert offset is not None, "placement chose a segment without room"
+            placed.append(
+                Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
+            )
         put = PendingPut(
-            next(self._put_ids), key, size, [replica], self.clock() + self.config.put_timeout_s
+            next(self._put_ids), key, size, placed, self.clock() + self.config.put_timeout_s
         )
+        put.replicas_wanted = num_replicas
         self.pending[put.put_id] = put
         self.pending_by_key[key] = put.put_id
-        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
-        return PutTicket(put.put_id, [self._location(replica, key, grants.OP_WRITE, expires)])
-
-    def _place(self, size: int, excluded: set[str]) -> tuple[Segment, Node]:
-        """Pick the segment with the most free bytes among those with an extent that fits."""
-        best: tuple[int, Segment, Node] | None = None
-        for node in self.nodes.values():
-            if node.node_id in excluded:
-                continue
-            for seg in node.segments.values():
-                if seg.allocator.largest_free >= seg.allocator.reserved_size(size):
-                    free = seg.allocator.free_bytes
-                    if best is None or free > best[0]:
-                        best = (free, seg, node)
-        if best is None:
-            if not self.nodes:
-                raise NoSpaceError("no storage node is registered")
-            raise NoSpaceError(f"no segment has a free extent of {size} bytes")
-        return best[1], best[2]
+        return PutTicket(
+            put.put_id, [self._location(r, key, grants.OP_WRITE, expires) for r in placed]
+        )
 
     def put_end(
         self, put_ids: Sequence[int], checksums: Sequence[int]
@@ -318,10 +441,22 @@ class MasterService:
                 continue
             del self.pending[put_id]
             del self.pending_by_key[put.key]
+            now = self.clock()
             old = self.objects.get(put.key)
             if old is not None:
-                self._free_replicas(old.replicas)
-            self.objects[put.key] = ObjectMeta(put.key, put.size, checksum, put.replicas)
+                self._free_replicas(old.replicas, hold_until=self.hold_until(old, now))
+            self.objects[put.key] = ObjectMeta(
+                put.key,
+                put.size,
+                checksum,
+                put.replicas,
+                replicas_wanted=put.replicas_wanted,
+                last_access=now,
+            )
+            if old is not None:  # a pin belongs to the key: it holds the new version too
+                self.objects[put.key].pin, self.objects[put.key].pin_until = old.pin, old.pin_until
+            for r in put.replicas:
+                self.attach(put.key, r)
             results.append(None)
         return results
 
@@ -353,13 +488,53 @@ class MasterService:
         del self.pending_by_key[put.key]
         self._free_replicas(put.replicas)
 
-    def _free_replicas(self, replicas: Iterable[Replica]) -> None:
+    def _free_replicas(self, replicas: Iterable[Replica], hold_until: float = 0.0) -> None:
         for r in replicas:
-            node = self.nodes.get(r.node_id)
-            if node is None:
-                continue  # the node is gone and its allocator with it
-            node.segments[r.segment].allocator.free(r.offset)
-            node.forgotten.append((r.segment, r.offset))
+            self.release(r, hold_until)
+
+    # ================================================================ replica bookkeeping
+    def attach(self, key: bytes, replica: Replica) -> None:
+        """Record a committed replica in its segment's index (eviction and drain walk it)."""
+        node = self.nodes.get(replica.node_id)
+        if node is not None:
+            node.segments[replica.segment].holding[replica.offset] = key
+
+    def release(self, replica: Replica, hold_until: float = 0.0) -> None:
+        """Free a replica's space: now, or once ``hold_until`` (a lease's end) has passed."""
+        node = self.nodes.get(replica.node_id)
+        if node is None:
+            return  # the node is gone and its allocator with it
+        seg = node.segments[replica.segment]
+        seg.holding.pop(replica.offset, None)
+        if hold_until > self.clock():
+            self.deferred.hold(hold_until, node, replica)
+            return
+        self._free_now(node, replica)
+
+    def _free_now(self, node: Node, replica: Replica) -> None:
+        allocator = node.segments[replica.segment].allocator
+        if isinstance(allocator, ByteBudget):
+            node.limbo.append((replica.segment, allocator.free(replica.offset)))
+        else:
+            allocator.free(replica.offset)
+        node.forgotten.append((replica.segment, replica.offset, replica.stamp))
+
+    def hold_until(self, obj: ObjectMeta, now: float) -> float:
+        """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
+        if obj.lease_until <= now:
+            return 0.0
+        return obj.lease_until + self.tiering.config.lease_grace_s
+
+    def delete_replica(self, obj: ObjectMeta, replica: Replica, hold: bool = False) -> None:
+        """Drop one replica (eviction, drain); the object goes when its last replica does."""
+        obj.replicas.remove(replica)
+        if not obj.replicas:
+            del self.objects[obj.key]
+            self.prefix.forget(obj.key)
+        elif len(obj.replicas) < obj.replicas_wanted:
+            # An evicted copy is not re-made: the object now wants what it has.
+            obj.replicas_wanted = len(obj.replicas)
+        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0)
 
     def node_transports(self) -> dict[str, dict[str, object]]:
         """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
@@ -367,15 +542,25 @@ class MasterService:
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:
-        """Where each committed object lives, with read grants."""
+        """Where each committed object lives, with read grants and a read lease.
+
+        Until the lease ends (``lease_s``) the object is not evicted and space it occupies is
+        not reused; the read grants expire with it, so a read after that fails cleanly.
+        """
         self._check_batch(keys)
-        expires = self.wall_ms() + int(self.config.read_grant_s * 1000)
+        lease_s = self.tiering.config.lease_s
+        expires = self.wall_ms() + int(lease_s * 1000)
+        now = self.clock()
         results: list[ObjectInfo | KVStoreError] = []
         for key in keys:
             obj = self.objects.get(key)
             if obj is None:
+                self.num_misses += 1
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
                 continue
+            self.num_hits += 1
+            obj.lease_until = max(obj.lease_until, now + lease_s)
+            self.tiering.on_read(obj, now)
             locs = [self._location(r, key, grants.OP_READ, expires) for r in obj.replicas]
             results.append(ObjectInfo(obj.size, obj.checksum, locs))
         return results
@@ -393,10 +578,120 @@ class MasterService:
             if obj is None:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
             else:
-                self._free_replicas(obj.replicas)
+                # A reader holding a lease finishes on intact bytes; the space waits for it.
+                self._free_replicas(obj.replicas, hold_until=self.hold_until(obj, self.clock()))
                 self.prefix.forget(key)
                 results.append(None)
         return results
+
+    # ================================================================ pins
+    def pin(
+        self, keys: Sequence[bytes], ttl_s: float, hard: bool = False
+    ) -> list[KVStoreError | None]:
+        """Keep objects from eviction for ``ttl_s`` seconds.
+
+        A soft pin makes an object go last, and only under pressure; a hard pin keeps it until
+        unpinned or the TTL ends. Pinning again replaces the earlier pin.
+
+        Returns:
+            Per key, None or the error (KeyNotFoundError for a missing key).
+
+        Raises:
+            InvalidRequestError: a TTL outside ``(0, max_pin_ttl_s]``.
+        """
+        self._check_batch(keys)
+        ttl = check_pin_ttl(ttl_s, self.tiering.config.max_pin_ttl_s)
+        now = self.clock()
+        results: list[KVStoreError | None] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                results.append(KeyNotFoundError(f"cannot pin {key[:64]!r}: not found"))
+                continue
+            obj.pin = PIN_HARD if hard else PIN_SOFT
+            obj.pin_until = now + ttl
+            results.append(None)
+        return results
+
+    def unpin(self, keys: Sequence[bytes]) -> list[KVStoreError | None]:
+        """Drop pins (a key that is stored but not pinned is fine)."""
+        self._check_batch(keys)
+        results: list[KVStoreError | None] = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                results.append(KeyNotFoundError(f"cannot unpin {key[:64]!r}: not found"))
+                continue
+            obj.pin = PIN_NONE
+            obj.pin_until = 0.0
+            results.append(None)
+        return results
+
+    # ================================================================ node tasks and manifests
+    def tick(self) -> None:
+        """Background work: free space whose leases ended, settle late tasks, evict, replicate."""
+        now = self.clock()
+        for owner, replica in self.deferred.due(now):
+            if self.nodes.get(owner.node_id) is not owner:
+                continue  # the node died or re-registered: that allocator is gone
+            self._free_now(owner, replica)
+        for task in self.tasks.expired(now):
+            log.warning("task %d (%s of %r) timed out", task.task_id, task.purpose, task.key[:64])
+            self._settle(task.task_id, ok=False)
+        self.tiering.tick(now)
+        self.replication.tick(now)
+
+    def tasks_done(self, node_id: str, done: Sequence[object]) -> None:
+        """A node reports tasks it ran: ``[task_id, code, message]`` each."""
+        for item in done:
+            if not isinstance(item, list | tuple) or len(item) != 3:
+                continue
+            task_id, code = item[0], item[1]
+            task = self.tasks.by_id.get(task_id) if isinstance(task_id, int) else None
+            if task is None or task.node_id != node_id:
+                continue
+            if code:
+                log.warning("node %s failed task %d: %s", node_id, task_id, item[2])
+            self._settle(task_id, ok=code == 0)
+
+    def _settle(self, task_id: int, ok: bool) -> None:
+        task = self.tasks.pop(task_id)
+        if task is None:
+            return
+        if ok:
+            self.tasks.num_done += 1
+        else:
+            self.tasks.num_failed += 1
+        if task.purpose in (PURPOSE_DEMOTE, PURPOSE_PROMOTE):
+            self.tiering.settle(task, ok, self.clock())
+        else:
+            self.replication.settle(task, ok, self.clock())
+
+    def take_tasks(self, node_id: str) -> list[dict[str, object]]:
+        """Tasks to hand ``node_id`` in its heartbeat reply."""
+        cfg = self.tiering.config
+        return self.tasks.take(
+            node_id, cfg.max_tasks_per_heartbeat, cfg.max_task_bytes_per_heartbeat
+        )
+
+    def take_retirement(self, node_id: str) -> bool:
+        """True once a drained node may stop; it leaves the membership at the same time."""
+        node = self.nodes.get(node_id)
+        if node is None or not node.retired:
+            return False
+        self.replication.retired[node_id] = self.replication.drain_status(node_id)
+        self.nodes.pop(node_id)
+        self.tasks.outbox.pop(node_id, None)
+        return True
+
+    def drain_node(self, node_id: str) -> dict[str, object]:
+        """Move a node's objects to other nodes, then retire it. Returns its drain status.
+
+        Raises:
+            KeyNotFoundError: no such node.
+            InvalidRequestError: it holds objects and no other node can take them.
+        """
+        return self.replication.drain(node_id)
 
     # ================================================================ KV cache (prefix index)
     def kv_commit(
@@ -441,7 +736,25 @@ class MasterService:
             s.allocator.capacity for n in self.nodes.values() for s in n.segments.values()
         )
         used = sum(s.allocator.used_bytes for n in self.nodes.values() for s in n.segments.values())
+        by_tier: dict[str, dict[str, int]] = {}
+        for n in self.nodes.values():
+            for seg in n.segments.values():
+                t = by_tier.setdefault(
+                    seg.tier, {"capacity_bytes": 0, "used_bytes": 0, "num_replicas": 0}
+                )
+                t["capacity_bytes"] += seg.allocator.capacity
+                t["used_bytes"] += seg.allocator.used_bytes
+                t["num_replicas"] += len(seg.holding)
         return {
+            "tiers": by_tier,
+            "eviction": self.tiering.stats(),
+            "replication": self.replication.stats(),
+            "num_hits": self.num_hits,
+            "num_misses": self.num_misses,
+            "num_held_frees": len(self.deferred),
+            "num_pinned": sum(
+                1 for o in self.objects.values() if o.pin != PIN_NONE and o.pin_until > self.clock()
+            ),
             "num_nodes": len(self.nodes),
             "num_objects": len(self.objects),
             "num_pending": len(self.pending),
@@ -455,12 +768,14 @@ class MasterService:
                 {
                     "node_id": n.node_id,
                     "address": f"{n.host}:{n.port}",
+                    "state": "retired" if n.retired else "draining" if n.draining else "active",
                     "segments": [
                         {
                             "name": s.name,
                             "tier": s.tier,
                             "capacity_bytes": s.allocator.capacity,
                             "used_bytes": s.allocator.used_bytes,
+                            "num_replicas": len(s.holding),
                         }
                         for s in n.segments.values()
                     ],

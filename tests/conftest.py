@@ -20,7 +20,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         master_args: tuple[str, ...] = (),
         node_args: tuple[str, ...] = (),
     ) -> Cluster:
-        c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args))
+        c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args), node_args=node_args)
         made.append(c)
         for _ in range(num_nodes):
             c.add_node(dram, extra=node_args)

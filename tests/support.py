@@ -92,6 +92,7 @@ class Cluster:
     tmp: Path
     master: Daemon
     nodes: list[Daemon] = field(default_factory=list)
+    node_args: tuple[str, ...] = ()  # extra flags for every node (e.g. --token-file)
 
     @property
     def address(self) -> str:
@@ -116,6 +117,7 @@ class Cluster:
                 dram,
                 "--data-dir",
                 str(self.tmp / name),
+                *self.node_args,
                 *extra,
             ],
             ready=r"kvstore node ready",

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
-from kvstore import protocol
+from kvstore import auth, grants, protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
+from kvstore.manifest import ManifestClaim, verify_claims
 from kvstore.node.server import DataServer
+from kvstore.node.tasks import run_tasks
+from kvstore.node.tiers import checksum_of
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
+#: With etcd: how long a call to a (maybe paused) leader may take before we look for another.
+HA_CALL_TIMEOUT_S = 2.0
+_FOLLOW_CODES = (ErrorCode.NOT_LEADER, ErrorCode.STALE_EPOCH)
 
 
 class MasterLink:
@@ -26,6 +33,11 @@ class MasterLink:
         advertise_host: the host clients should dial for this node's data port.
         server: the data server (its port, secret and manifest).
         segments: what to offer the master.
+        resolver: with etcd, returns the leader's address and epoch. The node then sends its
+            manifest when it registers with a new leader (failover keeps the cache), puts the
+            epoch in every call, and rotates its grant secret per epoch, so grants of a deposed
+            leader no longer open its arena.
+        token: the cluster token, presented on every connection to the master.
     """
 
     def __init__(
@@ -35,15 +47,30 @@ class MasterLink:
         advertise_host: str,
         server: DataServer,
         segments: list[SegmentSpec],
+        resolver: Callable[[], tuple[Address, int]] | None = None,
+        token: auth.Token | None = None,
         transports: dict[str, dict[str, object]] | None = None,
     ) -> None:
         self.master = master
+        self.token = token
+        self.resolver = resolver
+        self.epoch = 0
+        self._secret_epoch = 0
+        # With etcd: the (leader, epoch) we last registered with. A new connection to the same
+        # one resumes heartbeats instead of registering again: re-registering would drop, for
+        # a moment, objects committed after our manifest snapshot.
+        self._registered_to: tuple[Address, int] | None = None
+        self.max_backoff_s = 2.0 if resolver is None else 0.2
+        self.last_admission: dict[str, object] = {}
         self.node_id = node_id
         self.advertise_host = advertise_host
         self.server = server
         self.segments = segments
         self.transports = transports or {}
         self.registered = threading.Event()
+        #: Set when the master retired this node (after a drain): the node should exit.
+        self.retired = threading.Event()
+        self._done: list[list[object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
         self.heartbeat_interval_s = 1.0
@@ -55,21 +82,69 @@ class MasterLink:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def _verified_manifest(self) -> list[list[object]]:
+        claims = [ManifestClaim(*e) for e in self.server.manifest.snapshot()]
+        views = {name: arena.view for name, arena in self.server.segments.items()}
+        # Durable tiers (NVMe) verified every object's checksum when they stored it, in one
+        # atomic transaction; other tiers (HBM) are read back and checked here.
+        tiers = self.server.tiers
+        in_arenas: list[ManifestClaim] = []
+        good: list[ManifestClaim] = []
+        bad: list[tuple[ManifestClaim, str]] = []
+        for c in claims:
+            tier = tiers.get(c.segment)
+            if tier is None:
+                in_arenas.append(c)
+            elif tier.durable:
+                good.append(c)
+            else:
+                try:
+                    same = checksum_of(tier.read(c.offset, c.size)) == c.checksum
+                except KVStoreError as err:
+                    same = False
+                    log.warning("cannot read %s@%d back: %s", c.segment, c.offset, err)
+                if same:
+                    good.append(c)
+                else:
+                    bad.append((c, "bytes do not match the checksum"))
+        good_arena, bad_arena = verify_claims(in_arenas, views)
+        good += good_arena
+        bad += bad_arena
+        for claim, why in bad:
+            log.warning("dropping manifest entry %s@%d: %s", claim.segment, claim.offset, why)
+        self.server.manifest.forget([(c.segment, c.offset, c.stamp) for c, _ in bad])
+        return [c.to_wire() for c in good]
+
     def _register(self, conn: protocol.FramedSocket) -> None:
-        # A fresh registration means the master holds nothing of ours: start a clean manifest.
-        self.server.manifest.clear()
-        reply = conn.call(
-            "register",
-            {
-                "node_id": self.node_id,
-                "host": self.advertise_host,
-                "port": self.server.port,
-                "secret": self.server.secret,
-                "segments": [s.to_wire() for s in self.segments],
-                "transports": self.transports,
-            },
-        )
+        args: dict[str, object] = {
+            "node_id": self.node_id,
+            "host": self.advertise_host,
+            "port": self.server.port,
+            "segments": [s.to_wire() for s in self.segments],
+            "transports": self.transports,
+        }
+        self._done = []
+        if self.resolver is None:
+            # A fresh registration means the master holds nothing of ours: start a clean manifest,
+            # except for durable tiers (NVMe), whose objects we claim for it to re-admit.
+            durable = {name for name, t in self.server.tiers.items() if t.durable}
+            self.server.manifest.clear_volatile(durable)
+            if durable:
+                args["manifest"] = self._verified_manifest()
+        else:
+            if self._secret_epoch != self.epoch:
+                # NOTE: rotate before the manifest snapshot: a write granted by the old leader
+                # either finished before it (and is claimed) or is refused from now on.
+                self.server.secret = grants.new_secret()
+                self._secret_epoch = self.epoch
+            args["epoch"] = self.epoch
+            args["manifest"] = self._verified_manifest()
+        args["secret"] = self.server.secret
+        reply = conn.call("register", args)
+        self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        if self.resolver is not None:
+            self._registered_to = (self.master, self.epoch)
         self.registered.set()
         log.info("registered with master %s as %s", self.master, self.node_id)
 
@@ -78,14 +153,28 @@ class MasterLink:
         while not self._stop.is_set():
             conn: protocol.FramedSocket | None = None
             try:
+                timeout = CONNECT_TIMEOUT_S
+                if self.resolver is not None:
+                    self.master, self.epoch = self.resolver()
+                    timeout = HA_CALL_TIMEOUT_S
                 conn = protocol.FramedSocket.connect(
-                    self.master.host, self.master.port, timeout=CONNECT_TIMEOUT_S
+                    self.master.host, self.master.port, timeout=timeout
                 )
-                self._register(conn)
+                auth.hello(conn, self.token)
+                if self.resolver is None or self._registered_to != (self.master, self.epoch):
+                    self._register(conn)
+                else:
+                    self.registered.set()  # same leader: resume; it says if it forgot us
                 backoff = 0.1
-                while not self._stop.wait(self.heartbeat_interval_s):
+                wait_s = self.heartbeat_interval_s
+                while not self._stop.wait(wait_s):
+                    wait_s = self.heartbeat_interval_s
+                    done, self._done = self._done, []
                     try:
-                        reply = conn.call("heartbeat", {"node_id": self.node_id})
+                        beat: dict[str, object] = {"node_id": self.node_id, "done": done}
+                        if self.resolver is not None:
+                            beat["epoch"] = self.epoch
+                        reply = conn.call("heartbeat", beat)
                     except KVStoreError as err:
                         if err.code != ErrorCode.NODE_UNAVAILABLE:
                             raise
@@ -94,17 +183,38 @@ class MasterLink:
                         continue
                     forget = reply.get("forget", [])
                     if forget:
-                        self.server.manifest.forget([(s, o) for s, o in forget])
+                        self.server.forget([tuple(p) for p in forget])
+                    tasks = reply.get("tasks") or []
+                    if tasks:
+                        self._done = run_tasks(self.server, tasks)
+                        wait_s = 0.0  # report at once: the master may have more work queued
+                    if reply.get("retire"):
+                        log.info("the master retired this node (drained): stopping")
+                        self.retired.set()
+                        return
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
+                # With etcd, a failover is routine: say it once per outage, not every retry.
+                level = (
+                    logging.INFO
+                    if self.resolver and not self.registered.is_set()
+                    else logging.WARNING
+                )
                 self.registered.clear()
-                log.warning(
-                    "master %s unreachable (%s); retrying in %.1fs", self.master, exc, backoff
+                log.log(
+                    level,
+                    "master %s unreachable (%s); retrying in %.1fs",
+                    self.master,
+                    exc,
+                    backoff,
                 )
             except KVStoreError as err:
                 self.registered.clear()
-                log.error("master rejected this node: %s", err)
+                if err.code in _FOLLOW_CODES:
+                    log.info("master %s is not the leader (%s); looking again", self.master, err)
+                else:
+                    log.error("master rejected this node: %s", err)
             finally:
                 if conn is not None:
                     conn.close()
             self._stop.wait(backoff)
-            backoff = min(backoff * 2, 2.0)
+            backoff = min(backoff * 2, self.max_backoff_s)

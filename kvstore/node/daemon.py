@@ -9,12 +9,16 @@ import threading
 import uuid
 from pathlib import Path
 
-from kvstore import grants
+from kvstore import auth, grants
 from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path
+from kvstore.node.hbm import open_hbm
+from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.node.tiers import Tier
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -46,22 +50,58 @@ class StorageNode:
         port: int,
         dram_bytes: int,
         data_dir: Path,
+        nvme_bytes: int = 0,
+        hbm_bytes: int = 0,
+        *,
+        token: auth.Token | None = None,
+        admin_port: int | None = None,
+        public_reads: bool = True,
         shm: bool = False,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
+        if nvme_bytes < 0 or hbm_bytes < 0:
+            raise InvalidRequestError("--nvme and --hbm must be >= 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
+        # NOTE: lmdb must be opened after any fork: this is the node's own process.
+        tiers: dict[str, Tier] = {}
+        hbm = open_hbm(hbm_bytes)
+        if hbm is not None:
+            tiers[hbm.segment] = hbm
+        if nvme_bytes:
+            nvme = NvmeTier(data_dir / "nvme", nvme_bytes)
+            tiers[nvme.segment] = nvme
+        self.tiers = tiers
         self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
-        self.server = DataServer({"dram": self.dram}, grants.new_secret(), host, port)
+        self.server = DataServer(
+            {"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers, token=token
+        )
+        specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
+        specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]
         self.link = MasterLink(
             master,
             self.node_id,
             host,
             self.server,
-            [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))],
-            node_transports(self.server, {"dram": self.dram.path}, shm),
+            specs,
+            token=token,
+            transports=node_transports(self.server, {"dram": self.dram.path}, shm),
         )
+        self.admin: NodeAdmin | None = None
+        if admin_port is not None:
+            self.admin = NodeAdmin(
+                host,
+                admin_port,
+                self.node_id,
+                self.server.stats,
+                {
+                    "dram": ("dram", dram_bytes),
+                    **{t.segment: (t.tier, t.capacity) for t in tiers.values()},
+                },
+                token=token,
+                public_reads=public_reads,
+            )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
         """Serve, and wait until the master has accepted us.
@@ -70,6 +110,8 @@ class StorageNode:
             MasterUnavailableError: no registration within ``register_timeout_s``.
         """
         self.server.start()
+        if self.admin is not None:
+            self.admin.start()
         self.link.start()
         if not self.link.registered.wait(register_timeout_s):
             self.stop()
@@ -79,8 +121,12 @@ class StorageNode:
 
     def stop(self) -> None:
         self.link.stop()
+        if self.admin is not None:
+            self.admin.stop()
         self.server.stop()
         self.dram.close()
+        for tier in self.tiers.values():
+            tier.close()
 
 
 def node_transports(
@@ -107,9 +153,15 @@ def serve_node(
     port: int,
     dram_bytes: int,
     data_dir: Path,
+    nvme_bytes: int = 0,
+    hbm_bytes: int = 0,
+    *,
+    token: auth.Token | None = None,
+    admin_port: int | None = None,
+    public_reads: bool = True,
     shm: bool = False,
 ) -> None:
-    """Run a node until SIGINT/SIGTERM. Prints one ``ready`` line.
+    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line.
 
     Args:
         shm: offer same-host clients of this user the arena file (the shm transport).
@@ -117,12 +169,29 @@ def serve_node(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(master, host, port, dram_bytes, data_dir, shm=shm)
+    node = StorageNode(
+        master,
+        host,
+        port,
+        dram_bytes,
+        data_dir,
+        nvme_bytes,
+        hbm_bytes,
+        token=token,
+        admin_port=admin_port,
+        public_reads=public_reads,
+        shm=shm,
+    )
     node.start()
+    admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
+    tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes} shm={'on' if shm else 'off'}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin} shm={'on' if shm else 'off'}",
         flush=True,
     )
+    threading.Thread(
+        target=lambda: (node.link.retired.wait(), stop.set()), name="node-retire", daemon=True
+    ).start()
     try:
         stop.wait()
     finally:

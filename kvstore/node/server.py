@@ -10,6 +10,10 @@ Verbs (request args → response result; payload = raw bytes after the body):
 ``read``   ``{"items": [[grant, ranges | None], ...]}`` → per item ``[code, length | message]``
            + payload (the valid items' ranges, concatenated)
 ``ping``, ``manifest``, ``stats``
+
+Segments other than the DRAM arena (NVMe, HBM) are :class:`~kvstore.node.tiers.Tier` objects:
+reads of them go through the same ``read`` verb (the grant names the segment), writes to them
+carry whole objects and land in one batch per tier (one lmdb transaction for NVMe).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore import grants, protocol
+from kvstore import auth, grants, protocol
 from kvstore.errors import (
     GrantInvalidError,
     InternalError,
@@ -34,6 +38,7 @@ from kvstore.errors import (
     UnknownVerbError,
 )
 from kvstore.node.arena import ShmArena
+from kvstore.node.tiers import StoredObject, Tier
 from kvstore.types import result_to_wire
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class ManifestEntry:
     key: bytes
     size: int
     checksum: int
+    stamp: int = 0  # the write grant's expiry: orders versions of a key (kvstore.manifest)
 
 
 class Manifest:
@@ -61,19 +67,32 @@ class Manifest:
         with self._lock:
             self._entries[(segment, offset)] = entry
 
-    def forget(self, pairs: list[tuple[str, int]]) -> None:
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
         with self._lock:
-            for p in pairs:
-                self._entries.pop(p, None)
+            for item in items:
+                pos = (item[0], item[1])
+                entry = self._entries.get(pos)
+                if entry is None:
+                    continue
+                if len(item) > 2 and item[2] and entry.stamp != item[2]:
+                    continue  # the extent was reused by a newer write since
+                del self._entries[pos]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
 
+    def clear_volatile(self, durable_segments: set[str]) -> None:
+        """Forget every entry except those of tiers that survive a restart (NVMe)."""
+        with self._lock:
+            self._entries = {p: e for p, e in self._entries.items() if p[0] in durable_segments}
+
     def snapshot(self) -> list[list[Any]]:
         with self._lock:
             return [
-                [seg, off, e.key, e.size, e.checksum] for (seg, off), e in self._entries.items()
+                [seg, off, e.key, e.size, e.checksum, e.stamp]
+                for (seg, off), e in self._entries.items()
             ]
 
     def __len__(self) -> int:
@@ -88,6 +107,7 @@ class DataServer:
         secret: the key the master signs this node's grants with.
         host, port: where to listen (port 0 picks a free one).
         clock_ms: wall-clock milliseconds, for grant expiry.
+        token: the cluster token every connection must present first (None: no check).
     """
 
     def __init__(
@@ -97,11 +117,23 @@ class DataServer:
         host: str = "127.0.0.1",
         port: int = 0,
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        tiers: dict[str, Tier] | None = None,
+        token: auth.Token | None = None,
     ) -> None:
         self.segments = segments
+        self.token = token
+        #: Segments served through the tier interface (NVMe, HBM), by segment name.
+        self.tiers: dict[str, Tier] = dict(tiers or {})
         self.secret = secret
         self.clock_ms = clock_ms
         self.manifest = Manifest()
+        for tier in self.tiers.values():
+            for obj in tier.stored():
+                self.manifest.record(
+                    tier.segment,
+                    obj.offset,
+                    ManifestEntry(obj.key, obj.size, obj.checksum, obj.stamp),
+                )
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.host = host
         self.port = self._listener.getsockname()[1]
@@ -137,6 +169,59 @@ class DataServer:
                     c.shutdown(socket.SHUT_RDWR)
         self._accept_thread.join(timeout=5)
 
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """The master freed these ``(segment, offset[, stamp])``: drop them from the manifest,
+        and delete what durable tiers keep for them (NVMe ids are never reused)."""
+        self.manifest.forget(items)
+        by_tier: dict[str, list[int]] = {}
+        for item in items:
+            seg, off = item[0], item[1]
+            if seg in self.tiers:
+                by_tier.setdefault(seg, []).append(off)
+        for seg, offsets in by_tier.items():
+            self.tiers[seg].forget(offsets)
+
+    def read_object(self, segment: str, offset: int, size: int) -> memoryview:
+        """A whole object's bytes from any tier (used by moves between tiers and nodes).
+
+        Raises:
+            GrantInvalidError: no such segment; KeyNotFoundError, OutOfRangeError from the tier.
+        """
+        tier = self.tiers.get(segment)
+        if tier is not None:
+            return tier.read(offset, size)
+        arena = self.segments.get(segment)
+        if arena is None:
+            raise GrantInvalidError(f"no segment {segment!r} on this node")
+        if offset < 0 or size < 0 or offset + size > arena.size:
+            raise OutOfRangeError("range lies outside the segment")
+        return arena.view[offset : offset + size]
+
+    def store_objects(
+        self, segment: str, items: list[tuple[StoredObject, memoryview]]
+    ) -> list[KVStoreError | None]:
+        """Store whole objects into one segment and record them in the manifest."""
+        tier = self.tiers.get(segment)
+        if tier is not None:
+            results = tier.write(items)
+        else:
+            arena = self.segments.get(segment)
+            if arena is None:
+                return [GrantInvalidError(f"no segment {segment!r} on this node")] * len(items)
+            results = []
+            for obj, data in items:
+                if obj.offset < 0 or obj.offset + len(data) > arena.size:
+                    results.append(OutOfRangeError("range lies outside the segment"))
+                    continue
+                arena.view[obj.offset : obj.offset + len(data)] = data
+                results.append(None)
+        for (obj, _), err in zip(items, results, strict=True):
+            if err is None:
+                self.manifest.record(
+                    segment, obj.offset, ManifestEntry(obj.key, obj.size, obj.checksum, obj.stamp)
+                )
+        return results
+
     def stats(self) -> dict[str, Any]:
         return {
             "num_objects": len(self.manifest),
@@ -162,6 +247,7 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
         scratch = memoryview(bytearray(1 << 16))
+        gate = auth.Gate(self.token)
         try:
             while not self._stopped.is_set():
                 try:
@@ -177,6 +263,13 @@ class DataServer:
                 body = fs.read_body(header)
                 try:
                     request = protocol.decode_request(body)
+                    screened = gate.screen(request)
+                    if screened is not None:
+                        protocol.discard(conn, header.payload_len, scratch)
+                        fs.send_frame(screened[0])
+                        if screened[1]:
+                            return
+                        continue
                     handler = self._verbs.get(request.verb)
                     if handler is None:
                         raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
@@ -217,12 +310,27 @@ class DataServer:
     def _granted_view(self, grant_wire: Any, op: str) -> tuple[grants.Grant, memoryview]:
         grant = grants.Grant.from_wire(grant_wire)
         grants.verify(self.secret, grant, op, self.clock_ms())
+        tier = self.tiers.get(grant.segment)
+        if tier is not None:
+            if op != grants.OP_READ:
+                raise InvalidRequestError("tier writes go through the whole-object path")
+            return grant, tier.read(grant.offset, grant.size)
         arena = self.segments.get(grant.segment)
         if arena is None:
             raise GrantInvalidError(f"no segment {grant.segment!r} on this node")
         if grant.offset + grant.size > arena.size:
             raise OutOfRangeError("granted range lies outside the segment")
         return grant, arena.view[grant.offset : grant.offset + grant.size]
+
+    def _tier_write_grant(self, grant_wire: Any, start: Any, length: Any) -> grants.Grant | None:
+        """The verified grant of a write to a non-arena tier, or None for arena writes."""
+        grant = grants.Grant.from_wire(grant_wire)
+        if grant.segment not in self.tiers:
+            return None
+        grants.verify(self.secret, grant, grants.OP_WRITE, self.clock_ms())
+        if start != 0 or length != grant.size:
+            raise InvalidRequestError(f"writes to segment {grant.segment!r} carry whole objects")
+        return grant
 
     # ------------------------------------------------------------------ verbs
     def _write(
@@ -248,6 +356,12 @@ class DataServer:
         plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
         for grant_wire, start, length, checksum in items:
             try:
+                tier_grant = self._tier_write_grant(grant_wire, start, length)
+                if tier_grant is not None:
+                    if not isinstance(checksum, int) or isinstance(checksum, bool):
+                        raise InvalidRequestError("checksum must be an integer")
+                    plan.append((None, tier_grant, None))
+                    continue
                 grant, view = self._granted_view(grant_wire, grants.OP_WRITE)
                 grants.check_range(grant, start, length)
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
@@ -256,7 +370,16 @@ class DataServer:
             except KVStoreError as err:
                 plan.append((err, None, None))
         results: list[Any] = []
+        # Whole objects for non-arena tiers, stored in one batch per tier after the payload.
+        tier_items: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}
         for (err, grant, dest), (_, start, length, checksum) in zip(plan, items, strict=True):
+            if grant is not None and dest is None and err is None:
+                buf = memoryview(bytearray(length))
+                protocol.recv_exact_into(fs.sock, buf)
+                obj = StoredObject(grant.offset, grant.key, grant.size, checksum, grant.expires_ms)
+                tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
+                results.append([0, None])
+                continue
             if grant is None or dest is None:
                 protocol.discard(fs.sock, length, scratch)
                 results.append(result_to_wire(err))
@@ -264,9 +387,15 @@ class DataServer:
             protocol.recv_exact_into(fs.sock, dest)
             if start == 0 and length == grant.size:
                 self.manifest.record(
-                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
                 )
             results.append([0, None])
+        for segment, batch in tier_items.items():
+            errs = self.store_objects(segment, [(obj, buf) for _, obj, buf in batch])
+            for (i, _, _), e in zip(batch, errs, strict=True):
+                results[i] = result_to_wire(e)
         self.num_writes += len(items)
         fs.send_frame(protocol.encode_response(req.req_id, results))
 

@@ -51,7 +51,9 @@ def make_shm_commit(server: DataServer) -> Any:
                 if xxhash.xxh3_64_intdigest(view) != checksum:
                     raise ChecksumMismatchError("bytes written through shm do not match checksum")
                 server.manifest.record(
-                    grant.segment, grant.offset, ManifestEntry(grant.key, grant.size, checksum)
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
                 )
                 results.append([0, None])
             except KVStoreError as err:

@@ -90,16 +90,17 @@ def test_numpy_and_torch_buffers(cluster_factory) -> None:
 
 
 def test_overwrite_replaces_and_frees_old_space(cluster_factory) -> None:
-    """Overwrite semantics: the last committed put wins; the old version's space is freed."""
-    cluster = cluster_factory(num_nodes=1, dram="16MiB")
+    """Overwrite semantics: the last committed put wins; the old version's space is freed
+    (once the read lease of the get before it has ended)."""
+    cluster = cluster_factory(num_nodes=1, dram="16MiB", master_args=("--lease", "0.2"))
     with Client.connect(cluster.address) as c:
         for round_ in range(6):  # 6 x 4 MiB > 16 MiB: only works if old versions are freed
             value = bytes([round_]) * (4 << 20)
             c.put("same", value)
             assert c.get("same") == value
-        assert c.stats()["used_bytes"] == 4 << 20
+            wait_until(lambda: c.stats()["used_bytes"] == 4 << 20, what="old version freed")
         c.remove("same")
-        assert c.stats()["used_bytes"] == 0
+        wait_until(lambda: c.stats()["used_bytes"] == 0, what="removed object freed")
         with pytest.raises(KeyNotFoundError):
             c.get("same")
         with pytest.raises(KeyNotFoundError):

@@ -90,7 +90,7 @@ def test_node_restart_drops_the_old_mapping(cluster_factory) -> None:
         assert c.get("k") == b"before" * 100
         cluster.nodes[0].stop()  # unlinks its arena file: our mapping is now of a dead file
         cluster.nodes.pop()
-        cluster.add_node(name="node0", extra=("--shm",))  # same id, new arena file
+        cluster.add_node(name="node0")  # same id, new arena file (node_args has --shm)
         wait_until(lambda: c.stats()["num_nodes"] == 1, what="node back")
         with pytest.raises((KeyNotFoundError, NodeUnavailableError)):
             c.get("k")  # the old incarnation's objects are gone

@@ -1,0 +1,150 @@
+"""The cluster token: one shared secret that every connection proves it knows.
+
+Control plane (client/node → master) and data plane (client → node): when the server has a token,
+the first frame of every connection must be a ``hello`` request carrying it. A connection that
+skips it, or sends a wrong one, gets one ``UNAUTHENTICATED`` error and is closed. A server without
+a token answers ``hello`` and serves everyone, so everything behaves as before when no token is
+configured anywhere.
+
+Admin REST: the token is a bearer token (``Authorization: Bearer <token>``).
+
+NOTE: a token never appears in a log line, an error body, a ``repr`` or a process title: it is
+read from a file (``--token-file``) or the environment (``KVSTORE_TOKEN``), never from a flag
+value, and :class:`Token` masks itself.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kvstore import protocol
+from kvstore.errors import InvalidRequestError, UnauthenticatedError
+
+HELLO_VERB = "hello"
+TOKEN_ENV = "KVSTORE_TOKEN"
+TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
+MIN_TOKEN_BYTES = 16
+MAX_TOKEN_BYTES = 4096
+
+
+class Token:
+    """A cluster token. Compares in constant time; prints as ``Token(***)``."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: str | bytes) -> None:
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        raw = raw.strip()
+        if not MIN_TOKEN_BYTES <= len(raw) <= MAX_TOKEN_BYTES:
+            raise InvalidRequestError(
+                f"a cluster token must be {MIN_TOKEN_BYTES}..{MAX_TOKEN_BYTES} bytes"
+            )
+        if not (raw.isascii() and raw.decode().isprintable()) or b" " in raw:
+            # It travels in HTTP headers: visible ASCII only.
+            raise InvalidRequestError("a cluster token must be printable ASCII without spaces")
+        self._secret = raw
+
+    def matches(self, offered: object) -> bool:
+        """Whether ``offered`` (str or bytes off the wire) is this token, in constant time."""
+        if isinstance(offered, str):
+            offered = offered.encode("utf-8", "surrogateescape")
+        if not isinstance(offered, bytes):
+            return False
+        return hmac.compare_digest(self._secret, offered)
+
+    def reveal(self) -> bytes:
+        """The secret itself, to put on the wire. Never log it."""
+        return self._secret
+
+    def __repr__(self) -> str:
+        return "Token(***)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:  # pickling would copy the secret somewhere unexpected
+        raise TypeError("a Token cannot be pickled")
+
+
+def load_token(
+    token_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Token | None:
+    """The cluster token from ``token_file``, else ``$KVSTORE_TOKEN``, else
+    ``$KVSTORE_TOKEN_FILE``; None when none is configured.
+
+    Args:
+        token_file: a file holding the token (surrounding whitespace is ignored).
+        env: the environment to read (default ``os.environ``).
+
+    Returns:
+        The token, or None (no authentication).
+
+    Raises:
+        InvalidRequestError: the file cannot be read or the token is too short or too long.
+    """
+    env = os.environ if env is None else env
+    if token_file is None and env.get(TOKEN_ENV):
+        return Token(env[TOKEN_ENV])
+    path = token_file if token_file is not None else env.get(TOKEN_FILE_ENV) or None
+    if path is None:
+        return None
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidRequestError(
+            f"cannot read token file {str(path)!r}: {exc.strerror or exc}"
+        ) from None
+    return Token(raw)
+
+
+# ------------------------------------------------------------------ servers
+class Gate:
+    """Per-connection state of the handshake on a server.
+
+    ``screen(request)`` runs before a request is dispatched: it returns None to dispatch the
+    request, or a reply frame to send instead (and whether to close the connection after it).
+    """
+
+    __slots__ = ("_token", "open")
+
+    def __init__(self, token: Token | None) -> None:
+        self._token = token
+        self.open = token is None
+
+    def screen(self, request: protocol.Request) -> tuple[bytes, bool] | None:
+        if request.verb == HELLO_VERB:
+            if self._token is not None and not self._token.matches(request.args.get("token")):
+                err = UnauthenticatedError("wrong cluster token")
+                return protocol.encode_error(request.req_id, err), True
+            self.open = True
+            return protocol.encode_response(request.req_id, {"authenticated": True}), False
+        if not self.open:
+            err = UnauthenticatedError("this server needs a cluster token: send hello first")
+            return protocol.encode_error(request.req_id, err), True
+        return None
+
+
+# ------------------------------------------------------------------ clients
+def hello(conn: protocol.FramedSocket, token: Token | None) -> None:
+    """Prove the token on a fresh connection (nothing to do without a token).
+
+    Raises:
+        UnauthenticatedError: the server refused the token.
+    """
+    if token is not None:
+        conn.call(HELLO_VERB, {"token": token.reveal()})
+
+
+# ------------------------------------------------------------------ REST
+def bearer_ok(authorization: str | None, token: Token | None) -> bool:
+    """Whether an ``Authorization`` header carries the token (always true without a token)."""
+    if token is None:
+        return True
+    if not authorization:
+        return False
+    scheme, _, value = authorization.partition(" ")
+    return scheme.lower() == "bearer" and token.matches(value.strip())

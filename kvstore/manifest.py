@@ -1,0 +1,103 @@
+"""Manifest claims: what a storage node says it holds, as it tells a (new) master.
+
+A node records an entry for every object whose bytes it received completely (see
+``kvstore.node.server.Manifest``). When it registers with a master that does not know it yet
+(a new leader after a failover, or, later, a restart with persistent tiers), it sends its
+entries as claims; the master rebuilds its object table from them
+(``MasterService.admit_manifest``).
+
+``stamp`` orders versions of one key: it is the expiry of the write grant the master issued at
+``put_start`` (wall-clock ms), so a later put of a key has a larger stamp.
+
+The node checks every claim against its bytes before it sends it (:func:`verify_claims`): an
+extent that was freed and partly rewritten no longer matches its checksum and is dropped, so
+nothing half-written can become visible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from kvstore.config import check_wire_key
+from kvstore.errors import InvalidRequestError, KVStoreError
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestClaim:
+    """One object a node holds: where (segment, offset), what (key, size, checksum), when."""
+
+    segment: str
+    offset: int
+    key: bytes
+    size: int
+    checksum: int
+    stamp: int = 0
+
+    def to_wire(self) -> list[Any]:
+        return [self.segment, self.offset, self.key, self.size, self.checksum, self.stamp]
+
+    @staticmethod
+    def from_wire(obj: Any) -> ManifestClaim:
+        """Raises InvalidRequestError for anything but a well-formed claim."""
+        if not isinstance(obj, list | tuple) or len(obj) not in (5, 6):
+            raise InvalidRequestError(
+                "a manifest claim is [segment, offset, key, size, checksum, stamp]"
+            )
+        segment, offset, key, size, checksum = obj[:5]
+        stamp = obj[5] if len(obj) == 6 else 0
+        ints = (offset, size, checksum, stamp)
+        if not isinstance(segment, str) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints
+        ):
+            raise InvalidRequestError("malformed manifest claim")
+        if checksum >= 1 << 64:
+            raise InvalidRequestError("claim checksum must be an unsigned 64-bit integer")
+        return ManifestClaim(segment, offset, check_wire_key(key), size, checksum, stamp)
+
+
+def verify_claims(
+    claims: Iterable[ManifestClaim], segments: Mapping[str, memoryview]
+) -> tuple[list[ManifestClaim], list[tuple[ManifestClaim, str]]]:
+    """Keep the claims whose bytes are in place and match their checksum.
+
+    Args:
+        claims: what the manifest says.
+        segments: the node's segment bytes by name.
+
+    Returns:
+        (claims that hold, [(claim, why it was dropped)]).
+    """
+    good: list[ManifestClaim] = []
+    bad: list[tuple[ManifestClaim, str]] = []
+    for c in claims:
+        view = segments.get(c.segment)
+        if view is None:
+            bad.append((c, f"no segment {c.segment!r}"))
+        elif c.offset + c.size > len(view):
+            bad.append((c, "extent outside its segment"))
+        elif xxhash.xxh3_64_intdigest(view[c.offset : c.offset + c.size]) != c.checksum:
+            bad.append((c, "bytes do not match the checksum (overwritten or never completed)"))
+        else:
+            good.append(c)
+    return good, bad
+
+
+def claims_from_wire(raw: Any) -> list[ManifestClaim | KVStoreError]:
+    """Decode a wire list of claims; each bad one becomes its error in place.
+
+    Raises:
+        InvalidRequestError: ``raw`` is not a list.
+    """
+    if not isinstance(raw, list):
+        raise InvalidRequestError("manifest must be a list of claims")
+    out: list[ManifestClaim | KVStoreError] = []
+    for item in raw:
+        try:
+            out.append(ManifestClaim.from_wire(item))
+        except KVStoreError as err:
+            out.append(err)
+    return out

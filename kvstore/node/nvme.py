@@ -1,0 +1,226 @@
+"""The NVMe tier: an lmdb environment under the node's data dir.
+
+Layout (two named databases in one environment, ``<data_dir>/nvme``):
+
+``meta``  ``id (8 bytes, big endian)`` → msgpack ``[key, size, checksum, num_chunks, stamp]``
+``data``  ``id (8 bytes) ‖ chunk number (4 bytes)`` → up to ``chunk_bytes`` of the object
+
+The id is the replica's offset as the master hands it out for this segment: the master never
+reuses an NVMe id, so a late ``forget`` can never delete a newer object. lmdb keys are 8 or 12
+bytes, far under lmdb's 511-byte limit whatever the user key is (the user key lives in the
+value). Objects larger than one chunk are split, so no single lmdb value grows past
+``chunk_bytes``. Every batch of writes is one write transaction; a node restarted on the same
+data dir rebuilds its manifest from ``meta`` and reports it when it registers.
+
+NOTE: lmdb environments must not cross a ``fork()``; the node opens this tier in its own process
+after any fork (``StorageNode.__init__``), and nothing forks afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from pathlib import Path
+
+import lmdb
+import msgpack
+
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KeyNotFoundError,
+    KVStoreError,
+    NoSpaceError,
+    TierError,
+)
+from kvstore.node.tiers import TIER_NVME, StoredObject, Tier, verify_checksum
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+#: Map size beyond the capacity. lmdb needs room for its pages, and the master reuses budget
+#: freed for objects this node deletes only at its next heartbeat (forgets ride the reply); the
+#: master bounds that lag to one capacity (``ByteBudget.limbo_bytes``), so the map holds two.
+_OVERHEAD_FRACTION = 1.0
+_OVERHEAD_BYTES = 64 << 20
+_ID = struct.Struct(">Q")
+_CHUNK = struct.Struct(">QI")
+
+
+def _meta_key(offset: int) -> bytes:
+    return _ID.pack(offset)
+
+
+def _chunk_key(offset: int, index: int) -> bytes:
+    return _CHUNK.pack(offset, index)
+
+
+class NvmeTier(Tier):
+    """An lmdb environment holding up to ``capacity`` bytes of objects.
+
+    Args:
+        path: the environment's directory (created if missing).
+        capacity: bytes of objects the master may place here (> 0).
+        segment: the segment name the master knows this tier by.
+        chunk_bytes: the largest single lmdb value; bigger objects are split.
+
+    Raises:
+        InvalidRequestError: a non-positive capacity or chunk size.
+        TierError: the environment cannot be opened (corrupt, unreadable, wrong format).
+    """
+
+    tier = TIER_NVME
+    durable = True
+
+    def __init__(
+        self,
+        path: Path,
+        capacity: int,
+        segment: str = TIER_NVME,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if capacity <= 0:
+            raise InvalidRequestError(f"NVMe tier size must be > 0, got {capacity}")
+        if chunk_bytes <= 0:
+            raise InvalidRequestError(f"chunk size must be > 0, got {chunk_bytes}")
+        self.segment = segment
+        self.capacity = capacity
+        self.chunk_bytes = chunk_bytes
+        self.path = path
+        map_size = int(capacity * (1 + _OVERHEAD_FRACTION)) + _OVERHEAD_BYTES
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.env = lmdb.open(
+                str(path),
+                map_size=map_size,
+                max_dbs=2,
+                subdir=True,
+                readahead=False,
+                max_readers=1024,  # one read transaction per data connection at a time
+            )
+            self._meta = self.env.open_db(b"meta")
+            self._data = self.env.open_db(b"data")
+        except lmdb.Error as exc:
+            raise TierError(f"cannot open the NVMe tier at {path}: {exc}") from None
+        # NOTE: lmdb allows one write transaction at a time; this lock makes writers queue here
+        # instead of inside lmdb (where a second writer in the same thread would deadlock).
+        self._write_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ reads
+    def read(self, offset: int, size: int) -> memoryview:
+        out = bytearray(size)
+        try:
+            with self.env.begin(buffers=True) as txn:
+                raw = txn.get(_meta_key(offset), db=self._meta)
+                if raw is None:
+                    raise KeyNotFoundError(f"no object with id {offset} on the NVMe tier")
+                key, stored_size, _checksum, num_chunks, *_ = msgpack.unpackb(bytes(raw))
+                if stored_size != size:
+                    raise KeyNotFoundError(
+                        f"NVMe object {offset} holds {stored_size} bytes, not {size}"
+                    )
+                pos = 0
+                for i in range(num_chunks):
+                    chunk = txn.get(_chunk_key(offset, i), db=self._data)
+                    if chunk is None:
+                        raise ChecksumMismatchError(f"NVMe object {offset} lost chunk {i}")
+                    out[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
+                if pos != size:
+                    raise ChecksumMismatchError(f"NVMe object {offset} is truncated")
+        except lmdb.Error as exc:
+            raise TierError(f"NVMe read failed: {exc}") from None
+        return memoryview(out)
+
+    def stored(self) -> list[StoredObject]:
+        out: list[StoredObject] = []
+        try:
+            with self.env.begin() as txn:
+                for k, v in txn.cursor(db=self._meta):
+                    try:
+                        key, size, checksum, _n, *rest = msgpack.unpackb(v)
+                        (offset,) = _ID.unpack(k)
+                    except (ValueError, TypeError, struct.error, msgpack.UnpackException):
+                        log.warning("skipping an unreadable NVMe manifest record")
+                        continue
+                    stamp = int(rest[0]) if rest else 0
+                    out.append(StoredObject(offset, bytes(key), int(size), int(checksum), stamp))
+        except lmdb.Error as exc:
+            raise TierError(f"NVMe manifest scan failed: {exc}") from None
+        return out
+
+    # ------------------------------------------------------------------ writes
+    def write(self, items: list[tuple[StoredObject, memoryview]]) -> list[KVStoreError | None]:
+        results: list[KVStoreError | None] = [None] * len(items)
+        good: list[int] = []
+        for i, (obj, data) in enumerate(items):
+            try:
+                if len(data) != obj.size:
+                    raise InvalidRequestError("NVMe writes carry whole objects")
+                verify_checksum(obj, data)
+                good.append(i)
+            except KVStoreError as err:
+                results[i] = err
+        if not good:
+            return results
+        with self._write_lock:
+            try:
+                self._put_many([items[i] for i in good])
+            except lmdb.MapFullError:
+                # Too much for one transaction: store what fits, one object at a time.
+                for i in good:
+                    try:
+                        self._put_many([items[i]])
+                    except lmdb.MapFullError:
+                        results[i] = NoSpaceError("the NVMe tier's lmdb file is full")
+                    except lmdb.Error as exc:
+                        results[i] = TierError(f"NVMe write failed: {exc}")
+            except lmdb.Error as exc:
+                for i in good:
+                    results[i] = TierError(f"NVMe write failed: {exc}")
+        return results
+
+    def _put_many(self, items: list[tuple[StoredObject, memoryview]]) -> None:
+        step = self.chunk_bytes
+        with self.env.begin(write=True) as txn:
+            for obj, data in items:
+                self._delete_in(txn, obj.offset)
+                num_chunks = (len(data) + step - 1) // step
+                for i in range(num_chunks):
+                    txn.put(
+                        _chunk_key(obj.offset, i), data[i * step : (i + 1) * step], db=self._data
+                    )
+                txn.put(
+                    _meta_key(obj.offset),
+                    msgpack.packb([obj.key, obj.size, obj.checksum, num_chunks, obj.stamp]),
+                    db=self._meta,
+                )
+
+    def _delete_in(self, txn: lmdb.Transaction, offset: int) -> bool:
+        raw = txn.get(_meta_key(offset), db=self._meta)
+        if raw is None:
+            return False
+        num_chunks = msgpack.unpackb(raw)[3]
+        for i in range(num_chunks):
+            txn.delete(_chunk_key(offset, i), db=self._data)
+        txn.delete(_meta_key(offset), db=self._meta)
+        return True
+
+    def forget(self, offsets: list[int]) -> None:
+        if not offsets:
+            return
+        with self._write_lock:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for off in offsets:
+                        self._delete_in(txn, off)
+            except lmdb.Error as exc:
+                log.error("NVMe delete of %d object(s) failed: %s", len(offsets), exc)
+
+    def used_bytes(self) -> int:
+        """Bytes of objects stored (the payload, not lmdb's pages)."""
+        return sum(o.size for o in self.stored())
+
+    def close(self) -> None:
+        self.env.close()

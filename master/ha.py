@@ -1,0 +1,379 @@
+"""Highly available masters: leader election, fencing and node membership through etcd.
+
+Every master of a cluster runs :class:`Elector`. It campaigns with a compare-and-swap on the
+leader key, attached to a lease of its own (TTL ``lease_ttl_s``). The winner's **epoch** is the
+key's create revision. The winner publishes its control address in the key's value; standbys
+watch the key and campaign again when it goes (its lease expired, or the leader resigned).
+
+Fencing (:class:`Leadership`, checked before any handler runs):
+
+- a standby answers every verb but ``ping`` with ``NOT_LEADER``;
+- the leader keeps its lease alive explicitly and records, with its own monotonic clock, the
+  latest moment the lease is certainly still valid (the time it *sent* the last successful
+  keep-alive plus the TTL, less a margin). Past that moment it serves nothing: a leader that was
+  paused (SIGSTOP), partitioned or starved cannot tell whether another master took over, so it
+  refuses, and steps down for good once etcd says its lease is gone;
+- a request names the epoch its sender believes in: an older one gets ``STALE_EPOCH`` (the
+  caller re-resolves), a newer one proves that another master won, so this one steps down.
+
+A new leader starts with an empty table and rebuilds it from the manifests the nodes send when
+they register (``recovery.py``); for up to ``recovery_s`` it waits for every node etcd lists as
+alive before it serves puts and reads, so a read does not miss an object only because its node
+has not re-registered yet. The leader also watches node membership: a node whose etcd lease
+expired (crashed, partitioned) is dropped at once, without waiting for heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvstore.master.daemon import Master, install_stop_signals
+from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
+
+from kvstore import protocol
+from kvstore.auth import Token
+from kvstore.config import Address
+from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
+from kvstore.errors import (
+    EtcdUnavailableError,
+    InvalidRequestError,
+    KVStoreError,
+    NotLeaderError,
+    StaleEpochError,
+)
+from kvstore.etcd import EtcdStore, KeyValue
+
+log = logging.getLogger(__name__)
+
+#: Fraction of the TTL the leader trusts its lease for after a keep-alive (clock-rate margin).
+LEASE_SAFETY = 0.8
+#: Verbs a leader serves while it waits for nodes to re-register.
+RECOVERY_VERBS = frozenset({"ping", "register", "heartbeat", "stats"})
+MEMBERSHIP_POLL_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class HAConfig:
+    """How a master takes part in elections. Validated on creation."""
+
+    endpoints: list[Address]
+    prefix: str = DEFAULT_PREFIX
+    lease_ttl_s: int = 2
+    recovery_s: float = 1.5
+    connect_attempts: int = 5
+    advertise_host: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise InvalidRequestError("--etcd needs at least one HOST:PORT")
+        if self.lease_ttl_s < 1:
+            raise InvalidRequestError("--lease-ttl must be at least 1 second")
+        if self.recovery_s < 0 or self.connect_attempts < 1:
+            raise InvalidRequestError("recovery time must be >= 0 and connect attempts >= 1")
+        EtcdLayout(self.prefix)
+
+
+@dataclass(slots=True)
+class Leadership:
+    """The fence: whether this master may serve, checked before every request.
+
+    NOTE: only the master's event loop touches it (checks, elections, keep-alives).
+    """
+
+    service: MasterService
+    clock: Callable[[], float] = time.monotonic
+    epoch: int = 0
+    leading: bool = False
+    deadline: float = 0.0
+    recovering_until: float = 0.0
+    expected_nodes: set[str] | None = None  # live nodes per etcd when elected; None: not read yet
+    lost: asyncio.Event | None = None
+    num_refused: int = 0
+
+    def begin(self, epoch: int, deadline: float, recovery_s: float) -> None:
+        self.service.reset()
+        # Put ids of different terms never collide, even for a caller that ignores epochs.
+        self.service._put_ids = itertools.count((epoch << 32) + 1)
+        self.epoch = epoch
+        self.deadline = deadline
+        self.recovering_until = self.clock() + recovery_s
+        self.expected_nodes = None
+        self.leading = True
+        self.lost = asyncio.Event()
+
+    def step_down(self, why: str) -> None:
+        if self.leading:
+            log.warning("stepping down from epoch %d: %s", self.epoch, why)
+            print(f"kvstore master standby: epoch={self.epoch} reason={why}", flush=True)
+        self.leading = False
+        self.service.reset()
+        if self.lost is not None:
+            self.lost.set()
+
+    def _recovering(self, now: float) -> bool:
+        if not self.recovering_until:
+            return False
+        expected = self.expected_nodes
+        if now >= self.recovering_until or (
+            expected is not None and expected <= self.service.nodes.keys()
+        ):
+            self.recovering_until = 0.0
+            log.info(
+                "epoch %d: serving with %d node(s) and %d object(s) rebuilt from manifests",
+                self.epoch,
+                len(self.service.nodes),
+                len(self.service.objects),
+            )
+            print(
+                f"kvstore master serving: epoch={self.epoch} nodes={len(self.service.nodes)} "
+                f"objects={len(self.service.objects)}",
+                flush=True,
+            )
+            return False
+        return True
+
+    def check(self, request: protocol.Request) -> KVStoreError | None:
+        """None when this master may serve ``request``, else the error to answer with."""
+        if request.verb == "ping":
+            return None
+        err = self._refusal(request)
+        if err is not None:
+            self.num_refused += 1
+        return err
+
+    def _refusal(self, request: protocol.Request) -> KVStoreError | None:
+        if not self.leading:
+            return NotLeaderError("this master is not the leader")
+        now = self.clock()
+        if now >= self.deadline:
+            # We cannot prove our lease is alive: another master may lead by now. Refuse; the
+            # keep-alive loop steps down for good or resumes once etcd answers.
+            return NotLeaderError("the leader's lease could not be renewed in time")
+        caller = request.args.get("epoch")
+        if isinstance(caller, int) and not isinstance(caller, bool):
+            if caller > self.epoch:
+                self.step_down(f"a caller knows a newer epoch {caller}")
+                return NotLeaderError(f"epoch {self.epoch} was superseded by {caller}")
+            if caller < self.epoch:
+                return StaleEpochError(f"epoch {caller} is stale; the leader's is {self.epoch}")
+        if self._recovering(now) and request.verb not in RECOVERY_VERBS:
+            return NotLeaderError("the new leader is rebuilding its table; retry")
+        return None
+
+
+class Elector:
+    """Campaigns for leadership and, while leading, keeps the lease and watches membership.
+
+    Args:
+        store: a connected etcd store.
+        config: election settings.
+        fence: the leadership state the control server checks.
+        control, admin: this master's addresses, published when it leads.
+    """
+
+    def __init__(
+        self, store: EtcdStore, config: HAConfig, fence: Leadership, control: str, admin: str
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.layout = EtcdLayout(config.prefix)
+        self.fence = fence
+        self.record = LeaderRecord.encode(control, admin)
+        self.clock = fence.clock
+
+    async def run(self) -> None:
+        """Campaign until cancelled."""
+        while True:
+            try:
+                await self._campaign_once()
+            except EtcdUnavailableError as err:
+                log.warning("election: %s; retrying", err.message)
+                await asyncio.sleep(0.2)
+
+    async def _campaign_once(self) -> None:
+        t_grant = self.clock()
+        lease = await self.store.grant_lease(self.config.lease_ttl_s)
+        try:
+            won, kv = await self.store.create_if_absent(
+                self.layout.leader_key, self.record, lease.lease_id
+            )
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await self.store.revoke_lease(lease.lease_id)
+            raise
+        if not won:
+            await self.store.revoke_lease(lease.lease_id)
+            await self._wait_for_vacancy(kv)
+            return
+        assert kv is not None, "a key we just created vanished"
+        await self._lead(lease.lease_id, lease.ttl, kv.create_revision, t_grant)
+
+    async def _wait_for_vacancy(self, kv: KeyValue | None) -> None:
+        """Wait (watching the key) until the leader key is gone, or a bounded while."""
+        if kv is None:
+            return
+        if kv.lease == 0:
+            # Not ours: a leader key always carries a lease. Remove that one incarnation.
+            log.warning(
+                "foreign value under %s (no lease): removing it", self.layout.leader_key.decode()
+            )
+            await self.store.delete_if_created_at(self.layout.leader_key, kv.create_revision)
+            return
+        watch = await self.store.watch(self.layout.leader_key, start_revision=kv.mod_revision + 1)
+
+        async def deleted() -> None:
+            async for ev in watch.events():
+                if ev.kind == "delete":
+                    return
+
+        try:
+            await asyncio.wait_for(deleted(), self.config.lease_ttl_s * 2)
+        except TimeoutError:
+            pass  # campaign again: it re-reads the key
+        finally:
+            await watch.cancel()
+
+    async def _lead(self, lease_id: int, ttl: int, epoch: int, t_grant: float) -> None:
+        fence = self.fence
+        fence.begin(epoch, t_grant + ttl * LEASE_SAFETY, self.config.recovery_s)
+        log.info("elected leader with epoch %d (lease TTL %ds)", epoch, ttl)
+        print(f"kvstore master leading: epoch={epoch}", flush=True)
+        assert fence.lost is not None
+        tasks = [
+            asyncio.create_task(self._keep_alive(lease_id, ttl, epoch)),
+            asyncio.create_task(self._watch_members()),
+            asyncio.create_task(self._finish_recovery()),
+        ]
+        try:
+            await fence.lost.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            fence.step_down("leadership ended")
+            await self.store.revoke_lease(lease_id)
+
+    async def _keep_alive(self, lease_id: int, ttl: int, epoch: int) -> None:
+        fence = self.fence
+        interval = max(0.1, ttl / 4)
+        suspended = False
+        while fence.leading:
+            t_send = self.clock()
+            try:
+                remaining = await asyncio.wait_for(self.store.keep_alive(lease_id), interval * 2)
+            except (EtcdUnavailableError, TimeoutError) as exc:
+                if not suspended:
+                    log.warning("lease keep-alive failed (%s)", exc)
+                suspended = True
+                await asyncio.sleep(0.1)
+                continue
+            if remaining <= 0:
+                fence.step_down("the lease expired")
+                return
+            if suspended:
+                # etcd was away: the lease survived, but check the key is still ours.
+                try:
+                    kv = await self.store.get(self.layout.leader_key)
+                except EtcdUnavailableError:
+                    continue
+                if kv is None or kv.create_revision != epoch:
+                    fence.step_down("the leader key changed while etcd was away")
+                    return
+                log.info("etcd is back; the lease held: still leading epoch %d", epoch)
+                suspended = False
+            fence.deadline = max(fence.deadline, t_send + remaining * LEASE_SAFETY)
+            await asyncio.sleep(interval)
+
+    async def _finish_recovery(self) -> None:
+        while self.fence.leading and self.fence._recovering(self.clock()):
+            await asyncio.sleep(0.02)
+
+    async def _watch_members(self) -> None:
+        """Track live nodes in etcd; drop a registered node whose lease is gone."""
+        fence = self.fence
+        svc = fence.service
+        seen: set[str] = set()
+        first = True
+        while fence.leading:
+            try:
+                members = await read_members(self.store, self.layout)
+            except EtcdUnavailableError:
+                await asyncio.sleep(MEMBERSHIP_POLL_S)
+                continue
+            if first:
+                fence.expected_nodes = set(members)
+                first = False
+            seen |= members.keys() & svc.nodes.keys()
+            for node_id in [n for n in svc.nodes if n in seen and n not in members]:
+                log.warning("node %s left etcd membership (lease expired): dropped", node_id)
+                svc._drop_node(node_id)
+                svc.num_dead_nodes += 1
+                seen.discard(node_id)
+            await asyncio.sleep(MEMBERSHIP_POLL_S)
+
+
+async def serve_master_ha(
+    host: str,
+    port: int,
+    admin_port: int,
+    config: MasterConfig,
+    ha: HAConfig,
+    tiers: TierConfig | None = None,
+    *,
+    token: Token | None = None,
+    public_reads: bool = True,
+    ssl_context: ssl.SSLContext | None = None,
+) -> None:
+    """Run one of several masters until SIGINT/SIGTERM: standby until elected.
+
+    Prints ``kvstore master ready: ... role=standby``, then ``kvstore master leading: epoch=N``
+    each time it wins and ``kvstore master standby: ...`` each time it steps down.
+
+    Raises:
+        EtcdUnavailableError: etcd did not answer at start (after bounded retries).
+    """
+    store = await EtcdStore.connect(ha.endpoints, attempts=ha.connect_attempts)
+    master = Master(
+        host,
+        port,
+        admin_port,
+        config,
+        tiers,
+        token=token,
+        public_reads=public_reads,
+        ssl_context=ssl_context,
+    )
+    fence = Leadership(master.service)
+    master.control.fence = fence
+    endpoints = await master.start()
+    advertise = ha.advertise_host or host
+    control = f"{advertise}:{master.control.port}"
+    admin = f"http://{advertise}:{master.admin_port}"
+    elector = Elector(store, ha, fence, control, admin)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    print(
+        f"kvstore master ready: control={endpoints.control} admin={endpoints.admin} "
+        f"role=standby etcd={','.join(str(e) for e in ha.endpoints)}",
+        flush=True,
+    )
+    campaign = asyncio.create_task(elector.run())
+    try:
+        await stop.wait()
+    finally:
+        campaign.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await campaign
+        await master.stop()
+        await store.close()
+        print("kvstore master stopped", flush=True)

@@ -1,0 +1,338 @@
+"""The master's Prometheus metrics, in a registry of its own (several masters fit in one process).
+
+Two kinds of figures:
+
+* recorded as they happen, at the RPC edge (``server.dispatch`` calls :meth:`observe`): requests
+  per verb and error code, latency histograms per verb, lookup hits and misses per tier;
+* read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
+  nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
+  (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist.
+
+Prefix matching: ``kvstore_prefix_match_hit_ratio`` is the master's prefix index's own figure
+(tokens hit / tokens asked, over ``kv_match`` and the admin route's token form), with its counters;
+the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Iterator
+from typing import Any
+
+from kvstore.master.service import MasterService
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvstore import protocol
+from kvstore.errors import ErrorCode
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Latency buckets in seconds: 50 µs .. 10 s (control verbs are sub-millisecond when healthy).
+LATENCY_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+#: Figures other subsystems keep in ``service.stats()``: (metric, kind, help, candidate paths).
+#: The first path present wins; none present reads as zero, so every series exists from the first
+#: scrape. Paths follow the tier/lease/replication work's stats (``eviction``, ``replication``).
+_STATS_FIGURES: tuple[tuple[str, str, str, tuple[tuple[str, ...], ...]], ...] = (
+    ("kvstore_leases_held", "gauge", "Read leases currently held", (("num_leases",),)),
+    ("kvstore_pins_held", "gauge", "Objects pinned now", (("num_pins",), ("num_pinned",))),
+    (
+        "kvstore_replication_backlog",
+        "gauge",
+        "Objects with fewer replicas than wanted",
+        (("replication_backlog",), ("replication", "num_under_replicated")),
+    ),
+    (
+        "kvstore_replication_copies_in_flight",
+        "gauge",
+        "Replica copies (replication, drain) in flight",
+        (("replication", "num_copies_in_flight"),),
+    ),
+    (
+        "kvstore_evictions",
+        "counter",
+        "Replicas deleted from their last tier by background eviction",
+        (("eviction", "num_evictions"),),
+    ),
+    (
+        "kvstore_sync_evictions",
+        "counter",
+        "Replicas deleted to make room for a put",
+        (("eviction", "num_sync_evictions"),),
+    ),
+    (
+        "kvstore_demotions",
+        "counter",
+        "Replicas moved to a lower tier",
+        (("eviction", "num_demotions"),),
+    ),
+    (
+        "kvstore_promotions",
+        "counter",
+        "Replicas moved to a higher tier",
+        (("eviction", "num_promotions"),),
+    ),
+    ("kvstore_held_frees", "gauge", "Freed extents held for leases", (("num_held_frees",),)),
+)
+_TIER_COUNTERS = ("evictions", "demotions", "promotions")
+
+
+def _figure(stats: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> float:
+    for path in paths:
+        value: Any = stats
+        for part in path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
+
+
+class MasterMetrics:
+    """Every metric of one master. Thread-safe (prometheus_client's own locking).
+
+    Args:
+        service: the service whose state is read at scrape time.
+    """
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+        disable_created_metrics()  # no *_created series: noise for every counter
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvstore_requests",
+            "Control-plane requests served, by verb and error code name (OK on success)",
+            ["verb", "code"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "kvstore_request_duration_seconds",
+            "Time to serve a control-plane request, by verb",
+            ["verb"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.lookups = Counter(
+            "kvstore_tier_lookups",
+            "Keys looked up for reading, by tier of the replica served (hit) or tier=none (miss)",
+            ["tier", "result"],
+            registry=self.registry,
+        )
+        self.prefix_queries = Counter(
+            "kvstore_prefix_chain_queried_keys",
+            "Keys asked about in key-chain prefix matches (admin API)",
+            registry=self.registry,
+        )
+        self.prefix_hits = Counter(
+            "kvstore_prefix_chain_matched_keys",
+            "Leading keys found in key-chain prefix matches (admin API)",
+            registry=self.registry,
+        )
+        self.registry.register(_ServiceCollector(service))
+        self._verbs = frozenset(_known_verbs())
+        self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        # Totals the status page samples (cheap to read, no registry walk).
+        self.num_requests = 0
+        self.num_hits = 0
+        self.num_misses = 0
+
+    # ------------------------------------------------------------------ recording
+    def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
+        """Record one served request (called by the RPC edge for every request)."""
+        verb = request.verb if request.verb in self._verbs else "unknown"
+        children = self._children.get((verb, code))
+        if children is None:
+            try:
+                code_name = ErrorCode(code).name
+            except ValueError:
+                code_name = "UNKNOWN"
+            children = (self.requests.labels(verb, code_name), self.latency.labels(verb))
+            self._children[(verb, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
+        self.num_requests += 1
+        if verb == "get_locations" and code == 0 and isinstance(result, list):
+            self._record_lookups(request.args.get("keys"), result)
+
+    def _record_lookups(self, keys: Any, results: list[Any]) -> None:
+        if not isinstance(keys, list) or len(keys) != len(results):
+            return
+        # Count hits per (node, segment) of the first replica, then map each pair to its tier once.
+        places: Tally[tuple[str, str]] = Tally()
+        num_misses = 0
+        objects = self.service.objects
+        for key, r in zip(keys, results, strict=True):
+            obj = None
+            if r[0] == 0:
+                obj = objects.get(key.encode() if isinstance(key, str) else key)
+            if obj is None or not obj.replicas:
+                num_misses += 1
+            else:
+                replica = obj.replicas[0]
+                places[(replica.node_id, replica.segment)] += 1
+        tiers: Tally[str] = Tally()
+        for (node_id, segment), n in places.items():
+            node = self.service.nodes.get(node_id)
+            seg = node.segments.get(segment) if node is not None else None
+            tiers[seg.tier if seg is not None else "unknown"] += n
+        for tier, n in tiers.items():
+            self.lookups.labels(tier, "hit").inc(n)
+            self.num_hits += n
+        if num_misses:
+            self.lookups.labels("none", "miss").inc(num_misses)
+            self.num_misses += num_misses
+
+    def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
+        """Count a key-chain match: ``num_matched`` leading keys of ``num_queried`` were stored."""
+        self.prefix_queries.inc(num_queried)
+        self.prefix_hits.inc(num_matched)
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+def _known_verbs() -> list[str]:
+    from kvstore.master.server import HANDLERS
+
+    return [*HANDLERS, "hello"]
+
+
+class _ServiceCollector(Collector):
+    """Figures read from the service at scrape time.
+
+    NOTE: the service is single-threaded; scrape on the master's event loop, never in a thread.
+    """
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        svc = self.service
+        stats = svc.stats()
+        used = GaugeMetricFamily(
+            "kvstore_tier_used_bytes", "Bytes allocated in each tier", labels=["tier"]
+        )
+        capacity = GaugeMetricFamily(
+            "kvstore_tier_capacity_bytes", "Bytes each tier can hold", labels=["tier"]
+        )
+        objects = GaugeMetricFamily(
+            "kvstore_tier_objects", "Committed replicas held in each tier", labels=["tier"]
+        )
+        by_tier: dict[str, list[int]] = {}
+        for node in list(svc.nodes.values()):
+            for seg in list(node.segments.values()):
+                fig = by_tier.setdefault(seg.tier, [0, 0, 0])
+                fig[0] += seg.allocator.used_bytes
+                fig[1] += seg.allocator.capacity
+        tier_stats = stats.get("tiers") if isinstance(stats.get("tiers"), dict) else {}
+        if all(
+            isinstance(tier_stats.get(t), dict) and "num_replicas" in tier_stats[t] for t in by_tier
+        ):
+            for tier, fig in by_tier.items():  # the service counts them: no walk over objects
+                fig[2] = int(tier_stats[tier]["num_replicas"])
+        else:
+            tier_of = {
+                (n.node_id, s.name): s.tier
+                for n in list(svc.nodes.values())
+                for s in list(n.segments.values())
+            }
+            for obj in list(svc.objects.values()):
+                for r in obj.replicas:
+                    tier = tier_of.get((r.node_id, r.segment))
+                    if tier is not None:
+                        by_tier[tier][2] += 1
+        for tier, (u, c, o) in sorted(by_tier.items()):
+            used.add_metric([tier], u)
+            capacity.add_metric([tier], c)
+            objects.add_metric([tier], o)
+        yield used
+        yield capacity
+        yield objects
+
+        for what in _TIER_COUNTERS:
+            family = CounterMetricFamily(
+                f"kvstore_tier_{what}", f"Objects {what[:-1]}ed, by tier", labels=["tier"]
+            )
+            for tier in sorted(set(by_tier) | set(tier_stats)):
+                fig = tier_stats.get(tier) or {}
+                paths = ((what,), (f"num_{what}",))
+                family.add_metric([tier], _figure(fig, paths))
+            yield family
+
+        yield _gauge("kvstore_nodes_alive", "Registered, live storage nodes", len(svc.nodes))
+        yield _gauge("kvstore_objects", "Committed objects", len(svc.objects))
+        yield _gauge("kvstore_pending_puts", "Puts started and not yet committed", len(svc.pending))
+        yield _gauge(
+            "kvstore_object_bytes", "Bytes of committed objects", stats.get("object_bytes", 0)
+        )
+        if "num_leases" not in stats:
+            # Objects under a read lease (``lease_until`` in the future), where objects carry one.
+            now = svc.clock()
+            stats = {
+                **stats,
+                "num_leases": sum(
+                    1 for o in list(svc.objects.values()) if getattr(o, "lease_until", 0.0) > now
+                ),
+            }
+        for name, kind, doc, paths in _STATS_FIGURES:
+            make = _gauge if kind == "gauge" else _counter
+            yield make(name, doc, _figure(stats, paths))
+        yield _counter(
+            "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
+        )
+        yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
+        prefix = stats.get("prefix") if isinstance(stats.get("prefix"), dict) else {}
+        yield _gauge(
+            "kvstore_prefix_match_hit_ratio",
+            "Prefix index: tokens found / tokens asked, over all matches so far",
+            prefix.get("hit_ratio", 0.0),
+        )
+        yield _counter(
+            "kvstore_prefix_match_queries", "Prefix index matches", prefix.get("num_queries", 0)
+        )
+        yield _counter(
+            "kvstore_prefix_match_query_tokens",
+            "Tokens asked about in prefix matches",
+            prefix.get("num_query_tokens", 0),
+        )
+        yield _counter(
+            "kvstore_prefix_match_hit_tokens",
+            "Tokens found cached in prefix matches",
+            prefix.get("num_hit_tokens", 0),
+        )
+        yield _gauge(
+            "kvstore_prefix_index_blocks", "Blocks in the prefix index", prefix.get("num_blocks", 0)
+        )
+
+
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=float(value or 0))
+
+
+def _counter(name: str, doc: str, value: Any) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=float(value or 0))

@@ -1,0 +1,236 @@
+"""Re-replication after node deaths, and draining a node before it retires.
+
+Both copy objects node to node: the master plans a ``fetch`` task for the destination node,
+carrying a read grant for a surviving replica; the node pulls the bytes from its peer, checks
+the checksum and stores them; the master adds (re-replication) or switches (drain) the replica
+when the node reports success. Everything runs from ``tick`` in the background, a bounded
+number of copies at a time, and reports progress in :meth:`Replicator.stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
+from kvstore.master.tiering import ordered_segments
+
+from kvstore import grants
+from kvstore.errors import InvalidRequestError, KeyNotFoundError
+
+if TYPE_CHECKING:
+    from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment
+
+log = logging.getLogger(__name__)
+
+#: Copies planned per tick (each is one object); bounds the work one tick does.
+MAX_COPIES_PER_TICK = 256
+
+
+class Replicator:
+    def __init__(self, svc: MasterService) -> None:
+        self.svc = svc
+        self.under: set[bytes] = set()  # keys that may have fewer replicas than wanted
+        self.num_copies_done = 0
+        self.num_copies_failed = 0
+        self.num_drained = 0
+        self.num_retired = 0
+        self.retired: dict[str, dict[str, Any]] = {}  # node id -> its final drain status
+
+    # ================================================================ hooks
+    def replica_lost(self, obj: ObjectMeta) -> None:
+        if obj.replicas and len(obj.replicas) < obj.replicas_wanted:
+            self.under.add(obj.key)
+
+    # ================================================================ planning
+    def _target(self, obj: ObjectMeta) -> tuple[Node, Segment] | None:
+        holders = {r.node_id for r in obj.replicas}
+        best: tuple[tuple[int, int], Node, Segment] | None = None
+        for node in self.svc.nodes.values():
+            if node.node_id in holders or node.draining or node.retired:
+                continue
+            for rank, seg in enumerate(ordered_segments(node)):
+                if seg.allocator.largest_free >= seg.allocator.reserved_size(obj.size):
+                    score = (rank, -seg.allocator.free_bytes)
+                    if best is None or score < best[0]:
+                        best = (score, node, seg)
+                    break
+        return None if best is None else (best[1], best[2])
+
+    def _copy(
+        self, obj: ObjectMeta, src: Replica, node: Node, seg: Segment, purpose: str, now: float
+    ) -> None:
+        from kvstore.master.service import Replica
+
+        svc = self.svc
+        offset = seg.allocator.allocate(obj.size)
+        assert offset is not None, "a copy was planned without room"
+        dst = Replica(node.node_id, seg.name, offset, obj.size, stamp=src.stamp, tier=seg.tier)
+        timeout = svc.tiering.config.task_timeout_s
+        expires = svc.wall_ms() + int(timeout * 1000)
+        src_node = svc.nodes[src.node_id]
+        grant = grants.sign(
+            src_node.secret, grants.OP_READ, obj.key, src.segment, src.offset, src.size, expires
+        )
+        task_id = svc.tasks.next_id()
+        wire: dict[str, Any] = {
+            "id": task_id,
+            "kind": "fetch",
+            "key": obj.key,
+            "size": obj.size,
+            "checksum": obj.checksum,
+            "from": [src_node.node_id, src_node.host, src_node.port, grant.to_wire()],
+            "dst": [dst.segment, dst.offset],
+            "stamp": dst.stamp,
+            "deadline_ms": expires,
+        }
+        deadline = now + timeout + TASK_GRACE_S
+        svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
+        obj.busy = task_id
+
+    def tick(self, now: float) -> None:
+        budget = MAX_COPIES_PER_TICK - sum(
+            1
+            for t in self.svc.tasks.by_id.values()
+            if t.purpose in (PURPOSE_REPLICATE, PURPOSE_DRAIN)
+        )
+        for key in list(self.under):
+            if budget <= 0:
+                break
+            obj = self.svc.objects.get(key)
+            if obj is None or not obj.replicas or len(obj.replicas) >= obj.replicas_wanted:
+                self.under.discard(key)
+                continue
+            if obj.busy:
+                continue
+            target = self._target(obj)
+            if target is None:
+                continue
+            self._copy(obj, obj.replicas[0], target[0], target[1], PURPOSE_REPLICATE, now)
+            budget -= 1
+        for node in [n for n in self.svc.nodes.values() if n.draining and not n.retired]:
+            budget = self._drain_step(node, now, budget)
+
+    # ================================================================ drain
+    def drain(self, node_id: str) -> dict[str, Any]:
+        """Start moving a node's objects elsewhere; it retires once it holds nothing.
+
+        Raises:
+            KeyNotFoundError: no such node.
+            InvalidRequestError: it holds objects and no other node can take data.
+        """
+        node = self.svc.nodes.get(node_id)
+        if node is None and node_id in self.retired:
+            return self.retired[node_id]
+        if node is None:
+            raise KeyNotFoundError(f"node {node_id!r} is not registered")
+        if not node.draining:
+            others = [
+                n
+                for n in self.svc.nodes.values()
+                if n.node_id != node_id and not n.draining and not n.retired
+            ]
+            if not others and self._held(node):
+                raise InvalidRequestError(
+                    f"node {node_id!r} holds objects and no other node can take them"
+                )
+            node.draining = True
+            log.info("draining node %s", node_id)
+        return self.drain_status(node_id)
+
+    def _held(self, node: Node) -> int:
+        return sum(len(s.holding) for s in node.segments.values())
+
+    def drain_status(self, node_id: str) -> dict[str, Any]:
+        node = self.svc.nodes.get(node_id)
+        if node is None and node_id in self.retired:
+            return self.retired[node_id]
+        if node is None:
+            raise KeyNotFoundError(f"node {node_id!r} is not registered")
+        return {
+            "node_id": node_id,
+            "state": "retired" if node.retired else "draining" if node.draining else "active",
+            "num_objects_left": self._held(node),
+            "bytes_left": sum(s.allocator.used_bytes for s in node.segments.values()),
+        }
+
+    def _drain_step(self, node: Node, now: float, budget: int) -> int:
+        svc = self.svc
+        for seg in node.segments.values():
+            for off, key in list(seg.holding.items()):
+                if budget <= 0:
+                    return budget
+                obj = svc.objects.get(key)
+                if obj is None or obj.busy:
+                    continue
+                replica = next(
+                    (
+                        r
+                        for r in obj.replicas
+                        if r.node_id == node.node_id and r.segment == seg.name and r.offset == off
+                    ),
+                    None,
+                )
+                if replica is None:
+                    continue
+                target = self._target(obj)
+                if target is None:
+                    if len(obj.replicas) > 1:  # copies live elsewhere already: just drop this one
+                        svc.delete_replica(obj, replica, hold=True)
+                    continue
+                self._copy(obj, replica, target[0], target[1], PURPOSE_DRAIN, now)
+                budget -= 1
+        busy_here = any(
+            t.node_id == node.node_id or t.src.node_id == node.node_id
+            for t in svc.tasks.by_id.values()
+        )
+        writing = any(r.node_id == node.node_id for p in svc.pending.values() for r in p.replicas)
+        if not self._held(node) and not busy_here and not writing:
+            node.retired = True
+            self.num_retired += 1
+            log.info("node %s drained: retiring it", node.node_id)
+        return budget
+
+    # ================================================================ completion
+    def settle(self, task: Task, ok: bool, now: float) -> None:
+        svc = self.svc
+        obj = svc.objects.get(task.key)
+        same = obj is not None and obj.busy == task.task_id  # the version this task copied
+        if same:
+            obj.busy = 0
+        holders = {r.node_id for r in obj.replicas} if obj is not None else set()
+        if ok and same and task.dst.node_id not in holders:
+            if task.purpose == PURPOSE_DRAIN and task.src in obj.replicas:
+                obj.replicas[obj.replicas.index(task.src)] = task.dst
+                svc.attach(obj.key, task.dst)
+                svc.release(task.src, hold_until=svc.hold_until(obj, now))
+                self.num_drained += 1
+            else:
+                obj.replicas.append(task.dst)
+                svc.attach(obj.key, task.dst)
+                if len(obj.replicas) >= obj.replicas_wanted:
+                    self.under.discard(obj.key)
+            self.num_copies_done += 1
+            return
+        if not ok:
+            self.num_copies_failed += 1
+        svc.release(task.dst)
+
+    def stats(self) -> dict[str, Any]:
+        under = 0
+        for key in self.under:
+            obj = self.svc.objects.get(key)
+            if obj is not None and len(obj.replicas) < obj.replicas_wanted:
+                under += 1
+        return {
+            "num_under_replicated": under,
+            "num_copies_in_flight": sum(
+                1
+                for t in self.svc.tasks.by_id.values()
+                if t.purpose in (PURPOSE_REPLICATE, PURPOSE_DRAIN)
+            ),
+            "num_copies_done": self.num_copies_done,
+            "num_copies_failed": self.num_copies_failed,
+            "num_drained": self.num_drained,
+            "num_retired": self.num_retired,
+        }

@@ -1,0 +1,412 @@
+"""The admin API's OpenAPI 3.0 document, served at ``/api/v1/openapi.json``.
+
+Hand-written next to the routes it describes; ``tests/master/test_admin_openapi.py`` checks the
+live API against it with schemathesis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
+from kvstore.master.rest.security import READ_ONLY_POSTS
+from kvstore.master.rest.state import SETTINGS_KEY
+
+from kvstore.config import MAX_KEY_BYTES
+from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    return {
+        str(s): {
+            "description": "an error with our error code",
+            "content": {"application/json": {"schema": _ERROR}},
+        }
+        for s in statuses
+    }
+
+
+def _ok(schema: dict[str, Any], description: str = "ok") -> dict[str, Any]:
+    return {
+        "200": {"description": description, "content": {"application/json": {"schema": schema}}}
+    }
+
+
+def _obj(
+    props: dict[str, Any], required: list[str] | None = None, strict: bool = False
+) -> dict[str, Any]:
+    schema = {"type": "object", "properties": props, "required": required or list(props)}
+    if strict:  # request bodies: the server refuses unknown fields
+        schema["additionalProperties"] = False
+    return schema
+
+
+_INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+_NULLABLE_STR = {"type": "string", "nullable": True}
+#: Keys are 1..511 bytes of UTF-8; JSON Schema counts characters, which equal bytes for ASCII.
+_KEY = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_KEY_BYTES,
+    "description": f"1..{MAX_KEY_BYTES} bytes of UTF-8",
+}
+_KEY_PATH = {"name": "key", "in": "path", "required": True, "schema": _KEY}
+_KEYS_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": _obj(
+                {
+                    "keys": {
+                        "type": "array",
+                        "maxItems": 10000,
+                        "items": _KEY,
+                    }
+                },
+                strict=True,
+            )
+        }
+    },
+}
+_SECURED = [{"bearer": []}]
+_READ_ERRORS = (400, 401)
+
+U32_MAX = (1 << 32) - 1
+_U32 = {"type": "integer", "minimum": 0, "maximum": U32_MAX}
+_POS_U32 = {"type": "integer", "minimum": 1, "maximum": U32_MAX}
+_NS_STR = {"type": "string", "minLength": 1, "maxLength": 1024}
+NAMESPACE = _obj(
+    {
+        "model": _NS_STR,
+        "dtype": {"type": "string", "enum": sorted(DTYPE_BYTES)},
+        "num_layers": _POS_U32,
+        "num_kv_heads": _POS_U32,
+        "head_dim": _POS_U32,
+        "block_size": _POS_U32,
+        "salt": {**_NS_STR, "nullable": True},
+        "tp_rank": {**_U32, "description": "must be < tp_size"},
+        "tp_size": _POS_U32,
+        "hash_algorithm": {"type": "string", "enum": list(HASH_ALGORITHMS)},
+    },
+    ["model", "dtype", "num_layers", "num_kv_heads", "head_dim"],
+    strict=True,
+)
+
+SEGMENT = _obj(
+    {"name": _STR, "tier": _STR, "capacity_bytes": _INT, "used_bytes": _INT},
+)
+NODE = _obj(
+    {
+        "node_id": _STR,
+        "address": _STR,
+        "state": {"type": "string", "enum": ["alive"]},
+        "last_heartbeat_s_ago": {"type": "number", "minimum": 0},
+        "capacity_bytes": _INT,
+        "used_bytes": _INT,
+        "segments": {"type": "array", "items": SEGMENT},
+    }
+)
+OBJECT = _obj(
+    {
+        "key": _STR,
+        "key_hex": _STR,
+        "size": _INT,
+        "checksum": _STR,
+        "replicas": {
+            "type": "array",
+            "items": _obj({"node_id": _STR, "segment": _STR, "tier": _NULLABLE_STR, "state": _STR}),
+        },
+    }
+)
+
+
+def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
+    """The OpenAPI document (a fresh dict each call), for how this master guards itself.
+
+    Args:
+        secured_reads: whether read-only operations need the bearer token.
+        secured_writes: whether mutating operations need it (false only without a token).
+
+    Returns:
+        The document as a JSON-ready dict.
+    """
+    doc = _document()
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if "security" in op:
+                continue  # always open (probes)
+            mutating = method != "get" and path not in READ_ONLY_POSTS
+            if not (secured_writes if mutating else secured_reads):
+                op["security"] = []
+                op["responses"].pop("401", None)
+    return doc
+
+
+def _document() -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "kvstore master admin API",
+            "version": "1",
+            "description": "Errors are JSON bodies {error: {code, name, message}} carrying "
+            "kvstore error codes. Mutating calls need the cluster token as a bearer token "
+            "when one is configured; reads need it unless the master serves public reads.",
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": _obj(
+                    {"error": _obj({"code": {"type": "integer"}, "name": _STR, "message": _STR})}
+                ),
+                "Node": NODE,
+                "Object": OBJECT,
+            },
+        },
+        "security": _SECURED,
+        "paths": {
+            "/health": {
+                "get": {
+                    "summary": "liveness",
+                    "security": [],
+                    "responses": _ok(_obj({"status": _STR})),
+                }
+            },
+            "/ready": {
+                "get": {
+                    "summary": "readiness: at least one storage node is registered",
+                    "security": [],
+                    "responses": {**_ok(_obj({"status": _STR, "num_nodes": _INT})), **_errors(503)},
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics (text format)",
+                    "responses": {
+                        "200": {
+                            "description": "metrics",
+                            "content": {"text/plain": {"schema": _STR}},
+                        },
+                        **_errors(401),
+                    },
+                }
+            },
+            "/api/v1/openapi.json": {
+                "get": {
+                    "summary": "this document",
+                    "responses": {**_ok({"type": "object"}), **_errors(401)},
+                }
+            },
+            "/api/v1/cluster": {
+                "get": {
+                    "summary": "cluster figures",
+                    "responses": {
+                        **_ok(
+                            {
+                                "type": "object",
+                                "required": ["num_nodes", "num_objects", "capacity_bytes"],
+                                "properties": {
+                                    "num_nodes": _INT,
+                                    "num_objects": _INT,
+                                    "capacity_bytes": _INT,
+                                    "used_bytes": _INT,
+                                },
+                            }
+                        ),
+                        **_errors(401),
+                    },
+                }
+            },
+            "/api/v1/history": {
+                "get": {
+                    "summary": "recent samples of the cluster's counters (status page)",
+                    "responses": {
+                        **_ok(
+                            _obj(
+                                {
+                                    "interval_s": {"type": "number"},
+                                    "samples": {"type": "array", "items": {"type": "object"}},
+                                }
+                            )
+                        ),
+                        **_errors(401),
+                    },
+                }
+            },
+            "/api/v1/nodes": {
+                "get": {
+                    "summary": "storage nodes",
+                    "responses": {
+                        **_ok(_obj({"nodes": {"type": "array", "items": NODE}})),
+                        **_errors(401),
+                    },
+                }
+            },
+            "/api/v1/nodes/{node_id}": {
+                "get": {
+                    "summary": "one storage node",
+                    "parameters": [
+                        {
+                            "name": "node_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {**_ok(NODE), **_errors(401, 404)},
+                }
+            },
+            "/api/v1/objects": {
+                "get": {
+                    "summary": "objects, sorted by key, a page at a time",
+                    "parameters": [
+                        {
+                            "name": "prefix",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "maxLength": MAX_KEY_BYTES,
+                                "description": f"at most {MAX_KEY_BYTES} bytes of UTF-8",
+                            },
+                        },
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                        },
+                        {
+                            "name": "cursor",
+                            "in": "query",
+                            "schema": {
+                                "type": "string",
+                                "minLength": 2,
+                                "maxLength": MAX_CURSOR_CHARS,
+                                "pattern": CURSOR_PATTERN,
+                            },
+                        },
+                    ],
+                    "responses": {
+                        **_ok(
+                            _obj(
+                                {
+                                    "objects": {"type": "array", "items": OBJECT},
+                                    "next_cursor": _NULLABLE_STR,
+                                }
+                            )
+                        ),
+                        **_errors(*_READ_ERRORS),
+                    },
+                }
+            },
+            "/api/v1/objects/{key}": {
+                "get": {
+                    "summary": "one object",
+                    "parameters": [_KEY_PATH],
+                    "responses": {**_ok(OBJECT), **_errors(400, 401, 404)},
+                },
+                "delete": {
+                    "summary": "remove one object (needs the token)",
+                    "parameters": [_KEY_PATH],
+                    "responses": {**_ok(_obj({"deleted": _INT})), **_errors(400, 401, 404)},
+                },
+            },
+            "/api/v1/prefix/match": {
+                "post": {
+                    "summary": "what of a prompt is cached: by tokens through the prefix index, "
+                    "or how many leading keys of a chain of object keys are stored",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        _KEYS_BODY["content"]["application/json"]["schema"],
+                                        _obj(
+                                            {
+                                                "namespace": NAMESPACE,
+                                                "tokens": {
+                                                    "type": "array",
+                                                    "maxItems": 1 << 20,
+                                                    "items": {
+                                                        "type": "integer",
+                                                        "minimum": 0,
+                                                        "maximum": U32_MAX,
+                                                    },
+                                                },
+                                            },
+                                            strict=True,
+                                        ),
+                                    ]
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        **_ok(
+                            {
+                                "oneOf": [
+                                    _obj({"num_matched": _INT, "num_queried": _INT}),
+                                    _obj(
+                                        {
+                                            "num_tokens": _INT,
+                                            "num_queried_tokens": _INT,
+                                            "block_size": _INT,
+                                            "blocks": {
+                                                "type": "array",
+                                                "items": _obj(
+                                                    {"key_hex": _STR, "num_tokens": _INT}
+                                                ),
+                                            },
+                                        }
+                                    ),
+                                ]
+                            }
+                        ),
+                        **_errors(400, 401, 413),
+                    },
+                }
+            },
+            "/api/v1/evict": {
+                "post": {
+                    "summary": "remove objects by key list or by prefix (needs the token)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "oneOf": [
+                                        _KEYS_BODY["content"]["application/json"]["schema"],
+                                        _obj(
+                                            {
+                                                "prefix": {"type": "string", "minLength": 1},
+                                                "limit": {
+                                                    "type": "integer",
+                                                    "minimum": 1,
+                                                    "maximum": 10000,
+                                                },
+                                            },
+                                            ["prefix"],
+                                            strict=True,
+                                        ),
+                                    ]
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        **_ok(_obj({"num_evicted": _INT, "num_missing": _INT})),
+                        **_errors(400, 401, 413),
+                    },
+                }
+            },
+        },
+    }
+
+
+async def openapi(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS_KEY]
+    secured = settings.token is not None
+    return web.json_response(document(secured and not settings.public_reads, secured))

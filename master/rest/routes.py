@@ -1,0 +1,331 @@
+"""The admin API's routes: readiness, metrics, nodes, objects, prefix match, evict, history.
+
+Handlers read the service on the event loop (it is single-threaded) and push anything that
+grows with the number of objects (sorting, filtering) to a thread with ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import re
+from typing import Any
+
+from aiohttp import web
+from kvstore.master.metrics import CONTENT_TYPE
+from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
+from kvstore.master.service import MasterService, ObjectMeta
+
+from kvstore.config import MAX_KEY_BYTES, encode_key
+from kvstore.errors import (
+    ErrorCode,
+    InvalidRequestError,
+    KeyNotFoundError,
+    KVStoreError,
+    NodeUnavailableError,
+)
+from kvstore.keys import Namespace, as_token_array
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+MAX_JSON_KEYS = 10000
+
+
+# ------------------------------------------------------------------ helpers
+def key_text(key: bytes) -> str:
+    """A key for JSON: its UTF-8 text (undecodable bytes as ``\\xNN``)."""
+    return key.decode("utf-8", "backslashreplace")
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequestError(f"{name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be in {lo}..{hi}")
+    return value
+
+
+async def json_body(request: web.Request, allowed: frozenset[str]) -> dict[str, Any]:
+    """The request's JSON object body.
+
+    Args:
+        request: the request.
+        allowed: the fields the route knows; any other is refused.
+
+    Raises:
+        InvalidRequestError: not JSON, not an object, or an unknown field.
+    """
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequestError("the body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown field(s): {', '.join(repr(u[:64]) for u in unknown[:5])}"
+        )
+    return body
+
+
+def _key_list(body: dict[str, Any], name: str = "keys") -> list[bytes]:
+    keys = body.get(name)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise InvalidRequestError(f"{name!r} must be a list of strings")
+    if len(keys) > MAX_JSON_KEYS:
+        raise InvalidRequestError(f"at most {MAX_JSON_KEYS} keys per call")
+    return [encode_key(k) for k in keys]
+
+
+def encode_cursor(key: bytes) -> str:
+    return base64.urlsafe_b64encode(key).decode().rstrip("=")
+
+
+CURSOR_PATTERN = r"^(?:[A-Za-z0-9_-]{4})*(?:[A-Za-z0-9_-]{2,3})?$"
+_CURSOR_RE = re.compile(CURSOR_PATTERN)
+MAX_CURSOR_CHARS = 4 * ((MAX_KEY_BYTES + 2) // 3)
+
+
+def decode_cursor(text: str) -> bytes:
+    """The key a cursor points after (unpadded base64url of it).
+
+    Raises:
+        InvalidRequestError: not unpadded base64url of 1..511 bytes.
+    """
+    if not text or len(text) > MAX_CURSOR_CHARS or not _CURSOR_RE.match(text):
+        raise InvalidRequestError("bad cursor")
+    try:
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("bad cursor") from None
+    if not raw or len(raw) > MAX_KEY_BYTES:
+        raise InvalidRequestError("bad cursor")
+    return raw
+
+
+def _node_json(svc: MasterService, node_id: str) -> dict[str, Any]:
+    node = svc.nodes[node_id]
+    segments = [
+        {
+            "name": s.name,
+            "tier": s.tier,
+            "capacity_bytes": s.allocator.capacity,
+            "used_bytes": s.allocator.used_bytes,
+        }
+        for s in node.segments.values()
+    ]
+    return {
+        "node_id": node.node_id,
+        "address": f"{node.host}:{node.port}",
+        "state": "alive",
+        "last_heartbeat_s_ago": round(max(0.0, svc.clock() - node.last_seen), 3),
+        "capacity_bytes": sum(s["capacity_bytes"] for s in segments),
+        "used_bytes": sum(s["used_bytes"] for s in segments),
+        "segments": segments,
+    }
+
+
+def _object_json(svc: MasterService, obj: ObjectMeta) -> dict[str, Any]:
+    replicas = []
+    for r in obj.replicas:
+        node = svc.nodes.get(r.node_id)
+        seg = node.segments.get(r.segment) if node is not None else None
+        replicas.append(
+            {
+                "node_id": r.node_id,
+                "segment": r.segment,
+                "tier": seg.tier if seg is not None else None,
+                "state": "complete",
+            }
+        )
+    return {
+        "key": key_text(obj.key),
+        "key_hex": obj.key.hex(),
+        "size": obj.size,
+        "checksum": f"{obj.checksum:016x}",
+        "replicas": replicas,
+    }
+
+
+# ------------------------------------------------------------------ probes and metrics
+async def ready(request: web.Request) -> web.Response:
+    """200 once a storage node is registered, else 503 (NODE_UNAVAILABLE)."""
+    svc = request.app[SERVICE_KEY]
+    if not svc.nodes:
+        raise NodeUnavailableError("no storage node is registered yet")
+    return web.json_response({"status": "ready", "num_nodes": len(svc.nodes)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format."""
+    # Collected on the loop: the collector reads the single-threaded service.
+    body = request.app[METRICS_KEY].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def history(request: web.Request) -> web.Response:
+    """Recent samples behind the status page."""
+    return web.json_response(request.app[HISTORY_KEY].to_json())
+
+
+# ------------------------------------------------------------------ nodes
+async def nodes(request: web.Request) -> web.Response:
+    """Every registered storage node, sorted by id."""
+    svc = request.app[SERVICE_KEY]
+    return web.json_response({"nodes": [_node_json(svc, n) for n in sorted(svc.nodes)]})
+
+
+async def node(request: web.Request) -> web.Response:
+    """One node; 404 (NODE_NOT_FOUND) for an unknown id."""
+    svc = request.app[SERVICE_KEY]
+    node_id = request.match_info["node_id"]
+    if node_id not in svc.nodes:
+        raise KVStoreError(f"no node {node_id[:128]!r}", code=ErrorCode.NODE_NOT_FOUND)
+    return web.json_response(_node_json(svc, node_id))
+
+
+# ------------------------------------------------------------------ objects
+def _page(keys: list[bytes], prefix: bytes, after: bytes | None, limit: int) -> list[bytes]:
+    """Sorted keys with ``prefix`` strictly after ``after``; at most ``limit + 1`` (a thread)."""
+    chosen = sorted(k for k in keys if k.startswith(prefix) and (after is None or k > after))
+    return chosen[: limit + 1]
+
+
+async def list_objects(request: web.Request) -> web.Response:
+    """Objects sorted by key, ``limit`` at a time; ``next_cursor`` continues after the page."""
+    svc = request.app[SERVICE_KEY]
+    limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
+    prefix_text = request.query.get("prefix", "")
+    prefix = prefix_text.encode("utf-8", "surrogatepass")
+    if len(prefix) > MAX_KEY_BYTES:
+        raise InvalidRequestError(f"prefix is longer than {MAX_KEY_BYTES} bytes")
+    cursor = request.query.get("cursor")
+    after = decode_cursor(cursor) if cursor is not None else None
+    snapshot = list(svc.objects)  # C-speed copy on the loop; the sort runs in a thread
+    page = await asyncio.to_thread(_page, snapshot, prefix, after, limit)
+    more = len(page) > limit
+    page = page[:limit]
+    items = [_object_json(svc, svc.objects[k]) for k in page if k in svc.objects]
+    return web.json_response(
+        {"objects": items, "next_cursor": encode_cursor(page[-1]) if more and page else None}
+    )
+
+
+def _path_key(request: web.Request) -> bytes:
+    return encode_key(request.match_info["key"])
+
+
+async def get_object(request: web.Request) -> web.Response:
+    """One object's size, checksum and replicas."""
+    svc = request.app[SERVICE_KEY]
+    key = _path_key(request)
+    obj = svc.objects.get(key)
+    if obj is None:
+        raise KeyNotFoundError(f"key {key_text(key[:64])!r} not found")
+    return web.json_response(_object_json(svc, obj))
+
+
+async def delete_object(request: web.Request) -> web.Response:
+    """Remove one object (the token is checked by the middleware)."""
+    svc = request.app[SERVICE_KEY]
+    err = svc.remove([_path_key(request)])[0]
+    if err is not None:
+        raise err
+    return web.json_response({"deleted": 1})
+
+
+# ------------------------------------------------------------------ prefix match, evict
+MAX_JSON_TOKENS = 1 << 20
+
+
+async def prefix_match(request: web.Request) -> web.Response:
+    """What of a prompt is cached.
+
+    Two forms: ``{"namespace": {...}, "tokens": [ids]}`` asks the master's prefix index (block
+    keys computed by the master; answers token-granular and feeds the hit ratio), and
+    ``{"keys": [...]}`` counts how many leading keys of a chain of object keys are stored.
+    """
+    svc = request.app[SERVICE_KEY]
+    body = await json_body(request, frozenset({"keys", "namespace", "tokens"}))
+    if "keys" in body:
+        if "namespace" in body or "tokens" in body:
+            raise InvalidRequestError("give 'keys', or 'namespace' and 'tokens'")
+        keys = _key_list(body)
+        num_matched = 0
+        for k in keys:
+            if k not in svc.objects:
+                break
+            num_matched += 1
+        request.app[METRICS_KEY].record_prefix_match(num_matched, len(keys))
+        return web.json_response({"num_matched": num_matched, "num_queried": len(keys)})
+    if "namespace" not in body or "tokens" not in body:
+        raise InvalidRequestError("give 'keys', or 'namespace' and 'tokens'")
+    raw_ns = body["namespace"]
+    if isinstance(raw_ns, dict):
+        for value in raw_ns.values():
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise InvalidRequestError("namespace strings must be valid UTF-8") from None
+    namespace = Namespace.from_dict(raw_ns)
+    raw_tokens = body["tokens"]
+    if not isinstance(raw_tokens, list) or len(raw_tokens) > MAX_JSON_TOKENS:
+        raise InvalidRequestError(f"'tokens' must be a list of at most {MAX_JSON_TOKENS} ids")
+    tokens = as_token_array(raw_tokens)
+    match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
+    return web.json_response(
+        {
+            "num_tokens": match.num_tokens,
+            "num_queried_tokens": len(tokens),
+            "block_size": match.block_size,
+            "blocks": [{"key_hex": k.hex(), "num_tokens": n} for k, n in match.blocks],
+        }
+    )
+
+
+async def evict(request: web.Request) -> web.Response:
+    """Remove objects by key list or by prefix (``limit`` caps a prefix eviction)."""
+    svc = request.app[SERVICE_KEY]
+    body = await json_body(request, frozenset({"keys", "prefix", "limit"}))
+    if "limit" in body and "prefix" not in body:
+        raise InvalidRequestError("'limit' goes with 'prefix'")
+    if ("keys" in body) == ("prefix" in body):
+        raise InvalidRequestError("give exactly one of 'keys' or 'prefix'")
+    if "keys" in body:
+        keys = _key_list(body)
+    else:
+        prefix = body["prefix"]
+        if not isinstance(prefix, str) or not prefix:
+            raise InvalidRequestError("'prefix' must be a non-empty string")
+        limit = body.get("limit", MAX_JSON_KEYS)
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_JSON_KEYS:
+            raise InvalidRequestError(f"'limit' must be an integer in 1..{MAX_JSON_KEYS}")
+        raw = prefix.encode("utf-8", "surrogatepass")
+        snapshot = list(svc.objects)
+        keys = await asyncio.to_thread(_page, snapshot, raw, None, limit - 1)
+    results = svc.remove([k for k in keys if k in svc.objects])
+    num_evicted = sum(r is None for r in results)
+    return web.json_response({"num_evicted": num_evicted, "num_missing": len(keys) - num_evicted})
+
+
+def add_routes(app: web.Application) -> None:
+    """Register every route of this module on ``app``."""
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/api/v1/history", history)
+    app.router.add_get("/api/v1/nodes", nodes)
+    app.router.add_get("/api/v1/nodes/{node_id}", node)
+    app.router.add_get("/api/v1/objects", list_objects)
+    app.router.add_get("/api/v1/objects/{key:.+}", get_object)
+    app.router.add_delete("/api/v1/objects/{key:.+}", delete_object)
+    app.router.add_post("/api/v1/prefix/match", prefix_match)
+    app.router.add_post("/api/v1/evict", evict)

@@ -1,0 +1,37 @@
+"""Typed application state shared by the admin routes (``web.AppKey``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+from kvstore.master.metrics import MasterMetrics
+from kvstore.master.rest.history import History
+from kvstore.master.service import MasterService
+
+from kvstore.auth import Token
+
+
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """How the admin API guards itself.
+
+    Attributes:
+        token: the cluster token; None serves everyone (no authentication configured).
+        public_reads: whether read-only endpoints are open without the token. Mutating calls
+            always need it (when a token is configured); ``/health``, ``/ready`` and the status
+            page's HTML are always open.
+        history_interval_s: seconds between samples of the status page's history.
+        history_window_s: how far back the history reaches.
+    """
+
+    token: Token | None = None
+    public_reads: bool = True
+    history_interval_s: float = 2.0
+    history_window_s: float = 600.0
+
+
+SERVICE_KEY = web.AppKey("service", MasterService)
+METRICS_KEY = web.AppKey("metrics", MasterMetrics)
+SETTINGS_KEY = web.AppKey("settings", AdminSettings)
+HISTORY_KEY = web.AppKey("history", History)

@@ -1,0 +1,401 @@
+"""The tier manager: placement across tiers, watermark eviction, demotion and promotion.
+
+Mechanism here, policy in ``eviction.py`` (which only ranks candidates).
+
+- **Placement**: a put goes to the fastest tier with room (HBM, then DRAM, then NVMe), on k
+  distinct nodes. When no node has room, the put evicts synchronously: on a node, from its last
+  tier first (delete victims ranked by the policy, unpinned before soft-pinned) until the object
+  fits, and lands there. ``NoSpaceError`` only when what is left is leased, hard-pinned, moving
+  or being written, and the message says which.
+- **Background eviction** (``tick``): a segment above its high watermark is brought down to its
+  low watermark. Victims are demoted one tier down on the same node (a ``move`` task: the node
+  copies, the master switches the replica when the node reports success, and frees the old space
+  only once no lease covers it); from the last tier they are deleted.
+- **Promotion**: an object read ``promote_after_hits`` times while it lives only below DRAM is
+  moved up one tier when that tier has room under its high watermark.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore.master.eviction import make_policy
+from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task
+
+from kvstore.errors import InvalidRequestError, NoSpaceError
+
+if TYPE_CHECKING:
+    from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment
+
+log = logging.getLogger(__name__)
+
+TIER_HBM = "hbm"
+TIER_DRAM = "dram"
+TIER_NVME = "nvme"
+TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
+TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+#: Most victims one segment considers per tick.
+MAX_VICTIMS_PER_TICK = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """Tier policy settings. Validated on creation.
+
+    Attributes:
+        high_watermark, low_watermark: fractions of a segment's capacity; crossing the high one
+            starts eviction down to the low one. ``0 < low < high <= 1``.
+        tier_watermarks: per-tier overrides, ``((tier, high, low), ...)``.
+        eviction_policy: a name in ``EVICTION_POLICIES``.
+        lease_s: how long a read lease (and its read grant) lasts.
+        lease_grace_s: extra hold on freed space past a lease, for clock skew.
+        promote_after_hits: reads of an NVMe-only object before it moves up (0: never).
+        task_timeout_s: a node task not reported done by then is abandoned.
+        max_tasks_per_heartbeat: tasks handed to a node per heartbeat reply.
+        max_task_bytes_per_heartbeat: bytes those tasks may move (past the first task).
+        max_pin_ttl_s: the longest pin.
+    """
+
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    tier_watermarks: tuple[tuple[str, float, float], ...] = ()
+    eviction_policy: str = "lru"
+    lease_s: float = 5.0
+    lease_grace_s: float = 0.25
+    promote_after_hits: int = 3
+    task_timeout_s: float = 30.0
+    max_tasks_per_heartbeat: int = 256
+    max_task_bytes_per_heartbeat: int = 64 << 20
+    max_pin_ttl_s: float = 86400.0
+
+    def __post_init__(self) -> None:
+        _check_marks("default", self.high_watermark, self.low_watermark)
+        for entry in self.tier_watermarks:
+            if not isinstance(entry, tuple | list) or len(entry) != 3:
+                raise InvalidRequestError("tier_watermarks entries must be (tier, high, low)")
+            tier, high, low = entry
+            if tier not in TIER_RANK:
+                raise InvalidRequestError(f"unknown tier {tier!r} in tier_watermarks")
+            _check_marks(tier, high, low)
+        make_policy(self.eviction_policy)
+        for name in ("lease_s", "task_timeout_s", "max_pin_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidRequestError(f"{name} must be > 0")
+        if self.lease_grace_s < 0:
+            raise InvalidRequestError("lease_grace_s must be >= 0")
+        if not isinstance(self.promote_after_hits, int) or self.promote_after_hits < 0:
+            raise InvalidRequestError("promote_after_hits must be an integer >= 0")
+        if self.max_tasks_per_heartbeat <= 0 or self.max_task_bytes_per_heartbeat <= 0:
+            raise InvalidRequestError("per-heartbeat task limits must be > 0")
+
+    def marks(self, tier: str) -> tuple[float, float]:
+        """``(high, low)`` for a tier."""
+        for t, high, low in self.tier_watermarks:
+            if t == tier:
+                return high, low
+        return self.high_watermark, self.low_watermark
+
+
+def _check_marks(tier: str, high: object, low: object) -> None:
+    ok = (
+        isinstance(high, int | float)
+        and isinstance(low, int | float)
+        and not isinstance(high, bool)
+        and not isinstance(low, bool)
+        and 0 < low < high <= 1
+    )
+    if not ok:
+        raise InvalidRequestError(
+            f"watermarks of {tier} must satisfy 0 < low < high <= 1, got high={high!r} low={low!r}"
+        )
+
+
+def ordered_segments(node: Node) -> list[Segment]:
+    """A node's segments, fastest tier first."""
+    return sorted(node.segments.values(), key=lambda s: TIER_RANK.get(s.tier, len(TIER_ORDER)))
+
+
+class TierManager:
+    """Acts on the service's tables; the service calls it from its single thread."""
+
+    def __init__(self, svc: MasterService, config: TierConfig) -> None:
+        self.svc = svc
+        self.config = config
+        self.policy = make_policy(config.eviction_policy)
+        self.num_demotions = 0
+        self.num_promotions = 0
+        self.num_evictions = 0  # replicas deleted from their last tier (background)
+        self.num_sync_evictions = 0  # replicas deleted to make room for a put
+        self.num_moves_failed = 0
+
+    # ================================================================ candidates
+    def pin_of(self, obj: ObjectMeta, now: float) -> int:
+        return obj.pin if obj.pin != PIN_NONE and obj.pin_until > now else PIN_NONE
+
+    def victims(
+        self, node: Node, seg: Segment, now: float, limit: int = MAX_VICTIMS_PER_TICK
+    ) -> list[tuple[ObjectMeta, Replica]]:
+        """Evictable replicas in ``seg``, best victim first: unpinned, then soft-pinned."""
+        plain: list[ObjectMeta] = []
+        soft: list[ObjectMeta] = []
+        offset_of: dict[int, int] = {}
+        for off, key in seg.holding.items():
+            obj = self.svc.objects.get(key)
+            if obj is None or obj.busy or obj.lease_until > now:
+                continue
+            pin = self.pin_of(obj, now)
+            if pin == PIN_HARD:
+                continue
+            (soft if pin == PIN_SOFT else plain).append(obj)
+            offset_of[id(obj)] = off
+        ranked = self.policy.rank(plain, limit)
+        if len(ranked) < limit:
+            ranked += self.policy.rank(soft, limit - len(ranked))
+        out: list[tuple[ObjectMeta, Replica]] = []
+        for obj in ranked:
+            off = offset_of[id(obj)]
+            for r in obj.replicas:
+                if r.node_id == node.node_id and r.segment == seg.name and r.offset == off:
+                    out.append((obj, r))
+                    break
+        return out
+
+    # ================================================================ placement
+    def place(self, size: int, excluded: set[str], num_replicas: int) -> list[tuple[Segment, Node]]:
+        """Choose ``num_replicas`` segments on distinct nodes for a new object, evicting if needed.
+
+        Raises:
+            NoSpaceError: too few nodes, an object larger than any segment, or no room left that
+                eviction could make (the message says what holds the space).
+        """
+        svc = self.svc
+        nodes = [
+            n
+            for n in svc.nodes.values()
+            if n.node_id not in excluded and not n.draining and not n.retired
+        ]
+        if not svc.nodes:
+            raise NoSpaceError("no storage node is registered")
+        if len(nodes) < num_replicas:
+            raise NoSpaceError(
+                f"{num_replicas} replica(s) need as many nodes; {len(nodes)} can take data"
+            )
+        largest = max((s.allocator.capacity for n in nodes for s in n.segments.values()), default=0)
+        if nodes and self._reserved(nodes[0], size) > largest:
+            raise NoSpaceError(
+                f"an object of {size} bytes is larger than any tier segment ({largest} bytes)"
+            )
+        options: list[tuple[int, int, int, Segment, Node]] = []
+        for i, n in enumerate(nodes):
+            for seg in ordered_segments(n):
+                if seg.allocator.largest_free >= seg.allocator.reserved_size(size):
+                    rank = TIER_RANK.get(seg.tier, len(TIER_ORDER))
+                    options.append((rank, -seg.allocator.free_bytes, i, seg, n))
+                    break
+        options.sort(key=lambda o: o[:3])
+        picks = [(seg, n) for _, _, _, seg, n in options[:num_replicas]]
+        if len(picks) < num_replicas:
+            chosen = {n.node_id for _, n in picks}
+            for n in nodes:
+                if n.node_id in chosen:
+                    continue
+                seg = self.make_room(n, size)
+                if seg is not None:
+                    picks.append((seg, n))
+                    if len(picks) == num_replicas:
+                        break
+        if len(picks) < num_replicas:
+            raise NoSpaceError(self._blocked_reason(size, nodes))
+        return picks
+
+    def _reserved(self, node: Node, size: int) -> int:
+        seg = next(iter(node.segments.values()))
+        return seg.allocator.reserved_size(size)
+
+    def make_room(self, node: Node, size: int) -> Segment | None:
+        """Delete victims on ``node`` until one segment fits ``size`` (last tier first)."""
+        now = self.svc.clock()
+        for seg in reversed(ordered_segments(node)):
+            if self.make_room_in(node, seg, size, now):
+                return seg
+        return None
+
+    def make_room_in(self, node: Node, seg: Segment, size: int, now: float) -> bool:
+        need = seg.allocator.reserved_size(size)
+        if need > seg.allocator.capacity:
+            return False
+        if seg.allocator.largest_free >= need:
+            return True
+        for obj, replica in self.victims(node, seg, now):
+            self.svc.delete_replica(obj, replica)
+            self.num_sync_evictions += 1
+            if seg.allocator.largest_free >= need:
+                return True
+        return False
+
+    def _blocked_reason(self, size: int, nodes: list[Node]) -> str:
+        now = self.svc.clock()
+        leased = pinned = moving = 0
+        leased_b = pinned_b = 0
+        for n in nodes:
+            for seg in n.segments.values():
+                for key in seg.holding.values():
+                    obj = self.svc.objects.get(key)
+                    if obj is None:
+                        continue
+                    if obj.busy:
+                        moving += 1
+                    elif obj.lease_until > now:
+                        leased += 1
+                        leased_b += obj.size
+                    elif self.pin_of(obj, now) == PIN_HARD:
+                        pinned += 1
+                        pinned_b += obj.size
+        writing = sum(
+            1
+            for p in self.svc.pending.values()
+            if any(r.node_id in {n.node_id for n in nodes} for r in p.replicas)
+        )
+        return (
+            f"no room for {size} bytes: what is left is leased ({leased} objects, {leased_b} bytes), "
+            f"hard-pinned ({pinned} objects, {pinned_b} bytes), moving between tiers ({moving}) "
+            f"or being written ({writing} puts)"
+        )
+
+    # ================================================================ background
+    def tick(self, now: float) -> None:
+        """Bring every segment above its high watermark down towards its low watermark."""
+        outgoing: dict[tuple[str, str], int] = {}
+        for t in self.svc.tasks.by_id.values():
+            if t.purpose == PURPOSE_DEMOTE:
+                k = (t.src.node_id, t.src.segment)
+                outgoing[k] = outgoing.get(k, 0) + t.src.size
+        for node in list(self.svc.nodes.values()):
+            if node.retired:
+                continue
+            segs = ordered_segments(node)
+            for i, seg in enumerate(segs):
+                cap = seg.allocator.capacity
+                if cap == 0:
+                    continue
+                high, low = self.config.marks(seg.tier)
+                used = seg.allocator.used_bytes - outgoing.get((node.node_id, seg.name), 0)
+                if used <= high * cap:
+                    continue
+                to_free = used - low * cap
+                lower = segs[i + 1] if i + 1 < len(segs) else None
+                for obj, replica in self.victims(node, seg, now):
+                    if to_free <= 0:
+                        break
+                    if lower is None:
+                        self.svc.delete_replica(obj, replica)
+                        self.num_evictions += 1
+                    elif not self._demote(obj, replica, node, lower, now):
+                        break  # the lower tier is full of what it may not evict
+                    to_free -= seg.allocator.reserved_size(obj.size)
+
+    def _demote(
+        self, obj: ObjectMeta, replica: Replica, node: Node, lower: Segment, now: float
+    ) -> bool:
+        short = lower.allocator.largest_free < lower.allocator.reserved_size(obj.size)
+        if short and not self.make_room_in(node, lower, obj.size, now):
+            return False
+        self._move(obj, replica, node, lower, PURPOSE_DEMOTE, now)
+        return True
+
+    def _move(
+        self, obj: ObjectMeta, src: Replica, node: Node, dst_seg: Segment, purpose: str, now: float
+    ) -> None:
+        from kvstore.master.service import Replica
+
+        offset = dst_seg.allocator.allocate(obj.size)
+        assert offset is not None, "a move was planned without room"
+        dst = Replica(
+            node.node_id, dst_seg.name, offset, obj.size, stamp=src.stamp, tier=dst_seg.tier
+        )
+        tasks = self.svc.tasks
+        task_id = tasks.next_id()
+        deadline = now + self.config.task_timeout_s + TASK_GRACE_S
+        wire: dict[str, Any] = {
+            "id": task_id,
+            "kind": "move",
+            "key": obj.key,
+            "size": obj.size,
+            "checksum": obj.checksum,
+            "src": [src.segment, src.offset],
+            "dst": [dst.segment, dst.offset],
+            "stamp": dst.stamp,
+            "deadline_ms": self.svc.wall_ms() + int(self.config.task_timeout_s * 1000),
+        }
+        tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
+        obj.busy = task_id
+
+    # ================================================================ promotion
+    def on_read(self, obj: ObjectMeta, now: float) -> None:
+        """Count a read; move an object that lives only below DRAM up after enough reads."""
+        obj.hits += 1
+        obj.hits_since_move += 1
+        obj.last_access = now
+        n = self.config.promote_after_hits
+        if not n or obj.busy or obj.hits_since_move < n:
+            return
+        if any(TIER_RANK.get(r.tier, 9) <= TIER_RANK[TIER_DRAM] for r in obj.replicas):
+            return
+        for r in obj.replicas:
+            node = self.svc.nodes.get(r.node_id)
+            if node is None or node.draining or node.retired:
+                continue
+            segs = ordered_segments(node)
+            upper = [s for s in segs if TIER_RANK.get(s.tier, 9) < TIER_RANK.get(r.tier, 9)]
+            if not upper:
+                continue
+            target = upper[-1]  # one step up
+            high, _ = self.config.marks(target.tier)
+            need = target.allocator.reserved_size(obj.size)
+            if (
+                target.allocator.largest_free >= need
+                and target.allocator.used_bytes + need <= high * target.allocator.capacity
+            ):
+                self._move(obj, r, node, target, PURPOSE_PROMOTE, now)
+                return
+
+    # ================================================================ completion
+    def settle(self, task: Task, ok: bool, now: float) -> None:
+        """A demotion or promotion finished (``ok``) or failed: switch the replica or undo."""
+        obj = self.svc.objects.get(task.key)
+        # NOTE: ``busy`` names the task, so a removed-and-rewritten key (a new ObjectMeta) never
+        # takes the bytes of the version this task copied.
+        same = obj is not None and obj.busy == task.task_id
+        if same:
+            obj.busy = 0
+        if ok and same and task.src in obj.replicas:
+            obj.replicas[obj.replicas.index(task.src)] = task.dst
+            self.svc.attach(obj.key, task.dst)
+            self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now))
+            obj.hits_since_move = 0
+            if task.purpose == PURPOSE_DEMOTE:
+                self.num_demotions += 1
+            else:
+                self.num_promotions += 1
+            return
+        if not ok:
+            self.num_moves_failed += 1
+        self.svc.release(task.dst)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy.name,
+            "num_demotions": self.num_demotions,
+            "num_promotions": self.num_promotions,
+            "num_evictions": self.num_evictions,
+            "num_sync_evictions": self.num_sync_evictions,
+            "num_moves_failed": self.num_moves_failed,
+            "num_moves_in_flight": sum(
+                1
+                for t in self.svc.tasks.by_id.values()
+                if t.purpose in (PURPOSE_DEMOTE, PURPOSE_PROMOTE)
+            ),
+        }
