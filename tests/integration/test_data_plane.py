@@ -15,7 +15,12 @@ from kvstore.client import Client
 from kvstore.client.transport import ReadItem, TcpTransport
 
 from kvstore import grants, protocol
-from kvstore.errors import KeyNotFoundError, KVTimeoutError, NodeUnavailableError
+from kvstore.errors import (
+    KeyNotFoundError,
+    KVTimeoutError,
+    NodeUnavailableError,
+    UnauthenticatedError,
+)
 from kvstore.types import Location
 from tests.support import wait_until
 
@@ -206,3 +211,28 @@ def test_reset_mid_batch_leaves_stored_objects_intact(cluster_factory) -> None:
             if not isinstance(g, bytes)
         )
         assert [c.get(keys[i]) for i in survivors] == [values[i] for i in survivors]
+
+
+def test_shm_with_a_cluster_token(cluster_factory, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("data-plane-secret-0123456789\n")
+    flags = ("--token-file", str(token_file))
+    cluster = cluster_factory(master_args=flags, node_args=(*flags, "--shm"))
+    with Client.connect(cluster.address, token="data-plane-secret-0123456789") as c:
+        c.put("k", b"guarded" * 100)
+        assert c.get("k") == b"guarded" * 100
+    assert node_stats_with_token(cluster, "data-plane-secret-0123456789")["num_reads"] == 0
+    with pytest.raises(UnauthenticatedError):
+        Client.connect(cluster.address, token="wrong-token-0123456789abcdef")
+
+
+def node_stats_with_token(cluster, token: str) -> dict:
+    from kvstore import auth
+
+    host, port = cluster.nodes[0].field("data").split(":")
+    conn = protocol.FramedSocket.connect(host, int(port), timeout=5)
+    try:
+        auth.hello(conn, auth.Token(token))
+        return conn.call("stats", {})
+    finally:
+        conn.close()
