@@ -1,6 +1,7 @@
 # kvstore: two commands for a fresh machine.
 #   make up    create the venv, install, run an embedded master + storage node (Ctrl-C stops it)
 #   make test  create the venv, install with test extras, run the whole suite
+#   make demo  disaggregated prefill/decode with a small model through an embedded cluster
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,7 +10,7 @@ DRAM   ?= 512MiB
 DATA   ?= .kvstore-data
 BIN     = $(VENV)/bin
 
-.PHONY: up test lint bench venv clean
+.PHONY: up test lint bench venv clean demo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,11 @@ test: $(BIN)/python
 
 lint: $(BIN)/python
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+demo: $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/kvstore demo
 
 bench: venv
 	$(BIN)/python bench/bench_store.py

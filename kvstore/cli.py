@@ -255,6 +255,75 @@ def cmd_up(args: argparse.Namespace) -> int:
     return result[0] if result else 1
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    import importlib.util
+    import signal
+    import subprocess
+    import tempfile
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(
+            f"kvstore demo needs torch and transformers ({', '.join(missing)} missing): "
+            "pip install -e '.[dev]' torch",
+            file=sys.stderr,
+        )
+        return 2
+    from kvstore.client.adapters.demo import run_demo
+
+    options = {
+        "model": args.model,
+        "block_size": args.block_size,
+        "max_new_tokens": args.max_new_tokens,
+        "fp8": args.fp8,
+        "repeats": args.repeats,
+    }
+    if args.master:
+        run_demo(args.master, **options)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
+        up = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "--log-level",
+                "warning",
+                "up",
+                "--port",
+                "0",
+                "--dram",
+                args.dram,
+                "--data-dir",
+                data_dir,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert up.stdout is not None
+            address = ""
+            for line in up.stdout:  # `kvstore up` prints its ready line within READY_TIMEOUT_S
+                if "kvstore up: ready" in line:
+                    address = line.split("control=")[1].split()[0]
+                    break
+            if not address:
+                print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+                return 1
+            print(f"kvstore demo: embedded cluster at {address} (pid {up.pid})", flush=True)
+            run_demo(address, **options)
+        finally:
+            if up.poll() is None:
+                up.send_signal(signal.SIGTERM)
+                try:
+                    up.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    up.kill()
+                    up.wait()
+    return 0
+
+
 def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
     p.add_argument(
         "--token-file",
@@ -377,6 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_master_flags(p)
     _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser(
+        "demo", help="disaggregated prefill/decode with a small model through the pool"
+    )
+    p.add_argument("--master", default=None, help="use this cluster instead of an embedded one")
+    p.add_argument(
+        "--model", default="small-llama", help="tiny-llama, tiny-gpt2, small-llama or a folder"
+    )
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--fp8", action="store_true", help="store and move KV as FP8 E4M3")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    p.add_argument("--dram", default="256MiB")
+    p.set_defaults(func=cmd_demo)
 
     ops.add_parsers(sub)
     ops_drain.add_parser(sub)
