@@ -8,12 +8,14 @@ every full read verifies it, so a read returns the exact bytes or raises.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
+from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
-from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
+from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.transport import ReadItem, WriteItem
 
 from kvstore import auth, protocol
 from kvstore.buffers import as_bytes_view
@@ -32,7 +34,9 @@ from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
 DEFAULT_TIMEOUT_S = 30.0
-_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping"})
+#: Reads of cached locations overlap the master's answer only up to this many bytes per call.
+SPECULATE_MAX_BYTES = 2 << 20
+_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping", "node_transports"})
 
 
 def checksum(view: memoryview) -> int:
@@ -103,6 +107,54 @@ class _ControlChannel:
                     ) from None
             raise AssertionError("unreachable")
 
+    def call_overlapped(self, verb: str, args: dict[str, Any], work: Callable[[], None]) -> Any:
+        """Send ``verb``, run ``work()`` while the master answers, then read the answer.
+
+        Raises:
+            Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
+        """
+        sent = False
+        with self._lock:
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                req_id = self._conn.send_request(verb, args)
+                sent = True
+            except (TimeoutError, OSError):
+                self._drop()
+            except KVStoreError:
+                pass  # unreachable master: call() below raises the right error
+            work_error: BaseException | None = None
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the answer is read
+                work_error = exc
+            if sent:
+                assert self._conn is not None
+                try:
+                    response, payload_len = self._conn.read_response()
+                    if response.req_id != req_id or payload_len:
+                        raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
+                except ProtocolError:
+                    self._drop()
+                    raise
+                except (TimeoutError, OSError) as exc:
+                    self._drop()
+                    if verb not in _IDEMPOTENT:
+                        raise MasterUnavailableError(
+                            f"master {self.address} failed during {verb}: {exc}"
+                        ) from None
+                    sent = False
+            if work_error is not None:
+                raise work_error
+            if sent:
+                try:
+                    return response.unwrap()
+                except UnauthenticatedError:
+                    self._drop()  # the master hangs up after it
+                    raise
+        return self.call(verb, args)
+
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -111,6 +163,43 @@ class _ControlChannel:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+class _Scratch:
+    """A per-thread receive buffer for :meth:`Client.batch_get`, grown on demand and kept (up
+    to ``MAX_SCRATCH`` bytes) so its pages stay mapped between calls."""
+
+    MAX_SCRATCH = 64 << 20
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, size: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            if size <= self.MAX_SCRATCH:
+                self._local.buf = buf
+        return memoryview(buf)
+
+
+def _call_overlapped(
+    control: _ControlChannel | LeaderChannel,
+    verb: str,
+    args: dict[str, Any],
+    work: Callable[[], None],
+) -> Any:
+    """``control.call_overlapped`` where the channel has it; else ``work()`` then the call."""
+    overlapped = getattr(control, "call_overlapped", None)
+    if overlapped is None:
+        work()
+        return control.call(verb, args)
+    return overlapped(verb, args, work)
+
+
+def _digest(item: ReadItem) -> int:
+    """The checksum of what was read: from the transport if it hashed while moving bytes."""
+    return item.digest if item.digest is not None else checksum(item.dest)
 
 
 def _raise_if_error(result: Any) -> Any:
@@ -132,6 +221,7 @@ class Client:
         token: auth.Token | None = None,
         *,
         control: _ControlChannel | LeaderChannel | None = None,
+        shm: bool = True,
     ) -> None:
         self.master = master
         self.timeout = timeout
@@ -139,7 +229,12 @@ class Client:
             assert master is not None, "a client needs a master address or a control channel"
             control = _ControlChannel(master, timeout, token)
         self._control = control
-        self._tcp = TcpTransport(timeout, token)
+        self._data = DataPath(
+            timeout, lambda: self._control.call("node_transports", {}), shm=shm, token=token
+        )
+        self._cache = LocationCache()
+        self._scratch = _Scratch()
+        self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
     def connect(
@@ -148,6 +243,7 @@ class Client:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         token: str | bytes | auth.Token | None = None,
+        shm: bool = True,
     ) -> Client:
         """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
         found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
@@ -156,6 +252,12 @@ class Client:
             address: the master's control address.
             timeout: seconds for every network call.
             token: the cluster token; None reads ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``.
+            shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
+
+        Args:
+            address: the master's ``HOST:PORT``.
+            timeout: seconds any one network wait may take.
+            shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
 
         Raises:
             InvalidRequestError: a malformed address or token.
@@ -167,20 +269,22 @@ class Client:
         elif not isinstance(token, auth.Token):
             token = auth.Token(token)
         if is_etcd_url(address):
-            client = cls(None, timeout, token, control=LeaderChannel(address, timeout, token))
+            client = cls(
+                None, timeout, token, control=LeaderChannel(address, timeout, token), shm=shm
+            )
             try:
                 client._control.call("ping", {})
             except BaseException:
                 client.close()
                 raise
             return client
-        client = cls(Address.parse(address), timeout, token)
+        client = cls(Address.parse(address), timeout, token, shm=shm)
         client._control.call("ping", {})
         return client
 
     def close(self) -> None:
         self._control.close()
-        self._tcp.close()
+        self._data.close()
 
     def __enter__(self) -> Client:
         return self
@@ -238,6 +342,7 @@ class Client:
             views.append(view)
             index.append(i)
         sums = [checksum(v) for v in views]
+        self._cache.forget(wire_keys)
         excluded: list[str] = []
         todo = list(range(len(wire_keys)))
         for _round in range(2):  # a second round retries keys whose node died, elsewhere
@@ -281,7 +386,7 @@ class Client:
             ticket = PutTicket.from_wire(payload)
             tickets.append((j, ticket))
             writes.extend(WriteItem(loc, views[j], sums[j]) for loc in ticket.locations)
-        self._tcp.write(writes)
+        self._data.write(writes)
         failed: dict[int, KVStoreError] = {}
         dead_nodes: set[str] = set()
         w = iter(writes)
@@ -319,7 +424,10 @@ class Client:
 
     # ================================================================ gets
     def _locations(self, wire_keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
-        reply = self._control.call("get_locations", {"keys": wire_keys})
+        return self._decode_locations(self._control.call("get_locations", {"keys": wire_keys}))
+
+    @staticmethod
+    def _decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
         out: list[ObjectInfo | KVStoreError] = []
         for r in reply:
             err, payload = result_from_wire(r)
@@ -351,9 +459,55 @@ class Client:
             index.append(i)
         if not wire_keys:
             return results
-        infos = self._locations(wire_keys)
-        self._read_objects(infos, dests, index, results)
+        self._get(wire_keys, dests, index, results)
         return results
+
+    def _get(
+        self, wire_keys: list[bytes], dests: list[memoryview], index: list[int], results: list[Any]
+    ) -> None:
+        """Locate and read objects; reads of cached locations overlap the master's answer."""
+        cached = self._cache.get_many(wire_keys)
+        guesses: dict[int, ReadItem] = {}
+        guessed_bytes = 0
+        for j, info in enumerate(cached):
+            if info is not None and len(dests[j]) >= info.size:
+                guesses[j] = ReadItem(info.locations[0], dests[j][: info.size])
+                guessed_bytes += info.size
+        # NOTE: the control channel stays locked while the guesses are read, so large reads
+        # (where one round trip matters little) do not overlap: other threads keep the master.
+        if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
+            infos = self._locations(wire_keys)
+            self._cache.put_many(wire_keys, infos)
+            self._read_objects(infos, dests, index, results)
+            return
+        reply = _call_overlapped(
+            self._control,
+            "get_locations",
+            {"keys": wire_keys},
+            lambda: self._data.read(list(guesses.values())),
+        )
+        infos = self._decode_locations(reply)
+        self._cache.put_many(wire_keys, infos)
+        redo: list[int] = []
+        for j, info in enumerate(infos):
+            item = guesses.get(j)
+            if (
+                item is not None
+                and isinstance(info, ObjectInfo)
+                and item.result is None
+                and same_replica(info, cached[j], item.location)  # type: ignore[arg-type]
+                and _digest(item) == info.checksum
+            ):
+                results[index[j]] = info.size
+            else:
+                redo.append(j)
+        if redo:
+            self._read_objects(
+                [infos[j] for j in redo],
+                [dests[j] for j in redo],
+                [index[j] for j in redo],
+                results,
+            )
 
     def _read_objects(
         self,
@@ -377,11 +531,11 @@ class Client:
                 pending.append((j, info, 0))
         while pending:
             items = [ReadItem(info.locations[r], dests[j][: info.size]) for j, info, r in pending]
-            self._tcp.read(items)
+            self._data.read(items)
             retry: list[tuple[int, ObjectInfo, int]] = []
             for (j, info, r), item in zip(pending, items, strict=True):
                 if item.result is None:
-                    if checksum(item.dest) != info.checksum:
+                    if _digest(item) != info.checksum:
                         results[index[j]] = ChecksumMismatchError(
                             "object bytes do not match their checksum (overwritten or corrupt)"
                         )
@@ -415,11 +569,22 @@ class Client:
                 results[i] = err
         if wire_keys:
             infos = self._locations(wire_keys)
-            bufs = [bytearray(info.size if isinstance(info, ObjectInfo) else 0) for info in infos]
-            self._read_objects(infos, [memoryview(b) for b in bufs], index, results)
+            self._cache.put_many(wire_keys, infos)
+            sizes = [info.size if isinstance(info, ObjectInfo) else 0 for info in infos]
+            # Read into a reused, already-faulted scratch buffer and copy each object out once:
+            # a fresh bytearray per object costs zeroing and page faults on top of the copy.
+            scratch = self._scratch.get(sum(sizes))
+            dests: list[memoryview] = []
+            pos = 0
+            for n in sizes:
+                dests.append(scratch[pos : pos + n])
+                pos += n
+            self._read_objects(infos, dests, index, results)
             for j, i in enumerate(index):
                 if not isinstance(results[i], KVStoreError):
-                    results[i] = bytes(bufs[j])
+                    results[i] = bytes(dests[j])
+            for d in dests:
+                d.release()
         return results
 
     def get(self, key: str | bytes) -> bytes:
@@ -439,7 +604,9 @@ class Client:
         return self.batch_exists([key])[0]
 
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
-        reply = self._control.call("remove", {"keys": [encode_key(k) for k in keys]})
+        wire_keys = [encode_key(k) for k in keys]
+        self._cache.forget(wire_keys)
+        reply = self._control.call("remove", {"keys": wire_keys})
         return [result_from_wire(r)[0] for r in reply]
 
     def remove(self, key: str | bytes) -> None:

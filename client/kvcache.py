@@ -203,7 +203,7 @@ class KVCache:
             loc = b.info.locations[0]
             items.append(ReadItem(loc, memoryview(buf.reshape(-1)), ranges))
             bufs.append(buf)
-        self.client._tcp.read(items)
+        self.client._data.read(items)
         return bufs, [i.result for i in items]
 
     def load(self, tokens: Any, layers_out: Sequence[Any]) -> int:

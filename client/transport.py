@@ -9,9 +9,11 @@ from __future__ import annotations
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import xxhash
 
 from kvstore import auth, protocol
 from kvstore.errors import (
@@ -40,6 +42,18 @@ class ReadItem:
     ranges: list[list[int]] | None = None
     result: KVStoreError | None = None
     filled: int = 0
+    # xxh3_64 of ``dest``, where the transport hashed the bytes while moving them (large
+    # objects: chunk by chunk, each chunk while it is still in cache); None: not computed.
+    digest: int | None = None
+
+
+#: Objects at least this large are hashed while they move, chunk by chunk.
+STREAM_HASH_MIN = 2 << 20
+STREAM_CHUNK = 256 << 10
+
+
+def stream_hash_target(item: ReadItem) -> bool:
+    return item.ranges is None and len(item.dest) >= STREAM_HASH_MIN
 
 
 @dataclass(slots=True)
@@ -184,6 +198,35 @@ class TcpTransport:
                 item.result, _ = result_from_wire(r)
             self._finish(ex)
 
+    # -------------------------------------------------------------- small per-item calls
+    def call_per_node(
+        self, verb: str, items: Sequence[WriteItem], item_args: Callable[[WriteItem], Any]
+    ) -> None:
+        """One ``verb`` request per node carrying ``item_args(item)`` per item, no payload;
+        sets each ``item.result`` (None on success), all nodes in flight together."""
+        exchanges: dict[Endpoint, _Exchange] = {}
+        for item in items:
+            ep = (item.location.host, item.location.port)
+            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        for ex in exchanges.values():
+            self._send(ex, verb, {"items": [item_args(i) for i in ex.items]}, ())
+        for ex in exchanges.values():
+            results = self._receive(ex) if ex.error is None else None
+            if results is None:
+                for item in ex.items:
+                    item.result = ex.error
+                continue
+            if ex.payload_len:
+                assert ex.conn is not None
+                ex.conn.close()
+                ex.conn = None
+                for item in ex.items:
+                    item.result = ProtocolError(f"{verb} reply carries an unexpected payload")
+                continue
+            for item, r in zip(ex.items, results, strict=True):
+                item.result, _ = result_from_wire(r)
+            self._finish(ex)
+
     # -------------------------------------------------------------- reads
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest`` from its location; sets ``item.result`` on failure."""
@@ -216,27 +259,50 @@ class TcpTransport:
     def _read_payload(self, ex: _Exchange, results: list[Any]) -> None:
         assert ex.conn is not None
         expected = 0
+        lengths: list[int | None] = []  # None: an error result, no bytes follow
         for item, r in zip(ex.items, results, strict=True):
             err, length = result_from_wire(r)
             if err is not None:
                 item.result = err
+                lengths.append(None)
                 continue
-            if not isinstance(length, int) or length != len(item.dest):
+            if type(length) is not int or length != len(item.dest):
                 item.result = ProtocolError(
                     f"node sent {length!r} bytes, expected {len(item.dest)}"
                 )
                 # The bytes still follow in the payload: they must be consumed below.
-            expected += length if isinstance(length, int) else 0
+                length = length if type(length) is int and length >= 0 else 0
+            expected += length
+            lengths.append(length)
         if expected != ex.payload_len:
             raise ConnectionError("reply payload does not match its item lengths")
         scratch: memoryview | None = None
-        for item, r in zip(ex.items, results, strict=True):
-            err, length = result_from_wire(r)
-            if err is not None:
+        run: list[ReadItem] = []  # consecutive good items: one scatter read for all of them
+        for item, length in zip(ex.items, lengths, strict=True):
+            if length is None:
                 continue
             if item.result is None:
-                protocol.recv_exact_into(ex.conn.sock, item.dest)
-                item.filled = len(item.dest)
-            else:
-                scratch = scratch or memoryview(bytearray(1 << 16))
-                protocol.discard(ex.conn.sock, length, scratch)
+                run.append(item)
+                continue
+            self._fill(ex, run)
+            scratch = scratch or memoryview(bytearray(1 << 16))
+            protocol.discard(ex.conn.sock, length, scratch)
+        self._fill(ex, run)
+
+    @staticmethod
+    def _fill(ex: _Exchange, run: list[ReadItem]) -> None:
+        assert ex.conn is not None
+        if len(run) == 1 and stream_hash_target(run[0]):
+            # One large object: hash each chunk as it lands, while the node sends the next.
+            item, h, dest = run[0], xxhash.xxh3_64(), run[0].dest
+            for pos in range(0, len(dest), STREAM_CHUNK):
+                chunk = dest[pos : pos + STREAM_CHUNK]
+                protocol.recv_exact_into(ex.conn.sock, chunk)
+                h.update(chunk)
+            item.digest = h.intdigest()
+            item.filled = len(dest)
+        elif run:
+            protocol.recv_exact_scatter(ex.conn.sock, [i.dest for i in run])
+            for i in run:
+                i.filled = len(i.dest)
+        run.clear()

@@ -135,6 +135,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             public_reads=args.public_reads,
             nvme_bytes=parse_size(args.nvme),
             hbm_bytes=parse_size(args.hbm),
+            shm=args.shm,
         )
         return 0
     serve_node(
@@ -148,6 +149,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         token=auth.load_token(args.token_file),
         admin_port=args.admin_port,
         public_reads=args.public_reads,
+        shm=args.shm,
     )
     return 0
 
@@ -195,6 +197,7 @@ async def _up(args: argparse.Namespace) -> int:
         str(data_dir / "node-0"),
         *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
         *([] if args.public_reads else ["--no-public-reads"]),
+        *(["--shm"] if args.shm else []),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
     )
@@ -420,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
     )
     _add_security_flags(p, tls=False)
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="let same-host clients of this user map the DRAM arena (shm transport)",
+    )
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -430,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dram", default="512MiB")
     p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
     p.add_argument("--data-dir", default=".kvstore-data")
+    p.add_argument(
+        "--shm",
+        action="store_true",
+        help="let same-host clients of this user map the DRAM arena (shm transport)",
+    )
     _add_master_flags(p)
     _add_security_flags(p, tls=True)
     p.set_defaults(func=cmd_up)

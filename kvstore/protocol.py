@@ -200,6 +200,26 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         received += n
 
 
+def recv_exact_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None:
+    """Fill every view in order, several per syscall (``recvmsg_into``, scatter I/O).
+
+    Raises:
+        ConnectionError: the peer closed before every view was full.
+    """
+    pending = [v for v in views if len(v)]
+    while pending:
+        n = sock.recvmsg_into(pending[:_IOV_MAX])[0]
+        if n == 0:
+            raise ConnectionError("peer closed in the middle of a payload")
+        i = 0
+        while i < len(pending) and n >= len(pending[i]):
+            n -= len(pending[i])
+            i += 1
+        pending = pending[i:]
+        if pending and n:
+            pending[0] = pending[0][n:]
+
+
 def recv_exact(sock: socket.socket, size: int) -> bytes:
     buf = bytearray(size)
     recv_exact_into(sock, memoryview(buf))

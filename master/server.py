@@ -26,6 +26,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         _arg(args, "port", int),
         _arg(args, "secret", bytes),
         segments,
+        check_transports(args.get("transports", {})),
     )
     reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
@@ -151,6 +153,10 @@ def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
     return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
 
 
+def _node_transports(svc: MasterService, args: dict[str, Any]) -> Any:
+    return svc.node_transports()
+
+
 def _pin(svc: MasterService, args: dict[str, Any]) -> Any:
     ttl = _arg(args, "ttl_s", (int, float))
     hard = _arg(args, "hard", bool) if "hard" in args else False
@@ -202,6 +208,7 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "pin": _pin,
     "unpin": _unpin,
     "stats": _stats,
+    "node_transports": _node_transports,
     "kv_commit": _kv_commit,
     "kv_match": _kv_match,
 }

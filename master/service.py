@@ -114,6 +114,9 @@ class Node:
     unconfirmed: list[tuple[str, int, int]] = field(default_factory=list)
     draining: bool = False  # no new data; its objects are being copied elsewhere
     retired: bool = False  # drained: told to stop at its next heartbeat
+    # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
+    # read them with ``node_transports`` (see kvstore/transports.py).
+    transports: dict[str, object] = field(default_factory=dict)
 
     @property
     def free_bytes(self) -> int:
@@ -242,7 +245,13 @@ class MasterService:
 
     # ================================================================ membership
     def register(
-        self, node_id: str, host: str, port: int, secret: bytes, segments: Sequence[SegmentSpec]
+        self,
+        node_id: str,
+        host: str,
+        port: int,
+        secret: bytes,
+        segments: Sequence[SegmentSpec],
+        transports: dict[str, object] | None = None,
     ) -> None:
         """Add a node (or replace an earlier incarnation with the same id, dropping its objects).
 
@@ -284,6 +293,7 @@ class MasterService:
                 for s in segments
             },
             last_seen=self.clock(),
+            transports=dict(transports or {}),
         )
         log.info(
             "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
@@ -537,6 +547,10 @@ class MasterService:
             # An evicted copy is not re-made: the object now wants what it has.
             obj.replicas_wanted = len(obj.replicas)
         self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0)
+
+    def node_transports(self) -> dict[str, dict[str, object]]:
+        """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
+        return {n.node_id: n.transports for n in self.nodes.values()}
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:

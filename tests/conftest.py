@@ -23,7 +23,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
         c = Cluster(tmp_path / f"c{len(made)}", start_master(*master_args), node_args=node_args)
         made.append(c)
         for _ in range(num_nodes):
-            c.add_node(dram)
+            c.add_node(dram, extra=node_args)
         return c
 
     yield make

@@ -49,6 +49,7 @@ class MasterLink:
         segments: list[SegmentSpec],
         resolver: Callable[[], tuple[Address, int]] | None = None,
         token: auth.Token | None = None,
+        transports: dict[str, dict[str, object]] | None = None,
     ) -> None:
         self.master = master
         self.token = token
@@ -65,6 +66,7 @@ class MasterLink:
         self.advertise_host = advertise_host
         self.server = server
         self.segments = segments
+        self.transports = transports or {}
         self.registered = threading.Event()
         #: Set when the master retired this node (after a drain): the node should exit.
         self.retired = threading.Event()
@@ -119,6 +121,7 @@ class MasterLink:
             "host": self.advertise_host,
             "port": self.server.port,
             "segments": [s.to_wire() for s in self.segments],
+            "transports": self.transports,
         }
         self._done = []
         if self.resolver is None:

@@ -56,6 +56,7 @@ class StorageNode:
         token: auth.Token | None = None,
         admin_port: int | None = None,
         public_reads: bool = True,
+        shm: bool = False,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
@@ -78,7 +79,15 @@ class StorageNode:
         )
         specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
         specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]
-        self.link = MasterLink(master, self.node_id, host, self.server, specs, token=token)
+        self.link = MasterLink(
+            master,
+            self.node_id,
+            host,
+            self.server,
+            specs,
+            token=token,
+            transports=node_transports(self.server, {"dram": self.dram.path}, shm),
+        )
         self.admin: NodeAdmin | None = None
         if admin_port is not None:
             self.admin = NodeAdmin(
@@ -120,6 +129,24 @@ class StorageNode:
             tier.close()
 
 
+def node_transports(
+    server: DataServer, arena_files: dict[str, Path], shm: bool
+) -> dict[str, dict[str, object]]:
+    """What this node offers beyond TCP: shm when asked for (``--shm``), RDMA where a device is."""
+    from kvstore import rdma
+    from kvstore.node.shm_verbs import make_shm_commit
+    from kvstore.transports import ShmOffer
+
+    offered: dict[str, dict[str, object]] = {}
+    if shm:
+        server._verbs["shm_commit"] = make_shm_commit(server)
+        offered["shm"] = ShmOffer.of_files(arena_files).to_wire()
+    rdma_offer = rdma.node_offer(arena_files)
+    if rdma_offer is not None:
+        offered["rdma"] = rdma_offer
+    return offered
+
+
 def serve_node(
     master: Address,
     host: str,
@@ -132,8 +159,13 @@ def serve_node(
     token: auth.Token | None = None,
     admin_port: int | None = None,
     public_reads: bool = True,
+    shm: bool = False,
 ) -> None:
-    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
+    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line.
+
+    Args:
+        shm: offer same-host clients of this user the arena file (the shm transport).
+    """
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -148,12 +180,13 @@ def serve_node(
         token=token,
         admin_port=admin_port,
         public_reads=public_reads,
+        shm=shm,
     )
     node.start()
     admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
     tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin} shm={'on' if shm else 'off'}",
         flush=True,
     )
     threading.Thread(

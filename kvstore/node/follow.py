@@ -116,8 +116,11 @@ def serve_node_ha(
     public_reads: bool = True,
     nvme_bytes: int = 0,
     hbm_bytes: int = 0,
+    shm: bool = False,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.
+
+    ``shm``: offer same-host clients of this user the DRAM arena (the shm transport).
 
     Raises:
         InvalidRequestError: a malformed etcd URL or prefix.
@@ -147,6 +150,7 @@ def serve_node_ha(
         token=token,
         admin_port=admin_port,
         public_reads=public_reads,
+        shm=shm,
     )
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2

@@ -1,0 +1,64 @@
+"""The node's side of the shm transport: committing bytes a same-host client wrote in place.
+
+A client on this host that maps the arena (see ``kvstore.client.shm``) copies an object's bytes
+straight into the granted range, then sends ``shm_commit`` here over TCP (no payload): the node
+checks the write grant, checksums the bytes in its arena and records them in its manifest. Only
+then does the client commit the put at the master (``put_end``). So a write through shared
+memory is granted, checksummed and committed exactly like one over TCP.
+
+``shm_commit``  ``{"items": [[grant, checksum], ...]}`` → per item ``[code, None | message]``
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvstore import grants, protocol
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KVStoreError,
+    ProtocolError,
+)
+from kvstore.types import result_to_wire
+
+if TYPE_CHECKING:
+    from kvstore.node.server import DataServer
+
+
+def make_shm_commit(server: DataServer) -> Any:
+    """The ``shm_commit`` handler for ``server`` (registered only where shm is enabled)."""
+    from kvstore.node.server import ManifestEntry
+
+    def shm_commit(
+        fs: protocol.FramedSocket, req: protocol.Request, payload_len: int, scratch: memoryview
+    ) -> None:
+        if payload_len:
+            raise ProtocolError("shm_commit takes no payload")
+        items = req.args.get("items")
+        if not isinstance(items, list) or not all(
+            isinstance(i, list) and len(i) == 2 for i in items
+        ):
+            raise InvalidRequestError("shm_commit takes items: [[grant, checksum], ...]")
+        results: list[Any] = []
+        for grant_wire, checksum in items:
+            try:
+                grant, view = server._granted_view(grant_wire, grants.OP_WRITE)
+                if not isinstance(checksum, int) or isinstance(checksum, bool):
+                    raise InvalidRequestError("checksum must be an integer")
+                if xxhash.xxh3_64_intdigest(view) != checksum:
+                    raise ChecksumMismatchError("bytes written through shm do not match checksum")
+                server.manifest.record(
+                    grant.segment,
+                    grant.offset,
+                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
+                )
+                results.append([0, None])
+            except KVStoreError as err:
+                results.append(result_to_wire(err))
+        server.num_writes += len(items)
+        fs.send_frame(protocol.encode_response(req.req_id, results))
+
+    return shm_commit

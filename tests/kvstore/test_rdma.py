@@ -1,0 +1,125 @@
+"""RDMA: what runs without a device (memory-region table, wire forms, discovery, fallback), and
+the real verbs path where a device exists (marked ``rdma``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvstore import rdma
+from kvstore.errors import (
+    InvalidRequestError,
+    OutOfRangeError,
+    ProtocolError,
+    TransportUnavailableError,
+)
+
+
+def _has_device() -> bool:
+    try:
+        return bool(rdma.discover())
+    except TransportUnavailableError:
+        return False
+
+
+def region(name: str, addr: int, length: int) -> rdma.MemoryRegion:
+    return rdma.MemoryRegion(name, addr, length, lkey=7, rkey=9)
+
+
+def test_region_table_bookkeeping() -> None:
+    t = rdma.MemoryRegionTable()
+    t.add(region("arena", 0x1000, 0x1000))
+    t.add(region("staging", 0x2000, 0x100))  # adjacent, not overlapping
+    assert len(t) == 2
+    assert t.locate(0x1800, 0x800).name == "arena"
+    assert t.remote_address("arena", 0x10, 0x20) == (0x1010, 9)
+    with pytest.raises(OutOfRangeError):
+        t.locate(0x1F00, 0x200)  # spans two regions
+    with pytest.raises(OutOfRangeError):
+        t.remote_address("arena", 0xFF0, 0x20)
+    with pytest.raises(InvalidRequestError):
+        t.remote_address("missing", 0, 1)
+    assert t.remove("staging").name == "staging"
+    with pytest.raises(InvalidRequestError):
+        t.remove("staging")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        region("arena", 0x1800, 0x10),  # overlaps
+        region("arena2", 0x0, 0x1001),  # overlaps the start
+        region("arena", 0x9000, 0x10),  # duplicate name
+        region("empty", 0x9000, 0),
+    ],
+)
+def test_region_table_refuses(bad: rdma.MemoryRegion) -> None:
+    t = rdma.MemoryRegionTable()
+    t.add(region("arena", 0x1000, 0x1000))
+    with pytest.raises(InvalidRequestError):
+        t.add(bad)
+    assert len(t) == 1
+
+
+def test_offer_and_endpoint_wire_forms() -> None:
+    offer = rdma.RdmaOffer("mlx5_0", 1, b"\x00" * 16, 3, {"dram": (0x1000, 4096, 77)})
+    assert rdma.RdmaOffer.from_wire(offer.to_wire()) == offer
+    ep = rdma.QpEndpoint(b"\x01" * 16, 3, 0x1234, 0x42)
+    assert rdma.QpEndpoint.from_wire(ep.to_wire()) == ep
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        None,
+        {"device": "x", "port": 1, "gid": b"short", "lid": 0, "regions": {}},
+        {"device": "x", "port": 1, "gid": b"\x00" * 16, "lid": 0, "regions": {"d": [1, 0, 1]}},
+        {"device": "x", "port": 1, "gid": b"\x00" * 16, "lid": 0},
+    ],
+)
+def test_malformed_offer(bad) -> None:
+    with pytest.raises(ProtocolError):
+        rdma.RdmaOffer.from_wire(bad)
+
+
+@pytest.mark.parametrize(
+    "bad", [None, [b"\x00" * 16, 0, 1 << 24, 0, 4096], [b"\x00" * 16, 0, 1, 0, 1000], [1, 2]]
+)
+def test_malformed_endpoint(bad) -> None:
+    with pytest.raises(ProtocolError):
+        rdma.QpEndpoint.from_wire(bad)
+
+
+@pytest.mark.skipif(_has_device(), reason="this host has an RDMA device")
+def test_no_device_falls_back_with_one_log_line(caplog) -> None:
+    rdma._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
+        assert rdma.first_device("client") is None
+        assert rdma.first_device("client") is None
+        assert rdma.node_offer({}) is None
+        offer = rdma.RdmaOffer("mlx5_0", 1, b"\x00" * 16, 3, {"dram": (0x1000, 4096, 77)})
+        assert rdma.choose(offer.to_wire(), None) is None
+        assert rdma.choose(offer.to_wire(), None) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("using TCP" in m for m in lines) == 2, lines  # once for "none", once for choose
+
+
+def test_bad_offer_from_a_node_is_ignored() -> None:
+    assert rdma.choose({"nonsense": 1}, rdma.RdmaDevice("mlx5_0")) is None
+    assert rdma.choose(None, rdma.RdmaDevice("mlx5_0")) is None
+
+
+@pytest.mark.rdma
+@pytest.mark.skipif(not _has_device(), reason="no RDMA device on this host")
+def test_loopback_rdma_read_and_write() -> None:  # pragma: no cover - needs hardware
+    device = rdma.discover()[0]
+    a, b = rdma.RcQueuePair(device), rdma.RcQueuePair(device)
+    src = memoryview(bytearray(b"x" * 4096))
+    dst = memoryview(bytearray(4096))
+    ra = a.register("src", src)
+    b.register("dst", dst)
+    a.connect(b.endpoint(1), 2)
+    b.connect(a.endpoint(2), 1)
+    b.transfer(False, "dst", 0, 4096, ra.addr, ra.rkey)
+    assert bytes(dst) == bytes(src)
