@@ -183,10 +183,19 @@ def serve_node(
         shm=shm,
     )
     node.start()
+    run_until_stopped(node, str(master), stop, shm)
+
+
+def run_until_stopped(
+    node: StorageNode, master_label: str, stop: threading.Event, shm: bool
+) -> None:
+    """Print the ``ready`` line, serve until ``stop`` (a signal) or retirement, then stop the node."""
+    host = node.server.host
     admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
     tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master} dram={dram_bytes}{tiers}{admin} shm={'on' if shm else 'off'}",
+        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master_label} "
+        f"dram={node.dram.size}{tiers}{admin} shm={'on' if shm else 'off'}",
         flush=True,
     )
     threading.Thread(

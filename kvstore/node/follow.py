@@ -20,7 +20,7 @@ from kvstore.config import Address
 from kvstore.discovery import EtcdLayout, LeaderResolver, NodeRecord
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdThread, parse_endpoints
-from kvstore.node.daemon import StorageNode
+from kvstore.node.daemon import StorageNode, run_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +170,8 @@ def serve_node_ha(
         membership.stop()
         resolver.close()
         raise
-    print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} "
-        f"master={etcd_url} dram={dram_bytes}",
-        flush=True,
-    )
     try:
-        stop.wait()
+        run_until_stopped(node, etcd_url, stop, shm)
     finally:
-        node.stop()
         membership.stop()
         resolver.close()
-        print("kvstore node stopped", flush=True)
