@@ -5,6 +5,7 @@ Run::
     .venv/bin/python bench/bench_radix.py                   # 1M+ blocks, 128K vocab (~1-2 min)
     .venv/bin/python bench/bench_radix.py --vocab 32000     # 16-bit tokens
     .venv/bin/python bench/bench_radix.py --blocks 200000   # quicker
+    .venv/bin/python bench/bench_radix.py --suffix-blocks 2 # short unique suffixes (node-heavy)
 
 Workload (block_size 64): shared system prompts, multi-turn conversations that extend them (each
 turn re-inserts the whole prompt, as ``put_end`` would), and 16 long documents of 128K tokens.
@@ -13,6 +14,10 @@ random token (so the last block matches partially). Memory is the growth of trac
 memory while the index is built again under tracemalloc (a second pass: tracing slows Python
 down, so rates and latencies come from the first, untraced pass); the workload's own data is
 released before measuring.
+
+With ``--suffix-blocks N`` the conversations are replaced by prompts that add only N unique
+blocks after a shared system prompt, so almost every prompt makes a tree node of N blocks: the
+per-node cost of the index dominates.
 Targets: match p99 <= 2 ms, <= 200 B of index per block.
 """
 
@@ -38,7 +43,12 @@ def _doc(seed: int, vocab: int) -> np.ndarray:
 
 
 def build(
-    index: RadixIndex, ns: Namespace, target_blocks: int, vocab: int, seed: int
+    index: RadixIndex,
+    ns: Namespace,
+    target_blocks: int,
+    vocab: int,
+    seed: int,
+    suffix_blocks: int = 0,
 ) -> tuple[int, float, int]:
     """Fill ``index`` with at least ``target_blocks`` blocks.
 
@@ -70,6 +80,11 @@ def build(
     for _ in range(10_000_000):  # bounded; stops at target_blocks
         if inserted >= target_blocks:
             break
+        if suffix_blocks:
+            system = systems[int(rng.integers(len(systems)))]
+            suffix = rng.integers(0, vocab, suffix_blocks * bs, dtype=np.uint32)
+            put(np.concatenate([system, suffix]))
+            continue
         prompt = np.concatenate(
             [
                 systems[int(rng.integers(len(systems)))],
@@ -116,13 +131,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--evict", type=int, default=100_000, help="leaf blocks to evict")
+    parser.add_argument(
+        "--suffix-blocks",
+        type=int,
+        default=0,
+        help="prompts = a shared system prompt + this many unique blocks (0: conversations)",
+    )
     args = parser.parse_args()
     ns = Namespace("bench/llama-8b", "bfloat16", 32, 8, 128, block_size=64)
 
     # Pass 1, untraced: insert rate and match latency.
     index = RadixIndex()
     t0 = time.perf_counter()
-    inserted, insert_s, processed = build(index, ns, args.blocks, args.vocab, args.seed)
+    inserted, insert_s, processed = build(
+        index, ns, args.blocks, args.vocab, args.seed, args.suffix_blocks
+    )
     build_s = time.perf_counter() - t0
     lat = bench_match(index, ns, args.vocab, args.seed, args.rounds)
     blocks = index.num_blocks()
@@ -140,7 +163,7 @@ def main() -> None:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     index = RadixIndex()
-    build(index, ns, args.blocks, args.vocab, args.seed)
+    build(index, ns, args.blocks, args.vocab, args.seed, args.suffix_blocks)
     gc.collect()
     index_bytes = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
@@ -148,6 +171,11 @@ def main() -> None:
 
     rows = [
         ("blocks indexed", f"{blocks:,}", "≥ 1,000,000"),
+        (
+            "workload",
+            f"suffix {args.suffix_blocks} blocks" if args.suffix_blocks else "conversations",
+            "",
+        ),
         ("tree nodes", f"{nodes:,}", ""),
         (
             "vocab (bits stored per token)",

@@ -43,13 +43,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from kvstore.master.radix_tables import ChildTable, KeyTable
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BLOCK_KEY_BYTES, BlockKey, Namespace, as_token_array
 
 _MIN_CAPACITY = 1024
-_GROWTH = 1.125  # modest growth: capacity slack is index memory too (copies stay amortised O(1))
+_GROWTH = 1.0625  # modest growth: capacity slack is index memory too (copies stay amortised O(1))
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
+_FREE = -2  # n_parent of a node id that is not in use (the root's parent is -1)
+_ROOT = 0
 
 
 @dataclass(slots=True)
@@ -137,177 +141,26 @@ def _resized(arr: np.ndarray, capacity: int) -> np.ndarray:
     return out
 
 
-class _Node:
-    """A compressed edge: a run of blocks (slots) and the branches after it.
-
-    ``children`` maps the first token of a child's first block to the child starting with it,
-    or to a list when siblings share a first token (they differ later in the block); the list
-    is rare, so the common case saves its ~64 B.
-
-    The slots are kept as packed int32 ``bytes`` (48 B for a short edge) rather than a numpy
-    array (112 B of header): short-suffix prompts make one node per prompt, so per-node bytes
-    count. ``slots`` returns a read-only zero-copy numpy view.
-    """
-
-    __slots__ = ("node_id", "parent", "_slots", "children")
-
-    def __init__(self, node_id: int, parent: _Node | None, slots: np.ndarray) -> None:
-        self.node_id = node_id
-        self.parent = parent
-        self._slots = slots.astype(np.int32).tobytes()
-        self.children: dict[int, _Node | list[_Node]] | None = None
-
-    @property
-    def slots(self) -> np.ndarray:
-        return np.frombuffer(self._slots, dtype=np.int32)
-
-    @slots.setter
-    def slots(self, value: np.ndarray) -> None:
-        self._slots = value.astype(np.int32).tobytes()
-
-    @property
-    def num_slots(self) -> int:
-        return len(self._slots) // 4
-
-    def num_children(self) -> int:
-        if not self.children:
-            return 0
-        return sum(len(g) if isinstance(g, list) else 1 for g in self.children.values())
-
-    def iter_children(self) -> Iterator[_Node]:
-        if self.children:
-            for group in self.children.values():
-                if isinstance(group, list):
-                    yield from group
-                else:
-                    yield group
-
-
-class _KeyTable:
-    """Block key -> slot: open addressing with linear probing over an int32 array.
-
-    Why not a dict: a dict of 16-byte ``bytes`` to ``int`` costs ~150 B per entry; this costs
-    ~8-13 B (4 B per entry, load factor kept in (0.3, 0.6]). Keys are uniform hashes, so their
-    first 8 bytes are the bucket hash; the full 16 bytes are compared on every probe hit.
-    """
-
-    __slots__ = ("table", "mask", "count")
-
-    def __init__(self, size: int = 1 << 11) -> None:
-        self.table = np.full(size, -1, dtype=np.int32)
-        self.mask = size - 1
-        self.count = 0
-
-    @staticmethod
-    def _bucket(key: bytes) -> int:
-        return int.from_bytes(key[:8], "little")
-
-    def find(self, key: bytes, keys: np.ndarray) -> int:
-        table, mask = self.table, self.mask
-        i = self._bucket(key) & mask
-        for _ in range(len(table)):
-            s = int(table[i])
-            if s < 0:
-                return -1
-            if keys[s].tobytes() == key:
-                return s
-            i = (i + 1) & mask
-        return -1
-
-    def find_many(self, rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
-        """Slots of ``rows`` (``[n, 16]`` uint8 keys), -1 where absent; probes all rows at once."""
-        result = np.full(len(rows), -1, dtype=np.int32)
-        pos = (_buckets(rows) & np.uint64(self.mask)).astype(np.int64)
-        active = np.arange(len(rows))
-        for _ in range(len(self.table)):  # bounded: each round advances every active probe
-            if not len(active):
-                break
-            s = self.table[pos[active]]
-            occupied = s >= 0
-            hit = np.zeros(len(active), dtype=bool)
-            hit[occupied] = (keys[s[occupied]] == rows[active[occupied]]).all(axis=1)
-            result[active[hit]] = s[hit]
-            active = active[occupied & ~hit]
-            pos[active] = (pos[active] + 1) & self.mask
-        return result
-
-    def add_many(self, rows: np.ndarray, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Add absent, distinct keys ``rows`` mapping to ``slots``, all at once.
-
-        Each key still lands on the first free bucket of its probe sequence (ties within the
-        batch go to the first claimant, the others probe on), so lookups stay correct.
-        """
-        if (self.count + len(rows)) * 5 > len(self.table) * 3:
-            size = len(self.table)
-            while (self.count + len(rows)) * 5 > size * 3:
-                size *= 2
-            self._rehash(size, keys)
-        table = self.table
-        pos = (_buckets(rows) & np.uint64(self.mask)).astype(np.int64)
-        active = np.arange(len(rows))
-        for _ in range(len(table)):  # bounded: every round places or advances each key
-            if not len(active):
-                break
-            p = pos[active]
-            free = table[p] < 0
-            claim_pos, first = np.unique(p[free], return_index=True)
-            winners = active[free][first]
-            table[claim_pos] = slots[winners]
-            placed = np.zeros(len(rows), dtype=bool)
-            placed[winners] = True
-            active = active[~placed[active]]
-            pos[active] = (pos[active] + 1) & self.mask
-        self.count += len(rows)
-
-    def discard(self, key: bytes, keys: np.ndarray) -> None:
-        """Remove ``key`` (backward-shift deletion: no tombstones, probes stay short)."""
-        table, mask = self.table, self.mask
-        i = self._bucket(key) & mask
-        for _ in range(len(table)):
-            s = int(table[i])
-            if s < 0:
-                return
-            if keys[s].tobytes() == key:
-                break
-            i = (i + 1) & mask
-        else:
-            return
-        j = i
-        for _ in range(len(table)):
-            j = (j + 1) & mask
-            s = int(table[j])
-            if s < 0:
-                break
-            home = self._bucket(keys[s].tobytes()) & mask
-            # Move entry j into the hole at i unless its home lies cyclically in (i, j].
-            if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
-                table[i] = s
-                i = j
-        table[i] = -1
-        self.count -= 1
-        if len(self.table) > (1 << 11) and self.count * 10 < len(self.table) * 3 // 2:
-            self._rehash(len(self.table) // 2, keys)
-
-    def _rehash(self, size: int, keys: np.ndarray) -> None:
-        live = self.table[self.table >= 0]
-        self.table = np.full(size, -1, dtype=np.int32)
-        self.mask = size - 1
-        self.count = 0
-        self.add_many(keys[live], live, keys)
-
-    def nbytes(self) -> int:
-        return self.table.nbytes
-
-
 class _Tree:
-    """The index of one namespace. Slots are block records in parallel arrays."""
+    """The index of one namespace.
+
+    Slots are block records in parallel arrays. Nodes are records in parallel arrays too (no
+    Python object per node): parent, where the node's slot run lies in the slot arena (start,
+    length), the first token of its first block, its number of children and the XOR of its
+    children's ids (which names the only child when there is one, for merging). Children are
+    found through :class:`ChildTable`. The arena holds each node's slots as one contiguous
+    run of int32; splitting a node only splits its run, extending or merging a run that cannot
+    grow in place moves it to the arena's end, and the arena is compacted when moved-away runs
+    (garbage) pass a quarter of the live slots.
+    """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         cap = _MIN_CAPACITY
         self.tokens = _TokenStore(block_size, cap)
         self.keys = np.zeros((cap, BLOCK_KEY_BYTES), dtype=np.uint8)
-        self.values = np.zeros(cap, dtype=np.int64)
+        # int32 until a value needs more (then int64 for good): most values are small handles.
+        self.values = np.zeros(cap, dtype=np.int32)
         self.owner = np.full(cap, -1, dtype=np.int32)  # node id per slot, -1 when free
         self.top = 0  # slots [0, top) have been handed out at least once
         # Why an int32 array as a stack (with its own count): a list of freed slot ints would
@@ -315,10 +168,24 @@ class _Tree:
         self.free_slots = np.empty(_MIN_CAPACITY, dtype=np.int32)
         self.num_free = 0
         self.num_blocks = 0
-        self.table = _KeyTable()
-        self.root = _Node(0, None, np.empty(0, dtype=np.int32))
-        self.nodes: list[_Node | None] = [self.root]
-        self.free_node_ids: list[int] = []
+        self.table = KeyTable()
+        # Nodes. Id 0 is the root (no parent, no slots).
+        ncap = _MIN_CAPACITY
+        self.n_parent = np.full(ncap, _FREE, dtype=np.int32)
+        self.n_start = np.zeros(ncap, dtype=np.int32)
+        self.n_len = np.zeros(ncap, dtype=np.int32)
+        self.n_first = np.zeros(ncap, dtype=np.uint32)
+        self.n_nchild = np.zeros(ncap, dtype=np.int32)
+        self.n_xor = np.zeros(ncap, dtype=np.int32)
+        self.n_parent[_ROOT] = -1
+        self.n_top = 1  # node ids [0, n_top) have been handed out at least once
+        self.free_nodes = np.empty(_MIN_CAPACITY, dtype=np.int32)
+        self.num_free_nodes = 0
+        self.children = ChildTable()
+        # The slot arena: node n's slots are arena[n_start[n] : n_start[n] + n_len[n]].
+        self.arena = np.zeros(_MIN_CAPACITY, dtype=np.int32)
+        self.arena_top = 0
+        self.arena_live = 0  # sum of n_len over live nodes; the rest below arena_top is garbage
 
     # -- slots ---------------------------------------------------------------------------------
 
@@ -357,81 +224,209 @@ class _Tree:
     def key_at(self, slot: int) -> BlockKey:
         return BlockKey(self.keys[slot].tobytes())
 
-    def first_token(self, node: _Node) -> int:
-        return int(self.tokens.get(node.slots[:1])[0])
+    def token_at(self, slot: int) -> int:
+        """First token of the block at ``slot``."""
+        return int(self.tokens.get(np.array([slot], dtype=np.int32))[0])
+
+    # -- the slot arena ------------------------------------------------------------------------
+
+    def slots(self, node: int) -> np.ndarray:
+        """The node's slots, in edge order (a view: copy it before mutating the tree)."""
+        start = int(self.n_start[node])
+        return self.arena[start : start + int(self.n_len[node])]
+
+    def _arena_reserve(self, n: int) -> None:
+        """Make room for ``n`` more slots at the arena's end (compacting or growing it)."""
+        if self.arena_top + n <= len(self.arena):
+            return
+        if (self.arena_top - self.arena_live) * 4 > self.arena_live:
+            self._arena_compact()
+        if self.arena_top + n > len(self.arena):
+            cap = max(int(len(self.arena) * _GROWTH), self.arena_top + n)
+            self.arena = _resized(self.arena, cap)
+
+    def _arena_compact(self) -> None:
+        live = np.flatnonzero(self.n_parent[: self.n_top] >= 0)
+        live = live[self.n_len[live] > 0]
+        live = live[np.argsort(self.n_start[live], kind="stable")]
+        lens = self.n_len[live].astype(np.int64)
+        new_starts = np.zeros(len(live), dtype=np.int64)
+        np.cumsum(lens[:-1], out=new_starts[1:])
+        total = int(lens.sum())
+        src = np.repeat(self.n_start[live].astype(np.int64) - new_starts, lens)
+        src += np.arange(total)
+        self.arena[:total] = self.arena[src]  # runs move only down, sorted: gather is safe
+        self.n_start[live] = new_starts
+        self.arena_top = total
+
+    def _arena_put(self, node: int, slots: np.ndarray) -> None:
+        """Give ``node`` (no run yet) a run at the arena's end holding ``slots``."""
+        self._arena_reserve(len(slots))
+        self.arena[self.arena_top : self.arena_top + len(slots)] = slots
+        self.n_start[node] = self.arena_top
+        self.n_len[node] = len(slots)
+        self.arena_top += len(slots)
+        self.arena_live += len(slots)
+
+    def _arena_append(self, node: int, slots: np.ndarray) -> None:
+        """Append ``slots`` to ``node``'s run, moving the run to the arena's end if needed."""
+        start, length = int(self.n_start[node]), int(self.n_len[node])
+        if start + length != self.arena_top:
+            run = self.arena[start : start + length].copy()
+            self._arena_reserve(length + len(slots))
+            start = self.arena_top
+            self.arena[start : start + length] = run
+            self.arena_top += length
+            self.n_start[node] = start
+        else:
+            self._arena_reserve(len(slots))
+            start = int(self.n_start[node])  # compaction may have moved it
+        self.arena[start + length : start + length + len(slots)] = slots
+        self.n_len[node] = length + len(slots)
+        self.arena_top = start + length + len(slots)
+        self.arena_live += len(slots)
+
+    def _arena_truncate(self, node: int, length: int) -> None:
+        self.arena_live -= int(self.n_len[node]) - length
+        self.n_len[node] = length
 
     # -- nodes ---------------------------------------------------------------------------------
 
-    def new_node(self, parent: _Node, slots: np.ndarray) -> _Node:
-        if self.free_node_ids:
-            node_id = self.free_node_ids.pop()
-            node = _Node(node_id, parent, slots)
-            self.nodes[node_id] = node
+    def is_live(self, node: int) -> bool:
+        return 0 <= node < self.n_top and self.n_parent[node] != _FREE
+
+    def new_node(self, parent: int, slots: np.ndarray, first_token: int) -> int:
+        """A new child of ``parent`` holding ``slots`` (whose first block starts with ``first_token``)."""
+        if self.num_free_nodes:
+            self.num_free_nodes -= 1
+            node = int(self.free_nodes[self.num_free_nodes])
         else:
-            node = _Node(len(self.nodes), parent, slots)
-            self.nodes.append(node)
-        self.owner[slots] = node.node_id
+            if self.n_top == len(self.n_parent):
+                cap = max(int(self.n_top * _GROWTH), self.n_top + 1)
+                self.n_parent = _resized(self.n_parent, cap)
+                self.n_parent[self.n_top :] = _FREE
+                self.n_start = _resized(self.n_start, cap)
+                self.n_len = _resized(self.n_len, cap)
+                self.n_first = _resized(self.n_first, cap)
+                self.n_nchild = _resized(self.n_nchild, cap)
+                self.n_xor = _resized(self.n_xor, cap)
+            node = self.n_top
+            self.n_top += 1
+        self.n_parent[node] = parent
+        self.n_first[node] = first_token
+        self.n_nchild[node] = 0
+        self.n_xor[node] = 0
+        self._arena_put(node, slots)
+        self.owner[slots] = node
+        self.children.add(node, self.n_parent, self.n_first)
+        self.n_nchild[parent] += 1
+        self.n_xor[parent] ^= node
         return node
 
-    def drop_node(self, node: _Node) -> None:
-        self.nodes[node.node_id] = None
-        self.free_node_ids.append(node.node_id)
-        node.parent = None
+    def detach(self, node: int) -> None:
+        """Unfile ``node`` from its parent (its parent pointer is kept)."""
+        parent = int(self.n_parent[node])
+        self.children.discard(node, self.n_parent, self.n_first)
+        self.n_nchild[parent] -= 1
+        self.n_xor[parent] ^= node
 
-    def attach(self, parent: _Node, child: _Node, first_token: int) -> None:
-        if parent.children is None:
-            parent.children = {}
-        group = parent.children.get(first_token)
-        if group is None:
-            parent.children[first_token] = child
-        elif isinstance(group, list):
-            group.append(child)
-        else:
-            parent.children[first_token] = [group, child]
-        child.parent = parent
+    def attach(self, parent: int, node: int) -> None:
+        """File ``node`` (already detached, ``n_first`` set) under ``parent``."""
+        self.n_parent[node] = parent
+        self.children.add(node, self.n_parent, self.n_first)
+        self.n_nchild[parent] += 1
+        self.n_xor[parent] ^= node
 
-    def detach(self, parent: _Node, child: _Node, first_token: int) -> None:
-        assert parent.children is not None, "detach from a node without children"
-        group = parent.children[first_token]
-        if isinstance(group, list):
-            group.remove(child)
-            if len(group) == 1:
-                parent.children[first_token] = group[0]
-        else:
-            assert group is child, "detaching a node filed elsewhere"
-            del parent.children[first_token]
-        if not parent.children:
-            parent.children = None
+    def drop_node(self, node: int) -> None:
+        """Free a detached node's id and its arena run."""
+        self.arena_live -= int(self.n_len[node])
+        self.n_parent[node] = _FREE
+        self.n_len[node] = 0
+        self.n_nchild[node] = 0
+        self.n_xor[node] = 0
+        if self.num_free_nodes == len(self.free_nodes):
+            cap = max(int(len(self.free_nodes) * _GROWTH), self.num_free_nodes + 1)
+            self.free_nodes = _resized(self.free_nodes, cap)
+        self.free_nodes[self.num_free_nodes] = node
+        self.num_free_nodes += 1
 
-    def split(self, node: _Node, k: int) -> _Node:
+    def child_list(self, node: int) -> list[int]:
+        """Children of ``node`` (O(1) for 0 or 1 child, else a scan of the node arrays)."""
+        n = int(self.n_nchild[node])
+        if n == 0:
+            return []
+        if n == 1:
+            return [int(self.n_xor[node])]
+        return np.flatnonzero(self.n_parent[: self.n_top] == node).tolist()
+
+    def descendants(self, node: int) -> list[int]:
+        """Every node below ``node`` (not ``node`` itself)."""
+        out: list[int] = []
+        frontier = self.child_list(node)
+        while frontier:  # bounded by the tree's depth
+            out.extend(frontier)
+            inner = [c for c in frontier if self.n_nchild[c]]
+            if not inner:
+                break
+            if len(inner) == 1:
+                frontier = self.child_list(inner[0])
+            else:
+                frontier = np.flatnonzero(np.isin(self.n_parent[: self.n_top], inner)).tolist()
+        return out
+
+    def split(self, node: int, k: int) -> int:
         """Split ``node`` after its first ``k`` blocks; return the new upper node."""
-        assert 0 < k < len(node.slots), "split point inside the edge"
-        parent = node.parent
-        assert parent is not None, "the root is never split"
-        first = self.first_token(node)
-        upper = self.new_node(parent, node.slots[:k].copy())
-        self.detach(parent, node, first)
-        self.attach(parent, upper, first)
-        node.slots = node.slots[k:].copy()
-        self.attach(upper, node, self.first_token(node))
+        length = int(self.n_len[node])
+        assert 0 < k < length, "split point inside the edge"
+        parent = int(self.n_parent[node])
+        assert parent >= 0, "the root is never split"
+        start = int(self.n_start[node])
+        self.detach(node)
+        # The upper node takes the first k slots of the run in place: no copy.
+        upper = self.new_node_in_place(parent, start, k, int(self.n_first[node]))
+        self.n_start[node] = start + k
+        self.n_len[node] = length - k
+        self.n_first[node] = self.token_at(int(self.arena[start + k]))
+        self.attach(upper, node)
         return upper
 
-    def maybe_merge(self, node: _Node) -> None:
+    def new_node_in_place(self, parent: int, start: int, length: int, first_token: int) -> int:
+        """Like :meth:`new_node` for slots already in the arena at ``[start, start + length)``,
+        taken over from a node that gives them up (so the live count does not change)."""
+        empty = np.empty(0, dtype=np.int32)
+        node = self.new_node(parent, empty, first_token)
+        self.n_start[node] = start
+        self.n_len[node] = length
+        self.owner[self.arena[start : start + length]] = node
+        return node
+
+    def maybe_merge(self, node: int) -> None:
         """Merge a non-root node that has exactly one child with that child (compressed edges)."""
-        if node is self.root or node.num_children() != 1:
+        if node == _ROOT or self.n_nchild[node] != 1:
             return
-        child = next(node.iter_children())
-        node.slots = np.concatenate([node.slots, child.slots])
-        self.owner[child.slots] = node.node_id
-        node.children = child.children
-        for grandchild in node.iter_children():
-            grandchild.parent = node
-        child.children = None
+        child = int(self.n_xor[node])
+        grandchildren = self.child_list(child)
+        child_slots = self.slots(child).copy()
+        start, length = int(self.n_start[node]), int(self.n_len[node])
+        self.detach(child)
+        if start + length == int(self.n_start[child]):
+            self.n_len[node] = length + len(child_slots)  # runs adjacent (e.g. after a split)
+        else:
+            self.arena_live -= len(child_slots)  # _arena_append counts them again
+            self._arena_append(node, child_slots)
+        self.owner[child_slots] = node
+        for g in grandchildren:
+            self.children.discard(g, self.n_parent, self.n_first)
+            self.n_parent[g] = node
+            self.children.add(g, self.n_parent, self.n_first)
+        self.n_nchild[node] = self.n_nchild[child]
+        self.n_xor[node] = self.n_xor[child]
+        self.n_len[child] = 0  # its slots now belong to node
         self.drop_node(child)
 
     # -- walking -------------------------------------------------------------------------------
 
-    def walk(self, q: np.ndarray) -> tuple[list[tuple[_Node, int]], tuple[_Node, int, int] | None]:
+    def walk(self, q: np.ndarray) -> tuple[list[tuple[int, int]], tuple[int, int, int] | None]:
         """Follow ``q`` down the tree.
 
         Returns:
@@ -440,32 +435,42 @@ class _Tree:
             ``0 < n < block_size`` tokens with the rest of ``q``, else ``None``.
         """
         bs = self.block_size
-        path: list[tuple[_Node, int]] = []
-        node = self.root
+        path: list[tuple[int, int]] = []
+        node = _ROOT
         pos = 0
         n_q = len(q)
-        for _ in range(len(self.nodes) + 1):  # bounded: each step goes one node deeper
-            if pos >= n_q or not node.children:
+        arena, n_start, n_len = self.arena, self.n_start, self.n_len
+        for _ in range(self.n_top + 1):  # bounded: each step goes one node deeper
+            if pos >= n_q or not self.n_nchild[node]:
                 return path, None
-            group = node.children.get(int(q[pos]))
+            group = self.children.find(node, int(q[pos]), self.n_parent, self.n_first)
             if not group:
                 return path, None
             # Pick the child sharing the most tokens of its first block (ties: any).
             head = q[pos : pos + bs]
-            if not isinstance(group, list):
-                group = [group]
             best, best_n = group[0], -1
-            for child in group:
-                shared = _common_prefix(self.tokens.get(child.slots[:1]), head)
-                if shared > best_n:
-                    best, best_n = child, shared
-            if best_n < bs:
-                return path, (best, 0, best_n)
-            # First block matched fully: compare the rest of the edge in one vectorised step.
-            edge_blocks = len(best.slots)
+            if len(group) == 1 and n_q - pos >= bs:
+                # One candidate: compare its first block together with the rest of the edge.
+                best_n = bs
+            else:
+                for child in group:
+                    shared = _common_prefix(
+                        self.tokens.get(arena[n_start[child] : n_start[child] + 1]), head
+                    )
+                    if shared > best_n:
+                        best, best_n = child, shared
+                if best_n < bs:
+                    return path, (best, 0, best_n)
+            start = int(n_start[best])
+            edge_blocks = int(n_len[best])
             need = min(edge_blocks, -(-(n_q - pos) // bs))
-            if need > 1:
-                stored = self.tokens.get(best.slots[1:need])
+            if best_n == bs and len(group) == 1:
+                stored = self.tokens.get(arena[start : start + need])
+                shared = _common_prefix(stored, q[pos : pos + need * bs])
+                if shared < bs:
+                    return path, ((best, 0, shared) if shared else None)
+            elif need > 1:
+                stored = self.tokens.get(arena[start + 1 : start + need])
                 shared = bs + _common_prefix(stored, q[pos + bs : pos + need * bs])
             else:
                 shared = bs
@@ -478,20 +483,6 @@ class _Tree:
             node = best
             pos += edge_blocks * bs
         raise AssertionError("walk did not terminate")
-
-    def subtree(self, node: _Node) -> list[_Node]:
-        out = [node]
-        stack = list(node.iter_children())
-        while stack:  # bounded by the number of nodes
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.iter_children())
-        return out
-
-
-def _buckets(rows: np.ndarray) -> np.ndarray:
-    """Bucket hash of ``[n, 16]`` uint8 keys: their first 8 bytes as little-endian uint64."""
-    return np.ascontiguousarray(rows[:, :8]).view("<u8").reshape(-1)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -557,7 +548,8 @@ class RadixIndex:
         path, _ = tree.walk(q)
         matched = sum(k for _, k in path)
         if matched:
-            stored = tree.keys[np.concatenate([node.slots[:k] for node, k in path])].tobytes()
+            parts = [tree.slots(node)[:k] for node, k in path]
+            stored = tree.keys[np.concatenate(parts)].tobytes()
             if stored != b"".join(keys[:matched]):
                 raise InvalidRequestError("a block key differs from the indexed block's key")
         new_keys = keys[matched:]
@@ -576,22 +568,26 @@ class RadixIndex:
         tree.tokens.ensure_bits(int(q.max()))
         if path:
             node, k = path[-1]
-            if k < len(node.slots):
+            if k < tree.n_len[node]:
                 node = tree.split(node, k)
         else:
-            node = tree.root
+            node = _ROOT
         slots = tree.alloc_slots(len(new_keys))
         tree.tokens.put(slots, q[matched * bs :].reshape(-1, bs))
         tree.keys[slots] = rows
-        tree.values[slots] = vals[matched:]
+        new_vals = vals[matched:]
+        if tree.values.dtype != np.int64 and (
+            int(new_vals.min()) < _INT32_MIN or int(new_vals.max()) > _INT32_MAX
+        ):
+            tree.values = tree.values.astype(np.int64)
+        tree.values[slots] = new_vals
         tree.table.add_many(rows, slots, tree.keys)
         tree.num_blocks += len(new_keys)
-        if node is not tree.root and not node.children:
-            node.slots = np.concatenate([node.slots, slots])  # extend the leaf edge in place
-            tree.owner[slots] = node.node_id
+        if node != _ROOT and not tree.n_nchild[node]:
+            tree._arena_append(node, slots)  # extend the leaf edge
+            tree.owner[slots] = node
         else:
-            leaf = tree.new_node(node, slots)
-            tree.attach(node, leaf, int(q[matched * bs]))
+            tree.new_node(node, slots, int(q[matched * bs]))
         return len(new_keys)
 
     def match(self, namespace: Namespace | bytes, tokens: Any) -> Match:
@@ -613,11 +609,11 @@ class RadixIndex:
         if tree is None:
             return Match(0, [], [], 0)
         path, partial = tree.walk(q)
-        parts = [node.slots[:k] for node, k in path]
+        parts = [tree.slots(node)[:k] for node, k in path]
         num_tokens = sum(len(p) for p in parts) * tree.block_size
         if partial is not None:
             node, i, n = partial
-            parts.append(node.slots[i : i + 1])
+            parts.append(tree.slots(node)[i : i + 1])
             num_tokens += n
         if not parts:
             return Match(0, [], [], tree.block_size)
@@ -648,26 +644,24 @@ class RadixIndex:
         slot = -1 if tree is None else tree.table.find(key, tree.keys)
         if tree is None or slot < 0:
             raise KeyNotFoundError("block key not in the prefix index")
-        node = tree.nodes[int(tree.owner[slot])]
-        assert node is not None, "slot owned by a dropped node"
-        i = int(np.flatnonzero(node.slots == slot)[0])
-        is_leaf = i == len(node.slots) - 1 and not node.children
+        node = int(tree.owner[slot])
+        assert node != _ROOT and tree.is_live(node), "slot owned by a dropped node"
+        run = tree.slots(node)
+        i = int(np.flatnonzero(run == slot)[0])
+        is_leaf = i == len(run) - 1 and not tree.n_nchild[node]
         if not is_leaf and not cascade:
             raise InvalidRequestError("block has cached descendants; remove them first")
-        first = tree.first_token(node)
         removed: list[tuple[BlockKey, int]] = []
-        for sub in tree.subtree(node)[1:]:
-            removed.extend(tree.free(sub.slots))
-            sub.children = None
+        for sub in tree.descendants(node):
+            removed.extend(tree.free(tree.slots(sub).copy()))
+            tree.detach(sub)
             tree.drop_node(sub)
-        removed.extend(tree.free(node.slots[i:]))
-        node.children = None
+        removed.extend(tree.free(tree.slots(node)[i:].copy()))
         if i > 0:
-            node.slots = node.slots[:i]
+            tree._arena_truncate(node, i)
         else:
-            parent = node.parent
-            assert parent is not None, "the root holds no blocks"
-            tree.detach(parent, node, first)
+            parent = int(tree.n_parent[node])
+            tree.detach(node)
             tree.drop_node(node)
             tree.maybe_merge(parent)
         if tree.num_blocks == 0:
@@ -696,12 +690,12 @@ class RadixIndex:
             while removed_any and tree.num_blocks:  # each round either removes or stops
                 removed_any = False
                 seen: set[int] = set()
-                stack = [n for n in tree.nodes if n is not None and n is not tree.root]
+                stack = (np.flatnonzero(tree.n_parent[1 : tree.n_top] >= 0) + 1).tolist()
                 while stack:
                     node = stack.pop()
-                    if tree.nodes[node.node_id] is not node or node.children or not len(node.slots):
+                    if not tree.is_live(node) or tree.n_nchild[node] or not tree.n_len[node]:
                         continue
-                    slot = int(node.slots[-1])
+                    slot = int(tree.arena[tree.n_start[node] + tree.n_len[node] - 1])
                     if slot in seen:
                         continue
                     seen.add(slot)
@@ -736,49 +730,63 @@ class RadixIndex:
     def num_nodes(self, ns_digest: bytes | None = None) -> int:
         """Tree nodes (compressed edges), roots excluded."""
         trees = self._trees.values() if ns_digest is None else [self._trees.get(ns_digest)]
-        return sum(len(t.nodes) - len(t.free_node_ids) - 1 for t in trees if t is not None)
+        return sum(t.n_top - t.num_free_nodes - 1 for t in trees if t is not None)
 
     def namespaces(self) -> list[bytes]:
         """Digests of the namespaces that have a tree."""
         return list(self._trees)
 
     def memory_bytes(self) -> int:
-        """Estimate of the index's memory: arrays by ``nbytes``, nodes by ``sys.getsizeof``."""
+        """Estimate of the index's memory: the arrays' ``nbytes`` (there is no per-node object)."""
         total = sys.getsizeof(self._trees)
         for tree in self._trees.values():
             total += tree.tokens.nbytes() + tree.keys.nbytes + tree.values.nbytes
             total += tree.owner.nbytes + tree.free_slots.nbytes + tree.table.nbytes()
-            total += sys.getsizeof(tree.nodes) + sys.getsizeof(tree.free_node_ids)
-            for node in tree.nodes:
-                if node is None:
-                    continue
-                total += sys.getsizeof(node) + sys.getsizeof(node._slots)
-                if node.children:
-                    total += sys.getsizeof(node.children)
-                    total += sum(
-                        sys.getsizeof(g) for g in node.children.values() if isinstance(g, list)
-                    )
+            total += sum(
+                a.nbytes
+                for a in (tree.n_parent, tree.n_start, tree.n_len, tree.n_first, tree.n_nchild)
+            )
+            total += tree.n_xor.nbytes + tree.free_nodes.nbytes + tree.arena.nbytes
+            total += tree.children.nbytes()
         return total
 
     def check_invariants(self) -> None:
         """Assert the structural invariants (for tests; O(blocks))."""
         for tree in self._trees.values():
+            assert tree.n_parent[_ROOT] == -1 and tree.n_len[_ROOT] == 0, "root"
+            live = np.flatnonzero(tree.n_parent[: tree.n_top] != _FREE)
+            counts = np.zeros(tree.n_top, dtype=np.int64)
+            xors = np.zeros(tree.n_top, dtype=np.int64)
             seen = 0
-            for node in tree.nodes:
-                if node is None:
+            for node in live.tolist():
+                start, length = int(tree.n_start[node]), int(tree.n_len[node])
+                seen += length
+                if node == _ROOT:
                     continue
-                if node is not tree.root:
-                    assert len(node.slots) > 0, "empty non-root node"
-                    assert node.num_children() != 1, "uncompressed edge"
-                    assert node.parent is not None, "orphan node"
-                    assert tree.nodes[node.parent.node_id] is node.parent, "dead parent"
-                    assert (tree.owner[node.slots] == node.node_id).all(), "owner mismatch"
-                seen += len(node.slots)
-                for first, group in (node.children or {}).items():
-                    assert not isinstance(group, list) or len(group) > 1, "list of one child"
-                    for child in group if isinstance(group, list) else [group]:
-                        assert child.parent is node, "child's parent pointer"
-                        assert tree.first_token(child) == first, "child filed under wrong token"
+                assert length > 0, "empty non-root node"
+                assert tree.n_nchild[node] != 1, "uncompressed edge"
+                parent = int(tree.n_parent[node])
+                assert parent >= 0, "orphan node"
+                assert tree.is_live(parent), "dead parent"
+                assert start >= 0 and start + length <= tree.arena_top, "run outside the arena"
+                run = tree.slots(node)
+                assert (tree.owner[run] == node).all(), "owner mismatch"
+                first = int(tree.n_first[node])
+                assert tree.token_at(int(run[0])) == first, "child filed under wrong token"
+                found = tree.children.find(parent, first, tree.n_parent, tree.n_first)
+                assert found.count(node) == 1, "child not filed under its parent"
+                counts[parent] += 1
+                xors[parent] ^= node
+            assert (counts[live] == tree.n_nchild[live]).all(), "child count mismatch"
+            assert (xors[live] == tree.n_xor[live]).all(), "child xor mismatch"
+            assert tree.children.count == len(live) - 1, "child table count mismatch"
+            assert tree.num_free_nodes == tree.n_top - len(live), "free node count mismatch"
+            runs = live[tree.n_len[live] > 0]
+            order = np.argsort(tree.n_start[runs], kind="stable")
+            starts = tree.n_start[runs][order].astype(np.int64)
+            ends = starts + tree.n_len[runs][order]
+            assert (ends[:-1] <= starts[1:]).all(), "overlapping arena runs"
+            assert tree.arena_live == int(tree.n_len[live].sum()), "arena live count mismatch"
             assert seen == tree.num_blocks == tree.table.count, "block count mismatch"
 
 

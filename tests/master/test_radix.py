@@ -338,3 +338,36 @@ def test_larger_random_workload_against_reference(seed) -> None:
         check_match(ref, ns, query, idx.match(ns, query))
     idx.check_invariants()
     assert idx.num_blocks() == len(ref.of(ns))
+
+
+def test_values_widen_to_int64_when_needed(index) -> None:
+    """Values start as int32 and widen, keeping every stored value exact."""
+    b = [1, 2, 3, 4, 50, 60, 70, 80, 90, 91, 92, 93]
+    index.insert(NS4, b, block_keys(NS4, b), [0, (1 << 40) + 5, -(1 << 62)])
+    assert index.match(NS4, b).values == [100, (1 << 40) + 5, -(1 << 62)]
+    assert index.match(NS4, A).values == [100, 101, 102]
+    index.check_invariants()
+
+
+def test_node_churn_keeps_arena_and_child_table_consistent() -> None:
+    """Many short branches added and evicted: node ids, arena runs and child entries are reused."""
+    idx = RadixIndex()
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 1 << 17, 4 * 8).tolist()
+    for rnd in range(4):
+        prompts = [
+            base[: 4 * int(rng.integers(1, 9))] + rng.integers(0, 5, 8).tolist() for _ in range(300)
+        ]
+        for i, p in enumerate(prompts):
+            idx.insert(NS4, p, block_keys(NS4, p), list(range(i * 10, i * 10 + len(p) // 4)))
+        idx.check_invariants()
+        for p in prompts[::3]:
+            assert idx.match(NS4, p).num_tokens == len(p)
+        for evicted, (digest, key) in enumerate(idx.evictable(NS4.digest), start=1):
+            idx.remove(digest, key, cascade=False)
+            if evicted == 200 * (rnd + 1):
+                break
+        idx.check_invariants()
+    for digest, key in list(idx.evictable()):
+        idx.remove(digest, key)
+    idx.check_invariants()
