@@ -21,16 +21,19 @@ Removal policy: removing a block that has cached descendants removes the descend
 with :class:`InvalidRequestError` and changes nothing. :meth:`RadixIndex.evictable` yields only
 leaf blocks (leaf-first eviction), so evicting what it yields never cascades.
 
-Memory layout (why not a Python object per block): with 1M blocks a Python object, a dict entry
-and a bytes key per block would cost ~300 B before storing a single token. Instead each tree keeps
-per-block *slots* in parallel numpy arrays (tokens, key, value, owning node), nodes hold only
-their slot numbers (packed int32), and the key -> slot map is an open-addressing table of int32
-slot numbers. Tokens are stored as a uint16 low half plus one packed bit-plane per extra high bit
-actually used (17 bits for a 128K vocabulary: 2.125 B per token instead of 4).
+Memory layout (why no Python object per block or per node): with 1M blocks a Python object, a
+dict entry and a bytes key per block would cost ~300 B before storing a single token. Instead
+each tree keeps per-block *slots* in parallel numpy arrays (tokens, key, value, owning node) and
+per-node records in parallel numpy arrays too (parent, the node's run of slot numbers in one
+int32 slot arena, first token, child count, XOR of child ids). The key -> slot map and the
+(parent, first token) -> child map are open-addressing tables of int32 ids
+(:mod:`kvstore.master.radix_tables`). Tokens are stored as a uint16 low half plus one packed
+bit-plane per extra high bit actually used (17 bits for a 128K vocabulary: 2.125 B per token
+instead of 4); values are int32 until one needs int64.
 
-Measured with ``bench/bench_radix.py`` (1M blocks of 64 tokens): ~180 B per block with a 128K
-vocabulary, ~174 B with a 32K one. Each node (one per branch) costs ~190 B more, so a workload of
-prompts whose unique suffix is only ~2 blocks (one leaf node per 2 blocks) reaches ~280 B per block.
+Measured with ``bench/bench_radix.py`` (1M blocks of 64 tokens, 128K vocabulary): ~175 B per
+block for conversations, ~195 B when every prompt adds only 2 unique blocks after a shared
+system prompt (``--suffix-blocks 2``: a tree node per 2 blocks; a node costs ~33 B).
 
 This module is pure: no I/O, no clocks, no locks (the master serialises calls).
 """
