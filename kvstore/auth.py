@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,22 @@ def bearer_ok(authorization: str | None, token: Token | None) -> bool:
         return False
     scheme, _, value = authorization.partition(" ")
     return scheme.lower() == "bearer" and token.matches(value.strip())
+
+
+# ------------------------------------------------------------------ TLS
+def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
+    """A server TLS context for the admin REST API, or None without a certificate.
+
+    Raises:
+        InvalidRequestError: only one of the two files given, or they cannot be loaded.
+    """
+    if cert_file is None and key_file is None:
+        return None
+    if cert_file is None or key_file is None:
+        raise InvalidRequestError("--tls-cert and --tls-key go together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequestError(f"cannot load the TLS certificate or key: {exc}") from None
+    return ctx

@@ -70,13 +70,13 @@ def _tier_config(args: argparse.Namespace) -> object:
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    from kvstore.master.daemon import serve_master, tls_context
+    from kvstore.master.daemon import serve_master
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     security = {
         "token": auth.load_token(args.token_file),
         "public_reads": args.public_reads,
-        "ssl_context": tls_context(args.tls_cert, args.tls_key),
+        "ssl_context": auth.tls_context(args.tls_cert, args.tls_key),
     }
     if args.etcd:
         from kvstore.etcd import parse_endpoints
@@ -136,6 +136,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             nvme_bytes=parse_size(args.nvme),
             hbm_bytes=parse_size(args.hbm),
             shm=args.shm,
+            ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
         )
         return 0
     serve_node(
@@ -150,6 +151,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         public_reads=args.public_reads,
         shm=args.shm,
+        ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
     )
     return 0
 
@@ -159,8 +161,6 @@ async def _up(args: argparse.Namespace) -> int:
 
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
-    from kvstore.master.daemon import tls_context
-
     token = auth.load_token(args.token_file)  # the node child reads the same env / file
     master = Master(
         args.host,
@@ -170,7 +170,7 @@ async def _up(args: argparse.Namespace) -> int:
         _tier_config(args),  # type: ignore[arg-type]
         token=token,
         public_reads=args.public_reads,
-        ssl_context=tls_context(args.tls_cert, args.tls_key),
+        ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
     )
     endpoints = await master.start()
     stop = asyncio.Event()
@@ -422,7 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
     )
-    _add_security_flags(p, tls=False)
+    _add_security_flags(p, tls=True)
     p.add_argument(
         "--shm",
         action="store_true",

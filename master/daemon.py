@@ -120,26 +120,6 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-def tls_context(cert_file: str | None, key_file: str | None) -> ssl.SSLContext | None:
-    """A server TLS context for the admin REST API, or None without a certificate.
-
-    Raises:
-        InvalidRequestError: only one of the two files given, or they cannot be loaded.
-    """
-    from kvstore.errors import InvalidRequestError
-
-    if cert_file is None and key_file is None:
-        return None
-    if cert_file is None or key_file is None:
-        raise InvalidRequestError("--tls-cert and --tls-key go together")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(cert_file, key_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise InvalidRequestError(f"cannot load the TLS certificate or key: {exc}") from None
-    return ctx
-
-
 async def serve_master(
     host: str,
     port: int,

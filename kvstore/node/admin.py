@@ -8,6 +8,7 @@ unless reads are public; ``/health`` is always open. Errors are JSON bodies with
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,6 +60,7 @@ class NodeAdmin:
         segments: segment name → (tier, capacity in bytes).
         token: the cluster token (None: everything open).
         public_reads: whether ``/metrics`` is open without the token.
+        ssl_context: serve HTTPS with it (None: plain HTTP).
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class NodeAdmin:
         segments: dict[str, tuple[str, int]],
         token: auth.Token | None = None,
         public_reads: bool = True,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(stats, segments))
@@ -120,6 +123,9 @@ class NodeAdmin:
 
         self._server = ThreadingHTTPServer((host, port), Handler)
         self._server.daemon_threads = True
+        if ssl_context is not None:
+            self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True)
+        self.scheme = "https" if ssl_context is not None else "http"
         self.host = host
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(

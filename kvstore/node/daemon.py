@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import threading
 import uuid
 from pathlib import Path
@@ -57,6 +58,7 @@ class StorageNode:
         admin_port: int | None = None,
         public_reads: bool = True,
         shm: bool = False,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
@@ -101,6 +103,7 @@ class StorageNode:
                 },
                 token=token,
                 public_reads=public_reads,
+                ssl_context=ssl_context,
             )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
@@ -160,6 +163,7 @@ def serve_node(
     admin_port: int | None = None,
     public_reads: bool = True,
     shm: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line.
 
@@ -181,6 +185,7 @@ def serve_node(
         admin_port=admin_port,
         public_reads=public_reads,
         shm=shm,
+        ssl_context=ssl_context,
     )
     node.start()
     run_until_stopped(node, str(master), stop, shm)
@@ -191,7 +196,9 @@ def run_until_stopped(
 ) -> None:
     """Print the ``ready`` line, serve until ``stop`` (a signal) or retirement, then stop the node."""
     host = node.server.host
-    admin = f" admin=http://{host}:{node.admin.port}" if node.admin is not None else ""
+    admin = (
+        f" admin={node.admin.scheme}://{host}:{node.admin.port}" if node.admin is not None else ""
+    )
     tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
         f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master_label} "

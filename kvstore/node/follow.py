@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import ssl
 import threading
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def serve_node_ha(
     nvme_bytes: int = 0,
     hbm_bytes: int = 0,
     shm: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.
 
@@ -151,6 +153,7 @@ def serve_node_ha(
         admin_port=admin_port,
         public_reads=public_reads,
         shm=shm,
+        ssl_context=ssl_context,
     )
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2

@@ -127,7 +127,8 @@ def summary_table(results: Sequence[tuple[str, SimResult]]) -> str:
 
 
 def load_table(result: SimResult) -> str:
-    """Per-instance load of one run: requests and busy fraction of each prefill instance.
+    """Per-instance load of one run: requests of every instance, and the busy fraction of each
+    prefill instance (decode instances batch continuously, so they show ``-``).
 
     Args:
         result: a run.
@@ -140,7 +141,7 @@ def load_table(result: SimResult) -> str:
     for i, busy in enumerate(result.prefill_busy_s):
         rows.append([f"prefill {i}", int((result.prefill_ids == i).sum()), busy / span])
     for i, served in enumerate(result.decode_served):
-        rows.append([f"decode {i}", served, float("nan")])
+        rows.append([f"decode {i}", served, "-"])
     return format_table(["instance", "requests", "busy fraction"], rows)
 
 

@@ -150,3 +150,45 @@ def test_admin_over_tls(tmp_path: Path) -> None:
 def test_tls_flags_go_together(tmp_path: Path) -> None:
     out = kvstore("master", "--port", "0", "--admin-port", "0", "--tls-cert", str(tmp_path / "c"))
     assert out.returncode == 2 and "go together" in out.stderr
+
+
+def test_node_rest_over_tls(tmp_path: Path) -> None:
+    import ssl
+
+    from tests.support import Daemon
+
+    cert, key = _self_signed(tmp_path)
+    master = start_master()
+    try:
+        node = Daemon(
+            [
+                "node",
+                "--master",
+                master.field("control"),
+                "--port",
+                "0",
+                "--admin-port",
+                "0",
+                "--dram",
+                "16MiB",
+                "--data-dir",
+                str(tmp_path / "n"),
+                "--tls-cert",
+                str(cert),
+                "--tls-key",
+                str(key),
+            ],
+            ready=r"kvstore node ready",
+        )
+        try:
+            admin = node.field("admin")
+            assert admin.startswith("https://")
+            ctx = ssl.create_default_context(cafile=str(cert))
+            with urllib.request.urlopen(f"{admin}/health", timeout=10, context=ctx) as r:
+                assert r.status == 200
+            with pytest.raises(urllib.error.URLError):  # not trusted without the CA
+                urllib.request.urlopen(f"{admin}/health", timeout=10)
+        finally:
+            node.stop()
+    finally:
+        master.stop()
