@@ -1,10 +1,14 @@
 """Throughput and latency of the byte-level store: client and node in separate processes, TCP.
 
-Run:  .venv/bin/python bench/bench_store.py [--quick]
+Run:  .venv/bin/python bench/bench_store.py [--quick] [--small [--repeat N]]
 
 Starts an embedded cluster (``kvstore up``: master in one process, storage node in another),
 then from this process measures put / get / get_into and batches of 16 at 4 KiB, 64 KiB,
 1 MiB and 16 MiB, verifying the bytes, and prints one table (GB/s, p50/p99 µs per operation).
+
+``--small`` measures only the per-request overheads the peer comparison cares about (single 4 KiB
+get/get_into, a batch of 16 x 4 KiB get_into, 1 MiB get/get_into/put) and prints, per workload,
+the best p50 of ``--repeat`` rounds, so before/after numbers of one change are comparable.
 """
 
 from __future__ import annotations
@@ -72,10 +76,58 @@ def row(name: str, size: int, per_op_bytes: int, samples: list[float]) -> str:
     return f"| {name:<18} | {size:>9} | {gbps:8.3f} | {np.percentile(s, 50) * 1e6:10.1f} | {np.percentile(s, 99) * 1e6:10.1f} |"
 
 
+def small(c: Client, repeat: int) -> None:
+    """Best-of-``repeat`` p50 (µs) of the small-request workloads."""
+    rng = np.random.default_rng(0)
+    v4 = rng.integers(0, 256, 4 << 10, dtype=np.uint8)
+    v1m = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    b4, b1m = np.empty_like(v4), np.empty_like(v1m)
+    keys = [f"small/b/{i}" for i in range(BATCH)]
+    vals = [rng.integers(0, 256, 4 << 10, dtype=np.uint8) for _ in range(BATCH)]
+    bufs = [np.empty(4 << 10, dtype=np.uint8) for _ in range(BATCH)]
+    c.put("small/4k", v4)
+    c.put("small/1m", v1m)
+    c.batch_put(keys, vals)
+    work: list[tuple[str, Callable[[], object], int]] = [
+        ("get 4KiB", lambda: c.get("small/4k"), 2000),
+        ("get_into 4KiB", lambda: c.get_into("small/4k", b4), 2000),
+        (f"batch_get_into x{BATCH} 4KiB", lambda: c.batch_get_into(keys, bufs), 500),
+        ("get 1MiB", lambda: c.get("small/1m"), 300),
+        ("get_into 1MiB", lambda: c.get_into("small/1m", b1m), 300),
+        ("put 1MiB", lambda: c.put("small/1m", v1m), 300),
+    ]
+    best: dict[str, float] = {}
+    for _ in range(repeat):
+        for name, fn, iters in work:
+            timed(fn, iters // 10)  # warm
+            p50 = float(np.percentile(timed(fn, iters), 50)) * 1e6
+            best[name] = min(best.get(name, p50), p50)
+    assert c.get("small/4k") == v4.tobytes() and c.get("small/1m") == v1m.tobytes()
+    c.get_into("small/1m", b1m)
+    assert np.array_equal(b1m, v1m) and np.array_equal(b4, v4)
+    assert all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True))
+    print(f"| workload (best p50 of {repeat}) | p50 (µs) |")
+    print("|---|---|")
+    for name, _, _ in work:
+        print(f"| {name} | {best[name]:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--small", action="store_true", help="only the small-request overheads")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds for --small (best p50)")
     args = ap.parse_args()
+    if args.small:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc, address = start_cluster(tmp, "256MiB")
+            try:
+                with Client.connect(address) as c:
+                    small(c, args.repeat)
+            finally:
+                os.kill(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=30)
+        return
     scale = 0.2 if args.quick else 1.0
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_cluster(tmp, "1GiB")

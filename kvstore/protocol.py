@@ -221,8 +221,15 @@ def recv_exact_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None
 
 
 def recv_exact(sock: socket.socket, size: int) -> bytes:
+    # One ``recv`` usually returns the whole (small) body: no scratch buffer, no extra copy.
+    data = sock.recv(size) if size else b""
+    if len(data) == size:
+        return data
+    if not data:
+        raise ConnectionError(f"peer closed after 0 of {size} bytes")
     buf = bytearray(size)
-    recv_exact_into(sock, memoryview(buf))
+    buf[: len(data)] = data
+    recv_exact_into(sock, memoryview(buf)[len(data) :])
     return bytes(buf)
 
 
@@ -239,6 +246,9 @@ _IOV_MAX = 512
 
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send every buffer with ``sendmsg`` (gather I/O: the payload is never joined or copied)."""
+    if len(buffers) == 1 and type(buffers[0]) is bytes:
+        sock.sendall(buffers[0])  # a frame without payload: one syscall, no views
+        return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
         sent = sock.sendmsg(views[:_IOV_MAX])
@@ -300,11 +310,17 @@ class FramedSocket:
         payload: Sequence[bytes | memoryview] = (),
     ) -> int:
         req_id = self.next_id()
+        if not payload:
+            self.sock.sendall(encode_request(req_id, verb, args))
+            return req_id
         payload_len = sum(len(memoryview(b).cast("B")) for b in payload)
         send_all(self.sock, [encode_request(req_id, verb, args, payload_len), *payload])
         return req_id
 
     def send_frame(self, frame: bytes, payload: Sequence[bytes | memoryview] = ()) -> None:
+        if not payload:
+            self.sock.sendall(frame)
+            return
         send_all(self.sock, [frame, *payload])
 
     def read_header(self) -> FrameHeader:
