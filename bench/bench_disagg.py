@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import torch
+
 from kvstore.client import Client, KVCache
 from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate

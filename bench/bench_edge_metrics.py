@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import time
 
+from kvstore import protocol
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.server import dispatch
 from kvstore.master.service import MasterConfig, MasterService
-
-from kvstore import protocol
 from kvstore.types import SegmentSpec
 
 

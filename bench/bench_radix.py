@@ -30,9 +30,9 @@ import time
 import tracemalloc
 
 import numpy as np
-from kvstore.master.radix import RadixIndex
 
 from kvstore.keys import Namespace, block_keys
+from kvstore.master.radix import RadixIndex
 
 LONG_TOKENS = 128 * 1024
 NUM_LONG_DOCS = 16

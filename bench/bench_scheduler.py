@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvstore.errors import KVStoreError
 from kvstore.master.scheduler import report
 from kvstore.master.scheduler.cluster import ClusterConfig
 from kvstore.master.scheduler.experiments import (
@@ -31,8 +32,6 @@ from kvstore.master.scheduler.experiments import (
 from kvstore.master.scheduler.policies import POLICIES
 from kvstore.master.scheduler.scheduler import SchedulerConfig
 from kvstore.master.scheduler.trace import load_trace
-
-from kvstore.errors import KVStoreError
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / ".." / "shared" / "data" / "traces" / "conversation_trace.jsonl"

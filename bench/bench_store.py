@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+
 from kvstore.client import Client
 
 SIZES = [("4KiB", 4 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)]

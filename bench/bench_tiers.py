@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+
 from kvstore.client import Client
 
 SIZES = [("64KiB", 64 << 10), ("1MiB", 1 << 20)]

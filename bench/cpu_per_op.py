@@ -17,6 +17,7 @@ import tempfile
 import time
 
 import numpy as np
+
 from kvstore.client import Client
 
 sys.path.insert(0, os.path.dirname(__file__))

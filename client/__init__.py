@@ -2,7 +2,6 @@
 
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
-
 from kvstore.keys import Namespace
 
 __all__ = ["Client", "KVCache", "Namespace"]

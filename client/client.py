@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import xxhash
+
+from kvstore import auth, protocol
+from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.transport import ReadItem, WriteItem
-
-from kvstore import auth, protocol
-from kvstore.buffers import as_bytes_view
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
     ChecksumMismatchError,

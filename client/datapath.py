@@ -14,10 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvstore import auth, rdma
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
-
-from kvstore import auth, rdma
 from kvstore.errors import KVStoreError
 
 #: How often (seconds) an unknown node id may trigger a fresh ``node_transports`` call.

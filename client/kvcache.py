@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import xxhash
-from kvstore.client.client import Client
-from kvstore.client.transport import ReadItem
 
 from kvstore.buffers import as_bytes_view
+from kvstore.client.client import Client
+from kvstore.client.transport import ReadItem
 from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,

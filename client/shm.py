@@ -29,9 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import xxhash
-from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_hash_target
 
 from kvstore import grants
+from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_hash_target
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
 from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
 

@@ -11,6 +11,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+
+from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest import openapi, page, routes
 from kvstore.master.rest.history import History, history_ctx
@@ -24,8 +26,6 @@ from kvstore.master.rest.state import (
 )
 from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
-
-from kvstore.errors import ErrorCode, KVStoreError
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,8 @@ id can never delete a newer object. Same interface as :class:`OffsetAllocator`.
 
 from __future__ import annotations
 
-from kvstore.master.allocator import DEFAULT_ALIGNMENT
-
 from kvstore.errors import InvalidRequestError
+from kvstore.master.allocator import DEFAULT_ALIGNMENT
 
 
 class ByteBudget:

@@ -10,14 +10,14 @@ import ssl
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from kvstore.auth import Token
 from kvstore.master.admin import AdminSettings, init_app
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
-
-from kvstore.auth import Token
 from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)

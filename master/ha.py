@@ -34,10 +34,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvstore.master.daemon import Master, install_stop_signals
-from kvstore.master.service import MasterConfig, MasterService
-from kvstore.master.tiering import TierConfig
-
 from kvstore import protocol
 from kvstore.auth import Token
 from kvstore.config import Address
@@ -50,6 +46,9 @@ from kvstore.errors import (
     StaleEpochError,
 )
 from kvstore.etcd import EtcdStore, KeyValue
+from kvstore.master.daemon import Master, install_stop_signals
+from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
-from kvstore.master.service import MasterService
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -32,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from kvstore import protocol
 from kvstore.errors import ErrorCode
+from kvstore.master.service import MasterService
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

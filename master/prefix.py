@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from kvstore.master.radix import RadixIndex
 
 from kvstore.errors import KeyNotFoundError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, parse_kv_object_key
+from kvstore.master.radix import RadixIndex
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,10 +46,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from kvstore.master.radix_tables import ChildTable, KeyTable
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BLOCK_KEY_BYTES, BlockKey, Namespace, as_token_array
+from kvstore.master.radix_tables import ChildTable, KeyTable
 
 _MIN_CAPACITY = 1024
 _GROWTH = 1.0625  # modest growth: capacity slack is index memory too (copies stay amortised O(1))

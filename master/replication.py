@@ -12,11 +12,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
-from kvstore.master.tiering import ordered_segments
-
 from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
+from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
+from kvstore.master.tiering import ordered_segments
 
 if TYPE_CHECKING:
     from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment

@@ -12,8 +12,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvstore.master.service import MasterService
-
 from kvstore import auth, protocol
 from kvstore.config import check_wire_key
 from kvstore.errors import (
@@ -26,6 +24,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.master.service import MasterService
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 

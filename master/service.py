@@ -30,14 +30,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
-from kvstore.master.allocator import OffsetAllocator
-from kvstore.master.budget import ByteBudget
-from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
-from kvstore.master.prefix import PrefixIndex, PrefixMatch
-from kvstore.master.prefix_restore import PromptMetaBacklog
-from kvstore.master.replication import Replicator
-from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
-from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
 
 from kvstore import grants
 from kvstore.config import MAX_OBJECT_BYTES
@@ -52,12 +44,19 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
+from kvstore.master.allocator import OffsetAllocator
+from kvstore.master.budget import ByteBudget
+from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
+from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix_restore import PromptMetaBacklog
+from kvstore.master.replication import Replicator
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
+from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 if TYPE_CHECKING:
-    from kvstore.master.recovery import AdmissionReport
-
     from kvstore.manifest import ManifestClaim
+    from kvstore.master.recovery import AdmissionReport
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.errors import InvalidRequestError, NoSpaceError
 from kvstore.master.eviction import make_policy
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task
-
-from kvstore.errors import InvalidRequestError, NoSpaceError
 
 if TYPE_CHECKING:
     from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment

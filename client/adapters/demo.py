@@ -82,6 +82,7 @@ def run_demo(
         One row per prompt.
     """
     import torch
+
     from kvstore.client.adapters.models import build_model
     from kvstore.client.adapters.workers import colocated_generate
 

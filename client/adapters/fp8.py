@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 import xxhash
-from kvstore.cuda import reference as ref
 
+from kvstore.cuda import reference as ref
 from kvstore.errors import InvalidRequestError
 
 DEFAULT_HEADROOM = 2.0

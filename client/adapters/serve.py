@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
     import torch
+
     from kvstore.client import Client, KVCache
     from kvstore.client.adapters import hf
     from kvstore.client.adapters.fp8 import calibrate

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
-from kvstore.master.rest.security import READ_ONLY_POSTS
-from kvstore.master.rest.state import SETTINGS_KEY
 
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
+from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
+from kvstore.master.rest.security import READ_ONLY_POSTS
+from kvstore.master.rest.state import SETTINGS_KEY
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 

@@ -14,9 +14,6 @@ import re
 from typing import Any
 
 from aiohttp import web
-from kvstore.master.metrics import CONTENT_TYPE
-from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
-from kvstore.master.service import MasterService, ObjectMeta
 
 from kvstore.config import MAX_KEY_BYTES, encode_key
 from kvstore.errors import (
@@ -27,6 +24,9 @@ from kvstore.errors import (
     NodeUnavailableError,
 )
 from kvstore.keys import Namespace, as_token_array
+from kvstore.master.metrics import CONTENT_TYPE
+from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
+from kvstore.master.service import MasterService, ObjectMeta
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from kvstore.master.rest.state import SETTINGS_KEY
 
 from kvstore import auth
 from kvstore.errors import UnauthenticatedError
+from kvstore.master.rest.state import SETTINGS_KEY
 
 ALWAYS_OPEN = frozenset({"/health", "/ready", "/"})
 #: POST routes that change nothing (a query with a body).

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiohttp import web
+
+from kvstore.auth import Token
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest.history import History
 from kvstore.master.service import MasterService
-
-from kvstore.auth import Token
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvstore.client.adapters.models import build_model, greedy_margins
 from kvstore.client.adapters.serve import WorkerProcess
 from kvstore.client.adapters.workers import colocated_generate
-
 from kvstore.errors import InvalidRequestError
 
 BS = 16

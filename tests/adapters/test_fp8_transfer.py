@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvstore.client import Client, KVCache
 from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate, dequantize_layer, quantize_layers
 from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
-
 from tests.support import Cluster, start_master
 
 BS = 16

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from kvstore.client import Client, KVCache
 from kvstore.client.adapters import hf
 from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker, colocated_generate
-
 from kvstore.errors import InvalidRequestError, NodeUnavailableError
 from kvstore.keys import Namespace
 from tests.support import Cluster, start_master

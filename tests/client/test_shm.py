@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kvstore.client.shm import ShmMapping, ShmTransport
-from kvstore.client.transport import ReadItem, WriteItem
 
 from kvstore import grants
+from kvstore.client.shm import ShmMapping, ShmTransport
+from kvstore.client.transport import ReadItem, WriteItem
 from kvstore.errors import OutOfRangeError, TransportUnavailableError
 from kvstore.node.arena import ShmArena
 from kvstore.transports import ShmOffer

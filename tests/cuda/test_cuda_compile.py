@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
 from kvstore.cuda.kernels import KERNEL_DIR
 
 

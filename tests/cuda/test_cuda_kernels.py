@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvstore.cuda import kernels
 from kvstore.cuda import reference as ref
 

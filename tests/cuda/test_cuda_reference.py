@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvstore.cuda import reference as ref
 
+from kvstore.cuda import reference as ref
 from kvstore.errors import InvalidRequestError
 
 

@@ -10,9 +10,8 @@ import os
 import signal
 import time
 
-from kvstore.client import Client
-
 from kvstore import protocol
+from kvstore.client import Client
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError
 from tests.etcd_harness import (  # noqa: F401 - fixtures

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from kvstore.client import Client
 
 from kvstore import protocol
+from kvstore.client import Client
 from kvstore.config import Address
 from kvstore.discovery import EtcdLayout
 from kvstore.errors import MasterUnavailableError

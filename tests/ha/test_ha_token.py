@@ -4,8 +4,8 @@ through etcd, exactly as it guards the embedded master."""
 from __future__ import annotations
 
 import pytest
-from kvstore.client import Client
 
+from kvstore.client import Client
 from kvstore.errors import UnauthenticatedError
 from tests.etcd_harness import etcd, ha_factory  # noqa: F401 - fixtures
 

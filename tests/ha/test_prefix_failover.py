@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-from kvstore.client import Client, KVCache, Namespace
 
+from kvstore.client import Client, KVCache, Namespace
 from tests.etcd_harness import etcd, ha_factory  # noqa: F401 - fixtures
 from tests.support import wait_until
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvstore.client import Client, KVCache, Namespace
 
 from kvstore import protocol
+from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import ErrorCode, UnauthenticatedError
 from tests.support import Cluster, start_master
 

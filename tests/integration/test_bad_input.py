@@ -10,9 +10,9 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvstore.client import Client
 
 from kvstore import grants, protocol
+from kvstore.client import Client
 from kvstore.errors import ErrorCode, KVStoreError
 
 

@@ -10,9 +10,9 @@ import textwrap
 
 import numpy as np
 import pytest
-from kvstore.client import Client
 
 from kvstore import protocol
+from kvstore.client import Client
 from kvstore.errors import (
     InvalidRequestError,
     KeyNotFoundError,

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
-from kvstore.client import Client
-from kvstore.client.transport import ReadItem, TcpTransport
 
 from kvstore import grants, protocol
+from kvstore.client import Client
+from kvstore.client.transport import ReadItem, TcpTransport
 from kvstore.errors import (
     KeyNotFoundError,
     KVTimeoutError,

@@ -8,8 +8,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from kvstore.client import Client, KVCache, Namespace
 
+from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import InvalidRequestError
 
 L, H, D, BS = 3, 2, 16, 16

@@ -12,8 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvstore.client import Client
 
+from kvstore.client import Client
 from tests.support import Cluster, start_master
 
 SECRET = "ops-cli-test-token-0123456789abcdef"

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvstore.client import Client
 
+from kvstore.client import Client
 from tests.support import wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"

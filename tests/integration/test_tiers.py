@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kvstore.client import Client
 
+from kvstore.client import Client
 from kvstore.errors import (
     GrantInvalidError,
     InvalidRequestError,

@@ -11,8 +11,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvstore.client import Client
 
+from kvstore.client import Client
 from tests.support import Daemon
 
 

@@ -49,7 +49,6 @@ def test_hbm_bad_size() -> None:
 @pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU (torch sees none)")
 def test_puts_land_in_hbm_and_demote_to_dram(cluster_factory, tmp_path: Path) -> None:
     from kvstore.client import Client
-
     from tests.support import wait_until
 
     cluster = cluster_factory(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvstore.master.allocator import OffsetAllocator
 
 from kvstore.errors import InvalidRequestError
+from kvstore.master.allocator import OffsetAllocator
 
 CAP = 4096
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvstore.master.ha import HAConfig, Leadership
-from kvstore.master.service import MasterService
 
 from kvstore import protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, InvalidRequestError
+from kvstore.master.ha import HAConfig, Leadership
+from kvstore.master.service import MasterService
 from kvstore.types import SegmentSpec
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore import protocol
+from kvstore.errors import InvalidRequestError
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest.history import History
 from kvstore.master.rest.routes import decode_cursor, encode_cursor
 from kvstore.master.server import dispatch
 from kvstore.master.service import MasterService
-from prometheus_client.parser import text_string_to_metric_families
-
-from kvstore import protocol
-from kvstore.errors import InvalidRequestError
 from kvstore.types import SegmentSpec
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvstore.master.prefix import PrefixIndex
-from kvstore.master.prefix_restore import PromptMetaBacklog
 
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import decode_prompt_meta, encode_prompt_meta, kv_object_key
+from kvstore.master.prefix import PrefixIndex
+from kvstore.master.prefix_restore import PromptMetaBacklog
 
 NS = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
 

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvstore.master.radix import Match, RadixIndex
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import Namespace, block_keys
+from kvstore.master.radix import Match, RadixIndex
 
 BS = 3
 NS_A = Namespace("model", "float16", 2, 2, 4, block_size=BS)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from kvstore.master.service import MasterConfig, MasterService
 
 from kvstore.errors import NodeUnavailableError
 from kvstore.manifest import ManifestClaim, claims_from_wire, verify_claims
+from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import PutTicket, SegmentSpec
 
 SECRET = b"s" * 32

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from kvstore.master.service import MasterConfig, MasterService
 
 from kvstore import grants
 from kvstore.errors import (
@@ -14,6 +13,7 @@ from kvstore.errors import (
     ObjectBusyError,
     PutNotFoundError,
 )
+from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import PutTicket, SegmentSpec
 
 

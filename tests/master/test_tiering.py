@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from kvstore.master.eviction import EVICTION_POLICIES, make_policy
-from kvstore.master.service import MasterConfig, MasterService
-from kvstore.master.tiering import TierConfig
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
 from kvstore.manifest import ManifestClaim
+from kvstore.master.eviction import EVICTION_POLICIES, make_policy
+from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.tiering import TierConfig
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 KIB = 1024

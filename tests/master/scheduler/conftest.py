@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvstore.master.scheduler.trace import TraceRequest, load_trace
 
 from .factories import TRACE_PATH

@@ -3,10 +3,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvstore.master.scheduler.api import SchedulerState, schedule_request
-from kvstore.master.scheduler.cluster import ClusterConfig, ClusterState
 
 from kvstore.errors import ErrorCode, InvalidRequestError
+from kvstore.master.scheduler.api import SchedulerState, schedule_request
+from kvstore.master.scheduler.cluster import ClusterConfig, ClusterState
 
 
 def state() -> SchedulerState:

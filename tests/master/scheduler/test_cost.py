@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvstore.master.scheduler.cost import CostModel
 
 from kvstore.errors import InvalidRequestError
+from kvstore.master.scheduler.cost import CostModel
 
 COST = CostModel()
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.policies import POLICIES, BlockCache, make_policy
 from kvstore.master.scheduler.replay import replay_per_instance, replay_pool
 from kvstore.master.scheduler.trace import TraceRequest
-
-from kvstore.errors import InvalidRequestError
 
 from .factories import synthetic_trace
 

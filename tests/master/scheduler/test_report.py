@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvstore.master.scheduler.__main__ import main
 from kvstore.master.scheduler.report import capacity_label, format_table
 

@@ -5,6 +5,8 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cluster import ClusterConfig, ClusterState
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.scheduler import (
@@ -15,8 +17,6 @@ from kvstore.master.scheduler.scheduler import (
     make_router,
 )
 from kvstore.master.scheduler.slo import SLOClass
-
-from kvstore.errors import InvalidRequestError
 
 BS = 512
 COST = CostModel()

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cluster import ClusterConfig
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.experiments import BASELINES, best_baseline, run_routers
@@ -13,8 +15,6 @@ from kvstore.master.scheduler.replay import replay_pool
 from kvstore.master.scheduler.scheduler import ROUTERS, SchedulerConfig
 from kvstore.master.scheduler.simulator import SimConfig, simulate
 from kvstore.master.scheduler.trace import parse_trace_lines
-
-from kvstore.errors import InvalidRequestError
 
 from .factories import synthetic_trace, trace_line
 

@@ -5,14 +5,14 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.trace import (
     TraceFormatError,
     load_trace,
     num_blocks_for,
     parse_trace_lines,
 )
-
-from kvstore.errors import InvalidRequestError
 
 from .factories import synthetic_trace, trace_line
 
