@@ -20,7 +20,6 @@ import argparse
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -31,35 +30,16 @@ from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate
 from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
+from kvstore.embedded import EmbeddedCluster
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 BLOCK = 64
 
 
-def start_cluster(data_dir: str, dram: str) -> tuple[subprocess.Popen, str]:
-    up = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "--log-level",
-            "warning",
-            "up",
-            "--port",
-            "0",
-            "--dram",
-            dram,
-            "--data-dir",
-            data_dir,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert up.stdout is not None
-    for line in up.stdout:
-        if "kvstore up: ready" in line:
-            return up, line.split("control=")[1].split()[0]
-    raise SystemExit("the embedded cluster did not start")
+def start_cluster(data_dir: str, dram: str) -> tuple[subprocess.Popen[str], str]:
+    """An embedded cluster (``kvstore up``) in a child process, and its control address."""
+    cluster = EmbeddedCluster(data_dir, dram)
+    return cluster.proc, cluster.address
 
 
 class Prompts:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,40 +24,16 @@ from collections.abc import Callable
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.embedded import EmbeddedCluster
 
 SIZES = [("4KiB", 4 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)]
 BATCH = 16
 
 
 def start_cluster(data_dir: str, dram: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "--log-level",
-            "warning",
-            "up",
-            "--port",
-            "0",
-            "--dram",
-            dram,
-            "--data-dir",
-            data_dir,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:
-        m = re.search(r"ready control=(\S+)", line)
-        if m:
-            return proc, m.group(1)
-        if time.monotonic() > deadline:
-            break
-    proc.kill()
-    raise RuntimeError("cluster did not start")
+    """An embedded cluster (``kvstore up``) in a child process, and its control address."""
+    cluster = EmbeddedCluster(data_dir, dram)
+    return cluster.proc, cluster.address
 
 
 def timed(fn: Callable[[], object], iters: int) -> list[float]:

@@ -258,9 +258,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
     import importlib.util
-    import signal
-    import subprocess
     import tempfile
+
+    from kvstore.embedded import EmbeddedCluster
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
@@ -283,44 +283,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run_demo(args.master, **options)
         return 0
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
-        up = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvstore",
-                "--log-level",
-                "warning",
-                "up",
-                "--port",
-                "0",
-                "--dram",
-                args.dram,
-                "--data-dir",
-                data_dir,
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
         try:
-            assert up.stdout is not None
-            address = ""
-            for line in up.stdout:  # `kvstore up` prints its ready line within READY_TIMEOUT_S
-                if "kvstore up: ready" in line:
-                    address = line.split("control=")[1].split()[0]
-                    break
-            if not address:
-                print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
-                return 1
-            print(f"kvstore demo: embedded cluster at {address} (pid {up.pid})", flush=True)
-            run_demo(address, **options)
-        finally:
-            if up.poll() is None:
-                up.send_signal(signal.SIGTERM)
-                try:
-                    up.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    up.kill()
-                    up.wait()
+            cluster = EmbeddedCluster(data_dir, args.dram)
+        except KVStoreError:
+            print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+            return 1
+        with cluster:
+            print(
+                f"kvstore demo: embedded cluster at {cluster.address} (pid {cluster.pid})",
+                flush=True,
+            )
+            run_demo(cluster.address, **options)
     return 0
 
 

@@ -1,0 +1,73 @@
+"""Start and stop an embedded cluster (``kvstore up``) as a child process, for the demo and the
+benchmarks: one place that knows its command line and its ``ready`` line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from kvstore.errors import MasterUnavailableError
+
+
+class EmbeddedCluster:
+    """``kvstore up`` in a child process; a context manager that stops it by PID.
+
+    Args:
+        data_dir: where the node keeps its files.
+        dram: the node's DRAM size, e.g. ``"1GiB"``.
+        extra: more ``kvstore up`` flags (e.g. ``["--shm"]``).
+
+    Raises:
+        MasterUnavailableError: the cluster exited before printing its ready line.
+    """
+
+    def __init__(self, data_dir: str, dram: str, extra: list[str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "--log-level",
+                "warning",
+                "up",
+                "--port",
+                "0",
+                "--dram",
+                dram,
+                "--data-dir",
+                data_dir,
+                *(extra or []),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.address = ""
+        # `kvstore up` prints its ready line, or exits, within its own start timeout.
+        for line in self.proc.stdout:
+            if "kvstore up: ready" in line:
+                self.address = line.split("control=")[1].split()[0]
+                break
+        if not self.address:
+            self.stop()
+            raise MasterUnavailableError("the embedded cluster failed to start")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> EmbeddedCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
