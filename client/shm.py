@@ -158,22 +158,36 @@ class ShmTransport:
         self._maps.clear()
 
     # ---------------------------------------------------------------- copies
+    def _granted(
+        self, node_id: str, grant: grants.Grant, op: str, checked: set[tuple[str, str]]
+    ) -> memoryview | None:
+        """The granted bytes in the node's mapped arena, or None where shm does not serve it.
+
+        Each mapping is checked (file still there, same size) once per batch.
+
+        Raises:
+            TransportUnavailableError: the mapping went bad; OutOfRangeError: a bad grant.
+        """
+        m = self.mapping(node_id, grant.segment)
+        if m is None:
+            return None
+        key = (node_id, grant.segment)
+        if key not in checked:
+            m.check()
+            checked.add(key)
+        return m.granted(grant, op)
+
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
         """Copy what shm can serve into each item's ``dest``; returns the items left for TCP."""
         rest: list[ReadItem] = []
         checked: set[tuple[str, str]] = set()
         for item in items:
             loc = item.location
-            m = self.mapping(loc.node_id, loc.grant.segment)
-            if m is None:
-                rest.append(item)
-                continue
             try:
-                key = (loc.node_id, loc.grant.segment)
-                if key not in checked:
-                    m.check()
-                    checked.add(key)
-                src = m.granted(loc.grant, grants.OP_READ)
+                src = self._granted(loc.node_id, loc.grant, grants.OP_READ, checked)
+                if src is None:
+                    rest.append(item)
+                    continue
                 if item.ranges is None:
                     if len(src) != len(item.dest):
                         raise TransportUnavailableError("destination does not match the grant")
@@ -203,16 +217,11 @@ class ShmTransport:
         checked: set[tuple[str, str]] = set()
         for item in items:
             loc = item.location
-            m = self.mapping(loc.node_id, loc.grant.segment)
-            if m is None:
-                rest.append(item)
-                continue
             try:
-                key = (loc.node_id, loc.grant.segment)
-                if key not in checked:
-                    m.check()
-                    checked.add(key)
-                dest = m.granted(loc.grant, grants.OP_WRITE)
+                dest = self._granted(loc.node_id, loc.grant, grants.OP_WRITE, checked)
+                if dest is None:
+                    rest.append(item)
+                    continue
                 if len(dest) != len(item.data):
                     raise TransportUnavailableError("value does not match the grant")
                 dest[:] = item.data
