@@ -117,42 +117,27 @@ def cmd_master(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from kvstore.node.daemon import serve_node
+    from kvstore.node.daemon import NodeOptions, serve_node
 
-    if args.master.startswith("etcd://"):
-        from kvstore.node.follow import serve_node_ha
-
-        serve_node_ha(
-            args.master,
-            args.etcd_prefix,
-            args.etcd_ttl,
-            args.host,
-            args.port,
-            parse_size(args.dram),
-            Path(args.data_dir),
-            token=auth.load_token(args.token_file),
-            admin_port=args.admin_port,
-            public_reads=args.public_reads,
-            nvme_bytes=parse_size(args.nvme),
-            hbm_bytes=parse_size(args.hbm),
-            shm=args.shm,
-            ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
-        )
-        return 0
-    serve_node(
-        Address.parse(args.master),
-        args.host,
-        args.port,
-        parse_size(args.dram),
-        Path(args.data_dir),
-        parse_size(args.nvme),
-        parse_size(args.hbm),
+    options = NodeOptions(
+        host=args.host,
+        port=args.port,
+        dram_bytes=parse_size(args.dram),
+        data_dir=Path(args.data_dir),
+        nvme_bytes=parse_size(args.nvme),
+        hbm_bytes=parse_size(args.hbm),
         token=auth.load_token(args.token_file),
         admin_port=args.admin_port,
         public_reads=args.public_reads,
         shm=args.shm,
         ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
     )
+    if args.master.startswith("etcd://"):
+        from kvstore.node.follow import serve_node_ha
+
+        serve_node_ha(args.master, args.etcd_prefix, args.etcd_ttl, options)
+    else:
+        serve_node(Address.parse(args.master), options)
     return 0
 
 

@@ -8,6 +8,7 @@ import signal
 import ssl
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore import auth, grants
@@ -41,25 +42,40 @@ def load_node_id(data_dir: Path) -> str:
     return node_id
 
 
+@dataclass(frozen=True, slots=True)
+class NodeOptions:
+    """How a storage node runs: the ``kvstore node`` flags, whatever finds its master.
+
+    Attributes:
+        shm: offer same-host clients of this user the arena file (the shm transport).
+        admin_port: serve the node's small REST there (None: no REST).
+    """
+
+    host: str
+    port: int
+    dram_bytes: int
+    data_dir: Path
+    nvme_bytes: int = 0
+    hbm_bytes: int = 0
+    token: auth.Token | None = None
+    admin_port: int | None = None
+    public_reads: bool = True
+    shm: bool = False
+    ssl_context: ssl.SSLContext | None = None
+
+
 class StorageNode:
     """A node's parts, started and stopped together."""
 
-    def __init__(
-        self,
-        master: Address,
-        host: str,
-        port: int,
-        dram_bytes: int,
-        data_dir: Path,
-        nvme_bytes: int = 0,
-        hbm_bytes: int = 0,
-        *,
-        token: auth.Token | None = None,
-        admin_port: int | None = None,
-        public_reads: bool = True,
-        shm: bool = False,
-        ssl_context: ssl.SSLContext | None = None,
-    ) -> None:
+    def __init__(self, master: Address, options: NodeOptions) -> None:
+        self.options = options
+        host, port, data_dir = options.host, options.port, options.data_dir
+        dram_bytes, nvme_bytes, hbm_bytes = (
+            options.dram_bytes,
+            options.nvme_bytes,
+            options.hbm_bytes,
+        )
+        token = options.token
         if dram_bytes <= 0:
             raise InvalidRequestError("--dram must be > 0")
         if nvme_bytes < 0 or hbm_bytes < 0:
@@ -88,13 +104,13 @@ class StorageNode:
             self.server,
             specs,
             token=token,
-            transports=node_transports(self.server, {"dram": self.dram.path}, shm),
+            transports=node_transports(self.server, {"dram": self.dram.path}, options.shm),
         )
         self.admin: NodeAdmin | None = None
-        if admin_port is not None:
+        if options.admin_port is not None:
             self.admin = NodeAdmin(
                 host,
-                admin_port,
+                options.admin_port,
                 self.node_id,
                 self.server.stats,
                 {
@@ -102,8 +118,8 @@ class StorageNode:
                     **{t.segment: (t.tier, t.capacity) for t in tiers.values()},
                 },
                 token=token,
-                public_reads=public_reads,
-                ssl_context=ssl_context,
+                public_reads=options.public_reads,
+                ssl_context=options.ssl_context,
             )
 
     def start(self, register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
@@ -150,50 +166,17 @@ def node_transports(
     return offered
 
 
-def serve_node(
-    master: Address,
-    host: str,
-    port: int,
-    dram_bytes: int,
-    data_dir: Path,
-    nvme_bytes: int = 0,
-    hbm_bytes: int = 0,
-    *,
-    token: auth.Token | None = None,
-    admin_port: int | None = None,
-    public_reads: bool = True,
-    shm: bool = False,
-    ssl_context: ssl.SSLContext | None = None,
-) -> None:
-    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line.
-
-    Args:
-        shm: offer same-host clients of this user the arena file (the shm transport).
-    """
+def serve_node(master: Address, options: NodeOptions) -> None:
+    """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    node = StorageNode(
-        master,
-        host,
-        port,
-        dram_bytes,
-        data_dir,
-        nvme_bytes,
-        hbm_bytes,
-        token=token,
-        admin_port=admin_port,
-        public_reads=public_reads,
-        shm=shm,
-        ssl_context=ssl_context,
-    )
+    node = StorageNode(master, options)
     node.start()
-    run_until_stopped(node, str(master), stop, shm)
+    run_until_stopped(node, str(master), stop)
 
 
-def run_until_stopped(
-    node: StorageNode, master_label: str, stop: threading.Event, shm: bool
-) -> None:
+def run_until_stopped(node: StorageNode, master_label: str, stop: threading.Event) -> None:
     """Print the ``ready`` line, serve until ``stop`` (a signal) or retirement, then stop the node."""
     host = node.server.host
     admin = (
@@ -202,7 +185,7 @@ def run_until_stopped(
     tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
     print(
         f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master_label} "
-        f"dram={node.dram.size}{tiers}{admin} shm={'on' if shm else 'off'}",
+        f"dram={node.dram.size}{tiers}{admin} shm={'on' if node.options.shm else 'off'}",
         flush=True,
     )
     threading.Thread(

@@ -12,16 +12,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import ssl
 import threading
-from pathlib import Path
 
-from kvstore.auth import Token
 from kvstore.config import Address
 from kvstore.discovery import EtcdLayout, LeaderResolver, NodeRecord
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdThread, parse_endpoints
-from kvstore.node.daemon import StorageNode, run_until_stopped
+from kvstore.node.daemon import NodeOptions, StorageNode, run_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -106,23 +103,10 @@ def serve_node_ha(
     etcd_url: str,
     prefix: str,
     ttl_s: int,
-    host: str,
-    port: int,
-    dram_bytes: int,
-    data_dir: Path,
+    options: NodeOptions,
     join_timeout_s: float = 30.0,
-    *,
-    token: Token | None = None,
-    admin_port: int | None = None,
-    public_reads: bool = True,
-    nvme_bytes: int = 0,
-    hbm_bytes: int = 0,
-    shm: bool = False,
-    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.
-
-    ``shm``: offer same-host clients of this user the DRAM arena (the shm transport).
 
     Raises:
         InvalidRequestError: a malformed etcd URL or prefix.
@@ -141,24 +125,11 @@ def serve_node_ha(
         return rec.control, rec.epoch
 
     _check_etcd(resolver, etcd_url)
-    node = StorageNode(
-        Address("etcd", 0),
-        host,
-        port,
-        dram_bytes,
-        data_dir,
-        nvme_bytes,
-        hbm_bytes,
-        token=token,
-        admin_port=admin_port,
-        public_reads=public_reads,
-        shm=shm,
-        ssl_context=ssl_context,
-    )
+    node = StorageNode(Address("etcd", 0), options)
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2
     membership = EtcdMembership(
-        resolver.etcd, layout, node.node_id, f"{host}:{node.server.port}", ttl_s
+        resolver.etcd, layout, node.node_id, f"{options.host}:{node.server.port}", ttl_s
     )
     membership.start()
     if not membership.joined.wait(join_timeout_s):
@@ -174,7 +145,7 @@ def serve_node_ha(
         resolver.close()
         raise
     try:
-        run_until_stopped(node, etcd_url, stop, shm)
+        run_until_stopped(node, etcd_url, stop)
     finally:
         membership.stop()
         resolver.close()
