@@ -15,7 +15,6 @@ the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
 
 from __future__ import annotations
 
-from collections import Counter as Tally
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,6 +158,7 @@ class MasterMetrics:
         self.num_requests = 0
         self.num_hits = 0
         self.num_misses = 0
+        self._hits_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ recording
     def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
@@ -175,36 +175,23 @@ class MasterMetrics:
         children[0].inc()
         children[1].observe(seconds)
         self.num_requests += 1
-        if verb == "get_locations" and code == 0 and isinstance(result, list):
-            self._record_lookups(request.args.get("keys"), result)
+        if verb in ("get_locations", "kv_match"):
+            self._sync_lookups()
 
-    def _record_lookups(self, keys: Any, results: list[Any]) -> None:
-        if not isinstance(keys, list) or len(keys) != len(results):
-            return
-        # Count hits per (node, segment) of the first replica, then map each pair to its tier once.
-        places: Tally[tuple[str, str]] = Tally()
-        num_misses = 0
-        objects = self.service.objects
-        for key, r in zip(keys, results, strict=True):
-            obj = None
-            if r[0] == 0:
-                obj = objects.get(key.encode() if isinstance(key, str) else key)
-            if obj is None or not obj.replicas:
-                num_misses += 1
-            else:
-                replica = obj.replicas[0]
-                places[(replica.node_id, replica.segment)] += 1
-        tiers: Tally[str] = Tally()
-        for (node_id, segment), n in places.items():
-            node = self.service.nodes.get(node_id)
-            seg = node.segments.get(segment) if node is not None else None
-            tiers[seg.tier if seg is not None else "unknown"] += n
-        for tier, n in tiers.items():
-            self.lookups.labels(tier, "hit").inc(n)
-            self.num_hits += n
-        if num_misses:
-            self.lookups.labels("none", "miss").inc(num_misses)
-            self.num_misses += num_misses
+    def _sync_lookups(self) -> None:
+        """Carry the service's hit/miss counts (it counts them while answering) into the
+        counters: O(tiers) per request, no second look-up of the keys."""
+        svc = self.service
+        for tier, total in svc.hits_by_tier.items():
+            delta = total - self._hits_seen.get(tier, 0)
+            if delta:
+                self.lookups.labels(tier, "hit").inc(delta)
+                self._hits_seen[tier] = total
+                self.num_hits += delta
+        delta = svc.num_misses - self.num_misses
+        if delta:
+            self.lookups.labels("none", "miss").inc(delta)
+            self.num_misses = svc.num_misses
 
     def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
         """Count a key-chain match: ``num_matched`` leading keys of ``num_queried`` were stored."""

@@ -22,6 +22,7 @@ NOTE: single-threaded by design; the master's event loop is the only caller.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -186,6 +187,8 @@ class MasterService:
         self.num_dead_nodes = 0
         self.num_hits = 0
         self.num_misses = 0
+        # Hits by the tier of the replica a reader tries first (metrics read these, cheaply).
+        self.hits_by_tier: collections.Counter[str] = collections.Counter()
         self.deferred = DeferredFrees()
         self.tasks = TaskBook()
         self.tiering = TierManager(self, tiers or TierConfig())
@@ -570,6 +573,8 @@ class MasterService:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
                 continue
             self.num_hits += 1
+            if obj.replicas:
+                self.hits_by_tier[obj.replicas[0].tier] += 1
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
             locs = [self._location(r, key, grants.OP_READ, expires) for r in obj.replicas]
