@@ -7,9 +7,6 @@ difference, and greedy-token agreement with the unquantised model over a few pro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,20 +15,8 @@ from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate, dequantize_layer, quantize_layers
 from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
-from tests.support import Cluster, start_master
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
-    cluster = Cluster(Path(tmp_path_factory.mktemp("fp8pool")), start_master())
-    try:
-        cluster.add_node("128MiB")
-        with Client.connect(cluster.address) as client:
-            yield client
-    finally:
-        cluster.stop()
 
 
 def prompt(n: int, seed: int) -> list[int]:

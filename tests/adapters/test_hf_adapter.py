@@ -20,20 +20,8 @@ from kvstore.client.adapters.models import build_model
 from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker, colocated_generate
 from kvstore.errors import InvalidRequestError, NodeUnavailableError
 from kvstore.keys import Namespace
-from tests.support import Cluster, start_master
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
-    cluster = Cluster(Path(tmp_path_factory.mktemp("pool")), start_master())
-    try:
-        cluster.add_node("128MiB")
-        with Client.connect(cluster.address) as client:
-            yield client
-    finally:
-        cluster.stop()
 
 
 def prompt(n: int, seed: int) -> list[int]:
