@@ -19,6 +19,10 @@ than the largest class, or one that does not fit under the bound while every poo
 lent, gets a one-off buffer of its exact size, freed when the call ends (not chunked: the data
 path needs one contiguous buffer per object, to checksum it and to ``recv_into`` it whole).
 
+NOTE: torch's own caching host allocator keeps pinned blocks that were freed (a one-off buffer
+included) for later ``pin_memory`` allocations; the bound here is on what this pool holds, not on
+what torch caches (``torch.accelerator.empty_host_cache()`` returns that to the OS).
+
 torch is imported only here, and only once a caller has passed a CUDA tensor.
 """
 
