@@ -19,6 +19,7 @@ from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import ReadItem, WriteItem
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
@@ -243,6 +244,8 @@ class Client:
         self._lease_window = 0.0
         self._want_lease_reads = lease_reads
         self._scratch = _Scratch()
+        self._staging: CudaStaging | None = None  # made when a CUDA tensor first comes by
+        self._staging_lock = threading.Lock()
         self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
@@ -338,6 +341,16 @@ class Client:
         """
         return self._batch_put(keys, values, replicas=replicas)
 
+    def _stager(self, objs: Sequence[Any]) -> CudaStaging | None:
+        """The CUDA staging when any of ``objs`` is a CUDA tensor (made on first use), else None."""
+        staging = self._staging
+        if not (staging.any_device(objs) if staging else any(map(is_cuda_tensor, objs))):
+            return None
+        with self._staging_lock:
+            if self._staging is None:
+                self._staging = CudaStaging(PinnedPool())
+            return self._staging
+
     def _batch_put(
         self,
         keys: Sequence[str | bytes],
@@ -346,9 +359,23 @@ class Client:
         replicas: int = 1,
     ) -> list[KVStoreError | None]:
         """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
-        KV-cache layer indexes the prompt in the same call as the commit)."""
+        KV-cache layer indexes the prompt in the same call as the commit). CUDA tensors are
+        staged through pinned host buffers first (see :mod:`kvstore.client.staging`)."""
         if len(keys) != len(values):
             raise InvalidRequestError("keys and values differ in length")
+        stager = self._stager(values)
+        if stager is None:
+            return self._batch_put_host(keys, values, commit, replicas)
+        with stager.puts(values) as host_values:
+            return self._batch_put_host(keys, host_values, commit, replicas)
+
+    def _batch_put_host(
+        self,
+        keys: Sequence[str | bytes],
+        values: Sequence[Any],
+        commit: dict[str, Any] | None,
+        replicas: int,
+    ) -> list[KVStoreError | None]:
         results: list[KVStoreError | None] = [None] * len(keys)
         wire_keys: list[bytes] = []
         views: list[memoryview] = []
@@ -460,11 +487,25 @@ class Client:
     ) -> list[int | KVStoreError]:
         """Read many objects straight into caller buffers (each at least the object's size).
 
+        A CUDA tensor is filled through a pinned host buffer (one H2D copy, only for keys that
+        were read whole and verified); see :mod:`kvstore.client.staging`.
+
         Returns:
             Per key, the number of bytes written into its buffer, or the error for that key.
         """
         if len(keys) != len(buffers):
             raise InvalidRequestError("keys and buffers differ in length")
+        stager = self._stager(buffers)
+        if stager is None:
+            return self._batch_get_into_host(keys, buffers)
+        with stager.gets(buffers) as staged:
+            results = self._batch_get_into_host(keys, staged.buffers)
+            staged.finish(results)
+        return results
+
+    def _batch_get_into_host(
+        self, keys: Sequence[str | bytes], buffers: Sequence[Any]
+    ) -> list[int | KVStoreError]:
         results: list[int | KVStoreError] = [0] * len(keys)
         wire_keys: list[bytes] = []
         dests: list[memoryview] = []
@@ -755,7 +796,14 @@ class Client:
             GrantInvalidError (lease over), NodeUnavailableError, ChecksumMismatchError, ...
         """
         results: list[Any] = [None]
-        self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+        stager = self._stager([buffer])
+        if stager is None:
+            self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+            return _raise_if_error(results[0])
+        with stager.gets([buffer]) as staged:
+            dest = as_bytes_view(staged.buffers[0], writable=True)
+            self._read_objects([info], [dest], [0], results)
+            staged.finish(results)
         return _raise_if_error(results[0])
 
     def stats(self) -> dict[str, Any]:
