@@ -179,6 +179,8 @@ class ShmTransport:
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
         """Copy what shm can serve into each item's ``dest``; returns the items left for TCP."""
+        if not self._offers:
+            return list(items)
         rest: list[ReadItem] = []
         checked: set[tuple[str, str]] = set()
         for item in items:
@@ -212,6 +214,8 @@ class ShmTransport:
             ``(written, rest)``: items copied in place (still to be committed with
             ``shm_commit``), and items left for TCP.
         """
+        if not self._offers:
+            return [], list(items)
         written: list[WriteItem] = []
         rest: list[WriteItem] = []
         checked: set[tuple[str, str]] = set()

@@ -124,7 +124,7 @@ class DataServer:
         self.token = token
         #: Segments served through the tier interface (NVMe, HBM), by segment name.
         self.tiers: dict[str, Tier] = dict(tiers or {})
-        self.secret = secret
+        self.secret = secret  # also starts the memo of verified grants
         self.clock_ms = clock_ms
         self.manifest = Manifest()
         for tier in self.tiers.values():
@@ -154,6 +154,16 @@ class DataServer:
             "manifest": self._simple(lambda args: self.manifest.snapshot()),
             "stats": self._simple(lambda args: self.stats()),
         }
+
+    @property
+    def secret(self) -> bytes:
+        """The key the master signs this node's grants with."""
+        return self.verified.secret
+
+    @secret.setter
+    def secret(self, secret: bytes) -> None:
+        # A new secret (a new registration) forgets every grant verified under the old one.
+        self.verified = grants.VerifiedGrants(secret)
 
     def start(self) -> None:
         self._accept_thread.start()
@@ -308,8 +318,7 @@ class DataServer:
 
     # ------------------------------------------------------------------ grants
     def _granted_view(self, grant_wire: Any, op: str) -> tuple[grants.Grant, memoryview]:
-        grant = grants.Grant.from_wire(grant_wire)
-        grants.verify(self.secret, grant, op, self.clock_ms())
+        grant = self.verified.check(grant_wire, op, self.clock_ms())
         tier = self.tiers.get(grant.segment)
         if tier is not None:
             if op != grants.OP_READ:

@@ -65,3 +65,46 @@ def test_ranges_outside_fail(start: object, length: object) -> None:
 def test_malformed_grants(wire: object) -> None:
     with pytest.raises(GrantInvalidError):
         grants.Grant.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("offset", 0),
+        ("size", 1 << 30),
+        ("segment", "other"),
+        ("key", b"other"),
+        ("expires_ms", 10**12),
+    ],
+)
+def test_memo_refuses_a_tampered_copy_of_a_verified_grant(field: str, value: object) -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 64, 100, 1000)
+    assert memo.check(g.to_wire(), grants.OP_READ, now_ms=0) == g
+    assert memo.check(g.to_wire(), grants.OP_READ, now_ms=0) == g  # from the memo
+    wire = g.to_wire()  # same signature, one field changed
+    wire[["op", "key", "segment", "offset", "size", "expires_ms"].index(field)] = value
+    with pytest.raises(GrantInvalidError):
+        memo.check(wire, grants.OP_READ, now_ms=0)
+
+
+def test_memo_still_checks_op_and_expiry_and_forgets_with_its_secret() -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    g = grants.sign(SECRET, grants.OP_READ, b"k", "dram", 0, 10, 1000)
+    memo.check(g.to_wire(), grants.OP_READ, now_ms=0)
+    with pytest.raises(GrantInvalidError, match="expired"):
+        memo.check(g.to_wire(), grants.OP_READ, now_ms=1001)
+    with pytest.raises(GrantInvalidError, match="op"):
+        memo.check(g.to_wire(), grants.OP_WRITE, now_ms=0)
+    with pytest.raises(GrantInvalidError, match="signature"):
+        grants.VerifiedGrants(b"x" * 32).check(g.to_wire(), grants.OP_READ, now_ms=0)
+    with pytest.raises(GrantInvalidError):
+        memo.check(["r", b"k"], grants.OP_READ, now_ms=0)
+
+
+def test_memo_is_bounded() -> None:
+    memo = grants.VerifiedGrants(SECRET, max_entries=8)
+    for i in range(50):
+        g = grants.sign(SECRET, grants.OP_READ, b"k%d" % i, "dram", 0, 10, 1000)
+        memo.check(g.to_wire(), grants.OP_READ, now_ms=0)
+        assert len(memo._memo) <= 8

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstore import grants
-from kvstore.errors import ErrorCode
+from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.node.arena import ShmArena
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
@@ -83,3 +83,13 @@ def test_bad_tasks_fail_alone(server: DataServer) -> None:
     assert codes[5] == ErrorCode.TIMEOUT
     assert codes[6] == 0
     assert [o.offset for o in server.tiers["nvme"].stored()] == [6]
+
+
+def test_a_new_secret_forgets_grants_verified_under_the_old(server: DataServer) -> None:
+    old = server.secret
+    g = grants.sign(old, grants.OP_READ, b"k", "dram", 0, 10, 2**62)
+    grant, view = server._granted_view(g.to_wire(), grants.OP_READ)
+    assert grant == g and len(view) == 10
+    server.secret = grants.new_secret()  # re-registration with a new master epoch
+    with pytest.raises(KVStoreError, match="signature"):
+        server._granted_view(g.to_wire(), grants.OP_READ)
