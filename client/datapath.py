@@ -63,10 +63,12 @@ class DataPath:
     # ---------------------------------------------------------------- offers
     def _learn(self, node_ids: set[str]) -> None:
         """Fetch offers when a node is new to us (rate-limited)."""
-        # A mapping that failed its checks: ask the master again.
-        if self.shm is not None and self.shm.dropped:
-            self._known -= self.shm.dropped
-            self.shm.dropped.clear()
+        # A mapping or an RDMA session that failed: ask the master again (a restarted node
+        # publishes new offers).
+        for transport in (self.shm, self.rdma):
+            if transport is not None and transport.dropped:
+                self._known -= transport.dropped
+                transport.dropped.clear()
         if node_ids <= self._known:
             return
         now = time.monotonic()

@@ -66,10 +66,20 @@ class QpBook(Generic[Q]):
         with self._lock:
             if self._count >= self.max_qps:
                 raise TransportUnavailableError(
-                    f"node serves at most {self.max_qps} RDMA queue pairs; using TCP"
+                    f"node serves at most {self.max_qps} RDMA queue pairs"
                 )
             self._by_conn.setdefault(conn_id, []).append(qp)
             self._count += 1
+
+    def remove(self, conn_id: int, qp: Q) -> None:
+        """Forget one queue pair of ``conn_id`` (its connect failed); unknown ones are ignored."""
+        with self._lock:
+            qps = self._by_conn.get(conn_id, [])
+            if qp in qps:
+                qps.remove(qp)
+                self._count -= 1
+                if not qps:
+                    del self._by_conn[conn_id]
 
     def close_conn(self, conn_id: int) -> list[Q]:
         """Forget connection ``conn_id``; returns its queue pairs for the caller to destroy."""
@@ -87,28 +97,43 @@ class QpBook(Generic[Q]):
         return self._count
 
 
-class NodeRdma:  # pragma: no cover - needs an RDMA device
-    """This node's device, its registered arenas and its queue pairs. Untested on hardware.
+class NodeRdma:
+    """This node's device context (arenas registered), and its queue pairs per connection.
 
-    Raises:
-        TransportUnavailableError: the device cannot be opened or an arena not registered.
+    Args:
+        ctx: the opened device with the arenas registered (see :meth:`open`).
+        max_qps: the most queue pairs alive at once.
+        make_qp: makes a queue pair on ``ctx`` (:class:`~kvstore.rdma.RcQueuePair`; tests pass a
+            software stand-in, as no device exists where they run).
     """
 
     def __init__(
         self,
-        device: rdma.RdmaDevice,
-        arenas: dict[str, ShmArena],
-        settings: rdma.RdmaSettings,
+        ctx: Any,
         max_qps: int = DEFAULT_MAX_QPS,
+        make_qp: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.ctx = rdma.VerbsContext(device, settings)
+        self.ctx = ctx
+        self.book: QpBook[Any] = QpBook(max_qps)
+        self._make_qp = make_qp or rdma.RcQueuePair
+
+    @staticmethod
+    def open(
+        device: rdma.RdmaDevice, arenas: dict[str, ShmArena], settings: rdma.RdmaSettings
+    ) -> NodeRdma:  # pragma: no cover - needs an RDMA device
+        """Open ``device`` and register every arena once with remote READ/WRITE.
+
+        Raises:
+            TransportUnavailableError: the device cannot be opened or an arena registered.
+        """
+        ctx = rdma.VerbsContext(device, settings)
         try:
             for name, arena in arenas.items():
-                self.ctx.register(name, arena.view, remote=True)
+                ctx.register(name, arena.view, remote=True)
         except BaseException:
-            self.ctx.close()
+            ctx.close()
             raise
-        self.book: QpBook[rdma.RcQueuePair] = QpBook(max_qps)
+        return NodeRdma(ctx)
 
     def offer(self) -> rdma.RdmaOffer:
         """What to publish: the device's address and each registered arena's region."""
@@ -123,7 +148,7 @@ class NodeRdma:  # pragma: no cover - needs an RDMA device
         Raises:
             TransportUnavailableError: too many queue pairs, or the device refused.
         """
-        qp = rdma.RcQueuePair(self.ctx)
+        qp = self._make_qp(self.ctx)
         try:
             self.book.add(conn_id, qp)
         except TransportUnavailableError:
@@ -133,8 +158,8 @@ class NodeRdma:  # pragma: no cover - needs an RDMA device
         try:
             qp.connect(remote, psn)
         except TransportUnavailableError:
-            for q in self.book.close_conn(conn_id):
-                q.close()
+            self.book.remove(conn_id, qp)
+            qp.close()
             raise
         return qp.endpoint(psn)
 
@@ -143,7 +168,7 @@ class NodeRdma:  # pragma: no cover - needs an RDMA device
         for qp in self.book.close_conn(conn_id):
             try:
                 qp.close()
-            except rdma.verbs_errors() as exc:
+            except Exception as exc:  # noqa: BLE001 - pyverbs errors; teardown must go on
                 log.warning("destroying an RDMA queue pair failed: %s", exc)
 
 
@@ -158,38 +183,40 @@ def make_rdma_connect(service: NodeRdma | None) -> Callable[..., None]:
         remote = rdma.QpEndpoint.from_wire(req.args.get("endpoint"))
         if service is None:
             raise TransportUnavailableError("this node has no usable RDMA device; use TCP")
-        local = service.accept(id(fs), remote)  # pragma: no cover - needs an RDMA device
-        fs.send_frame(  # pragma: no cover
-            protocol.encode_response(req.req_id, {"endpoint": local.to_wire()})
-        )
+        local = service.accept(id(fs), remote)
+        fs.send_frame(protocol.encode_response(req.req_id, {"endpoint": local.to_wire()}))
 
     return rdma_connect
 
 
-def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> dict[str, Any] | None:
-    """Give ``server`` the RDMA verbs; returns the offer to publish, or None (logged once).
-
-    ``rdma_connect`` is always installed, so a client asking a node without a device gets a
-    typed TransportUnavailableError rather than an unknown verb.
-    """
+def serve(server: DataServer, service: NodeRdma | None) -> None:
+    """Give ``server`` the RDMA verbs. ``rdma_connect`` is installed even without a device, so a
+    client asking such a node gets a typed TransportUnavailableError, not an unknown verb."""
     from kvstore.node.shm_verbs import make_shm_commit
 
+    server._verbs["rdma_connect"] = make_rdma_connect(service)
+    if service is not None:
+        server._verbs["rdma_commit"] = make_shm_commit(server, via="RDMA")
+        server.on_disconnect.append(lambda fs: service.disconnected(id(fs)))
+
+
+def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> dict[str, Any] | None:
+    """Open this host's device (if any) and serve RDMA; returns the offer to publish, or None
+    (logged once why)."""
     settings = settings or rdma.RdmaSettings.from_env()
     device = rdma.first_device("node", settings)
     service: NodeRdma | None = None
     if device is not None and not settings.pretend_device:  # pragma: no cover - needs a device
         try:
-            service = NodeRdma(device, server.segments, settings)
-            server.on_disconnect.append(lambda fs: service.disconnected(id(fs)))
+            service = NodeRdma.open(device, server.segments, settings)
             log.warning(
                 "node: serving RDMA on %s (untested on real hardware; KVSTORE_RDMA=off disables)",
                 device.name,
             )
         except TransportUnavailableError as err:
             rdma.log_once("rdma-node-open", f"node: {err.message}; serving TCP")
-    server._verbs["rdma_connect"] = make_rdma_connect(service)
+    serve(server, service)
     if service is not None:  # pragma: no cover - needs a device
-        server._verbs["rdma_commit"] = make_shm_commit(server, via="RDMA")
         return service.offer().to_wire()
     if settings.pretend_device:
         log.warning("node: %s is set: publishing a pretend RDMA offer", rdma.TEST_DEVICE_ENV)
