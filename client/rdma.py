@@ -69,6 +69,7 @@ class MrCache:
         self.capacity = capacity
         self.table = rdma.MemoryRegionTable()
         self._keep: OrderedDict[str, memoryview] = OrderedDict()
+        self._in_use: set[str] = set()  # used by the batch being planned: never evicted
         self._seq = 0
 
     def lkey(self, view: memoryview, addr: int) -> int:
@@ -82,12 +83,24 @@ class MrCache:
         except KVStoreError:
             region = self._add(view, addr)
         self._keep.move_to_end(region.name)
+        self._in_use.add(region.name)
         return region.lkey
+
+    def end_batch(self) -> None:
+        """The batch's operations completed: its buffers may be evicted again."""
+        self._in_use.clear()
+        self._trim(self.capacity)
+
+    def _trim(self, keep: int) -> None:
+        """Evict least recently used buffers not in use until at most ``keep`` remain."""
+        for name in [n for n in self._keep if n not in self._in_use]:
+            if len(self._keep) <= keep:
+                return
+            self._drop(name)
 
     def _add(self, view: memoryview, addr: int) -> rdma.MemoryRegion:
         whole = _whole_buffer(view, addr)
-        while len(self._keep) >= self.capacity:
-            self._drop(next(iter(self._keep)))
+        self._trim(self.capacity - 1)  # a batch may exceed the capacity until end_batch()
         for other in self.table.regions():  # a larger registration replaces overlapping ones
             other_end = other.addr + other.length
             if other.addr < whole[1] + whole[0].nbytes and whole[1] < other_end:
@@ -105,6 +118,7 @@ class MrCache:
         self._deregister(name)
 
     def close(self) -> None:
+        self._in_use.clear()
         for name in list(self._keep):
             self._drop(name)
 
@@ -325,13 +339,17 @@ class RdmaTransport:
     def _run(self, plans: dict[str, tuple[_Session, list[rdma.RdmaOp], list[Any]]]) -> list[Any]:
         """Run each node's operations; returns the items of nodes whose session failed."""
         failed: list[Any] = []
-        for node_id, (s, ops, items) in plans.items():
-            try:
-                s.qp.run(ops)
-                s.last_used = time.monotonic()
-            except TransportUnavailableError as err:
-                self._fail(node_id, err)
-                failed.extend(items)
+        try:
+            for node_id, (s, ops, items) in plans.items():
+                try:
+                    s.qp.run(ops)
+                    s.last_used = time.monotonic()
+                except TransportUnavailableError as err:
+                    self._fail(node_id, err)
+                    failed.extend(items)
+        finally:
+            if self._mrs is not None:
+                self._mrs.end_batch()
         return failed
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:

@@ -77,15 +77,26 @@ def test_cache_is_bounded_and_releases_least_recently_used() -> None:
     reg = Registrar()
     cache = MrCache(reg.register, reg.deregister, capacity=2)
     bufs = [bytearray(4096) for _ in range(3)]
-    _lkey(cache, memoryview(bufs[0]))
-    _lkey(cache, memoryview(bufs[1]))
-    _lkey(cache, memoryview(bufs[0]))  # touch: buffer 1 is now the least recently used
-    _lkey(cache, memoryview(bufs[2]))
+    for i in (0, 1, 0, 2):  # one batch each; touching 0 again makes 1 the least recently used
+        _lkey(cache, memoryview(bufs[i]))
+        cache.end_batch()
     assert len(cache) == 2 and len(reg.live) == 2
     addrs = {r.addr for r in reg.live.values()}
     assert rdma.address_of(memoryview(bufs[1])) not in addrs
     cache.close()
     assert not reg.live and len(cache) == 0
+
+
+def test_a_batch_never_evicts_its_own_buffers() -> None:
+    reg = Registrar()
+    cache = MrCache(reg.register, reg.deregister, capacity=2)
+    bufs = [bytearray(4096) for _ in range(3)]
+    keys = [_lkey(cache, memoryview(b)) for b in bufs]  # one batch over three buffers
+    assert len(reg.live) == 3 and {r.lkey for r in reg.live.values()} == set(keys)
+    cache.end_batch()  # its operations completed: back to the capacity, oldest out
+    assert len(cache) == 2 and rdma.address_of(memoryview(bufs[0])) not in {
+        r.addr for r in reg.live.values()
+    }
 
 
 def test_registered_buffers_stay_alive_while_cached() -> None:
