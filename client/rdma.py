@@ -322,16 +322,11 @@ class RdmaTransport:
         lkey = self._mrs.lkey(view, laddr)
         pos = 0
         for start, length in ranges:
-            if length:
+            for done in range(0, length, rdma.MAX_OP_BYTES):
+                n = min(rdma.MAX_OP_BYTES, length - done)
+                remote = raddr + grant.offset + start + done
                 ops.append(
-                    rdma.RdmaOp(
-                        op == grants.OP_WRITE,
-                        laddr + pos,
-                        lkey,
-                        length,
-                        raddr + grant.offset + start,
-                        rkey,
-                    )
+                    rdma.RdmaOp(op == grants.OP_WRITE, laddr + pos + done, lkey, n, remote, rkey)
                 )
             pos += length
         return s, ops

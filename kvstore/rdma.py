@@ -351,6 +351,8 @@ MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 MTU_BYTES = {v: k for k, v in MTU_ENUM.items()}
 #: Work requests in flight per queue pair (the send queue's depth).
 MAX_SEND_WR = 256
+#: Largest single RDMA operation (devices allow 1-2 GiB messages; larger ranges are split).
+MAX_OP_BYTES = 1 << 30
 #: How long one batch of RDMA operations may take before the queue pair is given up.
 COMPLETION_TIMEOUT_S = 10.0
 
@@ -423,6 +425,9 @@ class VerbsContext:  # pragma: no cover - needs an RDMA device
             self.ctx = Context(name=device.name)
             self.pd = PD(self.ctx)
             port = self.ctx.query_port(settings.port)
+            dev = self.ctx.query_device()
+            # Outstanding RDMA READs per QP, as initiator and as target: what the device allows.
+            self.max_rd_atomic = max(1, min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom))
             self.lid = int(port.lid)
             self.mtu = MTU_BYTES.get(int(port.active_mtu), 1024)
             self.gid = bytes.fromhex(
@@ -539,12 +544,13 @@ class RcQueuePair:  # pragma: no cover - needs an RDMA device
             attr.path_mtu = MTU_ENUM[min(remote.mtu, self.ctx.mtu)]
             attr.dest_qp_num = remote.qpn
             attr.rq_psn = remote.psn
-            attr.max_dest_rd_atomic = 16
+            attr.max_dest_rd_atomic = self.ctx.max_rd_atomic
             attr.min_rnr_timer = 12
             attr.ah_attr = AHAttr(gr=gr, is_global=1, dlid=remote.lid, port_num=self.ctx.port)
             self.qp.to_rtr(attr)
             attr.sq_psn = local_psn
-            attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 16
+            attr.timeout, attr.retry_cnt, attr.rnr_retry = 14, 7, 7
+            attr.max_rd_atomic = self.ctx.max_rd_atomic
             self.qp.to_rts(attr)
         except verbs_errors() as exc:
             raise TransportUnavailableError(f"queue pair did not reach RTS: {exc}") from None

@@ -377,3 +377,13 @@ def test_loopback_queue_pair_error_falls_back_for_that_node(loopback, caplog) ->
     restarted = dataclasses.replace(loopback.service.offer(), lid=7)
     t.learn("n0", restarted)  # a new offer (the node restarted): RDMA is tried again
     assert t.serves("n0")
+
+
+def test_loopback_splits_large_ranges(loopback, monkeypatch) -> None:
+    monkeypatch.setattr(rdma, "MAX_OP_BYTES", 1000)
+    t = loopback.client()
+    value = np.random.default_rng(7).integers(0, 256, 4500, dtype=np.uint8)
+    loopback.arena.view[8192 : 8192 + 4500] = value.tobytes()
+    dest = np.zeros(4500, dtype=np.uint8)
+    r = ReadItem(loopback.loc(grants.OP_READ, 8192, 4500), memoryview(dest))
+    assert t.read([r]) == [] and np.array_equal(dest, value)
