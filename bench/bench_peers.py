@@ -12,7 +12,10 @@ What it does, in one run:
    (``redis-server``, no persistence);
 3. runs the same workloads against each (bench/peers_worker.py: sizes 4 KiB, 64 KiB, 1 MiB,
    16 MiB; put/get of bytes, put_from/get_into of buffers, batches of 16), verifying the bytes;
-   kvstore twice: over TCP, and through shared memory;
+   kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
+   setting for content-addressed KV blocks: a key located within the master's read lease is
+   reread from its node directly), over TCP with every read asking the master
+   (``kvstore-strict``, as Mooncake does), and through shared memory (with lease reads);
 4. stops everything it started by PID and prints one table: each system's GB/s (bytes per
    operation over the median operation time, so that other jobs on a shared machine skew it
    less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer.
@@ -263,7 +266,8 @@ def run_worker(python: Path | str, system: str, address: str, metadata: str, tag
 
 
 # ---------------------------------------------------------------- table
-SYSTEMS = ["kvstore", "kvstore-shm", "mooncake", "redis"]
+SYSTEMS = ["kvstore", "kvstore-strict", "kvstore-shm", "mooncake", "redis"]
+KVSTORES = [s for s in SYSTEMS if s.startswith("kvstore")]
 
 
 def best(runs: list[dict]) -> dict:
@@ -284,10 +288,7 @@ def table(results: dict[str, dict]) -> str:
     keys = next(iter(results.values())).keys()
     head = ["workload", "size", *[f"{s} GB/s" for s in present]]
     ratios = [
-        (a, b)
-        for a in ("kvstore", "kvstore-shm")
-        for b in ("mooncake", "redis")
-        if a in results and b in results
+        (a, b) for a in KVSTORES for b in ("mooncake", "redis") if a in results and b in results
     ]
     head += [f"{a.replace('kvstore', 'kv')}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -323,9 +324,9 @@ def main() -> None:
         tmp = Path(tmp_s)
         for rep in range(args.repeat):
             log(f"run {rep + 1}/{args.repeat}, load {os.getloadavg()[0]:.2f}")
-            if {"kvstore", "kvstore-shm"} & set(only):
+            if set(KVSTORES) & set(only):
                 with kvstore_cluster(tmp) as address:
-                    for s in ("kvstore", "kvstore-shm"):
+                    for s in KVSTORES:
                         if s in only:
                             runs[s].append(run_worker(sys.executable, s, address, "", f"r{rep}"))
             if "mooncake" in only:

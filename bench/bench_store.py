@@ -8,7 +8,9 @@ then from this process measures put / get / get_into and batches of 16 at 4 KiB,
 
 ``--small`` measures only the per-request overheads the peer comparison cares about (single 4 KiB
 get/get_into, a batch of 16 x 4 KiB get_into, 1 MiB get/get_into/put) and prints, per workload,
-the best p50 of ``--repeat`` rounds, so before/after numbers of one change are comparable.
+the best p50 of ``--repeat`` rounds, so before/after numbers of one change are comparable. It
+runs two clients side by side: a plain one (every read asks the master) and one with lease reads
+(``lease_reads=True``: a key located within the read lease is reread from its node directly).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def row(name: str, size: int, per_op_bytes: int, samples: list[float]) -> str:
     return f"| {name:<18} | {size:>9} | {gbps:8.3f} | {np.percentile(s, 50) * 1e6:10.1f} | {np.percentile(s, 99) * 1e6:10.1f} |"
 
 
-def small(c: Client, repeat: int) -> None:
-    """Best-of-``repeat`` p50 (µs) of the small-request workloads."""
+def small(clients: dict[str, Client], repeat: int) -> None:
+    """Best-of-``repeat`` p50 (µs) of the small-request workloads, per client."""
+    c = next(iter(clients.values()))
     rng = np.random.default_rng(0)
     v4 = rng.integers(0, 256, 4 << 10, dtype=np.uint8)
     v1m = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -63,28 +66,34 @@ def small(c: Client, repeat: int) -> None:
     c.put("small/4k", v4)
     c.put("small/1m", v1m)
     c.batch_put(keys, vals)
-    work: list[tuple[str, Callable[[], object], int]] = [
-        ("get 4KiB", lambda: c.get("small/4k"), 2000),
-        ("get_into 4KiB", lambda: c.get_into("small/4k", b4), 2000),
-        (f"batch_get_into x{BATCH} 4KiB", lambda: c.batch_get_into(keys, bufs), 500),
-        ("get 1MiB", lambda: c.get("small/1m"), 300),
-        ("get_into 1MiB", lambda: c.get_into("small/1m", b1m), 300),
-        ("put 1MiB", lambda: c.put("small/1m", v1m), 300),
-    ]
-    best: dict[str, float] = {}
+
+    def work(c: Client) -> list[tuple[str, Callable[[], object], int]]:
+        return [
+            ("get 4KiB", lambda: c.get("small/4k"), 2000),
+            ("get_into 4KiB", lambda: c.get_into("small/4k", b4), 2000),
+            (f"batch_get_into x{BATCH} 4KiB", lambda: c.batch_get_into(keys, bufs), 500),
+            ("get 1MiB", lambda: c.get("small/1m"), 300),
+            ("get_into 1MiB", lambda: c.get_into("small/1m", b1m), 300),
+            ("put 1MiB", lambda: c.put("small/1m", v1m), 300),
+        ]
+
+    best: dict[tuple[str, str], float] = {}
     for _ in range(repeat):
-        for name, fn, iters in work:
-            timed(fn, iters // 10)  # warm
-            p50 = float(np.percentile(timed(fn, iters), 50)) * 1e6
-            best[name] = min(best.get(name, p50), p50)
-    assert c.get("small/4k") == v4.tobytes() and c.get("small/1m") == v1m.tobytes()
-    c.get_into("small/1m", b1m)
-    assert np.array_equal(b1m, v1m) and np.array_equal(b4, v4)
-    assert all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True))
-    print(f"| workload (best p50 of {repeat}) | p50 (µs) |")
-    print("|---|---|")
-    for name, _, _ in work:
-        print(f"| {name} | {best[name]:.1f} |")
+        for label, client in clients.items():
+            for name, fn, iters in work(client):
+                timed(fn, iters // 10)  # warm
+                p50 = float(np.percentile(timed(fn, iters), 50)) * 1e6
+                best[label, name] = min(best.get((label, name), p50), p50)
+    for client in clients.values():
+        assert client.get("small/4k") == v4.tobytes() and client.get("small/1m") == v1m.tobytes()
+        client.get_into("small/1m", b1m)
+        assert np.array_equal(b1m, v1m) and np.array_equal(b4, v4)
+        client.batch_get_into(keys, bufs)
+        assert all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True))
+    print(f"| workload (best p50 of {repeat}, µs) | " + " | ".join(clients) + " |")
+    print("|---|" + "---|" * len(clients))
+    for name, _, _ in work(c):
+        print(f"| {name} | " + " | ".join(f"{best[k, name]:.1f}" for k in clients) + " |")
 
 
 def main() -> None:
@@ -97,8 +106,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             proc, address = start_cluster(tmp, "256MiB")
             try:
-                with Client.connect(address) as c:
-                    small(c, args.repeat)
+                with (
+                    Client.connect(address) as plain,
+                    Client.connect(address, lease_reads=True) as leased,
+                ):
+                    small({"plain": plain, "lease reads": leased}, args.repeat)
             finally:
                 os.kill(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)

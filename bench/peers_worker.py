@@ -24,10 +24,10 @@ ROW_BUDGET = 64 << 20  # bytes moved per timed row (fewer iterations for large o
 
 
 class Kvstore:
-    def __init__(self, address: str, shm: bool) -> None:
+    def __init__(self, address: str, shm: bool, lease_reads: bool) -> None:
         from kvstore.client import Client
 
-        self.c = Client.connect(address, shm=shm)
+        self.c = Client.connect(address, shm=shm, lease_reads=lease_reads)
 
     def register(self, arr: np.ndarray) -> None:
         pass
@@ -247,13 +247,21 @@ def run(store: Any, tag: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("system", choices=["kvstore", "kvstore-shm", "mooncake", "redis"])
+    ap.add_argument(
+        "system", choices=["kvstore", "kvstore-strict", "kvstore-shm", "mooncake", "redis"]
+    )
     ap.add_argument("--address", required=True)
     ap.add_argument("--metadata", default="")
     ap.add_argument("--tag", default="run")
     args = ap.parse_args()
     if args.system.startswith("kvstore"):
-        store: Any = Kvstore(args.address, shm=args.system == "kvstore-shm")
+        # kvstore and kvstore-shm: lease reads (the KV-cache setting: block keys are content
+        # hashes); kvstore-strict: every read asks the master, like Mooncake's.
+        store: Any = Kvstore(
+            args.address,
+            shm=args.system == "kvstore-shm",
+            lease_reads=args.system != "kvstore-strict",
+        )
     elif args.system == "mooncake":
         store = Mooncake(args.address, args.metadata)
     else:

@@ -8,6 +8,7 @@ every full read verifies it, so a read returns the exact bytes or raises.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import ReadItem, WriteItem
 from kvstore.config import Address, encode_key
 from kvstore.errors import (
@@ -36,6 +38,9 @@ from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 DEFAULT_TIMEOUT_S = 30.0
 #: Reads of cached locations overlap the master's answer only up to this many bytes per call.
 SPECULATE_MAX_BYTES = 2 << 20
+#: Lease reads stop trusting a cached answer this long (or a quarter of the lease, if less) before
+#: its lease ends as seen from here: room for the request still to reach the node in time.
+LEASE_MARGIN_S = 0.5
 _IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping", "node_transports"})
 
 
@@ -222,6 +227,7 @@ class Client:
         *,
         control: _ControlChannel | LeaderChannel | None = None,
         shm: bool = True,
+        lease_reads: bool = False,
     ) -> None:
         self.master = master
         self.timeout = timeout
@@ -233,7 +239,13 @@ class Client:
             timeout, lambda: self._control.call("node_transports", {}), shm=shm, token=token
         )
         self._cache = LocationCache()
+        #: Seconds a get_locations answer may be reused without the master (0: never); set
+        #: from the master's ``ping`` at connect when ``lease_reads`` is asked for.
+        self._lease_window = 0.0
+        self._want_lease_reads = lease_reads
         self._scratch = _Scratch()
+        self._staging: CudaStaging | None = None  # made when a CUDA tensor first comes by
+        self._staging_lock = threading.Lock()
         self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
@@ -244,20 +256,22 @@ class Client:
         timeout: float = DEFAULT_TIMEOUT_S,
         token: str | bytes | auth.Token | None = None,
         shm: bool = True,
+        lease_reads: bool = False,
     ) -> Client:
         """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
         found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
 
         Args:
             address: the master's control address.
-            timeout: seconds for every network call.
+            timeout: seconds any one network wait may take.
             token: the cluster token; None reads ``$KVSTORE_TOKEN`` / ``$KVSTORE_TOKEN_FILE``.
             shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
-
-        Args:
-            address: the master's ``HOST:PORT``.
-            timeout: seconds any one network wait may take.
-            shm: use shared memory for nodes on this host that offer it (``kvstore node --shm``).
+            lease_reads: reread a key this client located within the master's read lease
+                straight from its node, without asking the master again (one round trip
+                instead of two). Bytes are never torn or freed (the lease holds the space; the
+                checksum is checked), but another client's overwrite or remove may be seen up
+                to one lease (``lease_s``, 5 s by default) late. Right for content-addressed
+                keys such as KV blocks; this client's own puts and removes are seen at once.
 
         Raises:
             InvalidRequestError: a malformed address or token.
@@ -270,17 +284,27 @@ class Client:
             token = auth.Token(token)
         if is_etcd_url(address):
             client = cls(
-                None, timeout, token, control=LeaderChannel(address, timeout, token), shm=shm
+                None,
+                timeout,
+                token,
+                control=LeaderChannel(address, timeout, token),
+                shm=shm,
+                lease_reads=lease_reads,
             )
-            try:
-                client._control.call("ping", {})
-            except BaseException:
-                client.close()
-                raise
-            return client
-        client = cls(Address.parse(address), timeout, token, shm=shm)
-        client._control.call("ping", {})
+        else:
+            client = cls(Address.parse(address), timeout, token, shm=shm, lease_reads=lease_reads)
+        try:
+            client._hello(client._control.call("ping", {}))
+        except BaseException:
+            client.close()
+            raise
         return client
+
+    def _hello(self, ping: Any) -> None:
+        """Learn from the master's ``ping`` answer how long its read leases hold."""
+        lease_s = ping.get("lease_s") if isinstance(ping, dict) else None
+        if self._want_lease_reads and isinstance(lease_s, int | float) and lease_s > 0:
+            self._lease_window = lease_s - min(LEASE_MARGIN_S, lease_s / 4)
 
     def close(self) -> None:
         self._control.close()
@@ -317,6 +341,16 @@ class Client:
         """
         return self._batch_put(keys, values, replicas=replicas)
 
+    def _stager(self, objs: Sequence[Any]) -> CudaStaging | None:
+        """The CUDA staging when any of ``objs`` is a CUDA tensor (made on first use), else None."""
+        staging = self._staging
+        if not (staging.any_device(objs) if staging else any(map(is_cuda_tensor, objs))):
+            return None
+        with self._staging_lock:
+            if self._staging is None:
+                self._staging = CudaStaging(PinnedPool())
+            return self._staging
+
     def _batch_put(
         self,
         keys: Sequence[str | bytes],
@@ -325,9 +359,23 @@ class Client:
         replicas: int = 1,
     ) -> list[KVStoreError | None]:
         """``batch_put``; with ``commit``, commits through ``kv_commit`` with those extra args (the
-        KV-cache layer indexes the prompt in the same call as the commit)."""
+        KV-cache layer indexes the prompt in the same call as the commit). CUDA tensors are
+        staged through pinned host buffers first (see :mod:`kvstore.client.staging`)."""
         if len(keys) != len(values):
             raise InvalidRequestError("keys and values differ in length")
+        stager = self._stager(values)
+        if stager is None:
+            return self._batch_put_host(keys, values, commit, replicas)
+        with stager.puts(values) as host_values:
+            return self._batch_put_host(keys, host_values, commit, replicas)
+
+    def _batch_put_host(
+        self,
+        keys: Sequence[str | bytes],
+        values: Sequence[Any],
+        commit: dict[str, Any] | None,
+        replicas: int,
+    ) -> list[KVStoreError | None]:
         results: list[KVStoreError | None] = [None] * len(keys)
         wire_keys: list[bytes] = []
         views: list[memoryview] = []
@@ -439,11 +487,25 @@ class Client:
     ) -> list[int | KVStoreError]:
         """Read many objects straight into caller buffers (each at least the object's size).
 
+        A CUDA tensor is filled through a pinned host buffer (one H2D copy, only for keys that
+        were read whole and verified); see :mod:`kvstore.client.staging`.
+
         Returns:
             Per key, the number of bytes written into its buffer, or the error for that key.
         """
         if len(keys) != len(buffers):
             raise InvalidRequestError("keys and buffers differ in length")
+        stager = self._stager(buffers)
+        if stager is None:
+            return self._batch_get_into_host(keys, buffers)
+        with stager.gets(buffers) as staged:
+            results = self._batch_get_into_host(keys, staged.buffers)
+            staged.finish(results)
+        return results
+
+    def _batch_get_into_host(
+        self, keys: Sequence[str | bytes], buffers: Sequence[Any]
+    ) -> list[int | KVStoreError]:
         results: list[int | KVStoreError] = [0] * len(keys)
         wire_keys: list[bytes] = []
         dests: list[memoryview] = []
@@ -462,10 +524,50 @@ class Client:
         self._get(wire_keys, dests, index, results)
         return results
 
+    def _leased_read(
+        self, wire_keys: list[bytes], dests: list[memoryview], index: list[int], results: list[Any]
+    ) -> list[int]:
+        """Read the keys whose cached answer is still under lease, without the master.
+
+        Returns:
+            The positions (into ``wire_keys``) still to read the usual way.
+        """
+        leased = self._cache.leased_many(wire_keys, time.monotonic())
+        items: list[tuple[int, ObjectInfo, ReadItem]] = []
+        rest: list[int] = []
+        for j, info in enumerate(leased):
+            if info is not None and len(dests[j]) >= info.size:
+                items.append((j, info, ReadItem(info.locations[0], dests[j][: info.size])))
+            else:
+                rest.append(j)
+        if not items:
+            return rest
+        self._data.read([item for _, _, item in items])
+        stale: list[bytes] = []
+        for j, info, item in items:
+            if item.result is None and _digest(item) == info.checksum:
+                results[index[j]] = info.size
+            else:  # node gone, grant refused, bytes changed: ask the master
+                stale.append(wire_keys[j])
+                rest.append(j)
+        if stale:
+            self._cache.forget(stale)
+            rest.sort()
+        return rest
+
     def _get(
         self, wire_keys: list[bytes], dests: list[memoryview], index: list[int], results: list[Any]
     ) -> None:
-        """Locate and read objects; reads of cached locations overlap the master's answer."""
+        """Locate and read objects; reads of cached locations overlap the master's answer (or,
+        with lease reads, skip it while the lease holds)."""
+        if self._lease_window:
+            rest = self._leased_read(wire_keys, dests, index, results)
+            if not rest:
+                return
+            if len(rest) < len(wire_keys):
+                wire_keys = [wire_keys[j] for j in rest]
+                dests = [dests[j] for j in rest]
+                index = [index[j] for j in rest]
         cached = self._cache.get_many(wire_keys)
         guesses: dict[int, ReadItem] = {}
         guessed_bytes = 0
@@ -475,9 +577,10 @@ class Client:
                 guessed_bytes += info.size
         # NOTE: the control channel stays locked while the guesses are read, so large reads
         # (where one round trip matters little) do not overlap: other threads keep the master.
+        lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
         if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
             infos = self._locations(wire_keys)
-            self._cache.put_many(wire_keys, infos)
+            self._cache.put_many(wire_keys, infos, lease_until)
             self._read_objects(infos, dests, index, results)
             return
         reply = _call_overlapped(
@@ -487,7 +590,7 @@ class Client:
             lambda: self._data.read(list(guesses.values())),
         )
         infos = self._decode_locations(reply)
-        self._cache.put_many(wire_keys, infos)
+        self._cache.put_many(wire_keys, infos, lease_until)
         redo: list[int] = []
         for j, info in enumerate(infos):
             item = guesses.get(j)
@@ -567,25 +670,58 @@ class Client:
                 index.append(i)
             except KVStoreError as err:
                 results[i] = err
-        if wire_keys:
-            infos = self._locations(wire_keys)
-            self._cache.put_many(wire_keys, infos)
-            sizes = [info.size if isinstance(info, ObjectInfo) else 0 for info in infos]
-            # Read into a reused, already-faulted scratch buffer and copy each object out once:
-            # a fresh bytearray per object costs zeroing and page faults on top of the copy.
-            scratch = self._scratch.get(sum(sizes))
-            dests: list[memoryview] = []
-            pos = 0
-            for n in sizes:
-                dests.append(scratch[pos : pos + n])
-                pos += n
-            self._read_objects(infos, dests, index, results)
-            for j, i in enumerate(index):
-                if not isinstance(results[i], KVStoreError):
-                    results[i] = bytes(dests[j])
-            for d in dests:
-                d.release()
+        if not wire_keys:
+            return results
+        leased: list[int] = []
+        infos: list[ObjectInfo | KVStoreError | None] = [None] * len(wire_keys)
+        if self._lease_window:
+            infos = list(self._cache.leased_many(wire_keys, time.monotonic()))
+            leased = [j for j, info in enumerate(infos) if info is not None]
+        self._locate_missing(wire_keys, infos)
+        self._read_fresh(infos, index, results)  # type: ignore[arg-type]
+        # A leased answer that failed (node gone, grant refused, bytes changed): ask the master.
+        redo = [j for j in leased if isinstance(results[index[j]], KVStoreError)]
+        if redo:
+            keys = [wire_keys[j] for j in redo]
+            self._cache.forget(keys)
+            fresh: list[ObjectInfo | KVStoreError | None] = [None] * len(redo)
+            self._locate_missing(keys, fresh)
+            self._read_fresh(fresh, [index[j] for j in redo], results)  # type: ignore[arg-type]
         return results
+
+    def _locate_missing(
+        self, wire_keys: list[bytes], infos: list[ObjectInfo | KVStoreError | None]
+    ) -> None:
+        """Fill the None entries of ``infos`` from the master (and remember the answers)."""
+        missing = [j for j, info in enumerate(infos) if info is None]
+        if not missing:
+            return
+        keys = wire_keys if len(missing) == len(wire_keys) else [wire_keys[j] for j in missing]
+        lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
+        got = self._locations(keys)
+        self._cache.put_many(keys, got, lease_until)
+        for j, info in zip(missing, got, strict=True):
+            infos[j] = info
+
+    def _read_fresh(
+        self, infos: list[ObjectInfo | KVStoreError], index: list[int], results: list[Any]
+    ) -> None:
+        """Read objects into new ``bytes`` (through a reused scratch buffer)."""
+        sizes = [info.size if isinstance(info, ObjectInfo) else 0 for info in infos]
+        # Read into a reused, already-faulted scratch buffer and copy each object out once:
+        # a fresh bytearray per object costs zeroing and page faults on top of the copy.
+        scratch = self._scratch.get(sum(sizes))
+        dests: list[memoryview] = []
+        pos = 0
+        for n in sizes:
+            dests.append(scratch[pos : pos + n])
+            pos += n
+        self._read_objects(infos, dests, index, results)
+        for j, i in enumerate(index):
+            if not isinstance(results[i], KVStoreError):
+                results[i] = bytes(dests[j])
+        for d in dests:
+            d.release()
 
     def get(self, key: str | bytes) -> bytes:
         """Read one object.
@@ -660,7 +796,14 @@ class Client:
             GrantInvalidError (lease over), NodeUnavailableError, ChecksumMismatchError, ...
         """
         results: list[Any] = [None]
-        self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+        stager = self._stager([buffer])
+        if stager is None:
+            self._read_objects([info], [as_bytes_view(buffer, writable=True)], [0], results)
+            return _raise_if_error(results[0])
+        with stager.gets([buffer]) as staged:
+            dest = as_bytes_view(staged.buffers[0], writable=True)
+            self._read_objects([info], [dest], [0], results)
+            staged.finish(results)
         return _raise_if_error(results[0])
 
     def stats(self) -> dict[str, Any]:

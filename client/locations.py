@@ -12,6 +12,14 @@ was read, and the bytes read match that checksum. Anything else (overwritten, re
 node restarted, grant expired) and the read is redone from the fresh answer. So a speculative
 read returns exactly what a plain read at the moment of the master's answer would have returned;
 on failure the caller's buffer may hold stale bytes before it is refilled or the error returned.
+
+With lease reads (``Client.connect(..., lease_reads=True)``) a cached answer is also used *without*
+asking the master, while the read lease the master took for it still holds: until then the master
+neither evicts the object nor reuses its space (an overwrite or remove frees the old space only
+after the lease ends), so the bytes at the cached location are exactly the object the master
+named, and their checksum is still checked. The price is staleness: another client's overwrite or
+remove is seen up to one lease (``lease_s``, 5 s by default) late. Content-addressed keys (KV
+blocks: the same key always holds the same bytes) never see the difference.
 """
 
 from __future__ import annotations
@@ -39,25 +47,41 @@ def same_replica(fresh: ObjectInfo, cached: ObjectInfo, read_from: Location) -> 
 
 
 class LocationCache:
-    """key -> last ObjectInfo the master returned. Thread-safe; bounded."""
+    """key -> last ObjectInfo the master returned, and until when its read lease holds.
+
+    Thread-safe; bounded.
+    """
 
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self.max_entries = max_entries
-        self._infos: dict[bytes, ObjectInfo] = {}
+        self._infos: dict[bytes, tuple[ObjectInfo, float]] = {}
         self._lock = threading.Lock()
 
     def get_many(self, keys: list[bytes]) -> list[ObjectInfo | None]:
+        """The cached answers (leased or not), None where there is none."""
         with self._lock:
-            return [self._infos.get(k) for k in keys]
+            got = [self._infos.get(k) for k in keys]
+        return [g[0] if g is not None else None for g in got]
 
-    def put_many(self, keys: list[bytes], infos: list[object]) -> None:
-        """Remember every ObjectInfo in ``infos``; forget keys whose answer was an error."""
+    def leased_many(self, keys: list[bytes], now: float) -> list[ObjectInfo | None]:
+        """The cached answers whose lease holds at ``now`` (monotonic), None elsewhere."""
+        with self._lock:
+            got = [self._infos.get(k) for k in keys]
+        return [g[0] if g is not None and g[1] > now else None for g in got]
+
+    def put_many(self, keys: list[bytes], infos: list[object], lease_until: float = 0.0) -> None:
+        """Remember every ObjectInfo in ``infos``; forget keys whose answer was an error.
+
+        Args:
+            lease_until: monotonic time until which the master's read lease on these answers
+                holds, as seen from here (0: no lease to rely on).
+        """
         with self._lock:
             if len(self._infos) + len(keys) > self.max_entries:
                 self._infos.clear()
             for k, info in zip(keys, infos, strict=True):
                 if isinstance(info, ObjectInfo) and info.locations:
-                    self._infos[k] = info
+                    self._infos[k] = (info, lease_until)
                 else:
                     self._infos.pop(k, None)
 

@@ -286,7 +286,7 @@ class TcpTransport:
                 continue
             self._fill(ex, run)
             scratch = scratch or memoryview(bytearray(1 << 16))
-            protocol.discard(ex.conn.sock, length, scratch)
+            ex.conn.discard(length, scratch)
         self._fill(ex, run)
 
     @staticmethod
@@ -297,12 +297,12 @@ class TcpTransport:
             item, h, dest = run[0], xxhash.xxh3_64(), run[0].dest
             for pos in range(0, len(dest), STREAM_CHUNK):
                 chunk = dest[pos : pos + STREAM_CHUNK]
-                protocol.recv_exact_into(ex.conn.sock, chunk)
+                ex.conn.recv_into(chunk)
                 h.update(chunk)
             item.digest = h.intdigest()
             item.filled = len(dest)
         elif run:
-            protocol.recv_exact_scatter(ex.conn.sock, [i.dest for i in run])
+            ex.conn.recv_scatter([i.dest for i in run])
             for i in run:
                 i.filled = len(i.dest)
         run.clear()

@@ -9,12 +9,13 @@ from kvstore.errors import InvalidRequestError
 
 
 def _torch_view(obj: Any, writable: bool) -> memoryview:
+    if not obj.is_contiguous():  # first: a strided CUDA tensor gets this error, not the next
+        raise InvalidRequestError("tensor must be contiguous")
     if obj.device.type != "cpu":
         raise InvalidRequestError(
-            f"tensor on {obj.device} is not supported here; move it to the CPU"
+            f"tensor on {obj.device} is not supported here; move it to the CPU "
+            "(Client put/get/batch_* stage CUDA tensors themselves)"
         )
-    if not obj.is_contiguous():
-        raise InvalidRequestError("tensor must be contiguous")
     import torch  # only reached when the caller already uses torch
 
     flat = obj.detach().reshape(-1).view(torch.uint8)

@@ -220,19 +220,6 @@ def recv_exact_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None
             pending[0] = pending[0][n:]
 
 
-def recv_exact(sock: socket.socket, size: int) -> bytes:
-    # One ``recv`` usually returns the whole (small) body: no scratch buffer, no extra copy.
-    data = sock.recv(size) if size else b""
-    if len(data) == size:
-        return data
-    if not data:
-        raise ConnectionError(f"peer closed after 0 of {size} bytes")
-    buf = bytearray(size)
-    buf[: len(data)] = data
-    recv_exact_into(sock, memoryview(buf)[len(data) :])
-    return bytes(buf)
-
-
 def discard(sock: socket.socket, size: int, scratch: memoryview) -> None:
     """Read and drop ``size`` bytes (a payload we refuse but must skip to keep the framing)."""
     while size > 0:
@@ -242,6 +229,8 @@ def discard(sock: socket.socket, size: int, scratch: memoryview) -> None:
 
 
 _IOV_MAX = 512
+#: Bytes a FramedSocket reads ahead in one ``recv``: a small frame and its payload in one syscall.
+READ_AHEAD = 32 << 10
 
 
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
@@ -278,8 +267,12 @@ class FramedSocket:
         self.sock = sock
         self.max_body = max_body
         self.max_payload = max_payload
-        self._header = bytearray(HEADER_SIZE)
-        self._header_view = memoryview(self._header)
+        # Read-ahead: one ``recv`` takes the header, the body and (for small replies) the
+        # payload together; bytes past the frame wait here for the next read. Every read of
+        # this connection must go through this object's methods, never ``sock`` directly.
+        self._rview = memoryview(bytearray(READ_AHEAD))
+        self._rpos = 0
+        self._rend = 0
         self._next_id = 1
 
     @classmethod
@@ -323,14 +316,91 @@ class FramedSocket:
             return
         send_all(self.sock, [frame, *payload])
 
+    def _fill(self, need: int) -> None:
+        """Have at least ``need`` (at most READ_AHEAD) bytes read ahead."""
+        have = self._rend - self._rpos
+        if have >= need:
+            return
+        if self._rpos:  # move what is left to the front
+            self._rview[:have] = self._rview[self._rpos : self._rend]
+            self._rpos, self._rend = 0, have
+        while self._rend < need:
+            n = self.sock.recv_into(self._rview[self._rend :])
+            if n == 0:
+                raise ConnectionError(
+                    f"peer closed after {self._rend} of {need} bytes"
+                    if self._rend
+                    else "peer closed"
+                )
+            self._rend += n
+
+    def _take(self, view: memoryview) -> int:
+        """Copy read-ahead bytes into the front of ``view``; returns how many."""
+        n = min(self._rend - self._rpos, len(view))
+        if n:
+            view[:n] = self._rview[self._rpos : self._rpos + n]
+            self._rpos += n
+        return n
+
     def read_header(self) -> FrameHeader:
-        recv_exact_into(self.sock, self._header_view)
+        self._fill(HEADER_SIZE)
+        start = self._rpos
+        self._rpos += HEADER_SIZE
         return decode_header(
-            self._header_view, max_body=self.max_body, max_payload=self.max_payload
+            self._rview[start : start + HEADER_SIZE],
+            max_body=self.max_body,
+            max_payload=self.max_payload,
         )
 
     def read_body(self, header: FrameHeader) -> bytes:
-        return recv_exact(self.sock, header.body_len)
+        return self.recv_exact(header.body_len)
+
+    def recv_exact(self, size: int) -> bytes:
+        """The next ``size`` bytes of the stream.
+
+        Raises:
+            ConnectionError: the peer closed first.
+        """
+        if size <= READ_AHEAD:
+            self._fill(size)
+            start = self._rpos
+            self._rpos += size
+            return bytes(self._rview[start : start + size])
+        buf = bytearray(size)
+        self.recv_into(memoryview(buf))
+        return bytes(buf)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view`` from the stream: read-ahead bytes first, then straight from the socket.
+
+        Raises:
+            ConnectionError: the peer closed before ``view`` was full.
+        """
+        n = self._take(view)
+        if n < len(view):
+            recv_exact_into(self.sock, view[n:])
+
+    def recv_scatter(self, views: Sequence[memoryview]) -> None:
+        """Fill every view in order (read-ahead bytes first, then scatter I/O from the socket).
+
+        Raises:
+            ConnectionError: the peer closed before every view was full.
+        """
+        rest = list(views)
+        while rest and self._rend > self._rpos:
+            n = self._take(rest[0])
+            if n < len(rest[0]):
+                rest[0] = rest[0][n:]
+            else:
+                rest.pop(0)
+        if rest:
+            recv_exact_scatter(self.sock, rest)
+
+    def discard(self, size: int, scratch: memoryview) -> None:
+        """Read and drop the next ``size`` bytes (a payload refused but skipped for framing)."""
+        n = min(self._rend - self._rpos, size)
+        self._rpos += n
+        discard(self.sock, size - n, scratch)
 
     def read_response(self) -> tuple[Response, int]:
         """Read one response; returns it and the number of payload bytes that follow it."""

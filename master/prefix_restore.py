@@ -51,7 +51,7 @@ def fetch_objects(
             if response.req_id != req_id or result[0][0] != 0 or payload_len != info.size:
                 log.warning("prefix restore: could not read %r", key[:64])
                 continue
-            raw = protocol.recv_exact(conn.sock, payload_len)
+            raw = conn.recv_exact(payload_len)
             if xxhash.xxh3_64_intdigest(raw) == info.checksum:
                 out[key] = raw
         except (KVStoreError, OSError) as exc:

@@ -70,7 +70,13 @@ def _per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[
 
 # ---------------------------------------------------------------- handlers
 def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
-    return {"role": "master", "protocol": protocol.PROTOCOL_VERSION}
+    return {
+        "role": "master",
+        "protocol": protocol.PROTOCOL_VERSION,
+        # How long the read lease of a get_locations answer holds (clients with lease reads
+        # reuse an answer for that long, see kvstore.client.locations).
+        "lease_s": svc.tiering.config.lease_s,
+    }
 
 
 def _register(svc: MasterService, args: dict[str, Any]) -> Any:

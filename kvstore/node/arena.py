@@ -2,18 +2,31 @@
 
 The file lives in ``/dev/shm`` (tmpfs) with mode 0600, so only the node's user can map it
 (same-host clients of that user may map it read/write for the shm transport).
+
+A node holds an exclusive ``flock`` on its arena file for as long as it lives. A node killed with
+SIGKILL cannot remove its file, and tmpfs keeps it in memory forever; the kernel does drop the
+lock, though, so the next node to start on the host removes every arena file nobody holds
+(:func:`reclaim_stale_arenas`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import mmap
 import os
+import time
 from pathlib import Path
 
 from kvstore.errors import InvalidRequestError, NoSpaceError
 
+log = logging.getLogger(__name__)
+
 SHM_DIR = Path("/dev/shm")
+ARENA_GLOB = "kvstore-*.dram"
+#: A file still being created (locked right after it appears) is left alone this long.
+CREATING_GRACE_S = 60.0
 
 
 def default_arena_path(node_id: str, data_dir: Path) -> Path:
@@ -39,18 +52,26 @@ class ShmArena:
         self.path = path
         self.size = size
         path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Created under another name, locked, then renamed: a file matching ARENA_GLOB is
+        # always locked while its node lives (the lock follows the open file, not the name).
+        creating = path.with_name(path.name + ".creating")
+        creating.unlink(missing_ok=True)
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
-                path.unlink(missing_ok=True)
                 raise NoSpaceError(
                     f"cannot reserve {size} bytes at {path}: {exc.strerror}"
                 ) from None
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+            os.rename(creating, path)
+        except BaseException:
             os.close(fd)
+            creating.unlink(missing_ok=True)
+            raise
+        self._lock_fd = fd  # held (with its lock) until close
         self.view = memoryview(self._mmap)
 
     def close(self, unlink: bool = True) -> None:
@@ -59,3 +80,41 @@ class ShmArena:
             self._mmap.close()
         if unlink:
             self.path.unlink(missing_ok=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def reclaim_stale_arenas(directory: Path = SHM_DIR) -> list[Path]:
+    """Remove the arena files in ``directory`` that no live node holds.
+
+    A file is stale when its exclusive lock can be taken (the node that held it is gone); files
+    of other users (not openable) and files still being created are left alone.
+
+    Returns:
+        The files removed.
+    """
+    removed: list[Path] = []
+    now = time.time()
+    for path in [*directory.glob(ARENA_GLOB), *directory.glob(ARENA_GLOB + ".creating")]:
+        try:
+            if path.name.endswith(".creating") and now - path.stat().st_mtime < CREATING_GRACE_S:
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or another user's
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live node holds it
+            # Still the same file under that name (not replaced since we opened it)?
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    path.unlink()
+                    removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d arena file(s) left by nodes that died", len(removed))
+    return removed

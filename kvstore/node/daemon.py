@@ -16,7 +16,7 @@ from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
 from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
-from kvstore.node.arena import ShmArena, default_arena_path
+from kvstore.node.arena import ShmArena, default_arena_path, reclaim_stale_arenas
 from kvstore.node.hbm import open_hbm
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
@@ -91,7 +91,9 @@ class StorageNode:
             nvme = NvmeTier(data_dir / "nvme", nvme_bytes)
             tiers[nvme.segment] = nvme
         self.tiers = tiers
-        self.dram = ShmArena(default_arena_path(self.node_id, data_dir), dram_bytes)
+        arena_path = default_arena_path(self.node_id, data_dir)
+        reclaim_stale_arenas(arena_path.parent)
+        self.dram = ShmArena(arena_path, dram_bytes)
         self.server = DataServer(
             {"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers, token=token
         )

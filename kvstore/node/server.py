@@ -267,7 +267,7 @@ class DataServer:
                     request = protocol.decode_request(body)
                     screened = gate.screen(request)
                     if screened is not None:
-                        protocol.discard(conn, header.payload_len, scratch)
+                        fs.discard(header.payload_len, scratch)
                         fs.send_frame(screened[0])
                         if screened[1]:
                             return
@@ -276,14 +276,14 @@ class DataServer:
                     if handler is None:
                         raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
                 except KVStoreError as err:
-                    protocol.discard(conn, header.payload_len, scratch)
+                    fs.discard(header.payload_len, scratch)
                     fs.send_frame(protocol.encode_error(protocol.request_id_of(body), err))
                     continue
                 try:
                     handler(fs, request, header.payload_len, scratch)
                 except KVStoreError as err:
                     # Raised before the payload was touched (handlers guarantee it).
-                    protocol.discard(conn, header.payload_len, scratch)
+                    fs.discard(header.payload_len, scratch)
                     fs.send_frame(protocol.encode_error(request.req_id, err))
         except (ConnectionError, TimeoutError, OSError):
             pass  # peer went away or stalled; nothing it sent was acknowledged
@@ -379,16 +379,16 @@ class DataServer:
         for (err, grant, dest), (_, start, length, checksum) in zip(plan, items, strict=True):
             if grant is not None and dest is None and err is None:
                 buf = memoryview(bytearray(length))
-                protocol.recv_exact_into(fs.sock, buf)
+                fs.recv_into(buf)
                 obj = StoredObject(grant.offset, grant.key, grant.size, checksum, grant.expires_ms)
                 tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
                 results.append([0, None])
                 continue
             if grant is None or dest is None:
-                protocol.discard(fs.sock, length, scratch)
+                fs.discard(length, scratch)
                 results.append(result_to_wire(err))
                 continue
-            protocol.recv_exact_into(fs.sock, dest)
+            fs.recv_into(dest)
             if start == 0 and length == grant.size:
                 self.manifest.record(
                     grant.segment,

@@ -61,7 +61,7 @@ def _fetch(location: Location, size: int) -> memoryview:
         if length != size or payload_len != size:
             raise ProtocolError(f"peer sent {payload_len} bytes, expected {size}")
         buf = memoryview(bytearray(size))
-        protocol.recv_exact_into(conn.sock, buf)
+        conn.recv_into(buf)
         return buf
     except (OSError, ConnectionError) as exc:
         raise NodeUnavailableError(f"peer {location.node_id} failed: {exc}") from None

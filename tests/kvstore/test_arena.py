@@ -1,0 +1,67 @@
+"""The DRAM arena file: held with a lock while its node lives, removed by the next node to start
+on the host when its node was killed (tmpfs would otherwise keep it in memory forever)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from kvstore.node.arena import ShmArena, reclaim_stale_arenas
+from tests.support import wait_until
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from kvstore.node.arena import ShmArena
+a = ShmArena(Path(sys.argv[1]), 1 << 20)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(path: Path) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_a_killed_nodes_arena_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -> None:
+    dead, alive = tmp_path / "kvstore-dead.dram", tmp_path / "kvstore-alive.dram"
+    victim, holder = _holder(dead), _holder(alive)
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        assert dead.exists()  # a killed process cannot clean up after itself
+        other = tmp_path / "notes.txt"
+        other.write_text("not an arena")
+        assert reclaim_stale_arenas(tmp_path) == [dead]
+        assert not dead.exists() and alive.exists() and other.exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert reclaim_stale_arenas(tmp_path) == [alive]
+
+
+def test_this_process_arena_is_kept_until_closed(tmp_path: Path) -> None:
+    a = ShmArena(tmp_path / "kvstore-mine.dram", 4096)
+    assert reclaim_stale_arenas(tmp_path) == []
+    a.view[:5] = b"hello"
+    assert bytes(a.view[:5]) == b"hello"
+    a.close()
+    assert not (tmp_path / "kvstore-mine.dram").exists()
+    assert not list(tmp_path.iterdir())  # nothing left behind (no .creating file either)
+
+
+def test_next_node_on_the_host_removes_a_killed_nodes_arena(cluster_factory) -> None:
+    cluster = cluster_factory()
+    node = cluster.nodes[0]
+    path = Path("/dev/shm") / f"kvstore-{node.field('id')}.dram"
+    if not path.exists():  # /dev/shm not writable here: arenas live in the data dir
+        return
+    node.kill()
+    assert path.exists()
+    cluster.add_node()
+    wait_until(lambda: not path.exists(), timeout=30)
