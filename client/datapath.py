@@ -1,10 +1,12 @@
 """The client's data path: picks, per node, the fastest transport that works from here.
 
 Order of preference: shared memory (same host, node started with ``--shm``), RDMA (both sides
-have a device; see :mod:`kvstore.rdma`, untested on real hardware and not yet wired into reads
-and writes, so it falls back), TCP. What each node offers comes from the master's
-``node_transports`` verb, cached here and refreshed at most once a second when an unknown node
-shows up. A transport that fails its checks falls back to TCP for that batch, with one log line.
+have a device: one-sided READ/WRITE, see :mod:`kvstore.client.rdma`; untested on real hardware),
+TCP. What each node offers comes from the master's ``node_transports`` verb, cached here and
+refreshed at most once a second when an unknown node shows up. A transport that fails its checks
+falls back to TCP, with one log line: shm for that batch, RDMA for that node from then on. Writes
+placed in node memory by shm or RDMA are committed by the node (``shm_commit``/``rdma_commit``:
+grant and checksum) before they count as written, exactly like a TCP write.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import auth, rdma
+from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 from kvstore.errors import KVStoreError
@@ -47,8 +50,12 @@ class DataPath:
         self._fetched_at = float("-inf")
         self._lock = threading.Lock()
         self._rdma_local: rdma.RdmaDevice | None | bool = False  # False: not looked yet
+        self._rdma_settings = rdma.RdmaSettings.from_env()
+        self.rdma: RdmaTransport | None = None  # made when a node offers RDMA and we have it
 
     def close(self) -> None:
+        if self.rdma is not None:
+            self.rdma.close()
         self.tcp.close()
         if self.shm is not None:
             self.shm.close()
@@ -56,11 +63,12 @@ class DataPath:
     # ---------------------------------------------------------------- offers
     def _learn(self, node_ids: set[str]) -> None:
         """Fetch offers when a node is new to us (rate-limited)."""
-        if self.shm is None:
-            return
-        if self.shm.dropped:  # a mapping failed its checks: ask the master again
-            self._known -= self.shm.dropped
-            self.shm.dropped.clear()
+        # A mapping or an RDMA session that failed: ask the master again (a restarted node
+        # publishes new offers).
+        for transport in (self.shm, self.rdma):
+            if transport is not None and transport.dropped:
+                self._known -= transport.dropped
+                transport.dropped.clear()
         if node_ids <= self._known:
             return
         now = time.monotonic()
@@ -75,40 +83,62 @@ class DataPath:
         for node_id, transports in offers.items():
             if not isinstance(transports, dict):
                 continue
-            if "shm" in transports:
+            if "shm" in transports and self.shm is not None:
                 self.shm.learn(node_id, transports["shm"])
-            if "rdma" in transports:
-                if self._rdma_local is False:
-                    self._rdma_local = rdma.first_device("client")
-                # Not wired into reads/writes yet: choose() logs the fallback once.
-                rdma.choose(transports["rdma"], self._rdma_local or None)
+            if "rdma" in transports and self._rdma_settings.enabled:
+                self._learn_rdma(node_id, transports["rdma"])
+
+    def _learn_rdma(self, node_id: str, offer_wire: Any) -> None:
+        if self._rdma_local is False:
+            self._rdma_local = rdma.first_device("client", self._rdma_settings)
+        local = self._rdma_local or None
+        offer = rdma.choose(offer_wire, local)  # None: logged once why not
+        if offer is None or local is None:
+            return
+        if self.rdma is None:
+            self.rdma = RdmaTransport(local, self.tcp.pool, self._rdma_settings)
+        self.rdma.learn(node_id, offer)
+
+    @property
+    def _offers_wanted(self) -> bool:
+        return self.shm is not None or self._rdma_settings.enabled
 
     # ---------------------------------------------------------------- bytes
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest``; sets ``item.result`` on failure."""
         rest: Sequence[ReadItem] = items
-        if self.shm is not None and items:
+        if items and self._offers_wanted:
             with self._lock:
                 self._learn({i.location.node_id for i in items})
-                rest = self.shm.read(items)
+                if self.shm is not None:
+                    rest = self.shm.read(items)
+        if rest and self.rdma is not None:
+            rest = self.rdma.read(rest)
         if rest:
             self.tcp.read(rest)
 
     def write(self, items: Sequence[WriteItem]) -> None:
         """Write each item's bytes to its location; sets ``item.result`` on failure.
 
-        Writes through shm are committed by the node (``shm_commit``: grant and checksum
-        checked there) before this returns, exactly as a TCP write is acknowledged.
+        Writes through shm or RDMA are committed by the node (``shm_commit``/``rdma_commit``:
+        grant and checksum checked there) before this returns, as a TCP write is acknowledged.
         """
         rest: Sequence[WriteItem] = items
         written: list[WriteItem] = []
-        if self.shm is not None and items:
+        if items and self._offers_wanted:
             with self._lock:
                 self._learn({i.location.node_id for i in items})
-                written, rest = self.shm.write(items)
+                if self.shm is not None:
+                    written, rest = self.shm.write(items)
         if written:
-            self.tcp.call_per_node(
-                "shm_commit", written, lambda i: [i.location.grant.to_wire(), i.checksum]
-            )
+            self.tcp.call_per_node("shm_commit", written, _commit_args)
+        if rest and self.rdma is not None:
+            placed, rest = self.rdma.write(rest)
+            if placed:
+                self.tcp.call_per_node("rdma_commit", placed, _commit_args)
         if rest:
             self.tcp.write(rest)
+
+
+def _commit_args(item: WriteItem) -> list[Any]:
+    return [item.location.grant.to_wire(), item.checksum]

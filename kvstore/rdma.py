@@ -1,25 +1,37 @@
-"""RDMA transport through pyverbs: device discovery, memory regions, connection details, fallback.
+"""RDMA through pyverbs: device discovery, memory regions, connection details, queue pairs.
 
-NOTE: the verbs path (:class:`RcQueuePair`) has never run on real RDMA hardware: the machines
-this was written on have no InfiniBand/RoCE device (no ``/sys/class/infiniband``). What is tested
-is everything that needs no device: discovery reporting "none", the memory-region table, the wire
-forms of the connection details, their exchange through the master, and the fallback to TCP.
+NOTE: the verbs path (:class:`VerbsContext`, :class:`RcQueuePair`, the node's
+``kvstore.node.rdma_verbs`` and the client's ``kvstore.client.rdma``) has never run on real RDMA
+hardware: the machines it was written on have no InfiniBand/RoCE device (no
+``/sys/class/infiniband``). What is tested is everything that needs no device: discovery reporting
+"none", the memory-region table, the queue-pair bookkeeping, the wire forms, their exchange
+through the master, the node's typed refusal, and the client's fallback to TCP.
 
 How it fits together (Mooncake's transfer engine does the same with its metadata service):
 
-1. A node that finds a device registers each arena as a memory region (``ibv_reg_mr`` with
-   remote READ/WRITE) and publishes an :class:`RdmaOffer` (device, port, GID, LID, and per segment
-   the region's address, length and rkey) through the master (``register`` → ``transports``).
+1. A node that finds a device opens it, registers each DRAM arena once as a memory region
+   (``ibv_reg_mr`` with LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE) and publishes an
+   :class:`RdmaOffer` (device, port, GID, LID, and per segment the region's address, length and
+   rkey) through the master (``register`` → ``transports``).
 2. A client that also has a device reads the offer (``node_transports``), creates an RC queue
-   pair and exchanges :class:`QpEndpoint` details with the node over TCP (node verb
-   ``rdma_connect``: RC queue pairs are point to point, so each client gets its own on the node).
-3. Reads and writes are then one-sided RDMA READ/WRITE at ``region.addr + grant.offset``: the
-   node's CPU is not involved; the master's grant still decides which bytes, and a write is
-   still committed by ``put_end`` with its checksum (the node checks it on ``shm_commit``-style
-   commit before the master sees ``put_end``).
+   pair and sends its :class:`QpEndpoint` to the node over a TCP connection it keeps for that
+   purpose (node verb ``rdma_connect``); the node creates a queue pair for that connection, moves
+   it to RTS and answers with its own endpoint. The node tears the queue pair down when that TCP
+   connection closes, and serves a bounded number of them.
+3. Reads and writes are then one-sided RDMA READ/WRITE at ``region.addr + grant.offset``. The
+   node's CPU is not involved, so the *client* keeps to the ranges the master granted (segment,
+   offset, size, operation, expiry). A write is still committed by the node (``rdma_commit``:
+   grant and checksum checked, exactly like ``shm_commit``) before the client calls ``put_end``;
+   a read is checked against the object's checksum by the client, as over TCP.
 
-Where either side has no device, or pyverbs is missing, the node and the client each log one line
-saying so and use TCP.
+Trust: the rkey is the capability. Any process that holds a node's offer and can reach its device
+can read and write the node's whole arena, grant or not: the same trust as the shm transport
+(one cluster, one operator), and the same reason the cluster token guards ``node_transports``.
+
+Where either side has no device, pyverbs is missing, or anything on the RDMA path fails, the
+node and the client each log one line saying so and use TCP. Settings come from the environment
+(:class:`RdmaSettings`): ``KVSTORE_RDMA=off`` disables RDMA, ``KVSTORE_RDMA_DEVICE`` picks a
+device, ``KVSTORE_RDMA_PORT`` and ``KVSTORE_RDMA_GID_INDEX`` (RoCE v2: usually 1 or 3).
 
 pyverbs is a Debian system package (``python3-pyverbs``), not on PyPI. A virtual environment does
 not see system packages, so :func:`import_pyverbs` imports it from the system ``dist-packages``
@@ -31,8 +43,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -111,13 +125,62 @@ def discover() -> list[RdmaDevice]:
     ]
 
 
-def first_device(role: str) -> RdmaDevice | None:
+#: Test-only hook (no device here): pretend this host has the named device. A node that cannot
+#: open it still publishes an offer (so clients try RDMA, fail, and fall back), and answers
+#: ``rdma_connect`` with TransportUnavailableError. Never set it outside tests.
+TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaSettings:
+    """Where and whether to use RDMA, from the environment (see the module docstring)."""
+
+    enabled: bool = True
+    device: str | None = None
+    port: int = 1
+    gid_index: int = 0
+    pretend_device: str | None = None
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
+        """Raises InvalidRequestError for a port or GID index that is not a small integer."""
+        env = os.environ if env is None else env
+        try:
+            port = int(env.get("KVSTORE_RDMA_PORT", "1"))
+            gid_index = int(env.get("KVSTORE_RDMA_GID_INDEX", "0"))
+        except ValueError:
+            raise InvalidRequestError("KVSTORE_RDMA_PORT/GID_INDEX must be integers") from None
+        if not 1 <= port <= 255 or not 0 <= gid_index <= 255:
+            raise InvalidRequestError("KVSTORE_RDMA_PORT must be 1..255, GID_INDEX 0..255")
+        return RdmaSettings(
+            enabled=env.get("KVSTORE_RDMA", "on").lower() not in ("off", "0", "no", "false"),
+            device=env.get("KVSTORE_RDMA_DEVICE") or None,
+            port=port,
+            gid_index=gid_index,
+            pretend_device=env.get(TEST_DEVICE_ENV) or None,
+        )
+
+
+def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice | None:
     """The device to use, or None after logging once why TCP is used instead."""
+    settings = settings or RdmaSettings.from_env()
+    if not settings.enabled:
+        log_once("rdma-off", f"{role}: RDMA disabled (KVSTORE_RDMA=off); using TCP")
+        return None
+    if settings.pretend_device:
+        return RdmaDevice(settings.pretend_device)
     try:
-        return discover()[0]
+        found = discover()
     except TransportUnavailableError as err:
         log_once("rdma-fallback", f"{role}: RDMA unavailable ({err.message}); using TCP")
         return None
+    if settings.device is None:
+        return found[0]
+    for d in found:
+        if d.name == settings.device:
+            return d
+    log_once("rdma-fallback", f"{role}: no RDMA device named {settings.device!r}; using TCP")
+    return None
 
 
 # ---------------------------------------------------------------- memory regions
@@ -192,6 +255,9 @@ class MemoryRegionTable:
         if offset < 0 or length < 0 or offset + length > region.length:
             raise OutOfRangeError(f"range ({offset}, {length}) outside region {name!r}")
         return region.addr + offset, region.rkey
+
+    def regions(self) -> list[MemoryRegion]:
+        return list(self._by_name.values())
 
     def __len__(self) -> int:
         return len(self._by_name)
@@ -279,115 +345,258 @@ def choose(offer_wire: Any, local: RdmaDevice | None) -> RdmaOffer | None:
         return None
 
 
-def node_offer(arena_files: dict[str, Path]) -> dict[str, Any] | None:
-    """What a node publishes for RDMA, or None (logged once) where there is no device.
+# ---------------------------------------------------------------- the verbs path (hardware only)
+#: ``QpEndpoint.mtu`` (bytes) -> ``ibv_mtu`` enum value (IBV_MTU_256 = 1 ... IBV_MTU_4096 = 5).
+MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
+MTU_BYTES = {v: k for k, v in MTU_ENUM.items()}
+#: Work requests in flight per queue pair (the send queue's depth).
+MAX_SEND_WR = 256
+#: Largest single RDMA operation (devices allow 1-2 GiB messages; larger ranges are split).
+MAX_OP_BYTES = 1 << 30
+#: How long one batch of RDMA operations may take before the queue pair is given up.
+COMPLETION_TIMEOUT_S = 10.0
 
-    With a device, the arenas are registered by :class:`RcQueuePair`'s owner at node start;
-    that path is untested on real hardware (see the module docstring).
+
+def address_of(buffer: memoryview) -> int:
+    """The address of a contiguous buffer's first byte (read-only buffers too).
+
+    Raises:
+        InvalidRequestError: the buffer is not contiguous.
     """
-    if first_device("node") is None:
-        return None
-    log_once(
-        "rdma-node-untested",
-        "node: RDMA device found, but the node's verbs path is untested; serving TCP and shm",
+    import numpy as np
+
+    if not buffer.contiguous:
+        raise InvalidRequestError("RDMA buffers must be contiguous")
+    if buffer.nbytes == 0:
+        raise InvalidRequestError("RDMA buffers must not be empty")
+    # NOTE: the numpy array is a transient export of ``buffer``; it is dropped at once, so the
+    # buffer's owner (an arena's mmap) can still be closed later.
+    return int(
+        np.frombuffer(buffer.cast("B") if buffer.ndim != 1 else buffer, np.uint8).ctypes.data
     )
-    return None
 
 
-# ---------------------------------------------------------------- the verbs path (untested)
-class RcQueuePair:  # pragma: no cover - needs an RDMA device
-    """One reliable-connected queue pair with one-sided READ/WRITE. Untested on real hardware.
+def verbs_errors() -> tuple[type[BaseException], ...]:
+    """The exception classes pyverbs raises (PyverbsError covers RDMA and user errors)."""
+    from pyverbs.pyverbs_error import PyverbsError
+
+    return (PyverbsError,)
+
+
+def gid_text(gid: bytes) -> str:
+    """16 GID bytes in pyverbs' text form: eight groups of four hex digits."""
+    h = gid.hex()
+    return ":".join(h[i : i + 4] for i in range(0, 32, 4))
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaOp:
+    """One one-sided operation: ``length`` bytes between local ``laddr`` and remote ``raddr``."""
+
+    write: bool
+    laddr: int
+    lkey: int
+    length: int
+    raddr: int
+    rkey: int
+
+
+class VerbsContext:  # pragma: no cover - needs an RDMA device
+    """An opened device with one protection domain: what memory regions and queue pairs share.
+
+    Untested on real hardware (see the module docstring).
 
     Args:
         device: the local device.
-        port: its port number (usually 1).
-        gid_index: which GID to use (RoCE v2 usually 1 or 3).
+        settings: port and GID index.
+
+    Raises:
+        TransportUnavailableError: the device cannot be opened or queried.
     """
 
-    def __init__(self, device: RdmaDevice, port: int = 1, gid_index: int = 0) -> None:
+    def __init__(self, device: RdmaDevice, settings: RdmaSettings) -> None:
         import_pyverbs()
-        import pyverbs.enums as e
-        from pyverbs.cq import CQ
-        from pyverbs.device import Context
-        from pyverbs.pd import PD
-        from pyverbs.qp import QP, QPCap, QPInitAttr
+        try:
+            import pyverbs.enums as e
+            from pyverbs.device import Context
+            from pyverbs.pd import PD
 
-        self._e = e
-        self.ctx = Context(name=device.name)
-        self.pd = PD(self.ctx)
-        self.cq = CQ(self.ctx, 256)
-        cap = QPCap(max_send_wr=256, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        self.qp = QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap))
-        self.port = port
-        self.gid_index = gid_index
-        self.gid = bytes.fromhex(str(self.ctx.query_gid(port, gid_index)).replace(":", ""))
-        self.lid = self.ctx.query_port(port).lid
+            self.e = e
+            self.ctx = Context(name=device.name)
+            self.pd = PD(self.ctx)
+            port = self.ctx.query_port(settings.port)
+            dev = self.ctx.query_device()
+            # Outstanding RDMA READs per QP, as initiator and as target: what the device allows.
+            self.max_rd_atomic = max(1, min(16, dev.max_qp_init_rd_atom, dev.max_qp_rd_atom))
+            self.lid = int(port.lid)
+            self.mtu = MTU_BYTES.get(int(port.active_mtu), 1024)
+            self.gid = bytes.fromhex(
+                str(self.ctx.query_gid(settings.port, settings.gid_index)).replace(":", "")
+            )
+        except verbs_errors() as exc:
+            raise TransportUnavailableError(
+                f"cannot open RDMA device {device.name}: {exc}"
+            ) from None
+        self.device = device
+        self.port = settings.port
+        self.gid_index = settings.gid_index
         self.mrs = MemoryRegionTable()
         self._mr_objects: dict[str, Any] = {}
+        self._lock = threading.Lock()
 
-    def register(self, name: str, buffer: memoryview) -> MemoryRegion:
-        """Register ``buffer`` for local use and remote READ/WRITE."""
+    def register(self, name: str, buffer: memoryview, remote: bool) -> MemoryRegion:
+        """Register ``buffer`` (``ibv_reg_mr``): local access, plus remote READ/WRITE if asked.
+
+        A read-only buffer is registered without LOCAL_WRITE (it can only be a WRITE's source).
+
+        Raises:
+            InvalidRequestError: duplicate or overlapping region. TransportUnavailableError: the
+                device refused the registration.
+        """
         from pyverbs.mr import MR
 
-        e = self._e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        mr = MR(self.pd, len(buffer), access, address=_address_of(buffer))
-        region = MemoryRegion(name, mr.buf, len(buffer), mr.lkey, mr.rkey)
-        self.mrs.add(region)
-        self._mr_objects[name] = mr
+        e = self.e
+        access = 0 if buffer.readonly else e.IBV_ACCESS_LOCAL_WRITE
+        if remote:
+            access |= e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
+            access |= e.IBV_ACCESS_REMOTE_WRITE
+        addr = address_of(buffer)
+        try:
+            mr = MR(self.pd, buffer.nbytes, access, address=addr)
+        except verbs_errors() as exc:
+            raise TransportUnavailableError(f"ibv_reg_mr of {name!r} failed: {exc}") from None
+        region = MemoryRegion(name, addr, buffer.nbytes, int(mr.lkey), int(mr.rkey))
+        with self._lock:
+            try:
+                self.mrs.add(region)
+            except InvalidRequestError:
+                mr.close()
+                raise
+            self._mr_objects[name] = mr
         return region
 
+    def deregister(self, name: str) -> None:
+        """``ibv_dereg_mr``; unknown names are ignored."""
+        with self._lock:
+            mr = self._mr_objects.pop(name, None)
+            if mr is None:
+                return
+            self.mrs.remove(name)
+        mr.close()
+
+    def close(self) -> None:
+        with self._lock:
+            mrs, self._mr_objects = list(self._mr_objects.values()), {}
+        for mr in mrs:
+            mr.close()
+        self.pd.close()
+        self.ctx.close()
+
+
+class RcQueuePair:  # pragma: no cover - needs an RDMA device
+    """One reliable-connected queue pair with its own completion queue. Untested on real hardware.
+
+    RC queue pairs are point to point: a node makes one per client connection, a client one per
+    node. Moves RESET → INIT → RTR → RTS in :meth:`connect`, with the attributes the rdma-core
+    tests use (timeout 14, 7 retries, RNR timer 12).
+
+    Raises:
+        TransportUnavailableError: the device refused the CQ or QP.
+    """
+
+    def __init__(self, ctx: VerbsContext) -> None:
+        from pyverbs.cq import CQ
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+
+        e = ctx.e
+        self.ctx = ctx
+        try:
+            self.cq = CQ(ctx.ctx, MAX_SEND_WR)
+            cap = QPCap(max_send_wr=MAX_SEND_WR, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+            self.qp = QP(ctx.pd, init)
+        except verbs_errors() as exc:
+            raise TransportUnavailableError(f"cannot create an RC queue pair: {exc}") from None
+
     def endpoint(self, psn: int) -> QpEndpoint:
-        return QpEndpoint(self.gid, self.lid, self.qp.qp_num, psn)
+        """This end's details for the peer (``psn``: the first packet sequence number we send)."""
+        return QpEndpoint(self.ctx.gid, self.ctx.lid, int(self.qp.qp_num), psn, self.ctx.mtu)
 
     def connect(self, remote: QpEndpoint, local_psn: int) -> None:
-        """Move the QP to RTS, connected to ``remote``."""
+        """Move the QP to RTS, connected to ``remote``.
+
+        Raises:
+            TransportUnavailableError: a state transition failed.
+        """
         from pyverbs.addr import GID, AHAttr, GlobalRoute
         from pyverbs.qp import QPAttr
 
-        e = self._e
-        attr = QPAttr(qp_state=e.IBV_QPS_INIT, port_num=self.port)
-        attr.qp_access_flags = e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        self.qp.to_init(attr)
-        gr = GlobalRoute(dgid=GID(remote.gid.hex(":")), sgid_index=self.gid_index)
-        attr = QPAttr(qp_state=e.IBV_QPS_RTR, path_mtu=e.IBV_MTU_4096)
-        attr.dest_qp_num = remote.qpn
-        attr.rq_psn = remote.psn
-        attr.max_dest_rd_atomic = 16
-        attr.min_rnr_timer = 12
-        attr.ah_attr = AHAttr(gr=gr, is_global=1, dlid=remote.lid, port_num=self.port)
-        self.qp.to_rtr(attr)
-        attr = QPAttr(qp_state=e.IBV_QPS_RTS)
-        attr.sq_psn = local_psn
-        attr.timeout, attr.retry_cnt, attr.rnr_retry, attr.max_rd_atomic = 14, 7, 7, 16
-        self.qp.to_rts(attr)
+        e = self.ctx.e
+        try:
+            attr = QPAttr(qp_state=e.IBV_QPS_INIT, cur_qp_state=e.IBV_QPS_RESET)
+            attr.port_num = self.ctx.port
+            attr.pkey_index = 0
+            attr.qp_access_flags = (
+                e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
+            )
+            self.qp.to_init(attr)
+            gr = GlobalRoute(dgid=GID(gid_text(remote.gid)), sgid_index=self.ctx.gid_index)
+            attr.path_mtu = MTU_ENUM[min(remote.mtu, self.ctx.mtu)]
+            attr.dest_qp_num = remote.qpn
+            attr.rq_psn = remote.psn
+            attr.max_dest_rd_atomic = self.ctx.max_rd_atomic
+            attr.min_rnr_timer = 12
+            attr.ah_attr = AHAttr(gr=gr, is_global=1, dlid=remote.lid, port_num=self.ctx.port)
+            self.qp.to_rtr(attr)
+            attr.sq_psn = local_psn
+            attr.timeout, attr.retry_cnt, attr.rnr_retry = 14, 7, 7
+            attr.max_rd_atomic = self.ctx.max_rd_atomic
+            self.qp.to_rts(attr)
+        except verbs_errors() as exc:
+            raise TransportUnavailableError(f"queue pair did not reach RTS: {exc}") from None
 
-    def transfer(
-        self, write: bool, local: str, offset: int, length: int, raddr: int, rkey: int
-    ) -> None:
-        """One RDMA READ (or WRITE) of ``length`` bytes, waited for.
+    def run(self, ops: list[RdmaOp], timeout_s: float = COMPLETION_TIMEOUT_S) -> None:
+        """Post ``ops`` (at most MAX_SEND_WR in flight) and wait until all have completed.
 
         Raises:
-            TransportUnavailableError: the completion carries an error.
+            TransportUnavailableError: a completion carries an error, posting failed, or the
+                operations did not complete in ``timeout_s`` (the QP is then unusable).
         """
+        import time
+
         from pyverbs.wr import SGE, SendWR
 
-        e = self._e
-        region = self.mrs.get(local)
-        sge = SGE(region.addr + offset, length, region.lkey)
-        opcode = e.IBV_WR_RDMA_WRITE if write else e.IBV_WR_RDMA_READ
-        wr = SendWR(opcode=opcode, num_sge=1, sg=[sge], send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(rkey, raddr)
-        self.qp.post_send(wr)
-        while True:
-            n, wcs = self.cq.poll()
-            if n:
-                if wcs[0].status != e.IBV_WC_SUCCESS:
-                    raise TransportUnavailableError(f"RDMA completion status {wcs[0].status}")
-                return
+        e = self.ctx.e
+        deadline = time.monotonic() + timeout_s
+        posted = done = 0
+        try:
+            while done < len(ops):
+                while posted < len(ops) and posted - done < MAX_SEND_WR:
+                    op = ops[posted]
+                    sge = SGE(op.laddr, op.length, op.lkey)
+                    opcode = e.IBV_WR_RDMA_WRITE if op.write else e.IBV_WR_RDMA_READ
+                    wr = SendWR(
+                        wr_id=posted,
+                        opcode=opcode,
+                        num_sge=1,
+                        sg=[sge],
+                        send_flags=e.IBV_SEND_SIGNALED,
+                    )
+                    wr.set_wr_rdma(op.rkey, op.raddr)
+                    self.qp.post_send(wr)
+                    posted += 1
+                n, wcs = self.cq.poll(num_entries=min(16, posted - done))
+                for wc in wcs[:n]:
+                    if wc.status != e.IBV_WC_SUCCESS:
+                        raise TransportUnavailableError(f"RDMA completion status {wc.status}")
+                done += n
+                if not n and time.monotonic() > deadline:
+                    raise TransportUnavailableError(
+                        f"RDMA operations did not complete in {timeout_s:.0f}s"
+                    )
+        except verbs_errors() as exc:
+            raise TransportUnavailableError(f"RDMA post failed: {exc}") from None
 
-
-def _address_of(buffer: memoryview) -> int:  # pragma: no cover - used by the verbs path
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    def close(self) -> None:
+        self.qp.close()
+        self.cq.close()

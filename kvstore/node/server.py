@@ -145,6 +145,8 @@ class DataServer:
         )
         self.num_reads = 0
         self.num_writes = 0
+        #: Called with a connection's FramedSocket when it closes (e.g. RDMA queue pair teardown).
+        self.on_disconnect: list[Callable[[protocol.FramedSocket], None]] = []
         self._verbs: dict[
             str, Callable[[protocol.FramedSocket, protocol.Request, int, memoryview], None]
         ] = {
@@ -303,6 +305,8 @@ class DataServer:
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
+            for hook in self.on_disconnect:
+                hook(fs)
 
     def _simple(
         self, fn: Callable[[dict[str, Any]], Any]

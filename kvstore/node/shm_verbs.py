@@ -28,20 +28,24 @@ if TYPE_CHECKING:
     from kvstore.node.server import DataServer
 
 
-def make_shm_commit(server: DataServer) -> Any:
-    """The ``shm_commit`` handler for ``server`` (registered only where shm is enabled)."""
+def make_shm_commit(server: DataServer, via: str = "shm") -> Any:
+    """The ``shm_commit`` handler for ``server`` (registered only where shm is enabled).
+
+    Also serves as ``rdma_commit`` (``via="RDMA"``): bytes written in place, by whatever means,
+    are committed the same way.
+    """
     from kvstore.node.server import ManifestEntry
 
     def shm_commit(
         fs: protocol.FramedSocket, req: protocol.Request, payload_len: int, scratch: memoryview
     ) -> None:
         if payload_len:
-            raise ProtocolError("shm_commit takes no payload")
+            raise ProtocolError(f"{req.verb} takes no payload")
         items = req.args.get("items")
         if not isinstance(items, list) or not all(
             isinstance(i, list) and len(i) == 2 for i in items
         ):
-            raise InvalidRequestError("shm_commit takes items: [[grant, checksum], ...]")
+            raise InvalidRequestError(f"{req.verb} takes items: [[grant, checksum], ...]")
         results: list[Any] = []
         for grant_wire, checksum in items:
             try:
@@ -49,7 +53,9 @@ def make_shm_commit(server: DataServer) -> Any:
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
                 if xxhash.xxh3_64_intdigest(view) != checksum:
-                    raise ChecksumMismatchError("bytes written through shm do not match checksum")
+                    raise ChecksumMismatchError(
+                        f"bytes written through {via} do not match checksum"
+                    )
                 server.manifest.record(
                     grant.segment,
                     grant.offset,

@@ -97,7 +97,6 @@ def test_no_device_falls_back_with_one_log_line(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
         assert rdma.first_device("client") is None
         assert rdma.first_device("client") is None
-        assert rdma.node_offer({}) is None
         offer = rdma.RdmaOffer("mlx5_0", 1, b"\x00" * 16, 3, {"dram": (0x1000, 4096, 77)})
         assert rdma.choose(offer.to_wire(), None) is None
         assert rdma.choose(offer.to_wire(), None) is None
@@ -110,16 +109,86 @@ def test_bad_offer_from_a_node_is_ignored() -> None:
     assert rdma.choose(None, rdma.RdmaDevice("mlx5_0")) is None
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, rdma.RdmaSettings()),
+        ({"KVSTORE_RDMA": "off"}, rdma.RdmaSettings(enabled=False)),
+        (
+            {
+                "KVSTORE_RDMA_DEVICE": "mlx5_1",
+                "KVSTORE_RDMA_PORT": "2",
+                "KVSTORE_RDMA_GID_INDEX": "3",
+            },
+            rdma.RdmaSettings(device="mlx5_1", port=2, gid_index=3),
+        ),
+        ({rdma.TEST_DEVICE_ENV: "pretend0"}, rdma.RdmaSettings(pretend_device="pretend0")),
+    ],
+)
+def test_settings_from_env(env, expected) -> None:
+    assert rdma.RdmaSettings.from_env(env) == expected
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"KVSTORE_RDMA_PORT": "x"}, {"KVSTORE_RDMA_PORT": "0"}, {"KVSTORE_RDMA_GID_INDEX": "-1"}],
+)
+def test_bad_settings_are_refused(env) -> None:
+    with pytest.raises(InvalidRequestError):
+        rdma.RdmaSettings.from_env(env)
+
+
+def test_disabled_and_pretend_devices(caplog) -> None:
+    rdma._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
+        assert rdma.first_device("client", rdma.RdmaSettings(enabled=False)) is None
+    assert any("KVSTORE_RDMA=off" in r.getMessage() for r in caplog.records)
+    pretend = rdma.RdmaSettings(pretend_device="pretend0")
+    assert rdma.first_device("client", pretend) == rdma.RdmaDevice("pretend0")
+
+
+def test_gid_text_is_what_pyverbs_parses() -> None:
+    gid = bytes.fromhex("fe800000000000000202c9fffe000001")
+    assert rdma.gid_text(gid) == "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
+    try:
+        rdma.import_pyverbs()
+    except TransportUnavailableError as err:
+        pytest.skip(f"pyverbs not installed: {err.message}")
+    from pyverbs.addr import GID
+
+    assert GID(rdma.gid_text(gid)).gid == rdma.gid_text(gid)
+
+
+def test_address_of_sees_slices_and_read_only_buffers() -> None:
+    buf = bytearray(64)
+    whole = memoryview(buf)
+    assert rdma.address_of(whole[16:]) == rdma.address_of(whole) + 16
+    assert rdma.address_of(memoryview(bytes(8))) > 0
+    with pytest.raises(InvalidRequestError):
+        rdma.address_of(whole[:0])
+
+
 @pytest.mark.rdma
 @pytest.mark.skipif(not _has_device(), reason="no RDMA device on this host")
 def test_loopback_rdma_read_and_write() -> None:  # pragma: no cover - needs hardware
-    device = rdma.discover()[0]
-    a, b = rdma.RcQueuePair(device), rdma.RcQueuePair(device)
-    src = memoryview(bytearray(b"x" * 4096))
-    dst = memoryview(bytearray(4096))
-    ra = a.register("src", src)
-    b.register("dst", dst)
-    a.connect(b.endpoint(1), 2)
-    b.connect(a.endpoint(2), 1)
-    b.transfer(False, "dst", 0, 4096, ra.addr, ra.rkey)
-    assert bytes(dst) == bytes(src)
+    settings = rdma.RdmaSettings.from_env()
+    device = rdma.first_device("test", settings)
+    assert device is not None
+    ctx = rdma.VerbsContext(device, settings)
+    try:
+        a, b = rdma.RcQueuePair(ctx), rdma.RcQueuePair(ctx)
+        src = memoryview(bytearray(b"x" * 4096))
+        dst = memoryview(bytearray(4096))
+        ra = ctx.register("src", src, remote=True)
+        rb = ctx.register("dst", dst, remote=True)
+        a.connect(b.endpoint(1), 2)
+        b.connect(a.endpoint(2), 1)
+        b.run([rdma.RdmaOp(False, rb.addr, rb.lkey, 4096, ra.addr, ra.rkey)])
+        assert bytes(dst) == bytes(src)
+        src[:] = b"y" * 4096
+        a.run([rdma.RdmaOp(True, ra.addr, ra.lkey, 4096, rb.addr, rb.rkey)])
+        assert bytes(dst) == bytes(src)
+        a.close()
+        b.close()
+    finally:
+        ctx.close()
