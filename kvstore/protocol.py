@@ -20,8 +20,10 @@ receiver ``recv_into``s them straight into their destination (an arena, a caller
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,6 +235,22 @@ _IOV_MAX = 512
 READ_AHEAD = 32 << 10
 
 
+def _poll_window() -> float:
+    raw = os.environ.get("KVSTORE_POLL_US", "50")
+    try:
+        return max(0.0, float(raw)) / 1e6
+    except ValueError:
+        return 50e-6
+
+
+#: Seconds a FramedSocket polls (non-blocking reads in a loop) for the next frame before it
+#: sleeps in the kernel: ``$KVSTORE_POLL_US`` microseconds, 50 by default, 0 to never poll.
+#: Waking a sleeping thread costs tens of µs on virtual machines (the vCPU halts); a reply or
+#: the next request of a busy client usually comes sooner, so a short poll halves small-request
+#: latency (``bench/bench_store.py --small``), for at most this much CPU per wait.
+POLL_WINDOW_S = _poll_window()
+
+
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send every buffer with ``sendmsg`` (gather I/O: the payload is never joined or copied)."""
     if len(buffers) == 1 and type(buffers[0]) is bytes:
@@ -273,6 +291,7 @@ class FramedSocket:
         self._rview = memoryview(bytearray(READ_AHEAD))
         self._rpos = 0
         self._rend = 0
+        self.poll_window = POLL_WINDOW_S
         self._next_id = 1
 
     @classmethod
@@ -324,6 +343,8 @@ class FramedSocket:
         if self._rpos:  # move what is left to the front
             self._rview[:have] = self._rview[self._rpos : self._rend]
             self._rpos, self._rend = 0, have
+        if self.poll_window:
+            self._poll(need)
         while self._rend < need:
             n = self.sock.recv_into(self._rview[self._rend :])
             if n == 0:
@@ -332,6 +353,27 @@ class FramedSocket:
                     if self._rend
                     else "peer closed"
                 )
+            self._rend += n
+
+    def _poll(self, need: int) -> None:
+        """Read without sleeping until ``need`` bytes are here or the poll window is over."""
+        # A socket with a timeout is non-blocking underneath (Python emulates the timeout with
+        # poll(2) before every recv, which would sleep): read its descriptor directly.
+        fd = self.sock.fileno()
+        blocking = self.sock.gettimeout() is None
+        deadline = time.perf_counter() + self.poll_window
+        while self._rend < need:
+            try:
+                if blocking:
+                    n = self.sock.recv_into(self._rview[self._rend :], 0, socket.MSG_DONTWAIT)
+                else:
+                    n = os.readv(fd, [self._rview[self._rend :]])
+            except BlockingIOError:
+                if time.perf_counter() >= deadline:
+                    return
+                continue
+            if n == 0:
+                raise ConnectionError("peer closed")
             self._rend += n
 
     def _take(self, view: memoryview) -> int:

@@ -131,3 +131,53 @@ def test_from_wire_survives_garbage() -> None:
     assert isinstance(KVStoreError.from_wire(["x"]), ProtocolError)
     assert isinstance(KVStoreError.from_wire([12345, "unknown code"]), ProtocolError)
     assert isinstance(KVStoreError.from_wire([200, "m"]), KeyNotFoundError)
+
+
+@pytest.mark.parametrize("timeout", [None, 5.0])
+@pytest.mark.parametrize("poll_window", [0.0, 50e-6, 0.5])
+def test_framed_sockets_read_ahead_and_poll(timeout: float | None, poll_window: float) -> None:
+    """Frames, payloads split across read-ahead and socket, and a close: with and without the
+    poll before sleeping, on blocking sockets and sockets with a timeout."""
+    import socket
+    import threading
+
+    a, b = socket.socketpair()
+    for s in (a, b):
+        s.settimeout(timeout)
+    sender, receiver = protocol.FramedSocket(a), protocol.FramedSocket(b)
+    receiver.poll_window = poll_window
+    big = bytes(range(256)) * 1024  # 256 KiB: more than the read-ahead holds
+    small = b"x" * 100
+
+    def send() -> None:
+        sender.send_request("one", {"n": 1}, [small])
+        sender.send_request("two", {"n": 2}, [big, small])
+        a.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=send)
+    t.start()
+    try:
+        h = receiver.read_header()
+        req = protocol.decode_request(receiver.read_body(h))
+        assert (req.verb, h.payload_len) == ("one", 100)
+        assert receiver.recv_exact(100) == small
+        h = receiver.read_header()
+        assert protocol.decode_request(receiver.read_body(h)).verb == "two"
+        first, second = memoryview(bytearray(len(big))), memoryview(bytearray(50))
+        receiver.recv_scatter([first, second])
+        assert bytes(first) == big and bytes(second) == small[:50]
+        receiver.discard(50, memoryview(bytearray(16)))
+        with pytest.raises(ConnectionError):
+            receiver.read_header()
+    finally:
+        t.join(timeout=10)
+        a.close()
+        b.close()
+
+
+def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, want in [("0", 0.0), ("120", 120e-6), ("-5", 0.0), ("junk", 50e-6)]:
+        monkeypatch.setenv("KVSTORE_POLL_US", raw)
+        assert protocol._poll_window() == pytest.approx(want)
+    monkeypatch.delenv("KVSTORE_POLL_US")
+    assert protocol._poll_window() == pytest.approx(50e-6)
