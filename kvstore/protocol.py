@@ -31,6 +31,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
+from kvstore.polling import POLL_BACKOFF, POLL_WINDOW_S
 
 MAGIC = b"KV"
 PROTOCOL_VERSION = 1
@@ -235,22 +236,6 @@ _IOV_MAX = 512
 READ_AHEAD = 32 << 10
 
 
-def _poll_window() -> float:
-    raw = os.environ.get("KVSTORE_POLL_US", "50")
-    try:
-        return max(0.0, float(raw)) / 1e6
-    except ValueError:
-        return 50e-6
-
-
-#: Seconds a FramedSocket polls (non-blocking reads in a loop) for the next frame before it
-#: sleeps in the kernel: ``$KVSTORE_POLL_US`` microseconds, 50 by default, 0 to never poll.
-#: Waking a sleeping thread costs tens of µs on virtual machines (the vCPU halts); a reply or
-#: the next request of a busy client usually comes sooner, so a short poll halves small-request
-#: latency (``bench/bench_store.py --small``), for at most this much CPU per wait.
-POLL_WINDOW_S = _poll_window()
-
-
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
     """Send every buffer with ``sendmsg`` (gather I/O: the payload is never joined or copied)."""
     if len(buffers) == 1 and type(buffers[0]) is bytes:
@@ -291,7 +276,8 @@ class FramedSocket:
         self._rview = memoryview(bytearray(READ_AHEAD))
         self._rpos = 0
         self._rend = 0
-        self.poll_window = POLL_WINDOW_S
+        self.poll_window = POLL_WINDOW_S  # see kvstore.polling
+        self._poll_skip = 0
         self._next_id = 1
 
     @classmethod
@@ -344,7 +330,10 @@ class FramedSocket:
             self._rview[:have] = self._rview[self._rpos : self._rend]
             self._rpos, self._rend = 0, have
         if self.poll_window:
-            self._poll(need)
+            if self._poll_skip:
+                self._poll_skip -= 1
+            elif not self._poll(need):
+                self._poll_skip = POLL_BACKOFF
         while self._rend < need:
             n = self.sock.recv_into(self._rview[self._rend :])
             if n == 0:
@@ -355,8 +344,9 @@ class FramedSocket:
                 )
             self._rend += n
 
-    def _poll(self, need: int) -> None:
-        """Read without sleeping until ``need`` bytes are here or the poll window is over."""
+    def _poll(self, need: int) -> bool:
+        """Read without sleeping until ``need`` bytes are here (True) or the poll window is
+        over (False)."""
         # A socket with a timeout is non-blocking underneath (Python emulates the timeout with
         # poll(2) before every recv, which would sleep): read its descriptor directly.
         fd = self.sock.fileno()
@@ -370,11 +360,12 @@ class FramedSocket:
                     n = os.readv(fd, [self._rview[self._rend :]])
             except BlockingIOError:
                 if time.perf_counter() >= deadline:
-                    return
+                    return False
                 continue
             if n == 0:
                 raise ConnectionError("peer closed")
             self._rend += n
+        return True
 
     def _take(self, view: memoryview) -> int:
         """Copy read-ahead bytes into the front of ``view``; returns how many."""

@@ -25,6 +25,7 @@ from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
 from kvstore.master.service import MasterService
+from kvstore.polling import LoopAwake
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
@@ -278,6 +279,7 @@ class ControlServer:
         self.max_body = max_body
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._awake = LoopAwake()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
@@ -330,6 +332,7 @@ class ControlServer:
                     else:
                         writer.write(dispatch(self.service, request, self.observer))
                 await writer.drain()
+                self._awake.served()
         except ConnectionError:
             return
         finally:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import protocol
+from kvstore import polling, protocol
 from kvstore.errors import (
     ErrorCode,
     KeyNotFoundError,
@@ -178,6 +178,6 @@ def test_framed_sockets_read_ahead_and_poll(timeout: float | None, poll_window: 
 def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, want in [("0", 0.0), ("120", 120e-6), ("-5", 0.0), ("junk", 50e-6)]:
         monkeypatch.setenv("KVSTORE_POLL_US", raw)
-        assert protocol._poll_window() == pytest.approx(want)
+        assert polling.poll_window() == pytest.approx(want)
     monkeypatch.delenv("KVSTORE_POLL_US")
-    assert protocol._poll_window() == pytest.approx(50e-6)
+    assert polling.poll_window() == pytest.approx(50e-6)
