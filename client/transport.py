@@ -22,6 +22,7 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
+from kvstore.polling import POLL_MAX_BYTES
 from kvstore.types import Location, result_from_wire
 
 Endpoint = tuple[str, int]
@@ -237,6 +238,8 @@ class TcpTransport:
         for ex in exchanges.values():
             args = {"items": [[i.location.grant.to_wire(), i.ranges] for i in ex.items]}
             self._send(ex, "read", args, ())
+            if ex.conn is not None and sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES:
+                ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
             results = self._receive(ex) if ex.error is None else None
             if results is None:

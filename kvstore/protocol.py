@@ -20,7 +20,7 @@ receiver ``recv_into``s them straight into their destination (an arena, a caller
 
 from __future__ import annotations
 
-import os
+import select
 import socket
 import struct
 import time
@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
-from kvstore.polling import POLL_BACKOFF, POLL_WINDOW_S
+from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, POLL_WINDOW_S
 
 MAGIC = b"KV"
 PROTOCOL_VERSION = 1
@@ -276,8 +276,12 @@ class FramedSocket:
         self._rview = memoryview(bytearray(READ_AHEAD))
         self._rpos = 0
         self._rend = 0
-        self.poll_window = POLL_WINDOW_S  # see kvstore.polling
+        # Polling before sleeping (see kvstore.polling): a connection this side opened waits for
+        # replies, which come soon (no backoff); an accepted one waits for requests (backoff).
+        self.awaits_replies = False
+        self.poll_window = POLL_WINDOW_S
         self._poll_skip = 0
+        self._poller: select.poll | None = None
         self._next_id = 1
 
     @classmethod
@@ -294,7 +298,9 @@ class FramedSocket:
                 f"cannot connect to {host}:{port}: {exc.strerror or exc}"
             ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(sock, **kwargs)
+        conn = cls(sock, **kwargs)
+        conn.awaits_replies = True
+        return conn
 
     def next_id(self) -> int:
         req_id = self._next_id
@@ -313,6 +319,8 @@ class FramedSocket:
             return req_id
         payload_len = sum(len(memoryview(b).cast("B")) for b in payload)
         send_all(self.sock, [encode_request(req_id, verb, args, payload_len), *payload])
+        if payload_len > POLL_MAX_BYTES:
+            self.sleep_through_next_wait()
         return req_id
 
     def send_frame(self, frame: bytes, payload: Sequence[bytes | memoryview] = ()) -> None:
@@ -320,6 +328,13 @@ class FramedSocket:
             self.sock.sendall(frame)
             return
         send_all(self.sock, [frame, *payload])
+        if sum(map(len, payload)) > POLL_MAX_BYTES:
+            self.sleep_through_next_wait()
+
+    def sleep_through_next_wait(self) -> None:
+        """Do not poll before the next wait: a large payload is moving (the peer is busy with
+        it, and a poll would only slow its copy down on a shared core)."""
+        self._poll_skip = max(self._poll_skip, 1)
 
     def _fill(self, need: int) -> None:
         """Have at least ``need`` (at most READ_AHEAD) bytes read ahead."""
@@ -332,7 +347,7 @@ class FramedSocket:
         if self.poll_window:
             if self._poll_skip:
                 self._poll_skip -= 1
-            elif not self._poll(need):
+            elif not self._poll() and not self.awaits_replies:
                 self._poll_skip = POLL_BACKOFF
         while self._rend < need:
             n = self.sock.recv_into(self._rview[self._rend :])
@@ -344,27 +359,18 @@ class FramedSocket:
                 )
             self._rend += n
 
-    def _poll(self, need: int) -> bool:
-        """Read without sleeping until ``need`` bytes are here (True) or the poll window is
-        over (False)."""
-        # A socket with a timeout is non-blocking underneath (Python emulates the timeout with
-        # poll(2) before every recv, which would sleep): read its descriptor directly.
-        fd = self.sock.fileno()
-        blocking = self.sock.gettimeout() is None
+    def _poll(self) -> bool:
+        """Wait without sleeping until bytes arrive (True) or the poll window is over (False)."""
+        # poll(2) with a zero timeout looks at the socket without taking its lock; reading in a
+        # loop instead would take the lock each time and slow the peer's delivery of a stream.
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock.fileno(), select.POLLIN)
+        ready = self._poller.poll
         deadline = time.perf_counter() + self.poll_window
-        while self._rend < need:
-            try:
-                if blocking:
-                    n = self.sock.recv_into(self._rview[self._rend :], 0, socket.MSG_DONTWAIT)
-                else:
-                    n = os.readv(fd, [self._rview[self._rend :]])
-            except BlockingIOError:
-                if time.perf_counter() >= deadline:
-                    return False
-                continue
-            if n == 0:
-                raise ConnectionError("peer closed")
-            self._rend += n
+        while not ready(0):
+            if time.perf_counter() >= deadline:
+                return False
         return True
 
     def _take(self, view: memoryview) -> int:
