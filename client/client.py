@@ -390,16 +390,21 @@ class Client:
             views.append(view)
             index.append(i)
         sums = [checksum(v) for v in views]
+        # Forgotten before (no read may use the old place once the write starts) and after
+        # (an answer looked up meanwhile may name the old object; see LocationCache.put_many).
         self._cache.forget(wire_keys)
         excluded: list[str] = []
         todo = list(range(len(wire_keys)))
-        for _round in range(2):  # a second round retries keys whose node died, elsewhere
-            if not todo:
-                break
-            todo, dead = self._put_round(
-                todo, wire_keys, views, sums, index, results, excluded, commit, replicas
-            )
-            excluded.extend(dead)
+        try:
+            for _round in range(2):  # a second round retries keys whose node died, elsewhere
+                if not todo:
+                    break
+                todo, dead = self._put_round(
+                    todo, wire_keys, views, sums, index, results, excluded, commit, replicas
+                )
+                excluded.extend(dead)
+        finally:
+            self._cache.forget(wire_keys)
         return results
 
     def _put_round(
@@ -578,9 +583,10 @@ class Client:
         # NOTE: the control channel stays locked while the guesses are read, so large reads
         # (where one round trip matters little) do not overlap: other threads keep the master.
         lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
+        generation = self._cache.generation
         if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
             infos = self._locations(wire_keys)
-            self._cache.put_many(wire_keys, infos, lease_until)
+            self._cache.put_many(wire_keys, infos, lease_until, generation)
             self._read_objects(infos, dests, index, results)
             return
         reply = _call_overlapped(
@@ -590,7 +596,7 @@ class Client:
             lambda: self._data.read(list(guesses.values())),
         )
         infos = self._decode_locations(reply)
-        self._cache.put_many(wire_keys, infos, lease_until)
+        self._cache.put_many(wire_keys, infos, lease_until, generation)
         redo: list[int] = []
         for j, info in enumerate(infos):
             item = guesses.get(j)
@@ -698,8 +704,9 @@ class Client:
             return
         keys = wire_keys if len(missing) == len(wire_keys) else [wire_keys[j] for j in missing]
         lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
+        generation = self._cache.generation
         got = self._locations(keys)
-        self._cache.put_many(keys, got, lease_until)
+        self._cache.put_many(keys, got, lease_until, generation)
         for j, info in zip(missing, got, strict=True):
             infos[j] = info
 
@@ -742,7 +749,10 @@ class Client:
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
         wire_keys = [encode_key(k) for k in keys]
         self._cache.forget(wire_keys)
-        reply = self._control.call("remove", {"keys": wire_keys})
+        try:
+            reply = self._control.call("remove", {"keys": wire_keys})
+        finally:
+            self._cache.forget(wire_keys)  # answers looked up meanwhile (see batch_put)
         return [result_from_wire(r)[0] for r in reply]
 
     def remove(self, key: str | bytes) -> None:

@@ -56,6 +56,9 @@ class LocationCache:
         self.max_entries = max_entries
         self._infos: dict[bytes, tuple[ObjectInfo, float]] = {}
         self._lock = threading.Lock()
+        # Bumped by every forget: an answer asked for before a forget may predate the write
+        # that caused it, so it is not remembered (see put_many).
+        self.generation = 0
 
     def get_many(self, keys: list[bytes]) -> list[ObjectInfo | None]:
         """The cached answers (leased or not), None where there is none."""
@@ -69,14 +72,26 @@ class LocationCache:
             got = [self._infos.get(k) for k in keys]
         return [g[0] if g is not None and g[1] > now else None for g in got]
 
-    def put_many(self, keys: list[bytes], infos: list[object], lease_until: float = 0.0) -> None:
+    def put_many(
+        self,
+        keys: list[bytes],
+        infos: list[object],
+        lease_until: float = 0.0,
+        generation: int | None = None,
+    ) -> None:
         """Remember every ObjectInfo in ``infos``; forget keys whose answer was an error.
 
         Args:
             lease_until: monotonic time until which the master's read lease on these answers
                 holds, as seen from here (0: no lease to rely on).
+            generation: :attr:`generation` when the answers were asked for; if a forget came
+                since (this client wrote or removed something), the answers are not kept.
         """
         with self._lock:
+            if generation is not None and generation != self.generation:
+                for k in keys:
+                    self._infos.pop(k, None)
+                return
             if len(self._infos) + len(keys) > self.max_entries:
                 self._infos.clear()
             for k, info in zip(keys, infos, strict=True):
@@ -87,6 +102,7 @@ class LocationCache:
 
     def forget(self, keys: list[bytes]) -> None:
         with self._lock:
+            self.generation += 1
             for k in keys:
                 self._infos.pop(k, None)
 

@@ -113,3 +113,44 @@ def test_leased_read_of_a_dead_node_falls_back_to_the_master(cluster) -> None:
 
 def _node_id(daemon) -> str:
     return daemon.field("id")
+
+
+@pytest.mark.parametrize("write", ["put", "remove"])
+def test_a_lookup_racing_this_clients_write_is_not_kept(cluster, write: str) -> None:
+    """Thread B's lookup is answered with the old place, then A writes; B's late answer must not
+    be cached, or A would reread the old value under lease."""
+    import threading
+
+    c = Client.connect(cluster.address, lease_reads=True)
+    try:
+        c.put("k", b"old" * 100)
+        answered, written = threading.Event(), threading.Event()
+        locations = c._locations
+
+        def slow_locations(keys):  # B is descheduled between the answer and caching it
+            r = locations(keys)
+            if threading.current_thread().name == "B":
+                answered.set()
+                assert written.wait(10)
+            return r
+
+        c._locations = slow_locations  # type: ignore[method-assign]
+        seen: list[bytes] = []
+        b = threading.Thread(target=lambda: seen.append(c.get("k")), name="B")
+        c._cache.forget([b"k"])
+        b.start()
+        assert answered.wait(10)
+        if write == "put":
+            c.put("k", b"new" * 100)
+        else:
+            c.remove("k")
+        written.set()
+        b.join(10)
+        assert seen == [b"old" * 100]
+        if write == "put":
+            assert c.get("k") == b"new" * 100
+        else:
+            with pytest.raises(KeyNotFoundError):
+                c.get("k")
+    finally:
+        c.close()
