@@ -24,25 +24,28 @@ from kvstore.errors import InvalidRequestError, NoSpaceError
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-ARENA_GLOB = "kvstore-*.dram"
+#: Arena files of nodes that lock them (older ones, named ``*.dram``, are never touched).
+ARENA_GLOB = "kvstore-*.arena"
+CREATING_GLOB = ARENA_GLOB + ".*.creating"
 #: A file still being created (locked right after it appears) is left alone this long.
 CREATING_GRACE_S = 60.0
 
 
 def default_arena_path(node_id: str, data_dir: Path) -> Path:
     base = SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else data_dir
-    return base / f"kvstore-{node_id}.dram"
+    return base / f"kvstore-{node_id}.arena"
 
 
 class ShmArena:
     """A fixed-size byte arena backed by a shared-memory file.
 
     Args:
-        path: the file to create (replaced if present).
+        path: the file to create (replaced if present and no live node holds it).
         size: bytes; must be > 0.
 
     Raises:
-        InvalidRequestError: a non-positive size.
+        InvalidRequestError: a non-positive size, or a live node holds ``path`` (two nodes
+            with one node id, i.e. one data directory).
         NoSpaceError: the file system cannot hold ``size`` bytes.
     """
 
@@ -51,10 +54,10 @@ class ShmArena:
             raise InvalidRequestError(f"arena size must be > 0, got {size}")
         self.path = path
         self.size = size
-        path.unlink(missing_ok=True)
+        _remove_unless_held(path)
         # Created under another name, locked, then renamed: a file matching ARENA_GLOB is
         # always locked while its node lives (the lock follows the open file, not the name).
-        creating = path.with_name(path.name + ".creating")
+        creating = path.with_name(f"{path.name}.{os.getpid()}.creating")
         creating.unlink(missing_ok=True)
         fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -85,24 +88,54 @@ class ShmArena:
             self._lock_fd = -1
 
 
+def _remove_unless_held(path: Path) -> None:
+    """Remove ``path`` (an earlier run's arena) unless a live node holds its lock.
+
+    Raises:
+        InvalidRequestError: a live node holds it.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    except OSError:
+        path.unlink(missing_ok=True)  # not ours to open: replaced as before
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise InvalidRequestError(
+                f"a live node holds {path}: is another node running with this data directory?"
+            ) from None
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
 def reclaim_stale_arenas(directory: Path = SHM_DIR) -> list[Path]:
     """Remove the arena files in ``directory`` that no live node holds.
 
-    A file is stale when its exclusive lock can be taken (the node that held it is gone); files
-    of other users (not openable) and files still being created are left alone.
+    A file is stale when its exclusive lock can be taken (the node that held it is gone). Only
+    this user's files of the locking scheme (``ARENA_GLOB``) are looked at, and files still
+    being created are left alone for a while.
 
     Returns:
         The files removed.
     """
     removed: list[Path] = []
     now = time.time()
-    for path in [*directory.glob(ARENA_GLOB), *directory.glob(ARENA_GLOB + ".creating")]:
+    uid = os.getuid()
+    for path in [*directory.glob(ARENA_GLOB), *directory.glob(CREATING_GLOB)]:
         try:
-            if path.name.endswith(".creating") and now - path.stat().st_mtime < CREATING_GRACE_S:
+            st = path.stat()
+            if st.st_uid != uid:
+                continue  # another user's node (root can open it, but it is not ours)
+            if path.name.endswith(".creating") and now - st.st_mtime < CREATING_GRACE_S:
                 continue
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
-            continue  # gone already, or another user's
+            continue  # gone already, or not openable
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

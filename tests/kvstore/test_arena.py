@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvstore.errors import InvalidRequestError
 from kvstore.node.arena import ShmArena, reclaim_stale_arenas
 from tests.support import wait_until
 
@@ -29,7 +32,7 @@ def _holder(path: Path) -> subprocess.Popen[str]:
 
 
 def test_a_killed_nodes_arena_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -> None:
-    dead, alive = tmp_path / "kvstore-dead.dram", tmp_path / "kvstore-alive.dram"
+    dead, alive = tmp_path / "kvstore-dead.arena", tmp_path / "kvstore-alive.arena"
     victim, holder = _holder(dead), _holder(alive)
     try:
         os.kill(victim.pid, signal.SIGKILL)
@@ -37,8 +40,10 @@ def test_a_killed_nodes_arena_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -
         assert dead.exists()  # a killed process cannot clean up after itself
         other = tmp_path / "notes.txt"
         other.write_text("not an arena")
+        older = tmp_path / "kvstore-older.dram"  # an older node's file: it never locks it
+        older.write_bytes(b"\0" * 4096)
         assert reclaim_stale_arenas(tmp_path) == [dead]
-        assert not dead.exists() and alive.exists() and other.exists()
+        assert not dead.exists() and alive.exists() and other.exists() and older.exists()
     finally:
         holder.kill()
         holder.wait(timeout=10)
@@ -46,19 +51,22 @@ def test_a_killed_nodes_arena_is_reclaimed_and_a_live_one_kept(tmp_path: Path) -
 
 
 def test_this_process_arena_is_kept_until_closed(tmp_path: Path) -> None:
-    a = ShmArena(tmp_path / "kvstore-mine.dram", 4096)
+    a = ShmArena(tmp_path / "kvstore-mine.arena", 4096)
     assert reclaim_stale_arenas(tmp_path) == []
     a.view[:5] = b"hello"
     assert bytes(a.view[:5]) == b"hello"
+    with pytest.raises(InvalidRequestError, match="live node"):
+        ShmArena(tmp_path / "kvstore-mine.arena", 4096)  # a second node with the same id
+    assert bytes(a.view[:5]) == b"hello"
     a.close()
-    assert not (tmp_path / "kvstore-mine.dram").exists()
+    assert not (tmp_path / "kvstore-mine.arena").exists()
     assert not list(tmp_path.iterdir())  # nothing left behind (no .creating file either)
 
 
 def test_next_node_on_the_host_removes_a_killed_nodes_arena(cluster_factory) -> None:
     cluster = cluster_factory()
     node = cluster.nodes[0]
-    path = Path("/dev/shm") / f"kvstore-{node.field('id')}.dram"
+    path = Path("/dev/shm") / f"kvstore-{node.field('id')}.arena"
     if not path.exists():  # /dev/shm not writable here: arenas live in the data dir
         return
     node.kill()
