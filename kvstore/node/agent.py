@@ -126,7 +126,10 @@ class MasterLink:
         self._done = []
         if self.resolver is None:
             # A fresh registration means the master holds nothing of ours: start a clean manifest,
-            # except for durable tiers (NVMe), whose objects we claim for it to re-admit.
+            # except for durable tiers (NVMe), whose objects we claim for it to re-admit, and a
+            # new secret, so no grant of the master's earlier life reads or writes here (a
+            # client rereading under an old lease falls back to the master).
+            self.server.secret = grants.new_secret()
             durable = {name for name, t in self.server.tiers.items() if t.durable}
             self.server.manifest.clear_volatile(durable)
             if durable:
