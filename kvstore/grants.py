@@ -133,13 +133,13 @@ class VerifiedGrants:
 
     An entry is the exact wire form that verified; a grant is taken from the memo only when its
     wire form is equal in every field (the signature covers them all). Operation and expiry are
-    still checked on every use. Bounded: the memo starts over past ``max_entries``.
+    still checked on every use. Bounded: past ``max_entries`` expired grants go (all, if few have).
 
     Not locked: a dict's get and set are atomic under the GIL, and a lost entry only costs a
     recomputation.
     """
 
-    def __init__(self, secret: bytes, max_entries: int = 1 << 16) -> None:
+    def __init__(self, secret: bytes, max_entries: int = 1 << 14) -> None:
         self.secret = secret
         self.max_entries = max_entries
         self._memo: dict[bytes, tuple[list[Any], Grant]] = {}
@@ -163,9 +163,15 @@ class VerifiedGrants:
         grant = Grant.from_wire(grant_wire)
         verify(self.secret, grant, op, now_ms)
         if len(self._memo) >= self.max_entries:
-            self._memo.clear()
+            self._drop_expired(now_ms)
         self._memo[grant.signature] = (list(grant_wire), grant)
         return grant
+
+    def _drop_expired(self, now_ms: int) -> None:
+        """Make room: drop expired grants, or everything when too few have expired."""
+        entries = list(self._memo.items())  # one C call: other threads may insert meanwhile
+        live = {s: e for s, e in entries if e[1].expires_ms >= now_ms}
+        self._memo = live if len(live) < self.max_entries // 2 else {}
 
 
 def check_range(grant: Grant, start: int, length: int) -> None:

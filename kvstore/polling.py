@@ -24,10 +24,13 @@ microseconds (100 by default; 0 never polls). Measured with ``bench/bench_store.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
 DEFAULT_POLL_US = 100.0
+#: The longest window accepted (a longer one would burn a core on every idle connection).
+MAX_POLL_US = 10_000.0
 #: Waits that sleep at once after a poll that found nothing.
 POLL_BACKOFF = 15
 #: After sending a reply larger than this, a server sleeps through its next wait.
@@ -35,12 +38,16 @@ POLL_MAX_BYTES = 256 << 10
 
 
 def poll_window() -> float:
-    """The window in seconds, from ``$KVSTORE_POLL_US`` (a bad value means the default)."""
+    """The window in seconds, from ``$KVSTORE_POLL_US`` (a bad value means the default; at most
+    ``MAX_POLL_US``)."""
     raw = os.environ.get("KVSTORE_POLL_US", str(DEFAULT_POLL_US))
     try:
-        return max(0.0, float(raw)) / 1e6
+        us = float(raw)
     except ValueError:
-        return DEFAULT_POLL_US / 1e6
+        us = DEFAULT_POLL_US
+    if not math.isfinite(us):
+        us = DEFAULT_POLL_US
+    return min(max(0.0, us), MAX_POLL_US) / 1e6
 
 
 POLL_WINDOW_S = poll_window()

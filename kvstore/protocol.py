@@ -336,15 +336,16 @@ class FramedSocket:
         it, and a poll would only slow its copy down on a shared core)."""
         self._poll_skip = max(self._poll_skip, 1)
 
-    def _fill(self, need: int) -> None:
-        """Have at least ``need`` (at most READ_AHEAD) bytes read ahead."""
+    def _fill(self, need: int, poll: bool = False) -> None:
+        """Have at least ``need`` (at most READ_AHEAD) bytes read ahead; ``poll``: this is the
+        wait for a frame (see kvstore.polling), not for the rest of one."""
         have = self._rend - self._rpos
         if have >= need:
             return
         if self._rpos:  # move what is left to the front
             self._rview[:have] = self._rview[self._rpos : self._rend]
             self._rpos, self._rend = 0, have
-        if self.poll_window:
+        if poll and self.poll_window:
             if self._poll_skip:
                 self._poll_skip -= 1
             elif not self._poll() and not self.awaits_replies:
@@ -382,7 +383,7 @@ class FramedSocket:
         return n
 
     def read_header(self) -> FrameHeader:
-        self._fill(HEADER_SIZE)
+        self._fill(HEADER_SIZE, poll=True)
         start = self._rpos
         self._rpos += HEADER_SIZE
         return decode_header(

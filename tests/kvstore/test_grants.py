@@ -108,3 +108,15 @@ def test_memo_is_bounded() -> None:
         g = grants.sign(SECRET, grants.OP_READ, b"k%d" % i, "dram", 0, 10, 1000)
         memo.check(g.to_wire(), grants.OP_READ, now_ms=0)
         assert len(memo._memo) <= 8
+
+
+def test_memo_makes_room_by_dropping_expired_grants_first() -> None:
+    memo = grants.VerifiedGrants(SECRET, max_entries=8)
+    keep = grants.sign(SECRET, grants.OP_READ, b"keep", "dram", 0, 10, 10_000)
+    memo.check(keep.to_wire(), grants.OP_READ, now_ms=0)
+    for i in range(7):
+        g = grants.sign(SECRET, grants.OP_READ, b"k%d" % i, "dram", 0, 10, 100)
+        memo.check(g.to_wire(), grants.OP_READ, now_ms=0)
+    late = grants.sign(SECRET, grants.OP_READ, b"late", "dram", 0, 10, 10_000)
+    memo.check(late.to_wire(), grants.OP_READ, now_ms=500)  # the seven short ones expired
+    assert set(memo._memo) == {keep.signature, late.signature}

@@ -176,7 +176,15 @@ def test_framed_sockets_read_ahead_and_poll(timeout: float | None, poll_window: 
 
 
 def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for raw, want in [("0", 0.0), ("120", 120e-6), ("-5", 0.0), ("junk", 100e-6)]:
+    for raw, want in [
+        ("0", 0.0),
+        ("120", 120e-6),
+        ("-5", 0.0),
+        ("junk", 100e-6),
+        ("inf", 100e-6),
+        ("nan", 100e-6),
+        ("1e9", 0.01),
+    ]:
         monkeypatch.setenv("KVSTORE_POLL_US", raw)
         assert polling.poll_window() == pytest.approx(want)
     monkeypatch.delenv("KVSTORE_POLL_US")
