@@ -389,7 +389,8 @@ class Client:
             wire_keys.append(wk)
             views.append(view)
             index.append(i)
-        sums = [checksum(v) for v in views]
+        # Checksums are filled in while the master answers the first put_start (see _put_round).
+        sums: list[int] = []
         # Forgotten before (no read may use the old place once the write starts) and after
         # (an answer looked up meanwhile may name the old object; see LocationCache.put_many).
         self._cache.forget(wire_keys)
@@ -428,7 +429,16 @@ class Client:
             start["replicas"] = replicas
         if commit_extra is not None:
             start["kv"] = True  # the KV-cache layer writes kv/ keys (see MasterService.put_start)
-        reply, epoch = self._control.call_epoch("put_start", start)
+        if not sums and isinstance(self._control, _ControlChannel):
+            # A fixed master (no epochs): hash the values while it answers.
+            reply = self._control.call_overlapped(
+                "put_start", start, lambda: sums.extend(checksum(v) for v in views)
+            )
+            epoch = None
+        else:
+            if not sums:
+                sums.extend(checksum(v) for v in views)
+            reply, epoch = self._control.call_epoch("put_start", start)
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
