@@ -73,3 +73,34 @@ def test_next_node_on_the_host_removes_a_killed_nodes_arena(cluster_factory) -> 
     assert path.exists()
     cluster.add_node()
     wait_until(lambda: not path.exists(), timeout=30)
+
+
+def _mapped_kib(path: Path) -> int:
+    """Resident KiB of this process's mapping of ``path`` (from /proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith(str(path)):
+            for field in lines[i + 1 :]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1])
+    return -1
+
+
+def test_a_new_arena_is_mapped_in_the_background(tmp_path: Path) -> None:
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    size = 64 << 20
+    a = ShmArena(base / f"kvstore-prefault-{os.getpid()}.arena", size)
+    try:
+        # Every page ends up in our page tables without being touched: no first-write faults.
+        wait_until(lambda: _mapped_kib(a.path) == size // 1024, timeout=30)
+        a.view[size - 5 :] = b"tail!"
+        assert bytes(a.view[size - 5 :]) == b"tail!"
+    finally:
+        a.close()
+    assert not a.path.exists()
+    cold = ShmArena(base / f"kvstore-cold-{os.getpid()}.arena", size, prefault=False)
+    try:
+        assert _mapped_kib(cold.path) < size // 1024
+    finally:
+        cold.close()
