@@ -8,26 +8,22 @@ SIGKILL cannot remove its file, and tmpfs keeps it in memory forever; the kernel
 lock, though, so the next node to start on the host removes every arena file nobody holds
 (:func:`reclaim_stale_arenas`).
 
-A fresh mapping has no page-table entries: the first write to each 4 KiB page faults, which made
-the first writes to a new node twice as slow as later ones (16 MiB puts: 8.9 ms, then 4.1 ms).
-A background thread pre-faults the whole arena after start (``madvise(MADV_POPULATE_WRITE)`` in
-chunks, ~0.26 s per GiB here), so the node is ready at once and warm soon after.
+The arena is pre-faulted in the background after start (:mod:`kvstore.pages`): without it the
+first writes to a new node were twice as slow as later ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import logging
 import mmap
 import os
-import threading
 import time
 from pathlib import Path
 
 from kvstore.errors import InvalidRequestError, NoSpaceError
+from kvstore.pages import Prefaulter
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +33,6 @@ ARENA_GLOB = "kvstore-*.arena"
 CREATING_GLOB = ARENA_GLOB + ".*.creating"
 #: A file still being created (locked right after it appears) is left alone this long.
 CREATING_GRACE_S = 60.0
-MADV_POPULATE_WRITE = 23  # Linux 5.14+
-PREFAULT_CHUNK = 16 << 20
 
 
 def default_arena_path(node_id: str, data_dir: Path) -> Path:
@@ -87,40 +81,11 @@ class ShmArena:
             raise
         self._lock_fd = fd  # held (with its lock) until close
         self.view = memoryview(self._mmap)
-        self._stop_prefault = threading.Event()
-        self._prefault: threading.Thread | None = None
-        if prefault:
-            self._prefault = threading.Thread(
-                target=self._populate, name="arena-prefault", daemon=True
-            )
-            self._prefault.start()
-
-    def _populate(self) -> None:
-        """Fault in every page of the mapping, chunk by chunk, until done or closed."""
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            madvise = libc.madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            anchor = ctypes.c_char.from_buffer(self._mmap)
-            base = ctypes.addressof(anchor)
-            del anchor  # the address stays valid until close(), which waits for this thread
-        except (OSError, AttributeError, TypeError, ValueError) as exc:
-            log.debug("arena prefault unavailable: %s", exc)
-            return
-        # NOTE: a foreign call through ctypes releases the GIL: serving goes on meanwhile.
-        for start in range(0, self.size, PREFAULT_CHUNK):
-            if self._stop_prefault.is_set():
-                return
-            if madvise(base + start, min(PREFAULT_CHUNK, self.size - start), MADV_POPULATE_WRITE):
-                err = ctypes.get_errno()
-                if err != errno.EINTR:
-                    log.debug("arena prefault stopped: %s", os.strerror(err))
-                    return
+        self._prefault = Prefaulter(self._mmap, size, "arena-prefault") if prefault else None
 
     def close(self, unlink: bool = True) -> None:
-        self._stop_prefault.set()
         if self._prefault is not None:
-            self._prefault.join()
+            self._prefault.stop()
         self.view.release()
         with contextlib.suppress(BufferError):  # a thread still holds a slice: unmapped at exit
             self._mmap.close()
