@@ -155,9 +155,27 @@ def kvstore_cluster(tmp: Path) -> Iterator[str]:
     )
     try:
         line = proc.wait_for("ready control=")
+        _wait_warm(line.split(" data=")[1].split()[0])
         yield line.split("ready control=")[1].split()[0]
     finally:
         proc.stop()
+
+
+def _wait_warm(data_address: str, timeout: float = READY_TIMEOUT_S) -> None:
+    """Wait until the node's arena is pre-faulted (it warms up in the background after start),
+    so that the first rows measure the store, not its warm-up."""
+    from kvstore import protocol
+
+    host, port = data_address.rsplit(":", 1)
+    conn = protocol.FramedSocket.connect(host, int(port), timeout=10)
+    try:
+        deadline = time.monotonic() + timeout
+        while not conn.call("stats", {}).get("arenas_warm", True):
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvstore node did not warm up in time")
+            time.sleep(0.05)  # polling a state, bounded by the deadline
+    finally:
+        conn.close()
 
 
 @contextlib.contextmanager

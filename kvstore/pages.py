@@ -5,12 +5,14 @@ kernel. On a storage node's arena that made the first writes to a new node twice
 later ones (16 MiB puts: 8.9 ms, then 4.1 ms), and the same holds for a client's shm mapping of
 that arena. :class:`Prefaulter` asks the kernel to fill the page tables of a whole mapping
 (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, ~0.26 s per GiB here) from a background thread,
-chunk by chunk, with the GIL released, so the mapping is usable at once and warm soon after. It
+chunk by chunk, at the lowest CPU priority, with the GIL released, so the mapping is usable at
+once and warm soon after. It
 changes no byte; a range the kernel cannot populate (a truncated file) just stops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -46,6 +48,9 @@ class Prefaulter:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        # Lowest CPU priority (Linux: per thread): warming up must not slow the work itself.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             madvise = ctypes.CDLL(None, use_errno=True).madvise
             madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

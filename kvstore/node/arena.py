@@ -83,6 +83,10 @@ class ShmArena:
         self.view = memoryview(self._mmap)
         self._prefault = Prefaulter(self._mmap, size, "arena-prefault") if prefault else None
 
+    def warm(self) -> bool:
+        """Whether the background pre-fault is over (or was never asked for)."""
+        return self._prefault is None or self._prefault.done()
+
     def close(self, unlink: bool = True) -> None:
         if self._prefault is not None:
             self._prefault.stop()

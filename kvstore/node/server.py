@@ -239,6 +239,8 @@ class DataServer:
             "num_objects": len(self.manifest),
             "num_reads": self.num_reads,
             "num_writes": self.num_writes,
+            # Whether every arena's pages are mapped yet (kvstore.pages; False while warming).
+            "arenas_warm": all(a.warm() for a in self.segments.values()),
         }
 
     # ------------------------------------------------------------------ connections

@@ -236,3 +236,8 @@ def node_stats_with_token(cluster, token: str) -> dict:
         return conn.call("stats", {})
     finally:
         conn.close()
+
+
+def test_node_reports_when_its_arena_is_warm(cluster_factory) -> None:
+    cluster = cluster_factory()
+    wait_until(lambda: node_stats(cluster)["arenas_warm"], timeout=30, what="arena pre-fault")
