@@ -6,8 +6,8 @@ later ones (16 MiB puts: 8.9 ms, then 4.1 ms), and the same holds for a client's
 that arena. :class:`Prefaulter` asks the kernel to fill the page tables of a whole mapping
 (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, ~0.26 s per GiB here) from a background thread,
 chunk by chunk, at the lowest CPU priority, with the GIL released, so the mapping is usable at
-once and warm soon after. It
-changes no byte; a range the kernel cannot populate (a truncated file) just stops it.
+once and warm soon after. It changes no byte; a range the kernel cannot populate (a truncated
+file) just stops it.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ DEFAULT_POLL_US = 100.0
 MAX_POLL_US = 10_000.0
 #: Waits that sleep at once after a poll that found nothing.
 POLL_BACKOFF = 15
-#: After sending a reply larger than this, a server sleeps through its next wait.
+#: After sending a payload larger than this (or asking for one), a side sleeps through its next
+#: wait.
 POLL_MAX_BYTES = 256 << 10
 
 
