@@ -5,10 +5,11 @@ waking it takes the hypervisor), which is more than a whole small request costs 
 reader that expects its peer to answer soon therefore polls for a short window before it sleeps
 in the kernel:
 
-- a :class:`~kvstore.protocol.FramedSocket` looks for bytes without blocking for up to the
-  window before each wait for a frame: a client waiting for a reply always does; a storage node
-  waiting for a client's next request does unless its last poll found nothing (then the next
-  ``POLL_BACKOFF`` waits sleep straight away);
+- a :class:`~kvstore.protocol.FramedSocket` looks for bytes without blocking (``poll(2)`` with
+  a zero timeout, then ``sched_yield`` so that a runnable thread on this CPU, perhaps the peer,
+  goes first) for up to the window before each wait for a frame; after a poll that found
+  nothing, the next waits sleep straight away: ``POLL_BACKOFF`` of them for a node waiting for
+  a client's next request, ``REPLY_BACKOFF`` for a client waiting for a reply;
 - neither side polls around a large payload (over ``POLL_MAX_BYTES``) moving: measured here, a
   vCPU polling slows a copy on the other vCPU by a quarter (they share a physical core), and the
   peer is busy with the payload anyway;
@@ -31,8 +32,11 @@ import time
 DEFAULT_POLL_US = 100.0
 #: The longest window accepted (a longer one would burn a core on every idle connection).
 MAX_POLL_US = 10_000.0
-#: Waits that sleep at once after a poll that found nothing.
+#: Waits that sleep at once after a poll that found nothing: for requests, for replies. With
+#: more busy processes than cores, polling for every reply (no backoff, no yield) cut four
+#: clients' aggregate gets from 10.3K to 7.5K per second here; with both, 11.3K.
 POLL_BACKOFF = 15
+REPLY_BACKOFF = 3
 #: After sending a payload larger than this (or asking for one), a side sleeps through its next
 #: wait.
 POLL_MAX_BYTES = 256 << 10
@@ -87,6 +91,7 @@ class LoopAwake:
 
     def _turn(self) -> None:
         if time.perf_counter() < self._deadline:
+            os.sched_yield()  # a runnable thread on this CPU goes first
             asyncio.get_running_loop().call_soon(self._turn)
             return
         self._running = False

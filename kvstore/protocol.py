@@ -20,6 +20,7 @@ receiver ``recv_into``s them straight into their destination (an arena, a caller
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import struct
@@ -31,7 +32,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
-from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, POLL_WINDOW_S
+from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, POLL_WINDOW_S, REPLY_BACKOFF
 
 MAGIC = b"KV"
 PROTOCOL_VERSION = 1
@@ -277,7 +278,7 @@ class FramedSocket:
         self._rpos = 0
         self._rend = 0
         # Polling before sleeping (see kvstore.polling): a connection this side opened waits for
-        # replies, which come soon (no backoff); an accepted one waits for requests (backoff).
+        # replies, which come soon (short backoff); an accepted one waits for requests.
         self.awaits_replies = False
         self.poll_window = POLL_WINDOW_S
         self._poll_skip = 0
@@ -348,8 +349,8 @@ class FramedSocket:
         if poll and self.poll_window:
             if self._poll_skip:
                 self._poll_skip -= 1
-            elif not self._poll() and not self.awaits_replies:
-                self._poll_skip = POLL_BACKOFF
+            elif not self._poll():
+                self._poll_skip = REPLY_BACKOFF if self.awaits_replies else POLL_BACKOFF
         while self._rend < need:
             n = self.sock.recv_into(self._rview[self._rend :])
             if n == 0:
@@ -372,6 +373,7 @@ class FramedSocket:
         while not ready(0):
             if time.perf_counter() >= deadline:
                 return False
+            os.sched_yield()  # a runnable thread on this CPU (perhaps the peer) goes first
         return True
 
     def _take(self, view: memoryview) -> int:
