@@ -33,7 +33,7 @@ import xxhash
 from kvstore import grants
 from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_hash_target
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
-from kvstore.pages import Prefaulter
+from kvstore.pages import Prefaulter, enabled
 from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class ShmMapping:
         self.fd = fd
         self.view = memoryview(self._mmap)
         # First copies into fresh pages would fault page by page (kvstore.pages).
-        self._prefault = Prefaulter(self._mmap, seg.size, "shm-prefault")
+        self._prefault = Prefaulter(self._mmap, seg.size, "shm-prefault") if enabled() else None
 
     def check(self) -> None:
         """Raises TransportUnavailableError when the file was removed or truncated."""
@@ -91,7 +91,8 @@ class ShmMapping:
         return self.view[grant.offset : grant.offset + grant.size]
 
     def close(self) -> None:
-        self._prefault.stop()
+        if self._prefault is not None:
+            self._prefault.stop()
         self.view.release()
         with contextlib.suppress(BufferError):
             self._mmap.close()

@@ -2,12 +2,13 @@
 
 A fresh ``mmap`` has no page-table entries: the first access to each 4 KiB page traps into the
 kernel. On a storage node's arena that made the first writes to a new node twice as slow as
-later ones (16 MiB puts: 8.9 ms, then 4.1 ms), and the same holds for a client's shm mapping of
+later ones (16 MiB puts: 8.7 ms, then 4.5 ms), and the same holds for a client's shm mapping of
 that arena. :class:`Prefaulter` asks the kernel to fill the page tables of a whole mapping
 (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+, ~0.26 s per GiB here) from a background thread,
 chunk by chunk, at the lowest CPU priority, with the GIL released, so the mapping is usable at
 once and warm soon after. It changes no byte; a range the kernel cannot populate (a truncated
-file) just stops it.
+file) just stops it. ``KVSTORE_PREFAULT=0`` turns it off (measured with
+``bench/bench_warmup.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
 CHUNK = 16 << 20
+
+
+def enabled() -> bool:
+    """Whether to pre-fault (``$KVSTORE_PREFAULT``, on unless ``0``)."""
+    return os.environ.get("KVSTORE_PREFAULT", "1") != "0"
 
 
 class Prefaulter:

@@ -34,7 +34,8 @@ DEFAULT_POLL_US = 100.0
 MAX_POLL_US = 10_000.0
 #: Waits that sleep at once after a poll that found nothing: for requests, for replies. With
 #: more busy processes than cores, polling for every reply (no backoff, no yield) cut four
-#: clients' aggregate gets from 10.3K to 7.5K per second here; with both, 11.3K.
+#: clients' aggregate gets from 10.2K to 7.5K per second here; with both, 10.6K
+#: (bench/bench_concurrency.py).
 POLL_BACKOFF = 15
 REPLY_BACKOFF = 3
 #: After sending a payload larger than this (or asking for one), a side sleeps through its next

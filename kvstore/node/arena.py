@@ -22,6 +22,7 @@ import os
 import time
 from pathlib import Path
 
+from kvstore import pages
 from kvstore.errors import InvalidRequestError, NoSpaceError
 from kvstore.pages import Prefaulter
 
@@ -46,7 +47,8 @@ class ShmArena:
     Args:
         path: the file to create (replaced if present and no live node holds it).
         size: bytes; must be > 0.
-        prefault: map every page in the background (see the module docstring).
+        prefault: map every page in the background (see the module docstring); None:
+            unless ``KVSTORE_PREFAULT=0``.
 
     Raises:
         InvalidRequestError: a non-positive size, or a live node holds ``path`` (two nodes
@@ -54,7 +56,7 @@ class ShmArena:
         NoSpaceError: the file system cannot hold ``size`` bytes.
     """
 
-    def __init__(self, path: Path, size: int, prefault: bool = True) -> None:
+    def __init__(self, path: Path, size: int, prefault: bool | None = None) -> None:
         if size <= 0:
             raise InvalidRequestError(f"arena size must be > 0, got {size}")
         self.path = path
@@ -81,6 +83,8 @@ class ShmArena:
             raise
         self._lock_fd = fd  # held (with its lock) until close
         self.view = memoryview(self._mmap)
+        if prefault is None:
+            prefault = pages.enabled()
         self._prefault = Prefaulter(self._mmap, size, "arena-prefault") if prefault else None
 
     def warm(self) -> bool:
