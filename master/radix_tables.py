@@ -69,21 +69,7 @@ class KeyTable:
             while (self.count + len(rows)) * 5 > size * 3:
                 size *= 2
             self._rehash(size, keys)
-        table = self.table
-        pos = (_buckets(rows) & np.uint64(self.mask)).astype(np.int64)
-        active = np.arange(len(rows))
-        for _ in range(len(table)):  # bounded: every round places or advances each key
-            if not len(active):
-                break
-            p = pos[active]
-            free = table[p] < 0
-            claim_pos, first = np.unique(p[free], return_index=True)
-            winners = active[free][first]
-            table[claim_pos] = slots[winners]
-            placed = np.zeros(len(rows), dtype=bool)
-            placed[winners] = True
-            active = active[~placed[active]]
-            pos[active] = (pos[active] + 1) & self.mask
+        _place(self.table, _buckets(rows), slots)
         self.count += len(rows)
 
     def discard(self, key: bytes, keys: np.ndarray) -> None:
@@ -209,25 +195,35 @@ class ChildTable:
     def _rehash(self, size: int, n_parent: np.ndarray, n_first: np.ndarray) -> None:
         live = self.table[self.table >= 0]
         table = np.full(size, -1, dtype=np.int32)
-        mask = size - 1
-        pos = (self._homes(n_parent[live], n_first[live]) & np.uint64(mask)).astype(np.int64)
-        active = np.arange(len(live))
-        for _ in range(size):  # bounded: every round places or advances each entry
-            if not len(active):
-                break
-            p = pos[active]
-            free = table[p] < 0
-            claim_pos, first = np.unique(p[free], return_index=True)
-            winners = active[free][first]
-            table[claim_pos] = live[winners]
-            placed = np.zeros(len(live), dtype=bool)
-            placed[winners] = True
-            active = active[~placed[active]]
-            pos[active] = (pos[active] + 1) & mask
-        self.table, self.mask = table, mask
+        _place(table, self._homes(n_parent[live], n_first[live]), live)
+        self.table, self.mask = table, size - 1
 
     def nbytes(self) -> int:
         return self.table.nbytes
+
+
+def _place(table: np.ndarray, homes: np.ndarray, values: np.ndarray) -> None:
+    """Put each of ``values`` into the first free bucket of its linear probe sequence from its
+    home hash, all at once (``table``'s size is a power of two with room for them all).
+
+    Ties within the batch go to the first claimant; the others probe on, so every value lands
+    exactly where one-by-one insertion would have put it relative to what was there before.
+    """
+    mask = len(table) - 1
+    pos = (homes & np.uint64(mask)).astype(np.int64)
+    active = np.arange(len(values))
+    for _ in range(len(table)):  # bounded: every round places or advances each value
+        if not len(active):
+            break
+        p = pos[active]
+        free = table[p] < 0
+        claim_pos, first = np.unique(p[free], return_index=True)
+        winners = active[free][first]
+        table[claim_pos] = values[winners]
+        placed = np.zeros(len(values), dtype=bool)
+        placed[winners] = True
+        active = active[~placed[active]]
+        pos[active] = (pos[active] + 1) & mask
 
 
 def _buckets(rows: np.ndarray) -> np.ndarray:
