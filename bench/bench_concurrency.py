@@ -14,16 +14,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.embedded import EmbeddedCluster
 
 
 def _worker(address: str, key: str, lease: bool, seconds: float, out: mp.Queue) -> None:
@@ -43,39 +40,25 @@ def _worker(address: str, key: str, lease: bool, seconds: float, out: mp.Queue) 
 
 
 def run(poll_us: str, clients: int, seconds: float) -> dict[str, float]:
-    env = {**os.environ, "KVSTORE_POLL_US": poll_us}
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = [sys.executable, "-m", "kvstore", "--log-level", "warning", "up", "--port", "0"]
-        argv += ["--dram", "256MiB", "--data-dir", f"{tmp}/d"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-        try:
-            assert proc.stdout is not None
-            address = ""
-            for line in proc.stdout:
-                m = re.search(r"ready control=(\S+)", line)
-                if m:
-                    address = m.group(1)
-                    break
-            # Spawned workers import kvstore afresh and read the window from the environment.
-            os.environ["KVSTORE_POLL_US"] = poll_us
-            ctx = mp.get_context("spawn")
-            out: dict[str, float] = {}
-            for lease in (False, True):
-                q: mp.Queue = ctx.Queue()
-                ps = [
-                    ctx.Process(target=_worker, args=(address, f"k{i}", lease, seconds, q))
-                    for i in range(clients)
-                ]
-                for p in ps:
-                    p.start()
-                total = sum(q.get(timeout=120) for _ in ps)
-                for p in ps:
-                    p.join(timeout=30)
-                out["lease reads" if lease else "ask the master"] = total
-            return out
-        finally:
-            os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
+    env = {"KVSTORE_POLL_US": poll_us}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedCluster(tmp, "256MiB", env=env) as cluster:
+        # Spawned workers import kvstore afresh and read the window from the environment.
+        os.environ["KVSTORE_POLL_US"] = poll_us
+        ctx = mp.get_context("spawn")
+        out: dict[str, float] = {}
+        for lease in (False, True):
+            q: mp.Queue = ctx.Queue()
+            ps = [
+                ctx.Process(target=_worker, args=(cluster.address, f"k{i}", lease, seconds, q))
+                for i in range(clients)
+            ]
+            for p in ps:
+                p.start()
+            total = sum(q.get(timeout=120) for _ in ps)
+            for p in ps:
+                p.join(timeout=30)
+            out["lease reads" if lease else "ask the master"] = total
+        return out
 
 
 def main() -> None:

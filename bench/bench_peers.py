@@ -128,54 +128,12 @@ class Proc:
 
 @contextlib.contextmanager
 def kvstore_cluster(tmp: Path) -> Iterator[str]:
-    port = free_port()
-    data = tmp / "kvstore-data"
-    proc = Proc(
-        "kvstore",
-        [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "--log-level",
-            "warning",
-            "up",
-            "--port",
-            str(port),
-            "--admin-port",
-            str(free_port()),
-            "--node-port",
-            str(free_port()),
-            "--dram",
-            str(SEGMENT),
-            "--data-dir",
-            str(data),
-            "--shm",
-        ],
-        tmp,
-    )
-    try:
-        line = proc.wait_for("ready control=")
-        _wait_warm(line.split(" data=")[1].split()[0])
-        yield line.split("ready control=")[1].split()[0]
-    finally:
-        proc.stop()
+    """``kvstore up --shm``, warmed up (its arena pre-faulted); yields the control address."""
+    from kvstore.embedded import EmbeddedCluster
 
-
-def _wait_warm(data_address: str, timeout: float = READY_TIMEOUT_S) -> None:
-    """Wait until the node's arena is pre-faulted (it warms up in the background after start),
-    so that the first rows measure the store, not its warm-up."""
-    from kvstore import protocol
-
-    host, port = data_address.rsplit(":", 1)
-    conn = protocol.FramedSocket.connect(host, int(port), timeout=10)
-    try:
-        deadline = time.monotonic() + timeout
-        while not conn.call("stats", {}).get("arenas_warm", True):
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvstore node did not warm up in time")
-            time.sleep(0.05)  # polling a state, bounded by the deadline
-    finally:
-        conn.close()
+    with EmbeddedCluster(str(tmp / "kvstore-data"), str(SEGMENT), ["--shm"]) as cluster:
+        cluster.wait_warm(READY_TIMEOUT_S)
+        yield cluster.address
 
 
 @contextlib.contextmanager

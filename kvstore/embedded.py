@@ -3,10 +3,13 @@ benchmarks: one place that knows its command line and its ``ready`` line."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import time
 
+from kvstore import protocol
 from kvstore.errors import MasterUnavailableError
 
 
@@ -17,12 +20,19 @@ class EmbeddedCluster:
         data_dir: where the node keeps its files.
         dram: the node's DRAM size, e.g. ``"1GiB"``.
         extra: more ``kvstore up`` flags (e.g. ``["--shm"]``).
+        env: environment variables to set for it (e.g. ``{"KVSTORE_POLL_US": "0"}``).
 
     Raises:
         MasterUnavailableError: the cluster exited before printing its ready line.
     """
 
-    def __init__(self, data_dir: str, dram: str, extra: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: str,
+        dram: str,
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -41,17 +51,38 @@ class EmbeddedCluster:
             ],
             stdout=subprocess.PIPE,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
         self.address = ""
+        self.data = ""  # the storage node's data address
         # `kvstore up` prints its ready line, or exits, within its own start timeout.
         for line in self.proc.stdout:
             if "kvstore up: ready" in line:
                 self.address = line.split("control=")[1].split()[0]
+                self.data = line.split(" data=")[1].split()[0]
                 break
         if not self.address:
             self.stop()
             raise MasterUnavailableError("the embedded cluster failed to start")
+
+    def wait_warm(self, timeout: float = 120.0) -> None:
+        """Wait until the node's arena is pre-faulted (it warms up in the background after
+        start, see kvstore.pages), so that measurements see the store, not its warm-up.
+
+        Raises:
+            TimeoutError: not warm within ``timeout`` seconds.
+        """
+        host, port = self.data.rsplit(":", 1)
+        conn = protocol.FramedSocket.connect(host, int(port), timeout=10)
+        try:
+            deadline = time.monotonic() + timeout
+            while not conn.call("stats", {}).get("arenas_warm", True):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the embedded node did not warm up in time")
+                time.sleep(0.05)  # polling a state, bounded by the deadline
+        finally:
+            conn.close()
 
     @property
     def pid(self) -> int:
