@@ -215,13 +215,19 @@ def recv_exact_scatter(sock: socket.socket, views: Sequence[memoryview]) -> None
         n = sock.recvmsg_into(pending[:_IOV_MAX])[0]
         if n == 0:
             raise ConnectionError("peer closed in the middle of a payload")
-        i = 0
-        while i < len(pending) and n >= len(pending[i]):
-            n -= len(pending[i])
-            i += 1
-        pending = pending[i:]
-        if pending and n:
-            pending[0] = pending[0][n:]
+        pending = _advance(pending, n)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` less their first ``n`` bytes: whole views dropped, the next one trimmed."""
+    i = 0
+    while i < len(views) and n >= len(views[i]):
+        n -= len(views[i])
+        i += 1
+    views = views[i:]
+    if views and n:
+        views[0] = views[0][n:]
+    return views
 
 
 def discard(sock: socket.socket, size: int, scratch: memoryview) -> None:
@@ -244,15 +250,7 @@ def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
-        # Drop fully-sent views, trim the partially-sent one.
-        i = 0
-        while i < len(views) and sent >= len(views[i]):
-            sent -= len(views[i])
-            i += 1
-        views = views[i:]
-        if views and sent:
-            views[0] = views[0][sent:]
+        views = _advance(views, sock.sendmsg(views[:_IOV_MAX]))
 
 
 class FramedSocket:
