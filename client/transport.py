@@ -67,6 +67,15 @@ class _Exchange:
     items: list[Any] = field(default_factory=list)
 
 
+def _by_node(items: Sequence[Any]) -> dict[Endpoint, _Exchange]:
+    """One exchange per node, holding that node's items in order."""
+    exchanges: dict[Endpoint, _Exchange] = {}
+    for item in items:
+        ep = (item.location.host, item.location.port)
+        exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+    return exchanges
+
+
 class NodePool:
     """Idle connections per node. Thread-safe; a connection is used by one thread at a time."""
 
@@ -151,23 +160,29 @@ class TcpTransport:
                     return
 
     def _receive(self, ex: _Exchange) -> list[Any] | None:
-        """Read the reply's body; returns per-item results, leaving the payload unread."""
-        assert ex.conn is not None
-        try:
-            response, payload_len = ex.conn.read_response()
-            if response.req_id != ex.req_id:
-                raise ProtocolError(f"reply {response.req_id} does not answer request {ex.req_id}")
-            result = response.unwrap()
-            if not isinstance(result, list) or len(result) != len(ex.items):
-                raise ProtocolError("reply does not carry one result per item")
-            ex.payload_len = payload_len
-            return result
-        except KVStoreError as err:
-            ex.error = err
-        except (OSError, ConnectionError) as exc:
-            ex.error = _io_error(ex.endpoint, exc)
-        ex.conn.close()
-        ex.conn = None
+        """Read the reply's body; returns per-item results, leaving the payload unread. On a
+        failure (here or when sending) every item of the exchange gets the error: None."""
+        if ex.error is None:
+            assert ex.conn is not None
+            try:
+                response, payload_len = ex.conn.read_response()
+                if response.req_id != ex.req_id:
+                    raise ProtocolError(
+                        f"reply {response.req_id} does not answer request {ex.req_id}"
+                    )
+                result = response.unwrap()
+                if not isinstance(result, list) or len(result) != len(ex.items):
+                    raise ProtocolError("reply does not carry one result per item")
+                ex.payload_len = payload_len
+                return result
+            except KVStoreError as err:
+                ex.error = err
+            except (OSError, ConnectionError) as exc:
+                ex.error = _io_error(ex.endpoint, exc)
+            ex.conn.close()
+            ex.conn = None
+        for item in ex.items:
+            item.result = ex.error
         return None
 
     def _finish(self, ex: _Exchange) -> None:
@@ -178,10 +193,7 @@ class TcpTransport:
     # -------------------------------------------------------------- writes
     def write(self, items: Sequence[WriteItem]) -> None:
         """Write each item's bytes to its location; sets ``item.result`` on failure."""
-        exchanges: dict[Endpoint, _Exchange] = {}
-        for item in items:
-            ep = (item.location.host, item.location.port)
-            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        exchanges = _by_node(items)
         for ex in exchanges.values():
             args = {
                 "items": [
@@ -190,10 +202,8 @@ class TcpTransport:
             }
             self._send(ex, "write", args, [i.data for i in ex.items])
         for ex in exchanges.values():
-            results = self._receive(ex) if ex.error is None else None
+            results = self._receive(ex)
             if results is None:
-                for item in ex.items:
-                    item.result = ex.error
                 continue
             for item, r in zip(ex.items, results, strict=True):
                 item.result, _ = result_from_wire(r)
@@ -205,17 +215,12 @@ class TcpTransport:
     ) -> None:
         """One ``verb`` request per node carrying ``item_args(item)`` per item, no payload;
         sets each ``item.result`` (None on success), all nodes in flight together."""
-        exchanges: dict[Endpoint, _Exchange] = {}
-        for item in items:
-            ep = (item.location.host, item.location.port)
-            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        exchanges = _by_node(items)
         for ex in exchanges.values():
             self._send(ex, verb, {"items": [item_args(i) for i in ex.items]}, ())
         for ex in exchanges.values():
-            results = self._receive(ex) if ex.error is None else None
+            results = self._receive(ex)
             if results is None:
-                for item in ex.items:
-                    item.result = ex.error
                 continue
             if ex.payload_len:
                 assert ex.conn is not None
@@ -231,20 +236,15 @@ class TcpTransport:
     # -------------------------------------------------------------- reads
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest`` from its location; sets ``item.result`` on failure."""
-        exchanges: dict[Endpoint, _Exchange] = {}
-        for item in items:
-            ep = (item.location.host, item.location.port)
-            exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        exchanges = _by_node(items)
         for ex in exchanges.values():
             args = {"items": [[i.location.grant.to_wire(), i.ranges] for i in ex.items]}
             self._send(ex, "read", args, ())
             if ex.conn is not None and sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES:
                 ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
-            results = self._receive(ex) if ex.error is None else None
+            results = self._receive(ex)
             if results is None:
-                for item in ex.items:
-                    item.result = ex.error
                 continue
             try:
                 self._read_payload(ex, results)
