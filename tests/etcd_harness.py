@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Daemon, wait_until
+from tests.support import Daemon, start_node, wait_until
 
 
 def etcd_binary() -> str | None:
@@ -152,21 +152,7 @@ class HACluster:
         return m
 
     def add_node(self, dram: str = "64MiB") -> Daemon:
-        name = f"node{len(self.nodes)}"
-        n = Daemon(
-            [
-                "node",
-                "--master",
-                self.url,
-                "--port",
-                "0",
-                "--dram",
-                dram,
-                "--data-dir",
-                str(self.tmp / name),
-            ],
-            ready=r"kvstore node ready",
-        )
+        n = start_node(self.url, self.tmp / f"node{len(self.nodes)}", dram)
         self.nodes.append(n)
         return n
 

@@ -106,22 +106,7 @@ class Cluster:
         self, dram: str = "256MiB", name: str | None = None, extra: tuple[str, ...] = ()
     ) -> Daemon:
         name = name or f"node{len(self.nodes)}"
-        node = Daemon(
-            [
-                "node",
-                "--master",
-                self.address,
-                "--port",
-                "0",
-                "--dram",
-                dram,
-                "--data-dir",
-                str(self.tmp / name),
-                *self.node_args,
-                *extra,
-            ],
-            ready=r"kvstore node ready",
-        )
+        node = start_node(self.address, self.tmp / name, dram, *self.node_args, *extra)
         self.nodes.append(node)
         return node
 
@@ -131,6 +116,36 @@ class Cluster:
                 d.stop()
             except Exception:  # noqa: BLE001 - stop everything we started, whatever happens
                 d.kill()
+
+
+def start_node(master: str, data_dir: Path, dram: str = "256MiB", *extra: str) -> Daemon:
+    """A storage node process registered with ``master`` (``HOST:PORT`` or ``etcd://...``)."""
+    return Daemon(
+        [
+            "node",
+            "--master",
+            master,
+            "--port",
+            "0",
+            "--dram",
+            dram,
+            "--data-dir",
+            str(data_dir),
+            *extra,
+        ],
+        ready=r"kvstore node ready",
+    )
+
+
+def has_rdma_device() -> bool:
+    """Whether this host has an RDMA device pyverbs can open."""
+    from kvstore import rdma
+    from kvstore.errors import TransportUnavailableError
+
+    try:
+        return bool(rdma.discover())
+    except TransportUnavailableError:
+        return False
 
 
 def start_master(*extra: str) -> Daemon:

@@ -29,14 +29,7 @@ from kvstore.node.arena import ShmArena
 from kvstore.node.rdma_verbs import NodeRdma
 from kvstore.node.server import DataServer
 from kvstore.types import Location
-from tests.support import wait_until
-
-
-def _has_device() -> bool:
-    try:
-        return bool(rdma.discover())
-    except TransportUnavailableError:
-        return False
+from tests.support import has_rdma_device, wait_until
 
 
 class Registrar:
@@ -145,7 +138,7 @@ def test_client_falls_back_to_tcp_once_when_rdma_cannot_be_used(
 
 
 @pytest.mark.rdma
-@pytest.mark.skipif(not _has_device(), reason="no RDMA device on this host")
+@pytest.mark.skipif(not has_rdma_device(), reason="no RDMA device on this host")
 def test_put_and_get_go_through_rdma(cluster_factory) -> None:  # pragma: no cover - hardware
     cluster = cluster_factory()
     rng = np.random.default_rng(6)

@@ -14,13 +14,7 @@ from kvstore.errors import (
     ProtocolError,
     TransportUnavailableError,
 )
-
-
-def _has_device() -> bool:
-    try:
-        return bool(rdma.discover())
-    except TransportUnavailableError:
-        return False
+from tests.support import has_rdma_device
 
 
 def region(name: str, addr: int, length: int) -> rdma.MemoryRegion:
@@ -91,7 +85,7 @@ def test_malformed_endpoint(bad) -> None:
         rdma.QpEndpoint.from_wire(bad)
 
 
-@pytest.mark.skipif(_has_device(), reason="this host has an RDMA device")
+@pytest.mark.skipif(has_rdma_device(), reason="this host has an RDMA device")
 def test_no_device_falls_back_with_one_log_line(caplog) -> None:
     rdma._logged.clear()
     with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
@@ -169,7 +163,7 @@ def test_address_of_sees_slices_and_read_only_buffers() -> None:
 
 
 @pytest.mark.rdma
-@pytest.mark.skipif(not _has_device(), reason="no RDMA device on this host")
+@pytest.mark.skipif(not has_rdma_device(), reason="no RDMA device on this host")
 def test_loopback_rdma_read_and_write() -> None:  # pragma: no cover - needs hardware
     settings = rdma.RdmaSettings.from_env()
     device = rdma.first_device("test", settings)
