@@ -539,6 +539,13 @@ class Client:
         self._get(wire_keys, dests, index, results)
         return results
 
+    def _lookup_stamp(self) -> tuple[float, int]:
+        """Taken just before asking the master where keys are: until when its read lease on
+        the answers holds as seen from here (0 without lease reads), and the cache generation
+        (see :meth:`LocationCache.put_many`)."""
+        lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
+        return lease_until, self._cache.generation
+
     def _leased_read(
         self, wire_keys: list[bytes], dests: list[memoryview], index: list[int], results: list[Any]
     ) -> list[int]:
@@ -592,8 +599,7 @@ class Client:
                 guessed_bytes += info.size
         # NOTE: the control channel stays locked while the guesses are read, so large reads
         # (where one round trip matters little) do not overlap: other threads keep the master.
-        lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
-        generation = self._cache.generation
+        lease_until, generation = self._lookup_stamp()
         if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
             infos = self._locations(wire_keys)
             self._cache.put_many(wire_keys, infos, lease_until, generation)
@@ -713,8 +719,7 @@ class Client:
         if not missing:
             return
         keys = wire_keys if len(missing) == len(wire_keys) else [wire_keys[j] for j in missing]
-        lease_until = time.monotonic() + self._lease_window if self._lease_window else 0.0
-        generation = self._cache.generation
+        lease_until, generation = self._lookup_stamp()
         got = self._locations(keys)
         self._cache.put_many(keys, got, lease_until, generation)
         for j, info in zip(missing, got, strict=True):

@@ -62,9 +62,7 @@ class LocationCache:
 
     def get_many(self, keys: list[bytes]) -> list[ObjectInfo | None]:
         """The cached answers (leased or not), None where there is none."""
-        with self._lock:
-            got = [self._infos.get(k) for k in keys]
-        return [g[0] if g is not None else None for g in got]
+        return self.leased_many(keys, float("-inf"))
 
     def leased_many(self, keys: list[bytes], now: float) -> list[ObjectInfo | None]:
         """The cached answers whose lease holds at ``now`` (monotonic), None elsewhere."""
