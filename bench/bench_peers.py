@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -116,13 +115,9 @@ class Proc:
         raise RuntimeError(f"{self.name} not ready:\n{self.log_path.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.p.poll() is None:
-            os.kill(self.p.pid, signal.SIGTERM)
-            try:
-                self.p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.p.pid, signal.SIGKILL)
-                self.p.wait(timeout=10)
+        from kvstore.processes import terminate
+
+        terminate(self.p, timeout=15)
         self.log.close()
 
 

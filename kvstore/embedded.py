@@ -4,13 +4,13 @@ benchmarks: one place that knows its command line and its ``ready`` line."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 from kvstore import protocol
 from kvstore.errors import MasterUnavailableError
+from kvstore.processes import terminate
 
 
 class EmbeddedCluster:
@@ -89,13 +89,7 @@ class EmbeddedCluster:
         return self.proc.pid
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
 
     def __enter__(self) -> EmbeddedCluster:
         return self

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.processes import terminate
 from tests.support import Daemon, start_node, wait_until
 
 
@@ -100,13 +101,8 @@ class EtcdProcess:
             return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            terminate(self.proc)
 
     def restart(self) -> None:
         self.stop()

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.errors import ErrorCode, InvalidRequestError, KVStoreError, KVTimeoutError
+from kvstore.processes import terminate
 
 READY_TIMEOUT_S = 120.0
 
@@ -236,12 +237,7 @@ class WorkerProcess:
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+            terminate(self.proc)
 
     def __enter__(self) -> WorkerProcess:
         return self
