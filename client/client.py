@@ -193,13 +193,14 @@ def _call_overlapped(
     verb: str,
     args: dict[str, Any],
     work: Callable[[], None],
-) -> Any:
-    """``control.call_overlapped`` where the channel has it; else ``work()`` then the call."""
+) -> tuple[Any, int | None]:
+    """``control.call_overlapped`` where the channel has it (a fixed master: no epoch); else
+    ``work()`` then the call. Returns (the result, the epoch that served it)."""
     overlapped = getattr(control, "call_overlapped", None)
     if overlapped is None:
         work()
-        return control.call(verb, args)
-    return overlapped(verb, args, work)
+        return control.call_epoch(verb, args)
+    return overlapped(verb, args, work), None
 
 
 def _digest(item: ReadItem) -> int:
@@ -429,16 +430,12 @@ class Client:
             start["replicas"] = replicas
         if commit_extra is not None:
             start["kv"] = True  # the KV-cache layer writes kv/ keys (see MasterService.put_start)
-        if not sums and isinstance(self._control, _ControlChannel):
-            # A fixed master (no epochs): hash the values while it answers.
-            reply = self._control.call_overlapped(
-                "put_start", start, lambda: sums.extend(checksum(v) for v in views)
-            )
-            epoch = None
-        else:
-            if not sums:
-                sums.extend(checksum(v) for v in views)
+        if sums:  # a second round: hashed already
             reply, epoch = self._control.call_epoch("put_start", start)
+        else:  # hash the values while the master answers
+            reply, epoch = _call_overlapped(
+                self._control, "put_start", start, lambda: sums.extend(map(checksum, views))
+            )
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -605,7 +602,7 @@ class Client:
             self._cache.put_many(wire_keys, infos, lease_until, generation)
             self._read_objects(infos, dests, index, results)
             return
-        reply = _call_overlapped(
+        reply, _ = _call_overlapped(
             self._control,
             "get_locations",
             {"keys": wire_keys},
