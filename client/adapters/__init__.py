@@ -1,33 +1,10 @@
-"""Engine adapters: prefill and decode workers around a Hugging Face causal LM.
+"""Engine adapters: where the engines our users run plug into the pool.
 
-``from kvstore.client.adapters import PrefillWorker, DecodeWorker`` (needs torch and
-transformers, which the core SDK does not). See docs/adapters.md for the mapping onto vLLM's KV
-connector and SGLang's HiCache storage.
+Each adapter is its own module and imports its engine itself, so importing one never drags in
+another's dependencies (vLLM's venv has no SGLang, SGLang's has no transformers pin):
+
+- ``kvstore.client.adapters.workers`` / ``hf`` / ``models`` / ``fp8`` / ``serve``: prefill and
+  decode workers around a Hugging Face transformers causal LM (needs torch and transformers).
+
+This package itself imports nothing. See docs/adapters.md for the mappings.
 """
-
-from kvstore.client.adapters.fp8 import Fp8Scales, calibrate
-from kvstore.client.adapters.hf import build_cache, cache_layers, check_namespace, namespace_for
-from kvstore.client.adapters.models import build_model, weights_digest
-from kvstore.client.adapters.workers import (
-    DecodeResult,
-    DecodeWorker,
-    PrefillResult,
-    PrefillWorker,
-    colocated_generate,
-)
-
-__all__ = [
-    "DecodeResult",
-    "DecodeWorker",
-    "Fp8Scales",
-    "PrefillResult",
-    "PrefillWorker",
-    "build_cache",
-    "build_model",
-    "cache_layers",
-    "calibrate",
-    "check_namespace",
-    "colocated_generate",
-    "namespace_for",
-    "weights_digest",
-]
