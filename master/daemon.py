@@ -76,6 +76,8 @@ class Master:
         period = min(0.25, self.service.config.heartbeat_interval_s / 2)
         while True:
             await asyncio.sleep(period)
+            if self.admin_fence is not None and self.admin_fence.admin_check() is not None:
+                continue  # a master that may not lead changes nothing, not even by the clock
             try:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()

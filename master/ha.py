@@ -163,9 +163,18 @@ class Leadership:
         err = self._lease_refusal(now)
         if err is None and self._recovering(now):
             err = NotLeaderError("the new leader is rebuilding its table; retry")
-        if err is not None:
-            self.num_refused += 1
         return err
+
+    def lease_proven_again(self) -> None:
+        """The lease held through an etcd outage: restart every node's heartbeat clock.
+
+        While this leader could not prove its lease it refused every heartbeat: its nodes were
+        not silent, it was deaf. Without this, they would be declared dead (and their objects
+        read as misses until they register again) the moment it serves again.
+        """
+        now = self.service.clock()
+        for node in self.service.nodes.values():
+            node.last_seen = max(node.last_seen, now)
 
     def _lease_refusal(self, now: float) -> KVStoreError | None:
         if not self.leading:
@@ -390,6 +399,8 @@ class Elector:
                 return
             suspended = False
             retry = KEEP_ALIVE_RETRY_S
+            if self.clock() >= fence.deadline:
+                fence.lease_proven_again()  # it refused heartbeats until now
             fence.deadline = max(fence.deadline, t_send + remaining * LEASE_SAFETY)
             await asyncio.sleep(interval)
 

@@ -390,9 +390,14 @@ def master_stats(m: Daemon) -> dict[str, object] | None:
         conn.close()
 
 
-def wait_settled(cluster: HACluster, timeout: float = 30.0) -> Daemon:
+def wait_settled(
+    cluster: HACluster, timeout: float = 30.0, cut_off: Daemon | None = None
+) -> Daemon:
     """Wait (bounded) until exactly one master serves, says so, and holds every live node, while
-    every other live master refuses and does not claim to serve. Returns the leader."""
+    every other live master refuses and does not claim to serve. Returns the leader.
+
+    ``cut_off``: a master cut from etcd: another must lead, and it must refuse, though it cannot
+    know yet that it lost (it says it serves until etcd tells it otherwise)."""
     found: list[Daemon] = []
     last: list[str] = []
 
@@ -406,12 +411,12 @@ def wait_settled(cluster: HACluster, timeout: float = 30.0) -> Daemon:
             f"{'serves ' + str(stats[id(m)]['num_nodes']) + ' node(s)' if stats[id(m)] else 'refuses'}"
             for m in live
         ]
-        if len(serving) != 1:
+        if len(serving) != 1 or serving[0] is cut_off:
             return False
         leader = serving[0]
         if master_says(leader) != "serving" or stats[id(leader)]["num_nodes"] != num_nodes:
             return False
-        if any(master_says(m) == "serving" for m in live if m is not leader):
+        if any(master_says(m) == "serving" for m in live if m not in (leader, cut_off)):
             return False
         found[:] = [leader]
         return True
