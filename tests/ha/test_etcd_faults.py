@@ -86,7 +86,7 @@ def _rest(method: str, url: str, body: object | None = None) -> tuple[int, dict[
         return err.code, json.loads(err.read())
 
 
-def test_leader_cut_from_etcd_is_fenced_on_rest_and_rejoins_as_standby(etcd, tmp_path) -> None:  # noqa: F811
+def test_leader_cut_from_etcd_is_fenced_on_rest_and_comes_back_as_a_standby(etcd, tmp_path) -> None:  # noqa: F811
     link = CuttableLink(etcd.client_port, tag=os.getpid() % 4096)
     cluster = HACluster(tmp_path / "ha", etcd, FAST)
     load: LoadProcess | None = None
@@ -137,6 +137,11 @@ def test_leader_cut_from_etcd_is_fenced_on_rest_and_rejoins_as_standby(etcd, tmp
         leader = wait_settled(cluster, timeout=30)
         assert leader is other
         load.wait_acks(50, after=t_standby)
+        # A working standby: it leads again (a second term in one process) when it must.
+        other.kill()
+        t_kill = time.time()
+        assert wait_settled(cluster, timeout=40) is cut
+        load.wait_acks(50, after=t_kill)
         summary = load.finish()
         acks = load.acks()
         with Client.connect(cluster.url, timeout=10) as c:
@@ -145,7 +150,8 @@ def test_leader_cut_from_etcd_is_fenced_on_rest_and_rejoins_as_standby(etcd, tmp
         print(
             f"\nLEADER CUT FROM ETCD under load: the other master served with both nodes "
             f"{t_other - t_cut:.2f}s after the cut; the cut one was a standby "
-            f"{t_standby - t_heal:.2f}s after the link healed; {len(acks)} acknowledged, {bad} "
+            f"{t_standby - t_heal:.2f}s after the link healed, and led again after a kill -9 of "
+            f"the other; {len(acks)} acknowledged, {bad} "
             f"wrong or missing; load: {summary}"
         )
         assert bad == 0 and summary["gets_wrong"] == 0
