@@ -14,7 +14,14 @@ Fencing (:class:`Leadership`, checked before any handler runs):
   paused (SIGSTOP), partitioned or starved cannot tell whether another master took over, so it
   refuses, and steps down for good once etcd says its lease is gone;
 - a request names the epoch its sender believes in: an older one gets ``STALE_EPOCH`` (the
-  caller re-resolves), a newer one proves that another master won, so this one steps down.
+  caller re-resolves), a newer one proves that another master won, so this one steps down;
+- the admin API obeys the same fence (:meth:`Leadership.admin_check`): its mutating routes and
+  ``/ready`` refuse with ``NOT_LEADER``, and a fenced leader's housekeeping changes nothing.
+
+etcd hiccups (a pause, a restart, a partition) never leave a master stuck: each background task
+has its own etcd client (a failed call closes its channel, and grpc cancels every call on it),
+renewals are retried within a fraction of the TTL, a lease etcd dropped makes the leader a
+standby that campaigns again, and :func:`supervise` logs and restarts any task that ends anyway.
 
 A new leader starts with an empty table and rebuilds it from the manifests the nodes send when
 they register (``recovery.py``); for up to ``recovery_s`` it waits for every node etcd lists as
