@@ -230,7 +230,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             per_s = [flat_s[i * n : (i + 1) * n] for i in range(n_keys)]
         out = []
         for ps, ss in zip(per_p, per_s, strict=True):
-            regions = sorted(self._region(p, s) for p, s in zip(ps, ss, strict=True))
+            regions = sorted(
+                (self._region(p, s) for p, s in zip(ps, ss, strict=True)),
+                key=lambda r: (r[0], r[1]),
+            )
             out.append([v for _, _, v in regions])
         return out
 
@@ -242,6 +245,8 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read pages straight into the registered host pool; per key whether it was read whole."""
+        if self._logical_only(self.mem_pool_host):
+            return [True] * len(keys)
         return self._get_pages(self.mem_pool_host, self._keys(keys), host_indices)
 
     def batch_set_v1(
@@ -251,7 +256,15 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Write pages from the registered host pool; stored pages count as written."""
+        if self._logical_only(self.mem_pool_host):
+            return [True] * len(keys)
         return self._set_pages(self.mem_pool_host, self._keys(keys), host_indices)
+
+    @staticmethod
+    def _logical_only(pool: Any) -> bool:
+        """A hybrid model's KV anchor pool that holds no bytes (its v2 side pools carry the data),
+        answered as SGLang's Mooncake backend does: every page "moved"."""
+        return pool is not None and hasattr(pool, "kv_buffer") and pool.kv_buffer is None
 
     def _get_pages(self, pool: Any, wire: list[str], host_indices: Any) -> list[bool]:
         pages = self._page_regions(pool, len(wire), host_indices)

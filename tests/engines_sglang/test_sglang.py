@@ -327,3 +327,18 @@ def test_get_stats_reports_pages_and_bandwidth(cluster) -> None:
     assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
     assert b.get_stats().prefetch_pgs == []  # reset by each call, as SGLang expects
     b.close()
+
+
+def test_a_logical_only_anchor_pool_moves_nothing(cluster) -> None:
+    """Hybrid models' KV anchor pool holds no bytes (v2 side pools carry them): as SGLang's
+    Mooncake backend does, v1 calls on it report every page done and store nothing."""
+
+    class Anchor:
+        kv_buffer = None
+        page_size = 4
+
+    b = make(config(cluster.address), Anchor())
+    assert b.batch_set_v1(["a", "b"], indices([0, 1], 4)) == [True, True]
+    assert b.batch_get_v1(["a"], indices([0], 4)) == [True]
+    assert b.batch_exists(["a"]) == 0
+    b.close()
