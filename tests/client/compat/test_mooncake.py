@@ -198,6 +198,26 @@ def test_setup_reports_codes_and_follows_etcd(ha_factory) -> None:  # noqa: F811
     assert s.health_check() == 1
 
 
+def test_init_all_and_upserts_from_buffers(cluster_factory, monkeypatch) -> None:
+    cluster = cluster_factory(num_nodes=1)
+    monkeypatch.setenv("KVSTORE_MASTER", cluster.address)  # init_all has no address argument
+    s = MooncakeDistributedStore()
+    assert s.init_all("tcp", "", 16 << 20) == 0
+    try:
+        a = np.frombuffer(b"first-value-----second-value----", dtype=np.uint8).copy()
+        assert s.put_from("u", a.ctypes.data, 16) == 0
+        assert s.put_from("u", a.ctypes.data + 16, 16) == 0  # kept: Mooncake's put rule
+        assert s.get("u") == b"first-value-----"
+        assert s.upsert_from("u", a.ctypes.data + 16, 16) == 0  # replaced
+        assert s.get("u") == b"second-value----"
+        assert s.batch_upsert_from(["u", "v"], [a.ctypes.data] * 2, [16, 8]) == [0, 0]
+        assert s.get_batch(["u", "v"]) == [b"first-value-----", b"first-va"]
+        assert s.upsert_batch(["u"], [b"x"]) == 0 and s.get("u") == b"x"
+        assert s.upsert("", b"x") == ErrorCodes.INVALID_PARAMS
+    finally:
+        s.close()
+
+
 def test_bad_input_gets_codes_and_stores_nothing(store: MooncakeDistributedStore) -> None:
     assert store.put("", b"v") == ErrorCodes.INVALID_PARAMS
     assert store.put(b"bytes-key", b"v") == ErrorCodes.INVALID_PARAMS  # type: ignore[arg-type]
