@@ -691,18 +691,19 @@ class KVStoreConnector(KVConnectorBase_V1):
         try:
             results = kv.client.batch_get_into(keys, list(rows))
         except _UNREACHABLE as exc:
-            self._pool.failed(exc)
+            if _is_unreachable(exc):
+                self._pool.failed(exc)
+            else:
+                logger.warning("kvstore: load failed (%s); vLLM recomputes", exc)
+            self._counters.add(load_errors=total)
             return staging, ok
         nbytes = 0
-        unreachable: BaseException | None = None
+        # A block's own error (its node gone, checksum, evicted) fails that block only: the
+        # pool as a whole stays in use (other nodes may hold the next prompt's blocks).
         for i, r in enumerate(results):
             if isinstance(r, int) and r == kv.block_nbytes:
                 ok[i] = True
                 nbytes += r
-            elif isinstance(r, BaseException) and _is_unreachable(r):
-                unreachable = r
-        if unreachable is not None and not any(ok):
-            self._pool.failed(unreachable)
         good = sum(ok)
         self._counters.add(
             loaded_tokens=good * self._block_size,
