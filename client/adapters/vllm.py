@@ -730,6 +730,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         failed = {all_ids[i] for i, flag in enumerate(ok) if not flag}
         if not good:
             return failed
+        t0 = time.perf_counter()
         src_index = torch.tensor(good, dtype=torch.long)
         dst_ids = torch.tensor([all_ids[i] for i in good], dtype=torch.long)
         whole = len(good) == len(ok)
@@ -737,11 +738,13 @@ class KVStoreConnector(KVConnectorBase_V1):
             src = staging[:, layer] if whole else staging.index_select(0, src_index)[:, layer]
             # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
             self._kv5[layer][dst_ids] = src.permute(0, 3, 1, 2, 4)
+        self._counters.add(load_seconds=time.perf_counter() - t0)  # into vLLM's cache counts too
         return failed
 
     def _load_now(self, loads: list[_Transfer]) -> set[int]:
-        staging, ok = self._read(loads)
-        return self._scatter(loads, staging, ok, range(len(self._kv5)))
+        with torch.inference_mode():  # a background thread: vLLM's tensors are inference ones
+            staging, ok = self._read(loads)
+            return self._scatter(loads, staging, ok, range(len(self._kv5)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads: in ``layer`` mode one read for all of them, copied into each
@@ -808,12 +811,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         kv5 = self._kv5[layer]
 
         def gather() -> None:
-            # vLLM [n, heads, 2, bs, head] -> object [n, 2, bs, heads, head]
-            staging[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
+            # vLLM [n, heads, 2, bs, head] -> object [n, 2, bs, heads, head]. The staging was
+            # made inside the forward's inference mode: only inference mode may write it.
+            with torch.inference_mode():
+                staging[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
 
-        self._save_futures.append(self._saver.submit(gather))
+        gathers = self._save_futures
+        gathers.append(self._saver.submit(gather))
         if layer == len(self._kv5) - 1:
-            self._save_futures.append(self._saver.submit(self._put, meta.saves, staging))
+            pending = list(gathers)
+
+            def put() -> None:
+                for f in pending:
+                    f.result()  # a gather that failed: store nothing (its rows are garbage)
+                self._put(meta.saves, staging)
+
+            gathers.append(self._saver.submit(put))
 
     def _put(self, saves: list[_Transfer], staging: torch.Tensor) -> None:
         kv = self._pool.get()

@@ -132,6 +132,9 @@ def prompts(engines: Engines) -> dict[str, list[int]]:
             "nomaster": "What does a ticket cost for an adult?",
         }.items()
     }
+    out["garbage"] = ref.tokenize(
+        "<|im_start|>user\n" + "Tell me about the moon and the stars. " * 20 + "<|im_end|>\n"
+    )
     assert len(out["cold"]) > 8 * BS, "prompts span many blocks"
     # A prompt whose every full block the pool will hold before D ever sees it: the first
     # whole blocks of a longer prompt P prefills (plus one token, computed by D).
@@ -267,6 +270,26 @@ def test_corrupt_block_is_refused_and_recomputed(
     assert b.complete(prompt, MAX_TOKENS) == engines.reference(prompt)
     assert _wait_metric(b, "vllm:kvstore_load_errors", errors) > errors
     assert "failed to load" in b.log()
+
+
+def test_loaded_kv_is_what_the_server_uses(engines: Engines, prompts: dict[str, list[int]]) -> None:
+    """The other negative control: well-formed blocks (valid checksums) of the wrong KV make
+    the output differ, so an equal output above really came from the loaded KV."""
+    import numpy as np
+    import torch
+
+    b = engines.servers["b"]
+    prompt = prompts["garbage"]
+    with Client.connect(engines.cluster.address) as c:
+        kv = KVCache(c, _namespace())
+        n = (len(prompt) - 1) // BS
+        rng = np.random.default_rng(0)
+        values = torch.from_numpy(rng.standard_normal((n, kv.block_nbytes // 2)) * 2)
+        assert kv.put_blocks(prompt, 0, values.to(torch.bfloat16).view(torch.uint8).numpy()) == n
+        kv.close()
+    before = _loaded(b)
+    assert b.complete(prompt, MAX_TOKENS) != engines.reference(prompt)
+    assert _wait_metric(b, "vllm:kvstore_loaded_tokens", before) - before == n * BS
 
 
 def test_node_killed_then_master_gone_outputs_still_equal(
