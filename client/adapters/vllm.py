@@ -676,13 +676,27 @@ class KVStoreConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- loads
     def _read(self, loads: list[_Transfer]) -> tuple[torch.Tensor, list[bool]]:
         """Read the blocks of ``loads`` into one staging tensor (one batched pool read, each
-        block verified by checksum). Returns it and, per block, whether it arrived intact."""
+        block verified by checksum). Returns it and, per block, whether it arrived intact.
+        Never raises: whatever goes wrong is a failed block, which vLLM recomputes."""
         total = sum(len(t.block_ids) for t in loads)
         staging = self._staging(total)
         ok = [False] * total
+        try:
+            self._read_into(loads, staging, ok)
+        except Exception as exc:  # noqa: BLE001 - the forward must go on: recompute instead
+            logger.warning(
+                "kvstore: load failed (%s: %s); vLLM recomputes", type(exc).__name__, exc
+            )
+            ok[:] = [False] * total
+            self._counters.add(load_errors=total)
+        return staging, ok
+
+    def _read_into(self, loads: list[_Transfer], staging: torch.Tensor, ok: list[bool]) -> None:
+        total = len(ok)
         kv = self._pool.get()
         if kv is None:
-            return staging, ok
+            self._counters.add(load_errors=total)
+            return
         t0 = time.perf_counter()
         keys: list[bytes] = []
         for t in loads:
@@ -696,7 +710,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             else:
                 logger.warning("kvstore: load failed (%s); vLLM recomputes", exc)
             self._counters.add(load_errors=total)
-            return staging, ok
+            return
         nbytes = 0
         # A block's own error (its node gone, checksum, evicted) fails that block only: the
         # pool as a whole stays in use (other nodes may hold the next prompt's blocks).
@@ -718,7 +732,6 @@ class KVStoreConnector(KVConnectorBase_V1):
                 total,
                 next((type(r).__name__ for r in results if not isinstance(r, int)), "short read"),
             )
-        return staging, ok
 
     def _scatter(
         self, loads: list[_Transfer], staging: torch.Tensor, ok: list[bool], layers: Iterable[int]
