@@ -73,6 +73,8 @@ logger = init_logger("vllm.kvstore_connector")
 #: silently run without, say, the salt).
 CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s", "retry_s"})
 LOAD_MODES = ("layer", "async")
+#: Staging kept between steps up to this size (larger steps allocate their own).
+MAX_KEPT_STAGING = 512 << 20
 #: The default: measured faster on the CPU (bench/bench_vllm.py; see docs/adapters.md).
 DEFAULT_LOAD_MODE = "layer"
 
@@ -212,6 +214,7 @@ STAT_NAMES = (
     "loaded_tokens",
     "loaded_bytes",
     "load_seconds",
+    "copy_seconds",
     "load_errors",
     "saved_tokens",
     "saved_bytes",
@@ -260,7 +263,8 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             "hit_tokens": "Prompt tokens the pool offered beyond vLLM's local cache",
             "loaded_tokens": "Tokens of KV loaded from the kvstore pool",
             "loaded_bytes": "Bytes of KV loaded from the kvstore pool",
-            "load_seconds": "Seconds spent loading KV from the kvstore pool",
+            "load_seconds": "Seconds spent loading KV from the kvstore pool (read and copy)",
+            "copy_seconds": "Of load_seconds, the copy from staging into vLLM's paged cache",
             "load_errors": "Blocks that failed to load (lost, corrupt, node down): recomputed",
             "saved_tokens": "Tokens of KV saved into the kvstore pool",
             "saved_bytes": "Bytes of KV saved into the kvstore pool",
@@ -476,9 +480,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._recving: dict[str, tuple[Future[set[int]], _Transfer]] = {}
-        self._sync_read: Future[tuple[torch.Tensor, list[bool]]] | None = None
-        self._sync_loads: list[_Transfer] = []
-        self._sync_done: set[int] = set()
+        self._sync_read: Future[set[int]] | None = None
+        self._layer_ready: list[threading.Event] = []
         self._save_staging: torch.Tensor | None = None
         self._save_ids: torch.Tensor | None = None
         self._save_futures: list[Future[None]] = []
@@ -669,9 +672,30 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._dtype = self._kv5[0].dtype
         self._obj_shape = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
+        self._block_nbytes = self._kv5[0][0].nbytes * ns.num_layers
+        self._bufs: dict[str, torch.Tensor] = {}
 
-    def _staging(self, num_blocks: int) -> torch.Tensor:
-        return torch.empty((num_blocks, *self._obj_shape), dtype=self._dtype)
+    def _staging(self, num_blocks: int, kind: str) -> torch.Tensor:
+        """A staging tensor ``[num_blocks, *object shape]`` for ``kind`` (``load``/``save``).
+
+        Reused between steps, already faulted in: a fresh 50 MB tensor per step cost as much
+        as the pool read itself (page faults). One per kind is enough: loads run one at a time
+        on the io thread, saves one step at a time. Steps larger than ``MAX_KEPT_STAGING``
+        bytes get a tensor of their own.
+        """
+        buf = self._bufs.get(kind)
+        nbytes = num_blocks * self._block_nbytes
+        if buf is not None and len(buf) >= num_blocks:
+            return buf[:num_blocks]
+        if nbytes > MAX_KEPT_STAGING:
+            return torch.empty((num_blocks, *self._obj_shape), dtype=self._dtype)
+        # zeros, not empty: every page is touched (faulted) once, here, not in each step.
+        buf = torch.zeros(
+            (max(num_blocks, 2 * (len(buf) if buf is not None else 0)), *self._obj_shape),
+            dtype=self._dtype,
+        )
+        self._bufs[kind] = buf
+        return buf[:num_blocks]
 
     # ---------------------------------------------------------------- loads
     def _read(self, loads: list[_Transfer]) -> tuple[torch.Tensor, list[bool]]:
@@ -679,7 +703,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         block verified by checksum). Returns it and, per block, whether it arrived intact.
         Never raises: whatever goes wrong is a failed block, which vLLM recomputes."""
         total = sum(len(t.block_ids) for t in loads)
-        staging = self._staging(total)
+        staging = self._staging(total, "load")
         ok = [False] * total
         try:
             self._read_into(loads, staging, ok)
@@ -751,7 +775,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             src = staging[:, layer] if whole else staging.index_select(0, src_index)[:, layer]
             # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
             self._kv5[layer][dst_ids] = src.permute(0, 3, 1, 2, 4)
-        self._counters.add(load_seconds=time.perf_counter() - t0)  # into vLLM's cache counts too
+        dt = time.perf_counter() - t0
+        self._counters.add(load_seconds=dt, copy_seconds=dt)  # into vLLM's cache counts too
         return failed
 
     def _load_now(self, loads: list[_Transfer]) -> set[int]:
@@ -760,9 +785,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             return self._scatter(loads, staging, ok, range(len(self._kv5)))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Start this step's loads: in ``layer`` mode one read for all of them, copied into each
-        layer by ``wait_for_layer_load``; in ``async`` mode one background load per request,
-        reported by ``get_finished``."""
+        """Start this step's loads on the io thread: in ``layer`` mode one batched read for all
+        of them, then the copy into vLLM's cache layer by layer (layer ``i`` is ready while the
+        forward runs the layers before it; ``wait_for_layer_load`` waits for it); in ``async``
+        mode one load per request, reported by ``get_finished``."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
             return
@@ -770,36 +796,45 @@ class KVStoreConnector(KVConnectorBase_V1):
             for t in meta.loads:
                 self._recving[t.req_id] = (self._io.submit(self._load_now, [t]), t)
             return
-        self._sync_loads = meta.loads
-        self._sync_done = set()
-        self._sync_read = self._io.submit(self._read, meta.loads)
+        self._layer_ready = [threading.Event() for _ in self._kv5]
+        self._sync_read = self._io.submit(self._load_layerwise, meta.loads, self._layer_ready)
+
+    def _load_layerwise(self, loads: list[_Transfer], ready: list[threading.Event]) -> set[int]:
+        """Read, then copy layer by layer, signalling each; every event is set even on error
+        (the forward never waits on a load that died: its blocks are reported instead)."""
+        failed = {b for t in loads for b in t.block_ids}
+        try:
+            with torch.inference_mode():  # vLLM's tensors are inference tensors
+                staging, ok = self._read(loads)
+                for layer, event in enumerate(ready):
+                    failed = self._scatter(loads, staging, ok, [layer])
+                    event.set()
+        except Exception as exc:  # noqa: BLE001 - recomputed, never raised into the forward
+            logger.warning(
+                "kvstore: load failed (%s: %s); vLLM recomputes", type(exc).__name__, exc
+            )
+        finally:
+            for event in ready:
+                event.set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Copy the layer's loaded blocks into the paged cache before the layer runs."""
+        """Wait until the layer's loaded blocks are in the paged cache (bounded by the pool
+        calls' own timeouts: the io thread sets every event whatever happens)."""
         if self._sync_read is None:
             return
         layer = self._layer_index.get(layer_name)
-        if layer is None or layer in self._sync_done:
-            return
-        staging, ok = self._sync_read.result()
-        failed = self._scatter(self._sync_loads, staging, ok, [layer])
-        self._sync_done.add(layer)
-        if len(self._sync_done) == len(self._kv5):
-            self._finish_sync_load(failed)
+        if layer is not None:
+            self._layer_ready[layer].wait()
 
-    def _finish_sync_load(self, failed: set[int]) -> None:
-        with self._lock:
-            self._load_errors |= failed
-        self._sync_read = None
-        self._sync_loads = []
-
-    def _drain_sync_load(self) -> None:
-        """Layers the forward did not wait for (none in practice): copy them now."""
+    def _finish_sync_load(self) -> None:
+        """At the end of the step: the load is over; collect its failed blocks."""
         if self._sync_read is None:
             return
-        staging, ok = self._sync_read.result()
-        rest = [i for i in range(len(self._kv5)) if i not in self._sync_done]
-        self._finish_sync_load(self._scatter(self._sync_loads, staging, ok, rest))
+        failed = self._sync_read.result()
+        self._sync_read = None
+        with self._lock:
+            self._load_errors |= failed
 
     # ---------------------------------------------------------------- saves
     def save_kv_layer(
@@ -818,7 +853,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             return
         if self._save_staging is None:
             ids = [b for t in meta.saves for b in t.block_ids]
-            self._save_staging = self._staging(len(ids))
+            self._save_staging = self._staging(len(ids), "save")
             self._save_ids = torch.tensor(ids, dtype=torch.long)
         staging, ids = self._save_staging, self._save_ids
         kv5 = self._kv5[layer]
@@ -870,7 +905,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Wait for this step's saves still in flight (their source blocks may be reused once
         the step is over)."""
-        self._drain_sync_load()
+        self._finish_sync_load()
         futures, self._save_futures = self._save_futures, []
         for f in futures:
             try:
