@@ -75,8 +75,10 @@ CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s
 LOAD_MODES = ("layer", "async")
 #: Staging kept between steps up to this size (larger steps allocate their own).
 MAX_KEPT_STAGING = 512 << 20
-#: The default: measured faster on the CPU (bench/bench_vllm.py; see docs/adapters.md).
-DEFAULT_LOAD_MODE = "layer"
+#: The default: measured faster here, where a server computes on one pinned core (see
+#: docs/adapters.md, bench/bench_vllm.py): the io thread shares that core, so the layer-wise
+#: copy cannot overlap the forward; an async load runs while the engine waits.
+DEFAULT_LOAD_MODE = "async"
 
 _TORCH_TO_NS_DTYPE = {
     torch.float16: "float16",
