@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError
 
 log = logging.getLogger("kvstore")
 
@@ -301,6 +301,18 @@ def cmd_model_path(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Disaggregated prefill/decode in front of two vLLM servers (see adapters/vllm_proxy.py)."""
+    from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy
+
+    for url in (args.prefill, args.decode):
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
+    config = ProxyConfig(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout)
+    _run_loop(serve_proxy(config, args.host, args.port))
+    return 0
+
+
 def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
     p.add_argument(
         "--token-file",
@@ -437,6 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
     p.add_argument("--dram", default="256MiB")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("proxy", help="prefill on one vLLM server, then decode on another")
+    p.add_argument("--prefill", required=True, help="the prefill server's URL (kv_producer)")
+    p.add_argument("--decode", required=True, help="the decode server's URL (kv_consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("model", help="real models for the engines (no model hub needed)")
     model_sub = p.add_subparsers(dest="model_command", required=True)
