@@ -286,7 +286,7 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
     """Download and convert a real model once; print its folder (stdout) either way."""
     from kvstore.client.adapters.realmodel import fetch_model
 
-    result = fetch_model(args.name, root=args.dir)
+    result = fetch_model(args.name, path=args.dir)
     state = "fetched into" if result.fetched else "already cached at"
     print(f"kvstore model: {args.name} {state} {result.path}", file=sys.stderr, flush=True)
     print(result.path, flush=True)
@@ -297,7 +297,7 @@ def cmd_model_path(args: argparse.Namespace) -> int:
     """Print a model's folder (fetched or not) for scripts: ``--model "$(kvstore model path)"``."""
     from kvstore.client.adapters.realmodel import model_dir
 
-    print(model_dir(args.name, root=args.dir), flush=True)
+    print(model_dir(args.name, path=args.dir), flush=True)
     return 0
 
 
@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument(
             "--dir",
             default=None,
-            help="models root (default: $KVSTORE_MODEL_DIR, else ~/.cache/kvstore/models)",
+            help="the model's folder (default: $KVSTORE_MODEL_DIR, else "
+            "~/.cache/kvstore/models/smollm2-135m-instruct)",
         )
         q.set_defaults(func=func)
 

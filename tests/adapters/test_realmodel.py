@@ -37,19 +37,19 @@ def test_model_dir_defaults_to_the_user_cache_and_honours_the_env(
     assert realmodel.model_dir("smollm2") == (
         Path.home() / ".cache" / "kvstore" / "models" / "smollm2-135m-instruct"
     )
-    monkeypatch.setenv(realmodel.MODEL_DIR_ENV, str(tmp_path))
-    assert realmodel.model_dir() == tmp_path / "smollm2-135m-instruct"
-    assert realmodel.model_dir(root=tmp_path / "x") == tmp_path / "x" / "smollm2-135m-instruct"
+    monkeypatch.setenv(realmodel.MODEL_DIR_ENV, str(tmp_path / "m"))
+    assert realmodel.model_dir() == tmp_path / "m"
+    assert realmodel.model_dir(path=tmp_path / "x") == tmp_path / "x"
     out = _kvstore(sys.executable, "model", "path", timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(tmp_path / "smollm2-135m-instruct")
+    assert out.stdout.strip() == str(tmp_path / "m")
 
 
 def test_unknown_model_or_unfetched_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError, match="known: smollm2"):
         realmodel.model_dir("gpt-5")
     with pytest.raises(InvalidRequestError, match="kvstore model fetch smollm2"):
-        realmodel.require_model("smollm2", root=tmp_path)
+        realmodel.require_model("smollm2", path=tmp_path / "m")
     out = _kvstore(sys.executable, "model", "fetch", "gpt-5", "--dir", str(tmp_path), timeout=60)
     assert out.returncode == 2 and "unknown model 'gpt-5'" in out.stderr
     assert list(tmp_path.iterdir()) == []
@@ -59,7 +59,7 @@ def test_a_folder_that_is_not_a_finished_conversion_is_left_alone(tmp_path: Path
     folder = tmp_path / "smollm2-135m-instruct"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
-    out = _kvstore(sys.executable, "model", "fetch", "--dir", str(tmp_path), timeout=60)
+    out = _kvstore(sys.executable, "model", "fetch", "--dir", str(folder), timeout=60)
     assert out.returncode == 2 and "does not hold a finished conversion" in out.stderr
     assert [p.name for p in folder.iterdir()] == ["config.json"]
     assert (folder / "config.json").read_text() == "{}"
@@ -70,16 +70,16 @@ def test_a_folder_that_is_not_a_finished_conversion_is_left_alone(tmp_path: Path
 def test_fetch_converts_once_then_finds_the_cache_and_the_model_knows_paris(
     tmp_path: Path,
 ) -> None:
-    first = _kvstore(ENGINE_PYTHON, "model", "fetch", "smollm2", "--dir", str(tmp_path))
-    assert first.returncode == 0, first.stderr[-3000:]
     folder = tmp_path / "smollm2-135m-instruct"
+    first = _kvstore(ENGINE_PYTHON, "model", "fetch", "smollm2", "--dir", str(folder))
+    assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.strip() == str(folder)
     assert "fetched into" in first.stderr
     assert realmodel.is_complete(folder)
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no work folder left behind
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
 
-    second = _kvstore(ENGINE_PYTHON, "model", "fetch", "smollm2", "--dir", str(tmp_path))
+    second = _kvstore(ENGINE_PYTHON, "model", "fetch", "smollm2", "--dir", str(folder))
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == str(folder)
     assert "already cached" in second.stderr and "downloading" not in second.stderr
