@@ -12,12 +12,17 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import InvalidRequestError, KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.embedded import EmbeddedCluster
 
 log = logging.getLogger("kvstore")
 
@@ -241,11 +246,68 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    """The main job shown: prefill/decode through the pool, under vLLM (default) or transformers."""
+    if args.engine == "hf":
+        return _demo_hf(args)
+    return _demo_vllm(args)
+
+
+def _embedded_pool(dram: str, data_dir: str) -> EmbeddedCluster | None:
+    from kvstore.embedded import EmbeddedCluster
+
+    try:
+        return EmbeddedCluster(data_dir, dram)
+    except KVStoreError:
+        print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+        return None
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
     import importlib.util
     import tempfile
 
-    from kvstore.embedded import EmbeddedCluster
+    from kvstore.client.adapters.realmodel import require_model
+
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            f"kvstore demo: vLLM is not installed in {sys.prefix}: `make demo` builds the engine "
+            "virtualenv (.venv-vllm) and runs it from there; `kvstore demo --engine hf` runs the "
+            "transformers workers instead",
+            file=sys.stderr,
+        )
+        return 2
+    model = require_model("smollm2", args.model_dir)
+    from kvstore.client.adapters.vllm_demo import run_vllm_demo
+
+    options = {
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size or 32,
+        "log_dir": Path(args.log_dir) if args.log_dir else None,
+    }
+    started = time.monotonic()
+    if args.master:
+        run_vllm_demo(args.master, model, **options)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
+            cluster = _embedded_pool(args.dram, data_dir)
+            if cluster is None:
+                return 1
+            with cluster:
+                print(
+                    f"kvstore demo: pool (embedded cluster) at {cluster.address} "
+                    f"(pid {cluster.pid})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                run_vllm_demo(cluster.address, model, **options)
+    print(f"done in {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
+def _demo_hf(args: argparse.Namespace) -> int:
+    """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    import importlib.util
+    import tempfile
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
@@ -259,7 +321,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     options = {
         "model": args.model,
-        "block_size": args.block_size,
+        "block_size": args.block_size or 64,
         "max_new_tokens": args.max_new_tokens,
         "fp8": args.fp8,
         "repeats": args.repeats,
@@ -268,10 +330,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run_demo(args.master, **options)
         return 0
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
-        try:
-            cluster = EmbeddedCluster(data_dir, args.dram)
-        except KVStoreError:
-            print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+        cluster = _embedded_pool(args.dram, data_dir)
+        if cluster is None:
             return 1
         with cluster:
             print(
@@ -437,17 +497,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
-        "demo", help="disaggregated prefill/decode with a small model through the pool"
+        "demo", help="disaggregated prefill/decode with a real model through the pool"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("vllm", "hf"),
+        default="vllm",
+        help="vllm: prefill, decode and reference vLLM servers with SmolLM2 (default); "
+        "hf: the transformers workers with small random-weight models",
     )
     p.add_argument("--master", default=None, help="use this cluster instead of an embedded one")
-    p.add_argument(
-        "--model", default="small-llama", help="tiny-llama, tiny-gpt2, small-llama or a folder"
-    )
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--fp8", action="store_true", help="store and move KV as FP8 E4M3")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    p.add_argument("--block-size", type=int, default=None, help="default: 32 (vllm), 64 (hf)")
     p.add_argument("--dram", default="256MiB")
+    p.add_argument("--max-tokens", type=int, default=32, help="vllm: tokens per answer")
+    p.add_argument(
+        "--model-dir", default=None, help="vllm: the SmolLM2 folder (default: kvstore model path)"
+    )
+    p.add_argument("--log-dir", default=None, help="vllm: keep the servers' logs here")
+    p.add_argument(
+        "--model", default="small-llama", help="hf: tiny-llama, tiny-gpt2, small-llama or a folder"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=12, help="hf: tokens each decode makes")
+    p.add_argument("--fp8", action="store_true", help="hf: store and move KV as FP8 E4M3")
+    p.add_argument("--repeats", type=int, default=1, help="hf: passes over the prompts")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("proxy", help="prefill on one vLLM server, then decode on another")
