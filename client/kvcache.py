@@ -113,13 +113,17 @@ class KVCache:
         return out
 
     # ------------------------------------------------------------------ lookup
-    def _match(self, tokens: np.ndarray) -> tuple[int, list[_Block]]:
-        reply = self.client._control.call(
-            "kv_match", {"namespace": self._ns_wire, "tokens": tokens_to_wire(tokens)}
-        )
+    def _match(self, tokens: np.ndarray, *, locate: bool = True) -> tuple[int, list[_Block]]:
+        args: dict[str, Any] = {"namespace": self._ns_wire, "tokens": tokens_to_wire(tokens)}
+        if not locate:
+            args["locate"] = False
+        reply = self.client._control.call("kv_match", args)
         blocks: list[_Block] = []
         num_tokens = 0
         for key, n, r in reply["blocks"]:
+            if r is None:  # asked without locations: the index's answer is the answer
+                num_tokens += n
+                continue
             err, payload = result_from_wire(r)
             if err is not None:
                 break  # vanished between index and table: a shorter hit is still correct
@@ -128,8 +132,75 @@ class KVCache:
         return num_tokens, blocks
 
     def lookup(self, tokens: Any) -> int:
-        """Leading tokens of ``tokens`` whose KV is cached (token-granular). One master call."""
-        return self._match(as_token_array(tokens))[0]
+        """Leading tokens of ``tokens`` whose KV is cached (token-granular).
+
+        One master call, and it takes no read leases (a lookup does not hold blocks from
+        eviction): a block may still go before a later load, which then loads less.
+        """
+        return self._match(as_token_array(tokens), locate=False)[0]
+
+    # ------------------------------------------------------------------ whole blocks
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block object (see :func:`kvstore.keys.block_bytes`)."""
+        return self._block_bytes
+
+    def block_object_keys(self, tokens: Any) -> list[bytes]:
+        """The pool keys of the block objects of the full blocks of ``tokens``, in order.
+
+        Raises:
+            InvalidRequestError: bad token ids.
+        """
+        keys = block_keys(self.namespace, as_token_array(tokens))
+        return [kv_object_key(self.namespace.digest, key) for key in keys]
+
+    def put_blocks(self, tokens: Any, first_block: int, blocks: Any) -> int:
+        """Store already laid-out block objects and index the prompt, for engines that keep
+        their KV in fixed-size pages (a paged cache block is one object, no repacking here).
+
+        Args:
+            tokens: the prompt's token ids; only its full blocks count.
+            first_block: index of the block ``blocks[0]`` holds.
+            blocks: ``[n, block_nbytes]`` uint8 (numpy array or CPU tensor), each row one
+                block object in the layout of :func:`kvstore.keys.block_bytes`.
+
+        Returns:
+            Blocks stored now (an existing equal block counts: same key, same KV).
+
+        Raises:
+            InvalidRequestError: rows of the wrong size, or more blocks than ``tokens`` fill.
+            KVStoreError: a block could not be stored; blocks before it stay cached.
+        """
+        tok = as_token_array(tokens)
+        rows = np.frombuffer(as_bytes_view(blocks), dtype=np.uint8)
+        if rows.size % self._block_bytes:
+            raise InvalidRequestError(
+                f"blocks hold {rows.size} bytes, not a multiple of {self._block_bytes}"
+            )
+        rows = rows.reshape(-1, self._block_bytes)
+        n = len(rows)
+        bs = self.namespace.block_size
+        end = first_block + n
+        if first_block < 0 or end * bs > len(tok):
+            raise InvalidRequestError(
+                f"blocks {first_block}..{end} need {end * bs} tokens; the prompt has {len(tok)}"
+            )
+        if n == 0:
+            return 0
+        keys = block_keys(self.namespace, tok[: end * bs])
+        obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_block:]]
+        meta = encode_prompt_meta(self._ns_wire, tok[: end * bs])
+        results = self.client._batch_put(
+            [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
+            [*rows, meta],
+            commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(tok[: end * bs])},
+        )
+        for r in results:
+            if isinstance(r, KVStoreError) and not isinstance(
+                r, ObjectExistsError | ObjectBusyError
+            ):
+                raise r
+        return n
 
     # ------------------------------------------------------------------ store
     def store(self, tokens: Any, layers: Sequence[Any]) -> int:

@@ -190,13 +190,15 @@ def _kv_commit(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
     namespace = Namespace.from_dict(_arg(args, "namespace", dict))
-    match, infos = svc.kv_match(namespace, tokens_from_wire(args.get("tokens")))
+    # ``locate: false``: only the cached prefix, no replicas and so no read leases (a lookup).
+    locate = _arg(args, "locate", bool) if "locate" in args else True
+    match, infos = svc.kv_match(namespace, tokens_from_wire(args.get("tokens")), locate=locate)
     return {
         "num_tokens": match.num_tokens,
         "block_size": match.block_size,
         "blocks": [
-            [key, n, result_to_wire(info)]
-            for (key, n), info in zip(match.blocks, infos, strict=True)
+            [key, n, result_to_wire(info)] if locate else [key, n, None]
+            for (key, n), info in zip(match.blocks, infos or [None] * len(match.blocks), strict=True)
         ],
     }
 

@@ -726,10 +726,16 @@ class MasterService:
         return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
 
     def kv_match(
-        self, namespace: Namespace, tokens: np.ndarray
+        self, namespace: Namespace, tokens: np.ndarray, *, locate: bool = True
     ) -> tuple[PrefixMatch, list[ObjectInfo | KVStoreError]]:
-        """The cached prefix of a prompt and, per block, where its replicas are (one call)."""
+        """The cached prefix of a prompt and, per block, where its replicas are (one call).
+
+        With ``locate=False`` only the prefix: no locations, so no read leases are taken (a
+        lookup that leased every block would hold them from eviction for nothing).
+        """
         match = self.prefix.match(namespace, tokens, self.objects.__contains__)
+        if not locate:
+            return match, []
         return match, self.get_locations([key for key, _ in match.blocks])
 
     # ================================================================ helpers

@@ -207,3 +207,28 @@ def test_kv_blocks_are_immutable_and_not_writable_by_plain_puts(cluster_factory)
         out = empty_kv(len(tokens))
         assert kv.load(tokens, out) == 2 * BS
         assert all(np.array_equal(o[0], w[0]) for o, w in zip(out, layers, strict=True))
+
+
+def test_block_level_puts_load_back_by_key(cluster_factory) -> None:
+    """What a paged engine uses: laid-out block objects in, the same bytes out by key."""
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(500, 500 + 4 * BS + 3)
+        rng = np.random.default_rng(3)
+        rows = rng.integers(0, 256, (4, kv.block_nbytes), dtype=np.uint8)
+        assert kv.put_blocks(tokens, 0, rows[:2]) == 2
+        assert kv.put_blocks(tokens, 2, rows[2:]) == 2, "a later chunk extends the prefix"
+        assert kv.lookup(tokens) == 4 * BS
+        # The same keys the token-level API uses: load() reads these blocks back.
+        out = empty_kv(len(tokens))
+        assert kv.load(tokens, out) == 4 * BS
+        keys = kv.block_object_keys(tokens)
+        assert len(keys) == 4
+        bufs = np.zeros_like(rows)
+        assert c.batch_get_into(keys, list(bufs)) == [kv.block_nbytes] * 4
+        assert np.array_equal(bufs, rows)
+        with pytest.raises(InvalidRequestError):
+            kv.put_blocks(tokens, 3, rows[:2])  # block 4 would need more tokens
+        with pytest.raises(InvalidRequestError):
+            kv.put_blocks(tokens, 0, rows[0, :-1])  # not a whole block

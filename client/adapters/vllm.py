@@ -1,0 +1,885 @@
+"""vLLM KV connector: vLLM instances save prompt KV into the pool and load cached prefixes back.
+
+Use from vLLM 0.32 (``KVConnectorBase_V1``)::
+
+    python -m vllm.entrypoints.openai.api_server --model M --kv-transfer-config \\
+      '{"kv_connector":"KVStoreConnector","kv_connector_module_path":"kvstore.client.adapters.vllm",
+        "kv_role":"kv_both","kv_connector_extra_config":{"master":"127.0.0.1:7700"}}'
+
+Mapping (see docs/adapters.md, "vLLM"):
+
+- One vLLM block is one pool block object: the namespace's block size IS vLLM's ``--block-size``.
+  vLLM only accepts block-aligned external hits and reports load failures per block id, so a
+  1:1 mapping makes a hit, a load and a failure the same unit, with no splitting or merging of
+  objects and one checksum per vLLM block.
+- The object keeps kvstore's documented layout (layer-major; per layer K then V, each
+  ``[block_size, kv_heads, head_size]``), so any kvstore KV client reads it. vLLM's CPU cache is
+  ``[num_blocks, kv_heads, 2 * block_size, head_size]`` (per head K rows then V rows): a load or
+  save is one strided tensor copy per layer for all blocks of the step (no per-token Python).
+- Scheduler: ``get_num_new_matched_tokens`` asks the prefix index once per request (no read
+  leases), never offers the prompt's last token, counts only blocks beyond vLLM's local hit.
+- Worker: saves are handed off layer by layer to a background thread as ``save_kv_layer`` comes;
+  ``wait_for_save`` waits for what is still in flight (so a producer's answer leaves after its KV
+  is in the pool). Loads are one batched read (one master call, one data call per node) verified
+  per block by checksum; a failed block is reported by ``get_block_ids_with_load_errors`` and
+  vLLM recomputes it (the connector sets ``kv_load_failure_policy`` to ``recompute``).
+- The pool unreachable: one warning line, a counter (``vllm:kvstore_pool_unavailable``), and vLLM
+  recomputes; the connector retries the pool after ``retry_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.logger import init_logger
+
+from kvstore import auth
+from kvstore.client.client import Client
+from kvstore.client.kvcache import KVCache
+from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under "vllm." so that vLLM's logging config (level, format, process prefix) applies to our lines.
+logger = init_logger("vllm.kvstore_connector")
+
+#: Extra-config keys the connector understands (anything else is refused: a typo must not
+#: silently run without, say, the salt).
+CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s", "retry_s"})
+LOAD_MODES = ("layer", "async")
+#: The default: measured faster on the CPU (bench/bench_vllm.py; see docs/adapters.md).
+DEFAULT_LOAD_MODE = "layer"
+
+_TORCH_TO_NS_DTYPE = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+}
+_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3"}
+
+
+# ==================================================================== configuration
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` may carry (nothing vLLM's own config already says).
+
+    Attributes:
+        master: the master's ``HOST:PORT`` or ``etcd://HOST:PORT[,...]``.
+        token_file: a file holding the cluster token; else ``$KVSTORE_TOKEN`` or
+            ``$KVSTORE_TOKEN_FILE``. The token itself never goes in the config (it would show on
+            the command line and in vLLM's config log).
+        salt: optional namespace salt (tenant or LoRA isolation).
+        load_mode: ``layer`` (load inside the step, before the layers run) or ``async`` (load
+            between steps, ``load_async=True``).
+        timeout_s: seconds any one pool call may wait.
+        retry_s: seconds to serve without the pool after it failed, before trying it again.
+    """
+
+    master: str
+    token_file: str | None = None
+    salt: str | None = None
+    load_mode: str = DEFAULT_LOAD_MODE
+    timeout_s: float = 5.0
+    retry_s: float = 10.0
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``.
+
+        Raises:
+            InvalidRequestError: no master, a token given inline, an unknown key or a bad value.
+        """
+        extra = dict(extra or {})
+        if "token" in extra:
+            raise InvalidRequestError(
+                "kvstore connector: the cluster token must not be in kv_connector_extra_config "
+                "(it would show on the command line and in logs); give token_file, or set "
+                "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
+            )
+        unknown = sorted(set(extra) - CONFIG_KEYS)
+        if unknown:
+            raise InvalidRequestError(
+                f"kvstore connector: unknown extra config {unknown}; known: {sorted(CONFIG_KEYS)}"
+            )
+        master = extra.get("master")
+        if not isinstance(master, str) or not master:
+            raise InvalidRequestError(
+                'kvstore connector: kv_connector_extra_config needs "master": "HOST:PORT" '
+                'or "etcd://HOST:PORT"'
+            )
+        mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
+        if mode not in LOAD_MODES:
+            raise InvalidRequestError(f"kvstore connector: load_mode must be one of {LOAD_MODES}")
+        for name in ("timeout_s", "retry_s"):
+            v = extra.get(name, 1.0)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+                raise InvalidRequestError(f"kvstore connector: {name} must be a positive number")
+        for name in ("token_file", "salt"):
+            v = extra.get(name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
+        return ConnectorConfig(
+            master=master,
+            token_file=extra.get("token_file"),
+            salt=extra.get("salt"),
+            load_mode=mode,
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_s=float(extra.get("retry_s", 10.0)),
+        )
+
+
+def kv_dtype_name(vllm_config: VllmConfig) -> str:
+    """The namespace dtype of vLLM's KV cache (``--kv-cache-dtype``, ``auto``: the model's).
+
+    Raises:
+        InvalidRequestError: a KV dtype the pool's namespaces do not describe.
+    """
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype in _FP8_CACHE_DTYPES:
+        return _FP8_CACHE_DTYPES[cache_dtype]
+    if cache_dtype != "auto":
+        raise InvalidRequestError(f"kvstore connector: unsupported kv cache dtype {cache_dtype!r}")
+    dtype = vllm_config.model_config.dtype
+    if dtype not in _TORCH_TO_NS_DTYPE:
+        raise InvalidRequestError(f"kvstore connector: unsupported model dtype {dtype}")
+    return _TORCH_TO_NS_DTYPE[dtype]
+
+
+def namespace_for(
+    vllm_config: VllmConfig, num_layers: int, tp_rank: int, salt: str | None
+) -> Namespace:
+    """The pool namespace of this vLLM instance's KV, derived from vLLM's own config.
+
+    The served model name and revision, the KV cache dtype, the KV heads held by this
+    tensor-parallel rank, the head size, vLLM's block size, the tp rank and size: two instances
+    share KV exactly when all of these agree.
+
+    Raises:
+        InvalidRequestError: a config the namespace cannot describe.
+    """
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    name = mc.served_model_name
+    if isinstance(name, list | tuple):
+        name = name[0]
+    model = str(name or mc.model)
+    if mc.revision:
+        model = f"{model}@{mc.revision}"
+    return Namespace(
+        model=model,
+        dtype=kv_dtype_name(vllm_config),
+        num_layers=num_layers,
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        salt=salt,
+        tp_rank=tp_rank,
+        tp_size=pc.tensor_parallel_size,
+    )
+
+
+# ==================================================================== counters
+#: Counter names (``vllm:kvstore_<name>`` in Prometheus, also in vLLM's "KV Transfer metrics").
+STAT_NAMES = (
+    "lookups",
+    "hit_tokens",
+    "loaded_tokens",
+    "loaded_bytes",
+    "load_seconds",
+    "load_errors",
+    "saved_tokens",
+    "saved_bytes",
+    "save_seconds",
+    "pool_unavailable",
+)
+
+
+class KVStoreConnectorStats(KVConnectorStats):
+    """Sums since the last report; worker and scheduler figures add up."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data[k] for k in STAT_NAMES if k in self.data}
+        secs, nbytes = self.data.get("load_seconds", 0), self.data.get("loaded_bytes", 0)
+        if secs:
+            out["load_MBps"] = round(nbytes / secs / 1e6, 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """The counters on vLLM's ``/metrics``: ``vllm:kvstore_loaded_tokens_total`` and so on."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        docs = {
+            "lookups": "Prefix-index lookups made by the kvstore connector",
+            "hit_tokens": "Prompt tokens the pool offered beyond vLLM's local cache",
+            "loaded_tokens": "Tokens of KV loaded from the kvstore pool",
+            "loaded_bytes": "Bytes of KV loaded from the kvstore pool",
+            "load_seconds": "Seconds spent loading KV from the kvstore pool",
+            "load_errors": "Blocks that failed to load (lost, corrupt, node down): recomputed",
+            "saved_tokens": "Tokens of KV saved into the kvstore pool",
+            "saved_bytes": "Bytes of KV saved into the kvstore pool",
+            "save_seconds": "Seconds spent saving KV into the kvstore pool",
+            "pool_unavailable": "Pool calls that failed because the pool could not be reached",
+        }
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvstore_{name}", documentation=doc, labelnames=labelnames
+                ),
+                per_engine_labelvalues,
+            )
+            for name, doc in docs.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)
+
+
+class _Counters:
+    """Thread-safe counters, taken (and zeroed) by each ``get_kv_connector_stats``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for k, v in values.items():
+                self._data[k] = self._data.get(k, 0) + v
+                self.totals[k] = self.totals.get(k, 0) + v
+
+    def take(self) -> KVStoreConnectorStats | None:
+        with self._lock:
+            data, self._data = self._data, {}
+        return KVStoreConnectorStats(data=data) if any(data.values()) else None
+
+
+# ==================================================================== the pool, with a breaker
+_UNREACHABLE = (KVStoreError, OSError)
+
+
+class _Pool:
+    """The client and KV view, connected lazily; while the pool is unreachable, ``get`` says so
+    at once (no call waits on a dead pool) and is retried after ``retry_s``.
+
+    One warning line when the pool goes, one info line when it comes back.
+    """
+
+    def __init__(self, cfg: ConnectorConfig, namespace: Namespace, counters: _Counters) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._kv: KVCache | None = None
+        self._down_until = 0.0
+        self._down = False
+
+    def get(self) -> KVCache | None:
+        """The KV view, or None while the pool is unreachable (the caller recomputes)."""
+        with self._lock:
+            if self._kv is not None:
+                return self._kv
+            if time.monotonic() < self._down_until:
+                return None
+        try:
+            token = auth.load_token(self.cfg.token_file)
+            client = Client.connect(self.cfg.master, timeout=self.cfg.timeout_s, token=token)
+        except _UNREACHABLE as exc:
+            self.failed(exc)
+            return None
+        kv = KVCache(client, self.namespace)
+        with self._lock:
+            if self._kv is None:
+                self._kv, kv = kv, None  # type: ignore[assignment]
+            was_down, self._down = self._down, False
+            current = self._kv
+        if kv is not None:  # another thread connected meanwhile
+            kv.close()
+            kv.client.close()
+        if was_down:
+            logger.info("kvstore: pool at %s reachable again", self.cfg.master)
+        return current
+
+    def failed(self, exc: BaseException) -> None:
+        """Record that a pool call failed for want of the pool: serve without it for a while."""
+        self._counters.add(pool_unavailable=1)
+        with self._lock:
+            kv, self._kv = self._kv, None
+            first = not self._down
+            self._down = True
+            self._down_until = time.monotonic() + self.cfg.retry_s
+        if kv is not None:
+            kv.close()
+            kv.client.close()
+        if first:
+            logger.warning(
+                "kvstore: pool at %s unreachable (%s: %s); vLLM keeps serving by recomputing, "
+                "retrying the pool every %.0fs",
+                self.cfg.master,
+                type(exc).__name__,
+                exc,
+                self.cfg.retry_s,
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            kv, self._kv = self._kv, None
+        if kv is not None:
+            kv.close()
+            kv.client.close()
+
+
+def _is_unreachable(err: BaseException) -> bool:
+    from kvstore.errors import (
+        KVTimeoutError,
+        MasterUnavailableError,
+        NodeUnavailableError,
+        UnauthenticatedError,
+    )
+
+    return isinstance(
+        err,
+        MasterUnavailableError
+        | KVTimeoutError
+        | NodeUnavailableError
+        | UnauthenticatedError
+        | OSError,
+    )
+
+
+# ==================================================================== metadata
+@dataclass
+class _Transfer:
+    """Blocks ``first .. first + len(block_ids)`` of a prompt, to load or save.
+
+    ``tokens`` is the prompt up to the end of the last of them (the keys chain over it).
+    """
+
+    req_id: str
+    tokens: np.ndarray
+    first: int
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step."""
+
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _SaveState:
+    tokens: np.ndarray
+    block_ids: list[int]
+    saved: int  # blocks known to be in the pool (looked up or saved by us)
+
+
+# ==================================================================== the connector
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV connector onto a kvstore pool (roles ``kv_both``, ``kv_producer``,
+    ``kv_consumer``). See the module docstring for the mapping and failure handling.
+
+    Raises:
+        InvalidRequestError: a bad ``kv_connector_extra_config`` or a layout it cannot map.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self._cfg = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._can_load = ktc.kv_role in ("kv_both", "kv_consumer")
+        self._can_save = ktc.kv_role in ("kv_both", "kv_producer")
+        self._load_async = self._cfg.load_mode == "async"
+        if ktc.kv_load_failure_policy != "recompute":
+            # A pool is a cache: a block it lost is recomputed, never a failed request.
+            ktc.kv_load_failure_policy = "recompute"
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        if len(groups) != 1:
+            raise InvalidRequestError(
+                f"kvstore connector: models with {len(groups)} KV cache groups are not supported"
+            )
+        self._layer_names: list[str] = list(groups[0].layer_names)
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        # The scheduler looks up with rank 0's namespace: every rank saves the same blocks.
+        self.namespace = namespace_for(vllm_config, len(self._layer_names), tp_rank, self._cfg.salt)
+        self._counters = _Counters()
+        self._pool = _Pool(self._cfg, self.namespace, self._counters)
+        # scheduler side
+        self._hits: dict[str, int] = {}  # req_id -> prompt blocks the pool holds (looked up once)
+        self._local: dict[str, int] = {}  # req_id -> tokens vLLM had locally at the lookup
+        self._pending_loads: dict[str, _Transfer] = {}
+        self._saving: dict[str, _SaveState] = {}
+        # worker side
+        self._kv5: list[torch.Tensor] = []  # per layer [blocks, heads, 2, block_size, head]
+        self._layer_index: dict[str, int] = {}
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-io")
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-save")
+        self._lock = threading.Lock()
+        self._load_errors: set[int] = set()
+        self._recving: dict[str, tuple[Future[set[int]], _Transfer]] = {}
+        self._sync_read: Future[tuple[torch.Tensor, list[bool]]] | None = None
+        self._sync_loads: list[_Transfer] = []
+        self._sync_done: set[int] = set()
+        self._save_staging: torch.Tensor | None = None
+        self._save_ids: torch.Tensor | None = None
+        self._save_futures: list[Future[None]] = []
+        logger.info(
+            "kvstore connector: role %s, pool %s, namespace %s (block size %d, %s loads)",
+            ktc.kv_role,
+            self._cfg.master,
+            self.namespace.digest.hex()[:16],
+            self._block_size,
+            self._cfg.load_mode,
+        )
+
+    # ---------------------------------------------------------------- stats
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._counters.take()
+
+    # ================================================================ scheduler side
+    def _lookup(self, tokens: np.ndarray) -> int:
+        """Full prompt blocks the pool holds (one master call, no leases); 0 without a pool."""
+        kv = self._pool.get()
+        if kv is None:
+            return 0
+        try:
+            hit = kv.lookup(tokens)
+        except KVStoreError as exc:
+            if _is_unreachable(exc):
+                self._pool.failed(exc)
+            else:
+                logger.warning("kvstore: lookup failed (%s); recomputing", exc)
+            return 0
+        except OSError as exc:
+            self._pool.failed(exc)
+            return 0
+        self._counters.add(lookups=1)
+        return hit // self._block_size
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens the pool can add beyond vLLM's ``num_computed_tokens`` (block-aligned, never
+        the prompt's last token), and whether they load asynchronously."""
+        if not (self._can_load or self._can_save):
+            return 0, False
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return 0, False
+        rid = request.request_id
+        hit = self._hits.get(rid)
+        if hit is None:
+            bs = self._block_size
+            tokens = np.asarray(prompt[: len(prompt) // bs * bs], dtype=np.uint32)
+            hit = self._lookup(tokens) if len(tokens) else 0
+            self._hits[rid] = hit
+        self._local[rid] = num_computed_tokens
+        if not self._can_load:
+            return 0, False
+        offer = min(hit, (len(prompt) - 1) // self._block_size) * self._block_size
+        ext = offer - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        self._counters.add(hit_tokens=ext)
+        return ext, self._load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the blocks vLLM allocated for the pool's tokens."""
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        local = self._local.get(rid, 0)
+        bs = self._block_size
+        first, end = local // bs, (local + num_external_tokens) // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        prompt = request.prompt_token_ids or []
+        self._pending_loads[rid] = _Transfer(
+            rid, np.asarray(prompt[: end * bs], dtype=np.uint32), first, block_ids[first:end]
+        )
+
+    def _plan_save(
+        self, meta: KVStoreConnectorMetadata, rid: str, st: _SaveState, end_token: int
+    ) -> None:
+        full = min(end_token, len(st.tokens)) // self._block_size
+        full = min(full, len(st.block_ids))
+        if full > st.saved:
+            meta.saves.append(
+                _Transfer(
+                    rid,
+                    st.tokens[: full * self._block_size],
+                    st.saved,
+                    st.block_ids[st.saved : full],
+                )
+            )
+            st.saved = full
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (planned at allocation) and saves (prompt blocks this step fills
+        that the pool does not hold yet)."""
+        meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        if not self._can_save:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids
+            if not prompt or not new.block_ids:
+                continue
+            st = _SaveState(
+                np.asarray(prompt, dtype=np.uint32),
+                list(new.block_ids[0]),
+                self._hits.get(new.req_id, 0),
+            )
+            self._saving[new.req_id] = st
+            self._plan_save(
+                meta, new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, rid in enumerate(cached.req_ids):
+            st = self._saving.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in resumed:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            if st.saved * self._block_size >= len(st.tokens) // self._block_size * self._block_size:
+                continue
+            self._plan_save(meta, rid, st, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request. Saves finish within their step, so no block is held past it."""
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        self._local.pop(rid, None)
+        self._saving.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        return False, None
+
+    # ================================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Keep a ``[blocks, heads, 2, block_size, head]`` view of each layer's paged cache.
+
+        Raises:
+            InvalidRequestError: a layout other than vLLM's CPU one, or a size mismatch.
+        """
+        ns = self.namespace
+        names = [n for n in self._layer_names if n in kv_caches]
+        if len(names) != ns.num_layers:
+            raise InvalidRequestError(
+                f"kvstore connector: {len(names)} KV layers registered, {ns.num_layers} expected"
+            )
+        shape = (ns.num_kv_heads, 2 * ns.block_size, ns.head_dim)
+        # The CPU backend registers its storage shape [blocks, heads, block_size, 2 * head]:
+        # the same bytes as the [blocks, heads, 2 * block_size, head] view it computes with.
+        storage = (ns.num_kv_heads, ns.block_size, 2 * ns.head_dim)
+        for name in names:
+            kv = kv_caches[name]
+            if (
+                kv.dim() != 4
+                or tuple(kv.shape[1:]) not in (shape, storage)
+                or not kv.is_contiguous()
+            ):
+                raise InvalidRequestError(
+                    f"kvstore connector: layer {name} has KV shape {tuple(kv.shape)}; expected "
+                    f"the CPU layout [num_blocks, {shape[0]}, {shape[1]}, {shape[2]}]"
+                )
+            self._kv5.append(kv.view(kv.shape[0], ns.num_kv_heads, 2, ns.block_size, ns.head_dim))
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._dtype = self._kv5[0].dtype
+        self._obj_shape = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
+
+    def _staging(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty((num_blocks, *self._obj_shape), dtype=self._dtype)
+
+    # ---------------------------------------------------------------- loads
+    def _read(self, loads: list[_Transfer]) -> tuple[torch.Tensor, list[bool]]:
+        """Read the blocks of ``loads`` into one staging tensor (one batched pool read, each
+        block verified by checksum). Returns it and, per block, whether it arrived intact."""
+        total = sum(len(t.block_ids) for t in loads)
+        staging = self._staging(total)
+        ok = [False] * total
+        kv = self._pool.get()
+        if kv is None:
+            return staging, ok
+        t0 = time.perf_counter()
+        keys: list[bytes] = []
+        for t in loads:
+            keys.extend(kv.block_object_keys(t.tokens)[t.first : t.first + len(t.block_ids)])
+        rows = staging.view(torch.uint8).view(total, -1).numpy()
+        try:
+            results = kv.client.batch_get_into(keys, list(rows))
+        except _UNREACHABLE as exc:
+            self._pool.failed(exc)
+            return staging, ok
+        nbytes = 0
+        unreachable: BaseException | None = None
+        for i, r in enumerate(results):
+            if isinstance(r, int) and r == kv.block_nbytes:
+                ok[i] = True
+                nbytes += r
+            elif isinstance(r, BaseException) and _is_unreachable(r):
+                unreachable = r
+        if unreachable is not None and not any(ok):
+            self._pool.failed(unreachable)
+        good = sum(ok)
+        self._counters.add(
+            loaded_tokens=good * self._block_size,
+            loaded_bytes=nbytes,
+            load_seconds=time.perf_counter() - t0,
+            load_errors=total - good,
+        )
+        if good < total:
+            logger.warning(
+                "kvstore: %d of %d blocks failed to load (%s); vLLM recomputes them",
+                total - good,
+                total,
+                next((type(r).__name__ for r in results if not isinstance(r, int)), "short read"),
+            )
+        return staging, ok
+
+    def _scatter(
+        self, loads: list[_Transfer], staging: torch.Tensor, ok: list[bool], layers: Iterable[int]
+    ) -> set[int]:
+        """Copy the intact blocks into vLLM's paged cache for ``layers``; returns the ids of
+        the blocks that failed."""
+        all_ids = [b for t in loads for b in t.block_ids]
+        good = [i for i, flag in enumerate(ok) if flag]
+        failed = {all_ids[i] for i, flag in enumerate(ok) if not flag}
+        if not good:
+            return failed
+        src_index = torch.tensor(good, dtype=torch.long)
+        dst_ids = torch.tensor([all_ids[i] for i in good], dtype=torch.long)
+        whole = len(good) == len(ok)
+        for layer in layers:
+            src = staging[:, layer] if whole else staging.index_select(0, src_index)[:, layer]
+            # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
+            self._kv5[layer][dst_ids] = src.permute(0, 3, 1, 2, 4)
+        return failed
+
+    def _load_now(self, loads: list[_Transfer]) -> set[int]:
+        staging, ok = self._read(loads)
+        return self._scatter(loads, staging, ok, range(len(self._kv5)))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Start this step's loads: in ``layer`` mode one read for all of them, copied into each
+        layer by ``wait_for_layer_load``; in ``async`` mode one background load per request,
+        reported by ``get_finished``."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+            return
+        if self._load_async:
+            for t in meta.loads:
+                self._recving[t.req_id] = (self._io.submit(self._load_now, [t]), t)
+            return
+        self._sync_loads = meta.loads
+        self._sync_done = set()
+        self._sync_read = self._io.submit(self._read, meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Copy the layer's loaded blocks into the paged cache before the layer runs."""
+        if self._sync_read is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None or layer in self._sync_done:
+            return
+        staging, ok = self._sync_read.result()
+        failed = self._scatter(self._sync_loads, staging, ok, [layer])
+        self._sync_done.add(layer)
+        if len(self._sync_done) == len(self._kv5):
+            self._finish_sync_load(failed)
+
+    def _finish_sync_load(self, failed: set[int]) -> None:
+        with self._lock:
+            self._load_errors |= failed
+        self._sync_read = None
+        self._sync_loads = []
+
+    def _drain_sync_load(self) -> None:
+        """Layers the forward did not wait for (none in practice): copy them now."""
+        if self._sync_read is None:
+            return
+        staging, ok = self._sync_read.result()
+        rest = [i for i in range(len(self._kv5)) if i not in self._sync_done]
+        self._finish_sync_load(self._scatter(self._sync_loads, staging, ok, rest))
+
+    # ---------------------------------------------------------------- saves
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Hand this layer's new prompt blocks to the save thread (the forward goes on)."""
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        if self._save_staging is None:
+            ids = [b for t in meta.saves for b in t.block_ids]
+            self._save_staging = self._staging(len(ids))
+            self._save_ids = torch.tensor(ids, dtype=torch.long)
+        staging, ids = self._save_staging, self._save_ids
+        kv5 = self._kv5[layer]
+
+        def gather() -> None:
+            # vLLM [n, heads, 2, bs, head] -> object [n, 2, bs, heads, head]
+            staging[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
+
+        self._save_futures.append(self._saver.submit(gather))
+        if layer == len(self._kv5) - 1:
+            self._save_futures.append(self._saver.submit(self._put, meta.saves, staging))
+
+    def _put(self, saves: list[_Transfer], staging: torch.Tensor) -> None:
+        kv = self._pool.get()
+        if kv is None:
+            return
+        t0 = time.perf_counter()
+        rows = staging.view(torch.uint8).view(len(staging), -1).numpy()
+        pos = saves_done = 0
+        try:
+            for t in saves:
+                n = len(t.block_ids)
+                kv.put_blocks(t.tokens, t.first, rows[pos : pos + n])
+                pos += n
+                saves_done += n
+        except KVStoreError as exc:
+            if _is_unreachable(exc):
+                self._pool.failed(exc)
+            else:
+                logger.warning("kvstore: save failed (%s); those blocks stay uncached", exc)
+        except OSError as exc:
+            self._pool.failed(exc)
+        self._counters.add(
+            saved_tokens=saves_done * self._block_size,
+            saved_bytes=saves_done * kv.block_nbytes,
+            save_seconds=time.perf_counter() - t0,
+        )
+
+    def wait_for_save(self) -> None:
+        """Wait for this step's saves still in flight (their source blocks may be reused once
+        the step is over)."""
+        self._drain_sync_load()
+        futures, self._save_futures = self._save_futures, []
+        for f in futures:
+            try:
+                f.result()
+            except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, not an error
+                logger.warning("kvstore: save failed (%s: %s)", type(exc).__name__, exc)
+        self._save_staging = None
+        self._save_ids = None
+
+    # ---------------------------------------------------------------- completion, errors
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous load is over (intact or not: failures are reported as
+        block errors in the same step)."""
+        if not self._recving:
+            return None, None
+        done: set[str] = set()
+        for rid, (fut, transfer) in list(self._recving.items()):
+            if fut.done():
+                del self._recving[rid]
+                try:
+                    failed = fut.result()
+                except Exception as exc:  # noqa: BLE001 - reported as errors, recomputed
+                    logger.warning("kvstore: load failed (%s: %s)", type(exc).__name__, exc)
+                    failed = set(transfer.block_ids)
+                with self._lock:
+                    self._load_errors |= failed
+                done.add(rid)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call; vLLM recomputes them."""
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
+        self._saver.shutdown(wait=True)
+        self._pool.close()
