@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -277,9 +278,14 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         )
         return 2
     model = require_model("smollm2", args.model_dir)
-    from kvstore.client.adapters.vllm_demo import run_vllm_demo
+    from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
 
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the servers the way Ctrl-C does (finally blocks)
+
+    signal.signal(signal.SIGTERM, interrupted)
     options = {
+        "questions": QUESTIONS[: args.questions],
         "max_tokens": args.max_tokens,
         "block_size": args.block_size or 32,
         "log_dir": Path(args.log_dir) if args.log_dir else None,
@@ -514,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-dir", default=None, help="vllm: the SmolLM2 folder (default: kvstore model path)"
     )
     p.add_argument("--log-dir", default=None, help="vllm: keep the servers' logs here")
+    p.add_argument("--questions", type=int, default=4, help="vllm: how many questions (1-4)")
     p.add_argument(
         "--model", default="small-llama", help="hf: tiny-llama, tiny-gpt2, small-llama or a folder"
     )

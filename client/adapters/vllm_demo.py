@@ -72,6 +72,7 @@ class Row:
     ttft_none_s: float
     bytes_moved: int
     answer: str
+    reference: str
     equal: bool
 
 
@@ -100,7 +101,7 @@ def chat_stream(url: str, body: dict[str, Any], timeout: float = 300) -> Streame
         headers={"Content-Type": "application/json"},
     )
     started = time.perf_counter()
-    ttft = 0.0
+    ttft: float | None = None
     parts: list[str] = []
     prompt_tokens = 0
     with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -113,10 +114,10 @@ def chat_stream(url: str, body: dict[str, Any], timeout: float = 300) -> Streame
                 prompt_tokens = int(event["usage"]["prompt_tokens"])
             for choice in event.get("choices") or ():
                 piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and not parts:
+                if piece and ttft is None:
                     ttft = time.perf_counter() - started
                 parts.append(piece)
-    return Streamed("".join(parts), ttft, prompt_tokens)
+    return Streamed("".join(parts), ttft if ttft is not None else 0.0, prompt_tokens)
 
 
 def connector_counters(server: VLLMServer) -> dict[str, float]:
@@ -178,6 +179,8 @@ def print_table(rows: Sequence[Row], out: IO[str] | None = None) -> None:
             file=out,
         )
         print(f"   answer: {' '.join(r.answer.split())}", file=out)
+        if not r.equal:
+            print(f"   single instance: {' '.join(r.reference.split())}", file=out)
     print(LEGEND, file=out)
 
 
@@ -286,6 +289,7 @@ def _ask(
                 ttft_none_s=want.ttft_s,
                 bytes_moved=int(saved + loaded),
                 answer=got.text,
+                reference=want.text,
                 equal=got.text == want.text,
             )
         )
