@@ -53,7 +53,8 @@ def _error(status: int, message: str, kind: str) -> web.Response:
 
 
 def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill half of a request: one token, no streaming, everything else unchanged.
+    """The prefill half of a request: one token, no streaming, everything else unchanged (but a
+    ``min_tokens`` above one, which vLLM would then refuse).
 
     Args:
         body: the client's request body.
@@ -61,7 +62,7 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     Returns:
         A new body (``body`` itself is not changed).
     """
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:  # chat's newer name for the same limit
         out["max_completion_tokens"] = 1

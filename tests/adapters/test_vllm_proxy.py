@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from kvstore.client.adapters import realmodel
+from kvstore.client.adapters.vllm_proxy import prefill_request
 from kvstore.client.adapters.vllm_server import VLLMServer, free_port
 from kvstore.processes import terminate
 
@@ -26,15 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = realmodel.model_dir("smollm2")
 
-pytestmark = [
-    pytest.mark.skipif(
-        not ENGINE_PYTHON.exists(), reason=".venv-vllm is absent (make test builds it)"
-    ),
-    pytest.mark.skipif(
-        not realmodel.is_complete(MODEL), reason=f"no model at {MODEL} (make test fetches it)"
-    ),
-    pytest.mark.timeout(900),
-]
+pytestmark = pytest.mark.timeout(900)
 
 PROMPT = "The capital of France is"
 CHAT = [
@@ -45,6 +38,10 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    if not ENGINE_PYTHON.exists():
+        pytest.skip(".venv-vllm is absent (make test builds it)")
+    if not realmodel.is_complete(MODEL):
+        pytest.skip(f"no model at {MODEL} (make test fetches it)")
     logs = tmp_path_factory.mktemp("vllm-logs")
     # Prefix caching off: every call computes its prompt whole, so two calls of one body are
     # computed alike (a cache hit computes only the rest, and bf16 sums then round differently).
@@ -157,6 +154,29 @@ def _body(kind: str) -> tuple[str, dict[str, Any]]:
     if kind == "completions":
         return "/v1/completions", {**common, "prompt": PROMPT}
     return "/v1/chat/completions", {**common, "messages": CHAT}
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        ({"prompt": "x", "max_tokens": 50}, {"prompt": "x", "max_tokens": 1, "stream": False}),
+        (
+            {"messages": [], "stream": True, "stream_options": {"include_usage": True}},
+            {"messages": [], "max_tokens": 1, "stream": False},
+        ),
+        (
+            {"messages": [], "max_completion_tokens": 9, "min_tokens": 5, "temperature": 0},
+            {"messages": [], "max_completion_tokens": 1, "max_tokens": 1, "stream": False}
+            | {"temperature": 0},
+        ),
+    ],
+)
+def test_the_prefill_half_asks_for_one_token_without_streaming(
+    body: dict[str, Any], want: dict[str, Any]
+) -> None:
+    before = json.dumps(body)
+    assert prefill_request(body) == want
+    assert json.dumps(body) == before  # the client's request, sent on to decode, is unchanged
 
 
 @pytest.mark.parametrize("kind", ["completions", "chat"])
