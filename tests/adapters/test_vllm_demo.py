@@ -65,12 +65,16 @@ def test_the_demo_prints_a_row_per_question_with_kv_from_the_pool() -> None:
     assert proc.returncode == 0, out[-4000:]
     assert "pool (embedded cluster) at" in out and out.count("starting vLLM") == 3
     rows = re.findall(
-        r"^(\d): .{30,}?\s+(\d+)\s+(\d+)\s+(\d+)ms\s+(\d+)ms\s+(.+?)\s+(yes|NO)$", out, re.M
+        r"^(\d): .{30,}?\s+(\d+)\s+(\d+)\s+(\d+)ms\s+(\d+)ms\s+(.+?)\s+(yes|NO)\s+(yes|NO)$",
+        out,
+        re.M,
     )
     assert [r[0] for r in rows] == ["1", "2"], out
-    for _, num_tokens, num_cached, *_ in rows:
+    for _, num_tokens, num_cached, _, _, _, equal_local, _ in rows:
         # Everything but the last partial block came from the pool.
         assert 0 < int(num_cached) < int(num_tokens) and int(num_tokens) - int(num_cached) <= 32
+        # The pool's KV is exact: decode answers as one instance using its own prefix cache.
+        assert equal_local == "yes", out
     assert out.count("   answer: ") == 2
     assert "cached: prompt tokens the decode server loaded from the pool" in out
 
