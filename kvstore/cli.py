@@ -284,6 +284,8 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt  # SIGTERM stops the servers the way Ctrl-C does (finally blocks)
 
     signal.signal(signal.SIGTERM, interrupted)
+    # Ctrl-C must work even where SIGINT came in ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     options = {
         "questions": QUESTIONS[: args.questions],
         "max_tokens": args.max_tokens,
