@@ -78,16 +78,14 @@ class ShmMapping:
                 f"arena file truncated to {st.st_size} of {self.segment.size} bytes"
             )
 
-    def granted(self, grant: grants.Grant, op: str) -> memoryview:
-        """The bytes of ``grant`` in this mapping (no signature check: see the trust model).
-
-        Raises:
-            TransportUnavailableError: the grant is for another op, expired or out of the file.
-        """
+    def granted(self, grant: grants.Grant, op: str) -> memoryview | None:
+        """The bytes of ``grant`` in this mapping (no signature check: see the trust model), or
+        None when the grant is for another op, expired or out of the file: that item goes to
+        TCP (whose node gives the typed answer), and the mapping, which is fine, stays."""
         if grant.op != op or grant.offset + grant.size > self.segment.size:
-            raise TransportUnavailableError("grant does not fit this mapping")
+            return None
         if grant.expires_ms < time.time() * 1000:
-            raise TransportUnavailableError("grant expired")
+            return None
         return self.view[grant.offset : grant.offset + grant.size]
 
     def close(self) -> None:
