@@ -7,6 +7,7 @@ every full read verifies it, so a read returns the exact bytes or raises.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,8 @@ from kvstore.errors import (
 )
 from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0
 #: Reads of cached locations overlap the master's answer only up to this many bytes per call.
@@ -699,23 +702,46 @@ class Client:
                 results[index[j]] = NodeUnavailableError("no live replica")
             else:
                 pending.append((j, info, 0))
+        corrupt: list[list[Any]] = []
         while pending:
             items = [ReadItem(info.locations[r], dests[j][: info.size]) for j, info, r in pending]
             self._data.read(items)
             retry: list[tuple[int, ObjectInfo, int]] = []
             for (j, info, r), item in zip(pending, items, strict=True):
                 if item.result is None:
-                    if _digest(item) != info.checksum:
+                    if _digest(item) == info.checksum:
+                        results[index[j]] = info.size
+                        continue
+                    # A corrupt replica: report it (the master drops it and copies a good one
+                    # back) and read the next replica instead.
+                    g = item.location.grant
+                    corrupt.append(
+                        [g.key, item.location.node_id, g.segment, g.offset, info.checksum]
+                    )
+                    if r + 1 < len(info.locations):
+                        retry.append((j, info, r + 1))
+                    else:
                         results[index[j]] = ChecksumMismatchError(
                             "object bytes do not match their checksum (overwritten or corrupt)"
                         )
-                    else:
-                        results[index[j]] = info.size
-                elif isinstance(item.result, NodeUnavailableError) and r + 1 < len(info.locations):
+                elif isinstance(item.result, NodeUnavailableError | ChecksumMismatchError) and (
+                    r + 1 < len(info.locations)
+                ):
                     retry.append((j, info, r + 1))
                 else:
                     results[index[j]] = item.result
             pending = retry
+        if corrupt:
+            self._report_corrupt(corrupt)
+
+    def _report_corrupt(self, reports: list[list[Any]]) -> None:
+        """Tell the master which replicas failed their checksum (best effort: a lost report
+        only delays the repair; the next reader reports again)."""
+        self._cache.forget([r[0] for r in reports])
+        try:
+            self._control.call("report_corrupt", {"items": reports})
+        except KVStoreError as err:
+            log.warning("could not report %d corrupt replica(s): %s", len(reports), err.message)
 
     def get_into(self, key: str | bytes, buffer: Any) -> int:
         """Read one object into ``buffer``; returns its size.

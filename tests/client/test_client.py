@@ -14,6 +14,9 @@ import time
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.errors import ChecksumMismatchError
+from kvstore.types import ObjectInfo
+from tests.support import flip_arena_byte, wait_until
 
 CALL_TIMEOUT_S = 3.0
 
@@ -70,6 +73,9 @@ _WORKER = textwrap.dedent(
     import json, sys, time
     import numpy as np
     from kvstore.client import Client
+from kvstore.errors import ChecksumMismatchError
+from kvstore.types import ObjectInfo
+from tests.support import flip_arena_byte, wait_until
     from kvstore.errors import KVStoreError
 
     address, seed, duration, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
@@ -142,3 +148,34 @@ def test_client_processes_under_load_never_hang(cluster_factory) -> None:
         assert r["calls"] > 0
         # No call waited past its timeout (a put is up to three master calls and a write).
         assert r["slowest"] < 4 * CALL_TIMEOUT_S, r
+
+
+def test_a_corrupt_replica_falls_back_to_the_next_and_is_dropped(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=2)
+    value = np.random.default_rng(5).integers(0, 256, 100_000, dtype=np.uint8)
+    with Client.connect(cluster.address, timeout=CALL_TIMEOUT_S) as c:
+        c.put("k", value, replicas=2)
+        first = c.locate("k").locations[0]
+        flip_arena_byte(cluster, first.node_id, first.grant.offset + 1234)
+        # The first replica fails its checksum: the read takes the second, intact one.
+        assert c.get("k") == value.tobytes()
+        buf = np.empty_like(value)
+        assert c.get_into("k", buf) == value.nbytes and np.array_equal(buf, value)
+        # The bad replica was reported and dropped; replication copies a good one back.
+        assert c.stats()["num_corrupt_replicas"] >= 1
+
+        def repaired() -> bool:
+            info = c.locate("k")
+            if len(info.locations) != 2:
+                return False
+            for loc in info.locations:  # every replica, read on its own, is intact
+                one = ObjectInfo(info.size, info.checksum, [loc])
+                try:
+                    c.read_located(one, buf)
+                except ChecksumMismatchError:
+                    return False  # (reported again: the master drops it)
+                if not np.array_equal(buf, value):
+                    return False
+            return True
+
+        wait_until(repaired, timeout=20, what="the corrupt replica to be replaced")
