@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client, KVCache, Namespace
-from kvstore.errors import InvalidRequestError
+from kvstore.errors import ChecksumMismatchError, InvalidRequestError
+from kvstore.keys import block_bytes, block_keys
+from kvstore.kvblocks import kv_object_key
+from tests.support import flip_arena_byte
 
 L, H, D, BS = 3, 2, 16, 16
 
@@ -207,3 +210,45 @@ def test_kv_blocks_are_immutable_and_not_writable_by_plain_puts(cluster_factory)
         out = empty_kv(len(tokens))
         assert kv.load(tokens, out) == 2 * BS
         assert all(np.array_equal(o[0], w[0]) for o, w in zip(out, layers, strict=True))
+
+
+@pytest.mark.parametrize("where", ["plane", "table"])
+def test_a_flipped_byte_in_a_partial_block_is_never_loaded(cluster_factory, where) -> None:
+    # Store 32 tokens (2 blocks), load a prompt sharing 24: block 1 is read as a range of its
+    # first 8 tokens. A byte flipped inside those 8 tokens (or in the block's checksum table)
+    # behind the store's back must end the match before block 1, never hand back wrong bytes.
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(500, 500 + 2 * BS)
+        layers = make_kv(tokens)
+        assert kv.store(tokens, layers) == 2 * BS
+        prompt = np.concatenate([tokens[: BS + 8], np.arange(9000, 9010)])
+        out = empty_kv(len(prompt))
+        assert kv.load(prompt, out) == BS + 8
+        assert all(
+            np.array_equal(o[0][: BS + 8], x[0][: BS + 8]) for o, x in zip(out, layers, strict=True)
+        )
+
+        key = kv_object_key(kv.namespace.digest, block_keys(kv.namespace, tokens)[1])
+        loc = c.locate(key).locations[0]
+        stride = H * D * 2
+        if where == "plane":  # layer 1's V, token 3 of the block
+            pos = (2 * 1 + 1) * BS * stride + 3 * stride + 5
+        else:
+            pos = block_bytes(kv.namespace) + 3
+        flip_arena_byte(cluster, loc.node_id, loc.grant.offset + pos)
+
+        out = empty_kv(len(prompt))
+        loaded = kv.load(prompt, out)
+        assert loaded == BS, "the match ends before the corrupt block"
+        for (k, v), (ko, vo) in zip(layers, out, strict=True):
+            assert np.array_equal(ko[:BS], k[:BS]) and np.array_equal(vo[:BS], v[:BS])
+            assert np.isnan(ko[BS:].astype(np.float32)).all()
+            assert np.isnan(vo[BS:].astype(np.float32)).all()
+        with pytest.raises(ChecksumMismatchError):
+            for _ in kv.load_layers(prompt, empty_kv(len(prompt))):
+                pass
+        # The whole block, read in full (a prompt sharing both blocks), is refused too.
+        assert kv.load(tokens, empty_kv(len(tokens))) == BS
+        kv.close()
