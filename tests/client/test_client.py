@@ -73,9 +73,6 @@ _WORKER = textwrap.dedent(
     import json, sys, time
     import numpy as np
     from kvstore.client import Client
-from kvstore.errors import ChecksumMismatchError
-from kvstore.types import ObjectInfo
-from tests.support import flip_arena_byte, wait_until
     from kvstore.errors import KVStoreError
 
     address, seed, duration, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
@@ -144,6 +141,7 @@ def test_client_processes_under_load_never_hang(cluster_factory) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+    print(f"\nSTRESS {len(reports)} client processes, {duration}s: {reports}")
     for r in reports:
         assert r["calls"] > 0
         # No call waited past its timeout (a put is up to three master calls and a write).
