@@ -38,6 +38,15 @@ from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
 
 log = logging.getLogger(__name__)
 
+#: A write is copied in place only while its grant holds at least this much longer (else it goes
+#: over TCP, where the node checks every byte against the grant's expiry). Why: once a grant
+#: expires the master may give its bytes to the next object, and the node never sees an shm
+#: copy; the margin is what a copy that started in time may take (a memcpy of even 64 MiB takes
+#: milliseconds). A writer stalled longer than that between this check and its copy (stopped,
+#: swapped out) can still hit the next tenant, whose readers then fail its checksum loudly:
+#: the shm trust model (every same-user process may write the whole arena) already covers it.
+SHM_WRITE_MARGIN_MS = 500
+
 
 class ShmMapping:
     """One node arena file, mapped read/write in this process.
@@ -84,7 +93,8 @@ class ShmMapping:
         TCP (whose node gives the typed answer), and the mapping, which is fine, stays."""
         if grant.op != op or grant.offset + grant.size > self.segment.size:
             return None
-        if grant.expires_ms < time.time() * 1000:
+        margin = SHM_WRITE_MARGIN_MS if op == grants.OP_WRITE else 0
+        if grant.expires_ms - margin < time.time() * 1000:
             return None
         return self.view[grant.offset : grant.offset + grant.size]
 
