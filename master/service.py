@@ -343,9 +343,16 @@ class MasterService:
         # What it was told to forget but may still hold (a restart before the next heartbeat):
         # never re-admit those (an overwritten or removed version must not come back).
         self.tombstones[node_id] = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
+        # Freed space still waiting for a read lease to end was never forgotten by the node yet.
+        self.tombstones[node_id].update((r.segment, r.offset) for r in self.deferred.held_for(node))
         for put in [
             p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
         ]:
+            # Bytes of a put this master never committed may sit complete on the node's NVMe:
+            # never admit them when it comes back (only committed versions return).
+            self.tombstones[node_id].update(
+                (r.segment, r.offset) for r in put.replicas if r.node_id == node_id
+            )
             self._discard_pending(put)
         for task in [
             t for t in self.tasks.by_id.values() if t.node_id == node_id or t.src.node_id == node_id
