@@ -35,6 +35,7 @@ from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
+    NodeUnavailableError,
     ObjectBusyError,
     ObjectExistsError,
 )
@@ -224,7 +225,8 @@ class KVCache:
         """Read the given layers of each block, with its checksum table (or the whole object)."""
         bs = self.namespace.block_size
         reads: list[_BlockRead] = []
-        items: list[ReadItem] = []
+        # (block, its read, ranges, replica number) still to read
+        pending: list[tuple[_Block, _BlockRead, list[list[int]] | None, int]] = []
         for b in blocks:
             n_read = self._tokens_read(b.num_tokens)
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
@@ -248,15 +250,33 @@ class KVCache:
                     for which in (0, 1)
                 ]
                 ranges.append([self._block_bytes, self._table_bytes])
-            item = ReadItem(b.info.locations[0], memoryview(flat), ranges)
-            read.item = item
-            items.append(item)
-        self.client._data.read(items)
-        for b, read in zip(blocks, reads, strict=True):
-            if read.error is None and read.item is not None:
-                read.error = read.item.result
-            if read.error is None and not self._verified(b, read, layers):
-                read.error = ChecksumMismatchError("a block's bytes do not match their checksum")
+            pending.append((b, read, ranges, 0))
+        corrupt: list[list[Any]] = []
+        while pending:
+            items = [
+                ReadItem(b.info.locations[r], memoryview(read.flat), ranges)
+                for b, read, ranges, r in pending
+            ]
+            self.client._data.read(items)
+            retry = []
+            for (b, read, ranges, r), item in zip(pending, items, strict=True):
+                read.item = item
+                err = item.result
+                if err is None and not self._verified(b, read, layers):
+                    err = ChecksumMismatchError("a block's bytes do not match their checksum")
+                    g = item.location.grant
+                    corrupt.append(
+                        [g.key, item.location.node_id, g.segment, g.offset, b.info.checksum]
+                    )
+                if isinstance(err, ChecksumMismatchError | NodeUnavailableError) and r + 1 < len(
+                    b.info.locations
+                ):
+                    retry.append((b, read, ranges, r + 1))  # the next replica
+                else:
+                    read.error = err
+            pending = retry
+        if corrupt:  # the master drops them (a corrupt last replica: the block is a miss)
+            self.client._report_corrupt(corrupt)
         return reads
 
     def _verified(self, b: _Block, read: _BlockRead, layers: range) -> bool:
