@@ -27,6 +27,7 @@ test: $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(MAKE) sglang-test
 
 lint: $(BIN)/python
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -38,6 +39,28 @@ demo: $(BIN)/python
 
 bench: venv
 	$(BIN)/python bench/bench_store.py
+
+# SGLang HiCache backend (kvstore.client.adapters.sglang): SGLang 0.5.23 runs its storage classes
+# on the CPU when installed without its CUDA-only deps (see ENGINES.md), so its tests get their own
+# venv, built once (the stamp) and rebuilt only when pyproject.toml changes.
+.PHONY: sglang-venv sglang-test
+SGLANG_VENV ?= .venv-sglang
+SGLANG_DEPS  = numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec \
+               pydantic pyzmq tqdm IPython aiohttp pytest pytest-timeout
+
+$(SGLANG_VENV)/.built: pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/pip install -q $(SGLANG_DEPS)
+	$(SGLANG_VENV)/bin/pip install -q -e .
+	touch $@
+
+sglang-venv: $(SGLANG_VENV)/.built
+
+sglang-test: $(SGLANG_VENV)/.built
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines_sglang
 
 clean:
 	rm -rf $(VENV) $(DATA) build *.egg-info

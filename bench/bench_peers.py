@@ -15,7 +15,11 @@ What it does, in one run:
    kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
    setting for content-addressed KV blocks: a key located within the master's read lease is
    reread from its node directly), over TCP with every read asking the master
-   (``kvstore-strict``, as Mooncake does), and through shared memory (with lease reads);
+   (``kvstore-strict``, as Mooncake does), through shared memory (with lease reads), and
+   through Mooncake's own Python API served by kvstore (``kvstore-mcapi``, "Mooncake API on
+   kvstore": ``kvstore.client.compat.mooncake`` driven by the very same worker class, calls and
+   keys as real Mooncake; its client's default transport, shared memory here; the ratio column
+   ``kv-mcapi/mooncake`` compares the two in the same run);
 4. stops everything it started by PID and prints one table: each system's GB/s (bytes per
    operation over the median operation time, so that other jobs on a shared machine skew it
    less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer.
@@ -237,8 +241,10 @@ def run_worker(python: Path | str, system: str, address: str, metadata: str, tag
 
 
 # ---------------------------------------------------------------- table
-SYSTEMS = ["kvstore", "kvstore-strict", "kvstore-shm", "mooncake", "redis"]
+SYSTEMS = ["kvstore", "kvstore-strict", "kvstore-shm", "kvstore-mcapi", "mooncake", "redis"]
 KVSTORES = [s for s in SYSTEMS if s.startswith("kvstore")]
+#: "Mooncake API on kvstore" (kvstore.client.compat.mooncake) is compared with real Mooncake only.
+PEERS_OF = {"kvstore-mcapi": ("mooncake",)}
 
 
 def best(runs: list[dict]) -> dict:
@@ -259,7 +265,10 @@ def table(results: dict[str, dict]) -> str:
     keys = next(iter(results.values())).keys()
     head = ["workload", "size", *[f"{s} GB/s" for s in present]]
     ratios = [
-        (a, b) for a in KVSTORES for b in ("mooncake", "redis") if a in results and b in results
+        (a, b)
+        for a in KVSTORES
+        for b in PEERS_OF.get(a, ("mooncake", "redis"))
+        if a in results and b in results
     ]
     head += [f"{a.replace('kvstore', 'kv')}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

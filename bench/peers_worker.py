@@ -1,6 +1,8 @@
 """One system's side of the side-by-side benchmark (run by bench_peers.py, never alone).
 
-Runs the same workloads against kvstore, Mooncake Store or Redis and prints one JSON line per
+Runs the same workloads against kvstore, Mooncake Store, Mooncake's API on kvstore
+(``kvstore.client.compat.mooncake``, driven by the very same ``Mooncake`` class below) or Redis
+and prints one JSON line per
 row: ``{"workload", "size", "gbps", "gbps_mean", "p50_us"}`` (``gbps``: bytes per operation over
 the median operation time; ``gbps_mean``: over the mean). It runs under the Python that has the system's
 client: the repo's venv for kvstore, the throwaway peers venv for Mooncake and Redis. It uses
@@ -65,8 +67,11 @@ class Kvstore:
 
 
 class Mooncake:
-    def __init__(self, address: str, metadata: str) -> None:
-        from mooncake.store import MooncakeDistributedStore
+    def __init__(self, address: str, metadata: str, compat: bool = False) -> None:
+        if compat:  # Mooncake's API served by kvstore: the same calls below, another store
+            from kvstore.client.compat.mooncake import MooncakeDistributedStore
+        else:
+            from mooncake.store import MooncakeDistributedStore
 
         self.s = MooncakeDistributedStore()
         # global_segment_size=0: this client contributes no memory; objects live in the storage
@@ -248,16 +253,19 @@ def run(store: Any, tag: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "system", choices=["kvstore", "kvstore-strict", "kvstore-shm", "mooncake", "redis"]
+        "system",
+        choices=["kvstore", "kvstore-strict", "kvstore-shm", "kvstore-mcapi", "mooncake", "redis"],
     )
     ap.add_argument("--address", required=True)
     ap.add_argument("--metadata", default="")
     ap.add_argument("--tag", default="run")
     args = ap.parse_args()
-    if args.system.startswith("kvstore"):
+    if args.system == "kvstore-mcapi":
+        store: Any = Mooncake(args.address, args.metadata, compat=True)
+    elif args.system.startswith("kvstore"):
         # kvstore and kvstore-shm: lease reads (the KV-cache setting: block keys are content
         # hashes); kvstore-strict: every read asks the master, like Mooncake's.
-        store: Any = Kvstore(
+        store = Kvstore(
             args.address,
             shm=args.system == "kvstore-shm",
             lease_reads=args.system != "kvstore-strict",

@@ -902,6 +902,30 @@ class Client:
             staged.finish(results)
         return _raise_if_error(results[0])
 
+    def list_keys(self, prefix: str | bytes = b"", *, page: int = 10_000) -> list[bytes]:
+        """Every stored key that starts with ``prefix``, sorted (wire form: UTF-8 bytes).
+
+        Asked a page at a time (``page`` keys per master call), so one answer stays bounded;
+        keys put or removed meanwhile may or may not be listed.
+
+        Raises:
+            InvalidRequestError: a prefix that is not str/bytes or too long, or a bad ``page``.
+        """
+        raw = prefix.encode("utf-8") if isinstance(prefix, str) else prefix
+        if not isinstance(raw, bytes):
+            raise InvalidRequestError("prefix must be str or bytes")
+        out: list[bytes] = []
+        after: bytes | None = None
+        while True:
+            args: dict[str, Any] = {"prefix": raw, "limit": page}
+            if after is not None:
+                args["after"] = after
+            got = list(self._control.call("list_keys", args))
+            out.extend(got)
+            if len(got) < page:
+                return out
+            after = got[-1]
+
     def stats(self) -> dict[str, Any]:
         """The master's cluster figures."""
         return self._control.call("stats", {})

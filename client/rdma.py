@@ -223,9 +223,7 @@ class RdmaTransport:
         self._end(node_id)
         self._sessions[node_id] = err
         self.dropped.add(node_id)
-        rdma.log_once(
-            f"rdma-node-{node_id}", f"node {node_id}: RDMA unavailable ({err.message}); using TCP"
-        )
+        rdma.log_fallback(f"rdma-node-{node_id}", f"client, node {node_id}", err.message)
 
     def _context(self) -> Any:
         if self._ctx is None and self._ctx_error is None:
@@ -237,7 +235,7 @@ class RdmaTransport:
                 )
             except TransportUnavailableError as err:
                 self._ctx_error = err
-                rdma.log_once("rdma-client-open", f"client: {err.message}; using TCP")
+                rdma.log_fallback("rdma-client-open", "client", err.message)
         return self._ctx
 
     def _session(self, node_id: str, endpoint: Endpoint) -> _Session | None:

@@ -1,4 +1,4 @@
-"""The CUDA kernels of ``cuda/kernels/*.cu``, compiled at first use with CuPy.
+"""The CUDA kernels of ``cuda/sources/*.cu``, compiled at first use with CuPy.
 
 CuPy is imported lazily: importing this module works (and does nothing) on machines without it,
 and :func:`available` says whether the kernels can run. Tensors are passed as torch CUDA tensors
@@ -15,7 +15,7 @@ import torch
 
 from kvstore.errors import InvalidRequestError, TransportUnavailableError
 
-KERNEL_DIR = Path(__file__).with_name("kernels")
+KERNEL_DIR = Path(__file__).with_name("sources")  # package data: kvstore.cuda.sources
 _THREADS = 256
 
 

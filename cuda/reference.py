@@ -1,4 +1,4 @@
-"""CPU references (torch) for the kernels in ``cuda/kernels``; tests compare the GPU results to these.
+"""CPU references (torch) for the kernels in ``cuda/sources``; tests compare the GPU results to these.
 
 Paged KV gather/scatter moves one layer's K (or V) between an engine's paged cache
 ``[num_pages, page_size, num_kv_heads, head_dim]`` and a contiguous staging buffer

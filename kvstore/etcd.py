@@ -16,6 +16,7 @@ on a private event loop in a daemon thread.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_OP_TIMEOUT_S = 2.0
+CLOSE_TIMEOUT_S = 1.0
 ETCD_SCHEME = "etcd://"
 
 
@@ -92,6 +94,29 @@ def prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+def self_cancelled() -> bool:
+    """Whether the running task is being cancelled by someone (not by grpc under a call).
+
+    grpc.aio raises ``asyncio.CancelledError`` into a call whose channel closed; a task that
+    treated that as its own cancellation would end quietly (``Task.cancelling()`` tells apart).
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+async def _close_client(client: Any) -> None:
+    """Close an aetcd client, bounded: a channel to a paused etcd must not hold the caller."""
+    if client is None:
+        return
+    try:
+        await asyncio.wait_for(client.close(), CLOSE_TIMEOUT_S)
+    except asyncio.CancelledError:
+        if self_cancelled():
+            raise
+    except Exception:  # noqa: BLE001 - a broken channel is what we are discarding
+        log.debug("closing an etcd client failed", exc_info=True)
+
+
 def _kv(raw: Any) -> KeyValue:
     return KeyValue(
         bytes(raw.key), bytes(raw.value), raw.create_revision, raw.mod_revision, raw.lease
@@ -116,12 +141,22 @@ class EtcdWatch:
             async for ev in self._raw:
                 kind = "delete" if ev.kind == aetcd.EventKind.DELETE else "put"
                 yield WatchEvent(kind, _kv(ev.kv))
-        except aetcd.ClientError as exc:
+        except asyncio.CancelledError:
+            if self_cancelled():
+                raise
+            raise EtcdUnavailableError("etcd watch broke: its channel closed") from None
+        except (aetcd.ClientError, OSError, RuntimeError, ValueError) as exc:
             raise EtcdUnavailableError(f"etcd watch broke: {type(exc).__name__}") from None
 
     async def cancel(self) -> None:
-        with contextlib.suppress(Exception):  # the stream may already be gone with etcd
-            await self._raw.cancel()
+        """Stop the watch, bounded: the stream may already be gone with etcd."""
+        try:
+            await asyncio.wait_for(self._raw.cancel(), CLOSE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            if self_cancelled():
+                raise
+        except Exception:  # noqa: BLE001 - the stream may already be gone with etcd
+            log.debug("cancelling an etcd watch failed", exc_info=True)
 
 
 class EtcdStore:
@@ -180,13 +215,18 @@ class EtcdStore:
 
     async def close(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
+        await _close_client(client)
 
-    async def _rotate(self) -> None:
-        await self.close()
-        self._index = (self._index + 1) % len(self.endpoints)
+    async def _drop(self, client: Any) -> None:
+        """Forget ``client`` after a failure and move to the next endpoint.
+
+        NOTE: only the client that failed is closed (a call that raced in on a newer one keeps
+        it), and a fresh connection starts with no reconnect backoff left from the outage.
+        """
+        if self._client is client:
+            self._client = None
+            self._index = (self._index + 1) % len(self.endpoints)
+        await _close_client(client)
 
     async def _call(self, what: str, fn: Callable[[Any], Awaitable[T]]) -> T:
         import aetcd
@@ -194,11 +234,28 @@ class EtcdStore:
         if self._client is None:
             ep = self.endpoint
             self._client = aetcd.Client(ep.host, ep.port, timeout=max(1, round(self.op_timeout)))
+        client, ep = self._client, self.endpoint
         try:
-            return await asyncio.wait_for(fn(self._client), self.op_timeout)
+            return await asyncio.wait_for(fn(client), self.op_timeout)
+        except asyncio.CancelledError:
+            if self_cancelled():
+                # Our caller cancelled us (shutdown, its own deadline): the call's state is
+                # unknown, so the connection goes too; the cancellation goes on.
+                await asyncio.shield(self._drop(client))
+                raise
+            # grpc cancelled the call under us (its channel closed): a failure of etcd's link.
+            await self._drop(client)
+            raise EtcdUnavailableError(f"etcd {ep} failed during {what}: call cancelled") from None
         except (aetcd.ClientError, TimeoutError, OSError) as exc:
-            ep = self.endpoint
-            await self._rotate()
+            await self._drop(client)
+            raise EtcdUnavailableError(
+                f"etcd {ep} failed during {what}: {type(exc).__name__}"
+            ) from None
+        except Exception as exc:
+            # grpc's own errors on a closing channel (UsageError, InvalidStateError, ...): no
+            # caller of ours can act on them but as on any other failure of etcd.
+            log.warning("etcd %s: unexpected %s during %s", ep, type(exc).__name__, what)
+            await self._drop(client)
             raise EtcdUnavailableError(
                 f"etcd {ep} failed during {what}: {type(exc).__name__}"
             ) from None
@@ -319,6 +376,10 @@ class EtcdThread:
         except TimeoutError:
             fut.cancel()
             raise EtcdUnavailableError("etcd did not answer in time") from None
+        except concurrent.futures.CancelledError:
+            # The call was cancelled on the etcd loop (a closing channel): never let that reach
+            # a caller's thread as anything but "etcd failed" (it ended the node's master link).
+            raise EtcdUnavailableError("etcd call cancelled") from None
 
     def close(self) -> None:
         if not self._loop.is_running():

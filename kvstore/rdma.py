@@ -75,6 +75,16 @@ def log_once(what: str, message: str) -> None:
     log.info(message)
 
 
+def log_fallback(what: str, role: str, why: str) -> None:
+    """Say once per ``what`` that ``role`` (client, node ...) uses TCP instead of RDMA, and why.
+
+    Every fallback line has one shape, ``"<role>: RDMA off (<why>); using TCP"``, so an operator
+    (or a test) finds it by "RDMA off" whatever the cause: no pyverbs, no device, a refused
+    connect, a bad offer.
+    """
+    log_once(what, f"{role}: RDMA off ({why}); using TCP")
+
+
 # ---------------------------------------------------------------- discovery
 def import_pyverbs() -> ModuleType:
     """Import pyverbs, from the system dist-packages if the environment lacks it.
@@ -165,21 +175,21 @@ def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice 
     """The device to use, or None after logging once why TCP is used instead."""
     settings = settings or RdmaSettings.from_env()
     if not settings.enabled:
-        log_once("rdma-off", f"{role}: RDMA disabled (KVSTORE_RDMA=off); using TCP")
+        log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off")
         return None
     if settings.pretend_device:
         return RdmaDevice(settings.pretend_device)
     try:
         found = discover()
     except TransportUnavailableError as err:
-        log_once("rdma-fallback", f"{role}: RDMA unavailable ({err.message}); using TCP")
+        log_fallback("rdma-fallback", role, err.message)
         return None
     if settings.device is None:
         return found[0]
     for d in found:
         if d.name == settings.device:
             return d
-    log_once("rdma-fallback", f"{role}: no RDMA device named {settings.device!r}; using TCP")
+    log_fallback("rdma-fallback", role, f"no RDMA device named {settings.device!r}")
     return None
 
 
@@ -336,12 +346,12 @@ def choose(offer_wire: Any, local: RdmaDevice | None) -> RdmaOffer | None:
     if offer_wire is None:
         return None
     if local is None:
-        log_once("rdma-client-none", "client: node offers RDMA but this host has none; using TCP")
+        log_fallback("rdma-client-none", "client", "node offers RDMA but this host has no device")
         return None
     try:
         return RdmaOffer.from_wire(offer_wire)
     except ProtocolError as err:
-        log_once("rdma-bad-offer", f"client: ignoring node's RDMA offer ({err.message}); TCP")
+        log_fallback("rdma-bad-offer", "client", f"ignoring the node's offer: {err.message}")
         return None
 
 

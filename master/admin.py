@@ -15,6 +15,7 @@ from aiohttp import web
 from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest import openapi, page, routes
+from kvstore.master.rest.fence import FENCE_KEY, AdminFence, fence_middleware
 from kvstore.master.rest.history import History, history_ctx
 from kvstore.master.rest.security import auth_middleware
 from kvstore.master.rest.state import (
@@ -125,6 +126,7 @@ def init_app(
     service: MasterService,
     metrics: MasterMetrics | None = None,
     settings: AdminSettings | None = None,
+    fence: AdminFence | None = None,
 ) -> web.Application:
     """Build the admin application around a live service (nothing starts at import time).
 
@@ -133,6 +135,7 @@ def init_app(
         metrics: the master's metrics (the RPC edge records into the same object); a fresh
             one when None.
         settings: token, public reads, history sampling.
+        fence: with HA masters, the leadership fence every mutation and ``/ready`` obey.
 
     Returns:
         The application; its history sampler runs while the app runs (``cleanup_ctx``).
@@ -140,7 +143,7 @@ def init_app(
     settings = settings or AdminSettings()
     metrics = metrics or MasterMetrics(service)
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware],
+        middlewares=[error_middleware, auth_middleware, fence_middleware],
         # Longest legitimate URL: a 511-byte prefix and a cursor, percent-encoded (~15 KiB).
         # Anything the HTTP parser refuses gets aiohttp's plain-text 400, not our JSON.
         handler_args={"max_line_size": 64 << 10},
@@ -148,6 +151,8 @@ def init_app(
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = metrics
     app[SETTINGS_KEY] = settings
+    if fence is not None:
+        app[FENCE_KEY] = fence
     app[HISTORY_KEY] = History(
         lambda: _history_sample(service, metrics),
         settings.history_interval_s,

@@ -15,6 +15,7 @@ from kvstore.auth import Token
 from kvstore.master.admin import AdminSettings, init_app
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
+from kvstore.master.rest.fence import AdminFence
 from kvstore.master.server import ControlServer
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
@@ -49,6 +50,8 @@ class Master:
         self.control = ControlServer(self.service, host, port, observer=self.metrics, token=token)
         self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
         self.ssl_context = ssl_context
+        #: With HA: the leadership fence the admin API obeys too (set before ``start``).
+        self.admin_fence: AdminFence | None = None
         self.host = host
         self.admin_port = admin_port
         self._runner: web.AppRunner | None = None
@@ -57,7 +60,7 @@ class Master:
 
     async def start(self) -> MasterEndpoints:
         await self.control.start()
-        app = init_app(self.service, self.metrics, self.admin_settings)
+        app = init_app(self.service, self.metrics, self.admin_settings, self.admin_fence)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
@@ -73,6 +76,8 @@ class Master:
         period = min(0.25, self.service.config.heartbeat_interval_s / 2)
         while True:
             await asyncio.sleep(period)
+            if self.admin_fence is not None and self.admin_fence.admin_check() is not None:
+                continue  # a master that may not lead changes nothing, not even by the clock
             try:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()

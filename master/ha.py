@@ -14,7 +14,14 @@ Fencing (:class:`Leadership`, checked before any handler runs):
   paused (SIGSTOP), partitioned or starved cannot tell whether another master took over, so it
   refuses, and steps down for good once etcd says its lease is gone;
 - a request names the epoch its sender believes in: an older one gets ``STALE_EPOCH`` (the
-  caller re-resolves), a newer one proves that another master won, so this one steps down.
+  caller re-resolves), a newer one proves that another master won, so this one steps down;
+- the admin API obeys the same fence (:meth:`Leadership.admin_check`): its mutating routes and
+  ``/ready`` refuse with ``NOT_LEADER``, and a fenced leader's housekeeping changes nothing.
+
+etcd hiccups (a pause, a restart, a partition) never leave a master stuck: each background task
+has its own etcd client (a failed call closes its channel, and grpc cancels every call on it),
+renewals are retried within a fraction of the TTL, a lease etcd dropped makes the leader a
+standby that campaigns again, and :func:`supervise` logs and restarts any task that ends anyway.
 
 A new leader starts with an empty table and rebuilds it from the manifests the nodes send when
 they register (``recovery.py``); for up to ``recovery_s`` it waits for every node etcd lists as
@@ -31,7 +38,7 @@ import itertools
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore import protocol
@@ -45,7 +52,7 @@ from kvstore.errors import (
     NotLeaderError,
     StaleEpochError,
 )
-from kvstore.etcd import EtcdStore, KeyValue
+from kvstore.etcd import EtcdStore, KeyValue, self_cancelled
 from kvstore.master.daemon import Master, install_stop_signals
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
@@ -57,6 +64,10 @@ LEASE_SAFETY = 0.8
 #: Verbs a leader serves while it waits for nodes to re-register.
 RECOVERY_VERBS = frozenset({"ping", "register", "heartbeat", "stats"})
 MEMBERSHIP_POLL_S = 0.25
+#: First retry after a failed lease renewal (then doubling, up to TTL / 8).
+KEEP_ALIVE_RETRY_S = 0.05
+CAMPAIGN_BACKOFF_S = 0.1
+MAX_CAMPAIGN_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +159,44 @@ class Leadership:
             self.num_refused += 1
         return err
 
-    def _refusal(self, request: protocol.Request) -> KVStoreError | None:
+    def admin_check(self) -> KVStoreError | None:
+        """None when the admin API may change the cluster (or say it is ready), else the error.
+
+        The same fence as the control protocol: a standby, a leader that cannot prove its lease
+        and a leader still rebuilding its table refuse, so a leader cut from etcd deletes or
+        evicts nothing from its stale table while another master leads.
+        """
+        now = self.clock()
+        err = self._lease_refusal(now)
+        if err is None and self._recovering(now):
+            err = NotLeaderError("the new leader is rebuilding its table; retry")
+        return err
+
+    def lease_proven_again(self) -> None:
+        """The lease held through an etcd outage: restart every node's heartbeat clock.
+
+        While this leader could not prove its lease it refused every heartbeat: its nodes were
+        not silent, it was deaf. Without this, they would be declared dead (and their objects
+        read as misses until they register again) the moment it serves again.
+        """
+        now = self.service.clock()
+        for node in self.service.nodes.values():
+            node.last_seen = max(node.last_seen, now)
+
+    def _lease_refusal(self, now: float) -> KVStoreError | None:
         if not self.leading:
             return NotLeaderError("this master is not the leader")
-        now = self.clock()
         if now >= self.deadline:
             # We cannot prove our lease is alive: another master may lead by now. Refuse; the
             # keep-alive loop steps down for good or resumes once etcd answers.
             return NotLeaderError("the leader's lease could not be renewed in time")
+        return None
+
+    def _refusal(self, request: protocol.Request) -> KVStoreError | None:
+        now = self.clock()
+        err = self._lease_refusal(now)
+        if err is not None:
+            return err
         caller = request.args.get("epoch")
         if isinstance(caller, int) and not isinstance(caller, bool):
             if caller > self.epoch:
@@ -168,11 +209,48 @@ class Leadership:
         return None
 
 
+async def supervise(
+    name: str,
+    make: Callable[[], Awaitable[None]],
+    alive: Callable[[], bool],
+    *,
+    backoff_s: float = 0.1,
+    max_backoff_s: float = 1.0,
+) -> None:
+    """Run ``make()`` again, with backoff, whenever it ends while ``alive()``; say why each time.
+
+    A background task that ends (an etcd call cancelled under it, a bug) must not leave the
+    master half working: this logs and restarts it. Only a cancellation of this very task ends
+    the supervision.
+    """
+    backoff = backoff_s
+    while alive():
+        try:
+            await make()
+            if not alive():
+                return
+            log.error("%s ended on its own; restarting it", name)
+        except asyncio.CancelledError:
+            if self_cancelled():
+                raise
+            log.warning("%s: a call was cancelled under it; restarting it", name)
+        except EtcdUnavailableError as err:
+            log.warning("%s: %s; restarting it in %.1fs", name, err.message, backoff)
+        except Exception:
+            log.exception("%s failed; restarting it", name)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, max_backoff_s)
+
+
 class Elector:
     """Campaigns for leadership and, while leading, keeps the lease and watches membership.
 
+    NOTE: one etcd client per task. A failed call closes its store's gRPC channel, and grpc
+    cancels every other call on that channel: shared, a membership read timing out during an
+    etcd pause cancelled the lease keep-alive, which then ended while the leader waited for it.
+
     Args:
-        store: a connected etcd store.
+        store: a connected etcd store (the campaign's own).
         config: election settings.
         fence: the leadership state the control server checks.
         control, admin: this master's addresses, published when it leads.
@@ -187,15 +265,35 @@ class Elector:
         self.fence = fence
         self.record = LeaderRecord.encode(control, admin)
         self.clock = fence.clock
+        # A keep-alive must fail fast enough to retry a few times within one TTL.
+        self.lease_store = EtcdStore(
+            config.endpoints, op_timeout=min(store.op_timeout, max(0.5, config.lease_ttl_s / 2))
+        )
+        self.members_store = EtcdStore(config.endpoints, op_timeout=store.op_timeout)
+
+    async def close(self) -> None:
+        """Close the clients this elector opened (not the campaign store it was given)."""
+        await self.lease_store.close()
+        await self.members_store.close()
 
     async def run(self) -> None:
-        """Campaign until cancelled."""
+        """Campaign until cancelled: whatever etcd does, a standby campaigns again."""
+        await supervise("the election", self._campaign_forever, lambda: True)
+
+    async def _campaign_forever(self) -> None:
+        backoff = CAMPAIGN_BACKOFF_S
         while True:
             try:
                 await self._campaign_once()
+                backoff = CAMPAIGN_BACKOFF_S
+                continue
             except EtcdUnavailableError as err:
-                log.warning("election: %s; retrying", err.message)
-                await asyncio.sleep(0.2)
+                log.warning("election: %s; retrying in %.1fs", err.message, backoff)
+            finally:
+                if self.fence.leading:  # never a leader without the task that proves it
+                    self.fence.step_down("the campaign ended")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_CAMPAIGN_BACKOFF_S)
 
     async def _campaign_once(self) -> None:
         t_grant = self.clock()
@@ -205,8 +303,7 @@ class Elector:
                 self.layout.leader_key, self.record, lease.lease_id
             )
         except BaseException:
-            with contextlib.suppress(BaseException):
-                await self.store.revoke_lease(lease.lease_id)
+            await self.store.revoke_lease(lease.lease_id)
             raise
         if not won:
             await self.store.revoke_lease(lease.lease_id)
@@ -245,51 +342,72 @@ class Elector:
         fence.begin(epoch, t_grant + ttl * LEASE_SAFETY, self.config.recovery_s)
         log.info("elected leader with epoch %d (lease TTL %ds)", epoch, ttl)
         print(f"kvstore master leading: epoch={epoch}", flush=True)
-        assert fence.lost is not None
+        lost = fence.lost
+        assert lost is not None
+
+        def leading() -> bool:
+            return fence.lost is lost and not lost.is_set()
+
+        keep_alive = asyncio.create_task(self._keep_alive(lease_id, ttl, epoch))
         tasks = [
-            asyncio.create_task(self._keep_alive(lease_id, ttl, epoch)),
-            asyncio.create_task(self._watch_members()),
+            keep_alive,
+            asyncio.create_task(supervise("the membership watch", self._watch_members, leading)),
             asyncio.create_task(self._finish_recovery()),
         ]
+        waiting = asyncio.create_task(lost.wait())
         try:
-            await fence.lost.wait()
+            await asyncio.wait([waiting, keep_alive], return_when=asyncio.FIRST_COMPLETED)
+            if keep_alive.done() and leading():
+                # Without its keep-alive a leader would fence itself forever: campaign again.
+                why = "the lease keep-alive ended"
+                if not keep_alive.cancelled() and keep_alive.exception() is not None:
+                    log.error("lease keep-alive failed", exc_info=keep_alive.exception())
+                fence.step_down(why)
         finally:
-            for t in tasks:
+            for t in [waiting, *tasks]:
                 t.cancel()
-            for t in tasks:
+            for t in [waiting, *tasks]:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
             fence.step_down("leadership ended")
-            await self.store.revoke_lease(lease_id)
+            await self.lease_store.revoke_lease(lease_id)
 
     async def _keep_alive(self, lease_id: int, ttl: int, epoch: int) -> None:
+        """Renew the lease until it is gone, whatever etcd does meanwhile (never ends early).
+
+        Failed renewals are retried quickly: once etcd answers again, a lease it dropped is
+        seen (and the leader steps down) within one retry, far inside one TTL.
+        """
         fence = self.fence
+        store = self.lease_store
         interval = max(0.1, ttl / 4)
+        retry = KEEP_ALIVE_RETRY_S
         suspended = False
         while fence.leading:
             t_send = self.clock()
             try:
-                remaining = await asyncio.wait_for(self.store.keep_alive(lease_id), interval * 2)
-            except (EtcdUnavailableError, TimeoutError) as exc:
+                remaining = await store.keep_alive(lease_id)
+                if remaining > 0 and suspended:
+                    # etcd was away: the lease survived, but check the key is still ours.
+                    kv = await store.get(self.layout.leader_key)
+                    if kv is None or kv.create_revision != epoch:
+                        fence.step_down("the leader key changed while etcd was away")
+                        return
+                    log.info("etcd is back; the lease held: still leading epoch %d", epoch)
+            except EtcdUnavailableError as err:
                 if not suspended:
-                    log.warning("lease keep-alive failed (%s)", exc)
+                    log.warning("lease keep-alive failed (%s); retrying", err.message)
                 suspended = True
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, max(KEEP_ALIVE_RETRY_S, ttl / 8))
                 continue
             if remaining <= 0:
                 fence.step_down("the lease expired")
                 return
-            if suspended:
-                # etcd was away: the lease survived, but check the key is still ours.
-                try:
-                    kv = await self.store.get(self.layout.leader_key)
-                except EtcdUnavailableError:
-                    continue
-                if kv is None or kv.create_revision != epoch:
-                    fence.step_down("the leader key changed while etcd was away")
-                    return
-                log.info("etcd is back; the lease held: still leading epoch %d", epoch)
-                suspended = False
+            suspended = False
+            retry = KEEP_ALIVE_RETRY_S
+            if self.clock() >= fence.deadline:
+                fence.lease_proven_again()  # it refused heartbeats until now
             fence.deadline = max(fence.deadline, t_send + remaining * LEASE_SAFETY)
             await asyncio.sleep(interval)
 
@@ -305,7 +423,7 @@ class Elector:
         first = True
         while fence.leading:
             try:
-                members = await read_members(self.store, self.layout)
+                members = await read_members(self.members_store, self.layout)
             except EtcdUnavailableError:
                 await asyncio.sleep(MEMBERSHIP_POLL_S)
                 continue
@@ -354,6 +472,7 @@ async def serve_master_ha(
     )
     fence = Leadership(master.service)
     master.control.fence = fence
+    master.admin_fence = fence
     endpoints = await master.start()
     advertise = ha.advertise_host or host
     control = f"{advertise}:{master.control.port}"
@@ -374,5 +493,6 @@ async def serve_master_ha(
         with contextlib.suppress(asyncio.CancelledError):
             await campaign
         await master.stop()
+        await elector.close()
         await store.close()
         print("kvstore master stopped", flush=True)

@@ -159,6 +159,8 @@ class MasterMetrics:
         self.num_hits = 0
         self.num_misses = 0
         self._hits_seen: dict[str, int] = {}
+        self._misses_seen = 0
+        self._term_hits = service.hits_by_tier
 
     # ------------------------------------------------------------------ recording
     def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
@@ -182,16 +184,23 @@ class MasterMetrics:
         """Carry the service's hit/miss counts (it counts them while answering) into the
         counters: O(tiers) per request, no second look-up of the keys."""
         svc = self.service
+        if svc.hits_by_tier is not self._term_hits:
+            # The service started a new term (an HA master leads again, ``reset()``): its counts
+            # restart from zero, ours go on (a counter never goes down).
+            self._term_hits = svc.hits_by_tier
+            self._hits_seen.clear()
+            self._misses_seen = 0
         for tier, total in svc.hits_by_tier.items():
             delta = total - self._hits_seen.get(tier, 0)
             if delta:
                 self.lookups.labels(tier, "hit").inc(delta)
                 self._hits_seen[tier] = total
                 self.num_hits += delta
-        delta = svc.num_misses - self.num_misses
+        delta = svc.num_misses - self._misses_seen
         if delta:
             self.lookups.labels("none", "miss").inc(delta)
-            self.num_misses = svc.num_misses
+            self._misses_seen = svc.num_misses
+            self.num_misses += delta
 
     def record_prefix_match(self, num_matched: int, num_queried: int) -> None:
         """Count a key-chain match: ``num_matched`` leading keys of ``num_queried`` were stored."""

@@ -7,13 +7,14 @@ type is an ``InvalidRequestError`` for the caller, never an internal error.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvstore import auth, protocol
-from kvstore.config import check_wire_key
+from kvstore.config import MAX_KEY_BYTES, check_wire_key
 from kvstore.errors import (
     InternalError,
     InvalidRequestError,
@@ -30,6 +31,9 @@ from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
 log = logging.getLogger(__name__)
+
+#: Most keys one ``list_keys`` answer carries (the client asks for the next page after it).
+LIST_KEYS_MAX = 10_000
 
 
 # ---------------------------------------------------------------- argument checks
@@ -163,6 +167,23 @@ def _report_corrupt(svc: MasterService, args: dict[str, Any]) -> Any:
     return {"dropped": svc.report_corrupt(_list(args, "items", list))}
 
 
+def _list_keys(svc: MasterService, args: dict[str, Any]) -> Any:
+    """Stored keys starting with ``prefix``, sorted, strictly after ``after``; at most ``limit``.
+
+    A page at a time, so that no answer grows with the cluster (the client pages on)."""
+    prefix = args.get("prefix", b"")
+    after = args.get("after")
+    limit = args.get("limit", LIST_KEYS_MAX)
+    if not isinstance(prefix, bytes) or len(prefix) > MAX_KEY_BYTES:
+        raise InvalidRequestError(f"prefix must be bytes of at most {MAX_KEY_BYTES}")
+    if after is not None and not isinstance(after, bytes):
+        raise InvalidRequestError("after must be bytes or absent")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_KEYS_MAX:
+        raise InvalidRequestError(f"limit must be an int in 1..{LIST_KEYS_MAX}")
+    chosen = [k for k in svc.objects if k.startswith(prefix) and (after is None or k > after)]
+    return heapq.nsmallest(limit, chosen)
+
+
 def _node_transports(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.node_transports()
 
@@ -215,6 +236,7 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "get_locations": _get_locations,
     "exists": _exists,
     "remove": _remove,
+    "list_keys": _list_keys,
     "pin": _pin,
     "unpin": _unpin,
     "stats": _stats,

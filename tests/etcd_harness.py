@@ -104,9 +104,20 @@ class EtcdProcess:
         if self.proc is not None:
             terminate(self.proc)
 
-    def restart(self) -> None:
+    def restart(self, downtime_s: float = 0.0) -> None:
+        """Stop etcd, stay down ``downtime_s`` (the fault itself), start it on the same ports."""
         self.stop()
+        time.sleep(downtime_s)
         self.start()
+
+    def pause(self, seconds: float) -> None:
+        """Freeze etcd (SIGSTOP) for ``seconds``, like a GC pause or a disk stall, then resume."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)  # the fault itself, not a synchronisation
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
 
 @pytest.fixture
@@ -130,7 +141,8 @@ class HACluster:
     def url(self) -> str:
         return self.etcd.url
 
-    def add_master(self) -> Daemon:
+    def add_master(self, etcd_endpoint: str | None = None) -> Daemon:
+        """A master; ``etcd_endpoint`` gives it its own way to etcd (a cuttable link)."""
         m = Daemon(
             [
                 "master",
@@ -139,7 +151,7 @@ class HACluster:
                 "--admin-port",
                 "0",
                 "--etcd",
-                self.etcd.endpoint,
+                etcd_endpoint or self.etcd.endpoint,
                 *self.master_args,
             ],
             ready=r"kvstore master ready",
@@ -351,3 +363,66 @@ def outage_after(acks: list[tuple[str, int, float]], t_kill: float) -> float:
     times = sorted(t for _, _, t in acks if t >= t_kill - 1.0)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > t_kill]
     return max(gaps, default=0.0)
+
+
+def master_says(m: Daemon) -> str:
+    """The master's latest word about its role: ready, leading, serving, standby or stopped."""
+    said = [ln.split()[2].rstrip(":") for ln in m.lines if ln.startswith("kvstore master ")]
+    return said[-1] if said else ""
+
+
+def master_stats(m: Daemon) -> dict[str, object] | None:
+    """The master's ``stats`` over the control protocol, or None when it refuses or is away."""
+    from kvstore import protocol
+    from kvstore.config import Address
+    from kvstore.errors import KVStoreError
+
+    addr = Address.parse(m.field("control"))
+    try:
+        conn = protocol.FramedSocket.connect(addr.host, addr.port, timeout=5)
+    except OSError:
+        return None
+    try:
+        return conn.call("stats", {})
+    except (KVStoreError, OSError):
+        return None
+    finally:
+        conn.close()
+
+
+def wait_settled(
+    cluster: HACluster, timeout: float = 30.0, cut_off: Daemon | None = None
+) -> Daemon:
+    """Wait (bounded) until exactly one master serves, says so, and holds every live node, while
+    every other live master refuses and does not claim to serve. Returns the leader.
+
+    ``cut_off``: a master cut from etcd: another must lead, and it must refuse, though it cannot
+    know yet that it lost (it says it serves until etcd tells it otherwise)."""
+    found: list[Daemon] = []
+    last: list[str] = []
+
+    def settled() -> bool:
+        live = [m for m in cluster.masters if m.proc.poll() is None]
+        stats = {id(m): master_stats(m) for m in live}
+        serving = [m for m in live if stats[id(m)] is not None]
+        num_nodes = sum(1 for n in cluster.nodes if n.proc.poll() is None)
+        last[:] = [
+            f"{m.field('control')} says {master_says(m)!r}, "
+            f"{'serves ' + str(stats[id(m)]['num_nodes']) + ' node(s)' if stats[id(m)] else 'refuses'}"
+            for m in live
+        ]
+        if len(serving) != 1 or serving[0] is cut_off:
+            return False
+        leader = serving[0]
+        if master_says(leader) != "serving" or stats[id(leader)]["num_nodes"] != num_nodes:
+            return False
+        if any(master_says(m) == "serving" for m in live if m not in (leader, cut_off)):
+            return False
+        found[:] = [leader]
+        return True
+
+    try:
+        wait_until(settled, timeout=timeout, interval=0.2, what="one serving leader")
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}: {'; '.join(last)}") from None
+    return found[0]

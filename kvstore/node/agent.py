@@ -216,6 +216,11 @@ class MasterLink:
                     log.info("master %s is not the leader (%s); looking again", self.master, err)
                 else:
                     log.error("master rejected this node: %s", err)
+            except Exception:
+                # Without this thread the node keeps running but no master knows it: whatever
+                # went wrong, say it and connect again (with backoff), never end quietly.
+                self.registered.clear()
+                log.exception("master link to %s failed; connecting again", self.master)
             finally:
                 if conn is not None:
                     conn.close()

@@ -30,7 +30,8 @@ class EtcdMembership:
     """Keeps this node's membership key alive under a lease, in a background thread.
 
     Args:
-        etcd: the etcd connection.
+        etcd: the etcd connection, its own: a call failing on a connection shared with the
+            leader lookups cancels the others' calls in flight (their thread ended on it).
         layout: our keys.
         node_id: this node.
         data: the node's data address (``host:port``).
@@ -73,6 +74,8 @@ class EtcdMembership:
                     continue
             except EtcdUnavailableError as err:
                 log.warning("membership keep-alive failed: %s", err.message)
+            except Exception:  # this thread must outlive anything etcd does: keep trying
+                log.exception("membership keep-alive failed")
             self._stop.wait(max(0.1, self.ttl_s / 4))
 
     def stop(self) -> None:
@@ -128,24 +131,28 @@ def serve_node_ha(
     node = StorageNode(Address("etcd", 0), options)
     node.link.resolver = leader
     node.link.max_backoff_s = 0.2
+    member_etcd = EtcdThread(endpoints)
     membership = EtcdMembership(
-        resolver.etcd, layout, node.node_id, f"{options.host}:{node.server.port}", ttl_s
+        member_etcd, layout, node.node_id, f"{options.host}:{node.server.port}", ttl_s
     )
+
+    def leave() -> None:
+        membership.stop()
+        member_etcd.close()
+        resolver.close()
+
     membership.start()
     if not membership.joined.wait(join_timeout_s):
-        membership.stop()
+        leave()
         node.server.stop()
         node.dram.close()
-        resolver.close()
         raise EtcdUnavailableError(f"could not join etcd at {etcd_url} in {join_timeout_s:.0f}s")
     try:
         node.start()
     except BaseException:
-        membership.stop()
-        resolver.close()
+        leave()
         raise
     try:
         run_until_stopped(node, etcd_url, stop)
     finally:
-        membership.stop()
-        resolver.close()
+        leave()

@@ -214,7 +214,7 @@ def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> di
                 device.name,
             )
         except TransportUnavailableError as err:
-            rdma.log_once("rdma-node-open", f"node: {err.message}; serving TCP")
+            rdma.log_fallback("rdma-node-open", "node", err.message)
     serve(server, service)
     if service is not None:  # pragma: no cover - needs a device
         return service.offer().to_wire()

@@ -1,6 +1,7 @@
 """The byte-level client against real processes: no call waits past its timeout, whatever the
 other threads of the client do (shm reads whose grants expired, overlapped master calls), and
-many client processes on a small tiered cluster never hang."""
+many client processes on a small tiered cluster never hang; Client.list_keys pages through a
+prefix."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from kvstore.client import Client
-from kvstore.errors import ChecksumMismatchError
+from kvstore.errors import ChecksumMismatchError, InvalidRequestError
 from kvstore.types import ObjectInfo
 from tests.support import flip_arena_byte, wait_until
 
@@ -177,3 +179,30 @@ def test_a_corrupt_replica_falls_back_to_the_next_and_is_dropped(cluster_factory
             return True
 
         wait_until(repaired, timeout=20, what="the corrupt replica to be replaced")
+
+
+def test_list_keys_pages_through_a_prefix(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1)
+    with Client.connect(cluster.address) as c:
+        keys = [f"lk/{i:03d}" for i in range(25)]
+        assert c.batch_put(keys, [b"v"] * 25) == [None] * 25
+        c.put("other/1", b"v")
+        assert c.list_keys("lk/") == [k.encode() for k in keys]
+        assert c.list_keys(b"lk/", page=4) == [k.encode() for k in keys]  # 7 pages
+        assert c.list_keys("lk/01") == [f"lk/01{i}".encode() for i in range(10)]
+        assert set(c.list_keys()) == {k.encode() for k in keys} | {b"other/1"}
+        c.remove("lk/000")
+        assert b"lk/000" not in c.list_keys("lk/")
+        assert c.list_keys("none/") == []
+
+
+def test_list_keys_refuses_bad_input(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1)
+    with Client.connect(cluster.address) as c:
+        with pytest.raises(InvalidRequestError):
+            c.list_keys(5)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError):
+            c.list_keys("x" * 600)
+        for page in (0, 10_001, True):
+            with pytest.raises(InvalidRequestError):
+                c.list_keys("", page=page)

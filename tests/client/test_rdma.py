@@ -126,8 +126,11 @@ def test_client_falls_back_to_tcp_once_when_rdma_cannot_be_used(
         assert got[0] == values["r0"].tobytes() and isinstance(got[1], KeyNotFoundError)
         assert got[2] == values["r2"].tobytes()
         assert c._data.rdma is not None and not c._data.rdma.serves(next(iter(offers)))
-    lines = [r.getMessage() for r in caplog.records if "RDMA" in r.getMessage()]
-    assert len(lines) == 1 and "using TCP" in lines[0], lines
+    # One fallback line for the whole client, whatever the cause on this host (no pyverbs for this
+    # Python on a fresh machine; pyverbs but no device where python3-pyverbs is installed).
+    lines = [r.getMessage() for r in caplog.records if "RDMA off" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("client") and lines[0].endswith("; using TCP"), lines
     host, port = cluster.nodes[0].field("data").split(":")
     conn = protocol.FramedSocket.connect(host, int(port), timeout=5)
     try:
@@ -361,7 +364,7 @@ def test_loopback_queue_pair_error_falls_back_for_that_node(loopback, caplog) ->
         assert t.read([item]) == [item] and item.result is None  # left for TCP, no error
         again = ReadItem(loopback.loc(grants.OP_READ, 0, 8), memoryview(bytearray(8)))
         assert t.read([again]) == [again]  # the node stays on TCP
-    assert sum("RDMA unavailable" in r.getMessage() for r in caplog.records) == 1
+    assert sum("RDMA off" in r.getMessage() for r in caplog.records) == 1
     wait_until(lambda: len(loopback.service.book) == 0, what="failed session closed")
     assert t.dropped == {"n0"}  # the data path asks the master for the node's offer again
     loopback.fabric.fail_ops = False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from kvstore.config import Address
 from kvstore.discovery import EtcdLayout, LeaderRecord, read_leader, read_members
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
-from kvstore.etcd import EtcdStore, parse_endpoints, prefix_end
+from kvstore.etcd import EtcdStore, EtcdThread, parse_endpoints, prefix_end
 from tests.etcd_harness import etcd, free_port  # noqa: F401 - fixture
 
 
@@ -92,3 +94,53 @@ def test_foreign_records_are_ignored(etcd) -> None:  # noqa: F811
             await store.close()
 
     asyncio.run(run())
+
+
+def test_a_call_cancelled_under_the_store_is_an_etcd_failure(etcd) -> None:  # noqa: F811
+    """grpc cancels the calls of a channel that closes: that is etcd failing, not our caller
+    cancelling (a leader's keep-alive once ended on it); a real cancellation still propagates."""
+
+    async def run() -> None:
+        store = await EtcdStore.connect([Address.parse(etcd.endpoint)], op_timeout=10)
+        in_flight = asyncio.Event()
+
+        async def get_after_signal(c: object) -> object:
+            in_flight.set()  # nothing yields between here and grpc's await of the call
+            return await c.get(b"/t/k")  # type: ignore[attr-defined]
+
+        os.kill(etcd.proc.pid, signal.SIGSTOP)  # calls now hang in flight
+        try:
+            call = asyncio.create_task(store._call("get", get_after_signal))
+            await in_flight.wait()
+            await store._client.close()  # what a failed call on a shared channel did
+            with pytest.raises(EtcdUnavailableError, match="cancelled"):
+                await asyncio.wait_for(call, 10)
+            ours = asyncio.create_task(store.get(b"/t/k"))
+            await asyncio.sleep(0)
+            ours.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await ours
+        finally:
+            os.kill(etcd.proc.pid, signal.SIGCONT)
+        try:
+            await store.put(b"/t/k", b"v")  # a fresh connection after the failure
+            got = await store.get(b"/t/k")
+            assert got is not None and got.value == b"v"
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_etcd_thread_never_hands_a_cancellation_to_its_caller(etcd) -> None:  # noqa: F811
+    async def cancelled(store: EtcdStore) -> None:
+        raise asyncio.CancelledError  # what a call cancelled on the etcd loop looks like
+
+    th = EtcdThread([Address.parse(etcd.endpoint)])
+    try:
+        with pytest.raises(EtcdUnavailableError):
+            th.run(cancelled)
+        th.run(lambda s: s.put(b"/t/after", b"1"))  # the thread's loop still serves
+        assert th.run(lambda s: s.get(b"/t/after")).value == b"1"
+    finally:
+        th.close()

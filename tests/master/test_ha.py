@@ -8,8 +8,8 @@ import pytest
 
 from kvstore import protocol
 from kvstore.config import Address
-from kvstore.errors import ErrorCode, InvalidRequestError
-from kvstore.master.ha import HAConfig, Leadership
+from kvstore.errors import ErrorCode, EtcdUnavailableError, InvalidRequestError
+from kvstore.master.ha import HAConfig, Leadership, supervise
 from kvstore.master.service import MasterService
 from kvstore.types import SegmentSpec
 
@@ -97,3 +97,52 @@ def test_ha_config_is_validated(kwargs: dict[str, object]) -> None:
     args: dict[str, object] = {"endpoints": [Address("127.0.0.1", 2379)], **kwargs}
     with pytest.raises(InvalidRequestError):
         HAConfig(**args)  # type: ignore[arg-type]
+
+
+def test_the_admin_api_obeys_the_same_fence(fence: Leadership) -> None:
+    assert code(fence.admin_check()) == ErrorCode.NOT_LEADER  # a standby
+
+    async def run() -> None:
+        fence.begin(epoch=4, deadline=110.0, recovery_s=5.0)
+        fence.expected_nodes = {"n1"}
+        assert code(fence.admin_check()) == ErrorCode.NOT_LEADER  # still rebuilding
+        fence.service.register("n1", "h", 1, b"x" * 16, [SegmentSpec("dram", "dram", 1024)])
+        assert fence.admin_check() is None
+        fence.clock.now = 110.0  # type: ignore[attr-defined]
+        assert code(fence.admin_check()) == ErrorCode.NOT_LEADER  # cannot prove its lease
+
+    asyncio.run(run())
+
+
+def test_supervise_restarts_a_task_that_ended_until_cancelled() -> None:
+    """A background task that fails, ends, or has a call cancelled under it is run again."""
+    runs: list[str] = []
+
+    async def flaky() -> None:
+        runs.append("run")
+        if len(runs) == 1:
+            raise RuntimeError("a bug")
+        if len(runs) == 2:
+            raise asyncio.CancelledError  # grpc cancelling a call under the task
+        if len(runs) == 3:
+            raise EtcdUnavailableError("etcd away")
+        if len(runs) == 4:
+            return  # ended on its own while it should run
+        await asyncio.Event().wait()  # runs until the supervisor is cancelled
+
+    async def run() -> None:
+        task = asyncio.create_task(supervise("flaky", flaky, lambda: True, backoff_s=0.001))
+
+        async def five_runs() -> None:
+            while len(runs) < 5:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(five_runs(), 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        done = asyncio.create_task(supervise("done", flaky, lambda: False))
+        await done  # nothing to supervise once not alive
+
+    asyncio.run(run())
+    assert len(runs) == 5

@@ -120,3 +120,23 @@ def test_cursors_round_trip(key: bytes) -> None:
 def test_bad_cursors(bad: str) -> None:
     with pytest.raises(InvalidRequestError):
         decode_cursor(bad)
+
+
+def test_lookup_counters_carry_on_across_a_new_term() -> None:
+    """An HA master that leads again resets its service (counts from zero): the counters go on,
+    and the request that follows is still answered (a failing counter once broke the edge)."""
+    svc = _service()
+    metrics = MasterMetrics(svc)
+    ticket = _call(svc, metrics, "put_start", keys=[b"a"], sizes=[100]).result[0][1]
+    _call(svc, metrics, "put_end", put_ids=[ticket[0]], checksums=[7])
+    _call(svc, metrics, "get_locations", keys=[b"a", b"a", b"b"])
+    svc.reset()
+    svc.register("n1", "127.0.0.1", 9001, b"a" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+    ticket = _call(svc, metrics, "put_start", keys=[b"c"], sizes=[100]).result[0][1]
+    _call(svc, metrics, "put_end", put_ids=[ticket[0]], checksums=[7])
+    reply = _call(svc, metrics, "get_locations", keys=[b"c", b"d"])
+    assert reply.code == 0 and len(reply.result) == 2
+    got = _samples(metrics)
+    assert got[("kvstore_tier_lookups_total", (("result", "hit"), ("tier", "dram")))] == 3
+    assert got[("kvstore_tier_lookups_total", (("result", "miss"), ("tier", "none")))] == 2
+    assert (metrics.num_hits, metrics.num_misses) == (3, 2)

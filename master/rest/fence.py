@@ -1,0 +1,51 @@
+"""The leadership fence on the admin API: with HA masters, only a leader that can prove its lease
+changes anything or reports ready.
+
+The control protocol checks :class:`~kvstore.master.ha.Leadership` before every request; the
+admin API must obey the same fence, or a leader cut off from etcd (still reachable by operators)
+would delete and evict from its stale table while another master leads. Every mutating route
+and ``/ready`` ask the fence first; reads, ``/health`` and the status page still answer (they
+describe this master, and change nothing). Without HA there is no fence and nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from aiohttp import web
+
+from kvstore.errors import KVStoreError
+from kvstore.master.rest.security import READ_ONLY_POSTS
+
+
+class AdminFence(Protocol):
+    """Whether this master may change the cluster now (see ``Leadership.admin_check``)."""
+
+    def admin_check(self) -> KVStoreError | None: ...
+
+
+FENCE_KEY = web.AppKey("fence", AdminFence)
+#: Probes that say the master serves: fenced like mutations.
+FENCED_READS = frozenset({"/ready"})
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def is_fenced(method: str, path: str) -> bool:
+    """Whether ``method path`` needs a leader (a mutation, or the readiness probe)."""
+    if path in FENCED_READS:
+        return True
+    return method not in _READ_METHODS and not (method == "POST" and path in READ_ONLY_POSTS)
+
+
+@web.middleware
+async def fence_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Refuse (``NOT_LEADER``, 503) a fenced call while this master may not lead."""
+    fence = request.app.get(FENCE_KEY)
+    if fence is not None and is_fenced(request.method, request.path):
+        err = fence.admin_check()
+        if err is not None:
+            raise err
+    return await handler(request)
