@@ -5,6 +5,9 @@ space went to the next put (over TCP and through shm). Real master and node proc
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ import xxhash
 from kvstore import protocol
 from kvstore.client import Client
 from kvstore.errors import ErrorCode
+from tests.netns import CuttableLink
 from tests.support import wait_until
 
 MIB = 1 << 20
@@ -120,3 +124,53 @@ def test_a_writer_stalled_past_the_put_timeout_never_lands_on_the_next_put(
             assert ctl.call("put_end", {"put_ids": [put_id], "checksums": [0]})[0][0] != 0
     finally:
         ctl.close()
+
+
+def test_a_put_over_a_slow_link_reclaimed_at_the_timeout_never_hits_the_next_tenant(
+    cluster_factory,
+) -> None:
+    # A 2 MiB put over a 1 Mbit/s link (a veth pair between network namespaces we create, rate
+    # limited with tc) is reclaimed at the put timeout; the next put of that space goes through
+    # shm on this host. The slow writer's bytes keep arriving afterwards: none may land.
+    cluster = cluster_factory(
+        num_nodes=1, dram="16MiB", master_args=("--put-timeout", "3"), node_args=("--shm",)
+    )
+    data_port = int(cluster.nodes[0].field("data").split(":")[1])
+    link = CuttableLink(data_port, tag=(os.getpid() + 2048) % 4096)
+    try:
+        try:
+            subprocess.run(
+                ["tc", "-n", link.ns_near, "qdisc", "add", "dev", link.if_near, "root", "tbf",
+                 "rate", "1mbit", "burst", "16kb", "latency", "1s"],
+                check=True, capture_output=True, timeout=10,
+            )  # fmt: skip
+        except (FileNotFoundError, subprocess.CalledProcessError) as exc:
+            pytest.skip(f"cannot rate-limit the link here (tc): {exc}")
+        size = 2 * MIB
+        slow, nxt = _value(6, size), _value(7, size)
+        ctl = _control(cluster)
+        try:
+            with Client.connect(cluster.address) as c:
+                _, loc = _put_start(ctl, b"slow", size)
+                slow_loc = [loc[0], "127.0.0.1", link.port, loc[3]]
+                outcome: list[object] = []
+
+                def writer() -> None:
+                    try:
+                        outcome.append(_write(slow_loc, slow))
+                    except (OSError, ConnectionError) as exc:
+                        outcome.append(exc)
+
+                t = threading.Thread(target=writer, daemon=True)
+                t.start()
+                wait_until(lambda: c.stats()["num_pending"] == 0, what="the slow put reclaimed")
+                c.put("next", nxt)  # through shm
+                assert c.locate("next").locations[0].grant.offset == loc[3][3]
+                t.join(30)  # the node stops the slow write (its grant expired) and hangs up
+                assert not t.is_alive(), "the node kept reading an expired write"
+                assert outcome and outcome[0] != 0, outcome
+                assert c.get("next") == nxt
+        finally:
+            ctl.close()
+    finally:
+        link.close()
