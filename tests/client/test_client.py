@@ -58,7 +58,9 @@ def test_shm_reads_after_the_lease_never_hang(cluster_factory) -> None:
         for k in ("k1", "k2"):
             assert c.get_into(k, buf) == 4096 and np.array_equal(buf, values[k])
         time.sleep(1.2)  # past the client's 1 s refresh interval for node offers
+        t0 = time.monotonic()
         done, result = _run_bounded(lambda: c.get_into("k3", buf), 4 * CALL_TIMEOUT_S)
+        print(f"\nget_into after the lease: returned={done} in {time.monotonic() - t0:.3f}s")
         other, exists = _run_bounded(lambda: c.exists("k1"), 4 * CALL_TIMEOUT_S)
         hung = not (done and other)
         assert done, "get_into hung"
