@@ -25,6 +25,7 @@ from kvstore.errors import (
     NotLeaderError,
     ProtocolError,
     StaleEpochError,
+    UnauthenticatedError,
 )
 from kvstore.etcd import parse_endpoints
 
@@ -148,9 +149,9 @@ class LeaderChannel:
                 self._forget_leader(known)
                 if pin_epoch is not None or time.monotonic() >= deadline:
                     raise err from None
-            except ProtocolError:
+            except (ProtocolError, UnauthenticatedError):
                 if conn is not None:
-                    conn.close()
+                    conn.close()  # the master hangs up after either
                 raise
             except KVStoreError as err:
                 if not isinstance(err, MasterUnavailableError | NodeUnavailableError):
