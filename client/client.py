@@ -7,6 +7,7 @@ every full read verifies it, so a read returns the exact bytes or raises.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,8 @@ from kvstore.errors import (
 from kvstore.etcd import is_etcd_url
 from kvstore.types import ObjectInfo, PutTicket, result_from_wire
 
+log = logging.getLogger(__name__)
+
 DEFAULT_TIMEOUT_S = 30.0
 #: Reads of cached locations overlap the master's answer only up to this many bytes per call.
 SPECULATE_MAX_BYTES = 2 << 20
@@ -50,21 +53,31 @@ def checksum(view: memoryview) -> int:
 
 
 class _ControlChannel:
-    """The connection to the master. Thread-safe: one request at a time under a lock."""
+    """The connections to the master. Thread-safe.
+
+    NOTE: the lock guards only the list of idle connections, never a network round trip: a
+    call takes a connection of its own (an idle one, or a new one), uses it without any lock
+    and gives it back. So one call that waits (a slow answer, or work overlapped with it that
+    itself asks the master) never blocks another thread's call, and no call can wait on a lock
+    held by its own thread. Every call ends within ``timeout`` seconds.
+    """
 
     epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
+    #: Idle connections kept for reuse (more are opened while more threads call at once).
+    MAX_IDLE = 4
 
     def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.token = token
-        self._conn: protocol.FramedSocket | None = None
+        self._idle: list[protocol.FramedSocket] = []
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _connect(self) -> protocol.FramedSocket:
+    def _connect(self, deadline: float) -> protocol.FramedSocket:
         try:
             conn = protocol.FramedSocket.connect(
-                self.address.host, self.address.port, timeout=self.timeout
+                self.address.host, self.address.port, timeout=_left(deadline)
             )
         except NodeUnavailableError as err:
             raise MasterUnavailableError(
@@ -74,6 +87,10 @@ class _ControlChannel:
             auth.hello(conn, self.token)
         except (OSError, ConnectionError) as exc:
             conn.close()
+            if isinstance(exc, TimeoutError):
+                raise KVTimeoutError(
+                    f"master {self.address} did not answer hello in time"
+                ) from None
             raise MasterUnavailableError(
                 f"master {self.address} failed during hello: {exc}"
             ) from None
@@ -82,92 +99,127 @@ class _ControlChannel:
             raise
         return conn
 
+    def _acquire(self, deadline: float) -> tuple[protocol.FramedSocket, bool]:
+        """A connection of this call's own and whether it was idle (it may have gone stale)."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            conn.sock.settimeout(_left(deadline))
+            return conn, True
+        return self._connect(deadline), False
+
+    def _release(self, conn: protocol.FramedSocket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
     def call_epoch(
         self, verb: str, args: dict[str, Any], pin_epoch: int | None = None
     ) -> tuple[Any, int | None]:
         return self.call(verb, args), None
 
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
-        with self._lock:
-            for attempt in range(2):
-                if self._conn is None:
-                    self._conn = self._connect()
-                try:
-                    return self._conn.call(verb, args)
-                except (ProtocolError, UnauthenticatedError):
-                    self._drop()  # the master hangs up after either
-                    raise
-                except KVStoreError:
-                    raise
-                except (TimeoutError, OSError) as exc:
-                    self._drop()
-                    if attempt == 0 and verb in _IDEMPOTENT:
-                        continue
-                    if isinstance(exc, TimeoutError):
-                        raise KVTimeoutError(
-                            f"master {self.address} did not answer {verb} in time"
-                        ) from None
-                    raise MasterUnavailableError(
-                        f"master {self.address} failed during {verb}: {exc}"
-                    ) from None
-            raise AssertionError("unreachable")
+        """One request to the master, answered within ``timeout`` seconds.
+
+        Raises:
+            KVTimeoutError: no answer in time; MasterUnavailableError: the master is gone;
+            KVStoreError: whatever the master answered.
+        """
+        deadline = time.monotonic() + self.timeout
+        while True:
+            conn, reused = self._acquire(deadline)
+            try:
+                result = conn.call(verb, args)
+            except (ProtocolError, UnauthenticatedError):
+                conn.close()  # the master hangs up after either
+                raise
+            except KVStoreError:
+                self._release(conn)
+                raise
+            except (TimeoutError, OSError) as exc:
+                conn.close()
+                # A pooled connection the master closed meanwhile fails at once: try a fresh
+                # one (idempotent verbs only: another may have been served already).
+                if reused and verb in _IDEMPOTENT and not isinstance(exc, TimeoutError):
+                    continue
+                raise self._failure(verb, exc) from None
+            self._release(conn)
+            return result
+
+    def _failure(self, verb: str, exc: BaseException) -> KVStoreError:
+        if isinstance(exc, TimeoutError):
+            return KVTimeoutError(f"master {self.address} did not answer {verb} in time")
+        return MasterUnavailableError(f"master {self.address} failed during {verb}: {exc}")
 
     def call_overlapped(self, verb: str, args: dict[str, Any], work: Callable[[], None]) -> Any:
         """Send ``verb``, run ``work()`` while the master answers, then read the answer.
 
+        ``work`` runs holding no lock (it may itself call the master, on another connection).
+
         Raises:
             Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
         """
-        sent = False
-        with self._lock:
+        deadline = time.monotonic() + self.timeout
+        conn: protocol.FramedSocket | None = None
+        try:
+            conn, _ = self._acquire(deadline)
+            req_id = conn.send_request(verb, args)
+        except (TimeoutError, OSError):
+            if conn is not None:
+                conn.close()
+            conn = None
+        except KVStoreError:
+            conn = None  # unreachable master: call() below raises the right error
+        work_error: BaseException | None = None
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised once the answer is read
+            work_error = exc
+        if conn is not None:
             try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                req_id = self._conn.send_request(verb, args)
-                sent = True
-            except (TimeoutError, OSError):
-                self._drop()
+                conn.sock.settimeout(_left(deadline))
+                response, payload_len = conn.read_response()
+                if response.req_id != req_id or payload_len:
+                    raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
+            except ProtocolError:
+                conn.close()
+                raise
+            except (TimeoutError, OSError) as exc:
+                conn.close()
+                if verb not in _IDEMPOTENT or isinstance(exc, TimeoutError):
+                    raise self._failure(verb, exc) from None
+                conn = None
+        if work_error is not None:
+            if conn is not None:
+                self._release(conn)
+            raise work_error
+        if conn is not None:
+            try:
+                result = response.unwrap()
+            except UnauthenticatedError:
+                conn.close()  # the master hangs up after it
+                raise
             except KVStoreError:
-                pass  # unreachable master: call() below raises the right error
-            work_error: BaseException | None = None
-            try:
-                work()
-            except BaseException as exc:  # noqa: BLE001 - re-raised once the answer is read
-                work_error = exc
-            if sent:
-                assert self._conn is not None
-                try:
-                    response, payload_len = self._conn.read_response()
-                    if response.req_id != req_id or payload_len:
-                        raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
-                except ProtocolError:
-                    self._drop()
-                    raise
-                except (TimeoutError, OSError) as exc:
-                    self._drop()
-                    if verb not in _IDEMPOTENT:
-                        raise MasterUnavailableError(
-                            f"master {self.address} failed during {verb}: {exc}"
-                        ) from None
-                    sent = False
-            if work_error is not None:
-                raise work_error
-            if sent:
-                try:
-                    return response.unwrap()
-                except UnauthenticatedError:
-                    self._drop()  # the master hangs up after it
-                    raise
+                self._release(conn)
+                raise
+            self._release(conn)
+            return result
         return self.call(verb, args)
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
     def close(self) -> None:
         with self._lock:
-            self._drop()
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _left(deadline: float) -> float:
+    """Seconds until ``deadline`` (monotonic), at least a sliver: a socket timeout of 0 would
+    make the socket non-blocking instead of failing at once."""
+    return max(0.001, deadline - time.monotonic())
 
 
 class _Scratch:
@@ -594,8 +646,7 @@ class Client:
             if info is not None and len(dests[j]) >= info.size:
                 guesses[j] = ReadItem(info.locations[0], dests[j][: info.size])
                 guessed_bytes += info.size
-        # NOTE: the control channel stays locked while the guesses are read, so large reads
-        # (where one round trip matters little) do not overlap: other threads keep the master.
+        # NOTE: large reads (where one round trip matters little) do not overlap.
         lease_until, generation = self._lookup_stamp()
         if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
             infos = self._locations(wire_keys)
@@ -651,23 +702,46 @@ class Client:
                 results[index[j]] = NodeUnavailableError("no live replica")
             else:
                 pending.append((j, info, 0))
+        corrupt: list[list[Any]] = []
         while pending:
             items = [ReadItem(info.locations[r], dests[j][: info.size]) for j, info, r in pending]
             self._data.read(items)
             retry: list[tuple[int, ObjectInfo, int]] = []
             for (j, info, r), item in zip(pending, items, strict=True):
                 if item.result is None:
-                    if _digest(item) != info.checksum:
+                    if _digest(item) == info.checksum:
+                        results[index[j]] = info.size
+                        continue
+                    # A corrupt replica: report it (the master drops it and copies a good one
+                    # back) and read the next replica instead.
+                    g = item.location.grant
+                    corrupt.append(
+                        [g.key, item.location.node_id, g.segment, g.offset, info.checksum]
+                    )
+                    if r + 1 < len(info.locations):
+                        retry.append((j, info, r + 1))
+                    else:
                         results[index[j]] = ChecksumMismatchError(
                             "object bytes do not match their checksum (overwritten or corrupt)"
                         )
-                    else:
-                        results[index[j]] = info.size
-                elif isinstance(item.result, NodeUnavailableError) and r + 1 < len(info.locations):
+                elif isinstance(item.result, NodeUnavailableError | ChecksumMismatchError) and (
+                    r + 1 < len(info.locations)
+                ):
                     retry.append((j, info, r + 1))
                 else:
                     results[index[j]] = item.result
             pending = retry
+        if corrupt:
+            self._report_corrupt(corrupt)
+
+    def _report_corrupt(self, reports: list[list[Any]]) -> None:
+        """Tell the master which replicas failed their checksum (best effort: a lost report
+        only delays the repair; the next reader reports again)."""
+        self._cache.forget([r[0] for r in reports])
+        try:
+            self._control.call("report_corrupt", {"items": reports})
+        except KVStoreError as err:
+            log.warning("could not report %d corrupt replica(s): %s", len(reports), err.message)
 
     def get_into(self, key: str | bytes, buffer: Any) -> int:
         """Read one object into ``buffer``; returns its size.

@@ -62,31 +62,37 @@ class DataPath:
 
     # ---------------------------------------------------------------- offers
     def _learn(self, node_ids: set[str]) -> None:
-        """Fetch offers when a node is new to us (rate-limited)."""
-        # A mapping or an RDMA session that failed: ask the master again (a restarted node
-        # publishes new offers).
-        for transport in (self.shm, self.rdma):
-            if transport is not None and transport.dropped:
-                self._known -= transport.dropped
-                transport.dropped.clear()
-        if node_ids <= self._known:
-            return
-        now = time.monotonic()
-        if now - self._fetched_at < REFRESH_INTERVAL_S:
-            return
-        self._fetched_at = now
+        """Fetch offers when a node is new to us (rate-limited).
+
+        NOTE: the master is asked holding no lock (see :meth:`read`); the lock is taken only to
+        look at and to update what is known.
+        """
+        with self._lock:
+            # A mapping or an RDMA session that failed: ask the master again (a restarted node
+            # publishes new offers).
+            for transport in (self.shm, self.rdma):
+                if transport is not None and transport.dropped:
+                    self._known -= transport.dropped
+                    transport.dropped.clear()
+            if node_ids <= self._known:
+                return
+            now = time.monotonic()
+            if now - self._fetched_at < REFRESH_INTERVAL_S:
+                return
+            self._fetched_at = now
         try:
             offers = self._fetch()
         except KVStoreError:
             return  # TCP still works; try again later
-        self._known = set(node_ids) | set(offers)
-        for node_id, transports in offers.items():
-            if not isinstance(transports, dict):
-                continue
-            if "shm" in transports and self.shm is not None:
-                self.shm.learn(node_id, transports["shm"])
-            if "rdma" in transports and self._rdma_settings.enabled:
-                self._learn_rdma(node_id, transports["rdma"])
+        with self._lock:
+            self._known = set(node_ids) | set(offers)
+            for node_id, transports in offers.items():
+                if not isinstance(transports, dict):
+                    continue
+                if "shm" in transports and self.shm is not None:
+                    self.shm.learn(node_id, transports["shm"])
+                if "rdma" in transports and self._rdma_settings.enabled:
+                    self._learn_rdma(node_id, transports["rdma"])
 
     def _learn_rdma(self, node_id: str, offer_wire: Any) -> None:
         if self._rdma_local is False:
@@ -108,9 +114,9 @@ class DataPath:
         """Fill each item's ``dest``; sets ``item.result`` on failure."""
         rest: Sequence[ReadItem] = items
         if items and self._offers_wanted:
-            with self._lock:
-                self._learn({i.location.node_id for i in items})
-                if self.shm is not None:
+            self._learn({i.location.node_id for i in items})
+            if self.shm is not None:
+                with self._lock:  # memory copies only: no round trip under it
                     rest = self.shm.read(items)
         if rest and self.rdma is not None:
             rest = self.rdma.read(rest)
@@ -126,9 +132,9 @@ class DataPath:
         rest: Sequence[WriteItem] = items
         written: list[WriteItem] = []
         if items and self._offers_wanted:
-            with self._lock:
-                self._learn({i.location.node_id for i in items})
-                if self.shm is not None:
+            self._learn({i.location.node_id for i in items})
+            if self.shm is not None:
+                with self._lock:  # memory copies only: no round trip under it
                     written, rest = self.shm.write(items)
         if written:
             self.tcp.call_per_node("shm_commit", written, _commit_args)

@@ -25,6 +25,7 @@ from kvstore.errors import (
     NotLeaderError,
     ProtocolError,
     StaleEpochError,
+    UnauthenticatedError,
 )
 from kvstore.etcd import parse_endpoints
 
@@ -35,7 +36,9 @@ HA_CALL_TIMEOUT_S = 3.0
 
 
 class LeaderChannel:
-    """Thread-safe: one request at a time under a lock (like the plain control channel).
+    """Thread-safe. NOTE: like the plain control channel, the lock guards only the leader's
+    address, epoch and idle connections, never a round trip (to etcd or to the master): each
+    call uses a connection of its own.
 
     Args:
         etcd_url: ``etcd://HOST:PORT[,HOST:PORT]``.
@@ -43,6 +46,8 @@ class LeaderChannel:
         failover_timeout: how long a call may keep looking for a leader (at most ``timeout``).
         prefix: the cluster's prefix in etcd.
     """
+
+    MAX_IDLE = 4
 
     def __init__(
         self,
@@ -61,25 +66,51 @@ class LeaderChannel:
         self.address: Address | None = None
         self.epoch: int | None = None
         self.num_failovers = 0
-        self._conn: protocol.FramedSocket | None = None
+        # Idle connections to the leader of ``epoch`` (dropped, all, when it changes).
+        self._idle: list[protocol.FramedSocket] = []
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _ensure(self, deadline: float) -> protocol.FramedSocket:
-        if self._conn is None:
+    def _leader(self, deadline: float) -> tuple[protocol.FramedSocket | None, Address, int | None]:
+        """An idle connection to the leader (or None: open one), its address and its epoch."""
+        with self._lock:
+            if self._idle and self.address is not None:
+                return self._idle.pop(), self.address, self.epoch
+            address, epoch = self.address, self.epoch
+        if address is None:
             rec = self.resolver.resolve(max(0.05, deadline - time.monotonic()))
-            if self.epoch is not None and rec.epoch != self.epoch:
-                self.num_failovers += 1
-            self.address, self.epoch = rec.control, rec.epoch
-            conn = protocol.FramedSocket.connect(
-                rec.control.host, rec.control.port, timeout=self.timeout
-            )
-            try:
-                auth.hello(conn, self.token)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
+            with self._lock:
+                if self.epoch is not None and rec.epoch != self.epoch:
+                    self.num_failovers += 1
+                self.address, self.epoch = rec.control, rec.epoch
+            address, epoch = rec.control, rec.epoch
+        return None, address, epoch
+
+    def _connect(self, address: Address) -> protocol.FramedSocket:
+        conn = protocol.FramedSocket.connect(address.host, address.port, timeout=self.timeout)
+        try:
+            auth.hello(conn, self.token)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _release(self, conn: protocol.FramedSocket, epoch: int | None) -> None:
+        with self._lock:
+            if not self._closed and epoch == self.epoch and len(self._idle) < self.MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _forget_leader(self, epoch: int | None) -> None:
+        """The leader of ``epoch`` failed us: look it up again on the next try."""
+        with self._lock:
+            if epoch != self.epoch:
+                return  # another thread has already moved on
+            self.address = None
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         """Send one request to the leader; see :meth:`call_epoch`."""
@@ -95,45 +126,64 @@ class LeaderChannel:
             StaleEpochError, NotLeaderError: a pinned call whose leader is gone.
             KVStoreError: whatever the master answered.
         """
-        with self._lock:
-            deadline = time.monotonic() + self.failover_timeout
-            backoff = 0.02
-            while True:
-                try:
-                    conn = self._ensure(deadline)
-                    epoch = self.epoch if pin_epoch is None else pin_epoch
-                    if pin_epoch is not None and pin_epoch != self.epoch:
-                        raise StaleEpochError(
-                            f"the leader changed (epoch {pin_epoch} -> {self.epoch}) during {verb}"
-                        )
-                    return conn.call(verb, {**args, "epoch": epoch}), epoch
-                except (NotLeaderError, StaleEpochError) as err:
-                    self._drop()
-                    if pin_epoch is not None or time.monotonic() >= deadline:
-                        raise err from None
-                except ProtocolError:
-                    self._drop()
+        deadline = time.monotonic() + self.failover_timeout
+        backoff = 0.02
+        while True:
+            conn: protocol.FramedSocket | None = None
+            known: int | None = self.epoch
+            try:
+                conn, address, known = self._leader(deadline)
+                if conn is None:
+                    conn = self._connect(address)
+                epoch = known if pin_epoch is None else pin_epoch
+                if pin_epoch is not None and pin_epoch != known:
+                    raise StaleEpochError(
+                        f"the leader changed (epoch {pin_epoch} -> {known}) during {verb}"
+                    )
+                result = conn.call(verb, {**args, "epoch": epoch})
+                self._release(conn, known)
+                return result, epoch
+            except (NotLeaderError, StaleEpochError) as err:
+                if conn is not None:
+                    conn.close()
+                self._forget_leader(known)
+                if pin_epoch is not None or time.monotonic() >= deadline:
+                    raise err from None
+            except (ProtocolError, UnauthenticatedError):
+                if conn is not None:
+                    conn.close()  # the master hangs up after either
+                raise
+            except KVStoreError as err:
+                if not isinstance(err, MasterUnavailableError | NodeUnavailableError):
+                    if conn is not None:
+                        self._release(conn, known)
                     raise
-                except (MasterUnavailableError, NodeUnavailableError, OSError) as exc:
-                    self._drop()
-                    if pin_epoch is not None or time.monotonic() >= deadline:
-                        if isinstance(exc, TimeoutError):
-                            raise KVTimeoutError(
-                                f"the leading master did not answer {verb} in time"
-                            ) from None
-                        msg = exc.message if isinstance(exc, KVStoreError) else str(exc)
-                        raise MasterUnavailableError(
-                            f"no leading master answered {verb} via {self.url}: {msg}"
+                if conn is not None:
+                    conn.close()
+                self._forget_leader(known)
+                if pin_epoch is not None or time.monotonic() >= deadline:
+                    raise MasterUnavailableError(
+                        f"no leading master answered {verb} via {self.url}: {err.message}"
+                    ) from None
+            except OSError as exc:
+                if conn is not None:
+                    conn.close()
+                self._forget_leader(known)
+                if pin_epoch is not None or time.monotonic() >= deadline:
+                    if isinstance(exc, TimeoutError):
+                        raise KVTimeoutError(
+                            f"the leading master did not answer {verb} in time"
                         ) from None
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 0.2)
-
-    def _drop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+                    raise MasterUnavailableError(
+                        f"no leading master answered {verb} via {self.url}: {exc}"
+                    ) from None
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 0.2)
 
     def close(self) -> None:
         with self._lock:
-            self._drop()
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
         self.resolver.close()

@@ -6,9 +6,15 @@ each ``[block_size, num_kv_heads, head_dim]`` (see docs/block-keys.md). Callers 
 
 Calls per prompt: ``lookup`` and ``load`` make one master call (``kv_match``: the cached prefix
 and every block's replicas) and one data call per node. ``store`` makes a match, an allocation and
-a commit that also indexes the prompt. Full blocks are verified against their checksum; the last,
-partial block of a match is a range read of just its first k tokens (one range per layer and K/V),
-protected by the read grant but not by a checksum (the checksum covers the whole block).
+a commit that also indexes the prompt.
+
+Every byte handed to an engine is verified. A block object ends with a checksum table (see
+:func:`kvstore.kvblocks.checksum_table`): an xxh3_64 per token chunk of each (layer, K/V) plane,
+sealed with the object key. A full block read whole is verified against the object checksum (one
+hash, as fast as before); the last, partial block of a match is a range read of its first k
+tokens rounded up to whole chunks (one range per layer and K/V) plus the table, verified chunk by
+chunk; a layer-wise load verifies each layer's chunks before it yields that layer. A block that
+fails its check ends the match there (``load``) or raises (``load_layers``): never wrong bytes.
 """
 
 from __future__ import annotations
@@ -29,11 +35,21 @@ from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
+    NodeUnavailableError,
     ObjectBusyError,
     ObjectExistsError,
 )
 from kvstore.keys import DTYPE_BYTES, Namespace, as_token_array, block_bytes, block_keys
-from kvstore.kvblocks import encode_prompt_meta, kv_meta_key, kv_object_key, tokens_to_wire
+from kvstore.kvblocks import (
+    checksum_table,
+    checksum_table_bytes,
+    chunks_per_plane,
+    encode_prompt_meta,
+    kv_meta_key,
+    kv_object_key,
+    tokens_to_wire,
+    verify_chunks,
+)
 from kvstore.types import ObjectInfo, result_from_wire
 
 _TORCH_DTYPES = {
@@ -58,6 +74,18 @@ class _Block:
     info: ObjectInfo
 
 
+@dataclass(slots=True)
+class _BlockRead:
+    """What one read of one block brought: the bytes, as planes and checksum table."""
+
+    flat: np.ndarray  # what was read, in order
+    planes: np.ndarray  # [layers read, 2, tokens read, stride]
+    table: np.ndarray  # the block's checksum table
+    whole: bool  # the whole object was read (verified against the object checksum)
+    item: ReadItem | None = None
+    error: KVStoreError | None = None
+
+
 class KVCache:
     """A prompt-level view of the pool for one :class:`Namespace`. Thread-safe.
 
@@ -74,7 +102,12 @@ class KVCache:
         self._ns_wire = namespace.to_dict()
         self._stride = namespace.num_kv_heads * namespace.head_dim * DTYPE_BYTES[namespace.dtype]
         self._plane = namespace.block_size * self._stride  # one layer's K (or V) in one block
-        self._block_bytes = block_bytes(namespace)
+        self._block_bytes = block_bytes(namespace)  # the planes; the checksum table follows
+        self._num_planes = 2 * namespace.num_layers
+        self._chunk_tokens = namespace.block_size // chunks_per_plane(namespace.block_size)
+        self._chunk_bytes = self._chunk_tokens * self._stride
+        self._table_bytes = checksum_table_bytes(self._num_planes, namespace.block_size)
+        self._object_bytes = self._block_bytes + self._table_bytes
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
         self._lock = threading.Lock()
 
@@ -229,13 +262,16 @@ class KVCache:
         if num_new == 0:
             return 0
         keys = block_keys(self.namespace, tok[: num_full * bs])
-        staging = np.empty((num_new, self._block_bytes), dtype=np.uint8)
+        staging = np.empty((num_new, self._object_bytes), dtype=np.uint8)
         lo, hi = first_new * bs, num_full * bs
         for layer, (k, v) in enumerate(views):
             for which, src in enumerate((k, v)):
                 col = (2 * layer + which) * self._plane
                 staging[:, col : col + self._plane] = src[lo:hi].reshape(num_new, self._plane)
         obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_new:]]
+        for row, obj_key in zip(staging, obj_keys, strict=True):
+            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
+            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
         meta = encode_prompt_meta(self._ns_wire, tok[: num_full * bs])
         results = self.client._batch_put(
             [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
@@ -251,31 +287,87 @@ class KVCache:
         return num_new * bs
 
     # ------------------------------------------------------------------ load
-    def _read_blocks(
-        self, blocks: list[_Block], layers: range
-    ) -> tuple[list[np.ndarray], list[KVStoreError | None]]:
-        """Read the given layers of each block: per block a ``[len(layers), 2, n, stride]`` array."""
+    def _tokens_read(self, num_tokens: int) -> int:
+        """Tokens read of a block whose first ``num_tokens`` are wanted: whole chunks."""
+        c = self._chunk_tokens
+        return min(self.namespace.block_size, -(-num_tokens // c) * c)
+
+    def _read_blocks(self, blocks: list[_Block], layers: range) -> list[_BlockRead]:
+        """Read the given layers of each block, with its checksum table (or the whole object)."""
         bs = self.namespace.block_size
-        bufs: list[np.ndarray] = []
-        items: list[ReadItem] = []
+        reads: list[_BlockRead] = []
+        # (block, its read, ranges, replica number) still to read
+        pending: list[tuple[_Block, _BlockRead, list[list[int]] | None, int]] = []
         for b in blocks:
-            n = b.num_tokens
-            buf = np.empty((len(layers), 2, n, self._stride), dtype=np.uint8)
-            whole = n == bs and len(layers) == self.namespace.num_layers
-            ranges = (
-                None
-                if whole
-                else [
-                    [(2 * layer + which) * self._plane, n * self._stride]
+            n_read = self._tokens_read(b.num_tokens)
+            whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
+            planes_len = len(layers) * 2 * n_read * self._stride
+            flat = np.empty(planes_len + self._table_bytes, dtype=np.uint8)
+            read = _BlockRead(
+                flat,
+                flat[:planes_len].reshape(len(layers), 2, n_read, self._stride),
+                flat[planes_len:],
+                whole,
+            )
+            reads.append(read)
+            if b.info.size != self._object_bytes:  # not a block of this layout: a miss
+                read.error = ChecksumMismatchError("block object has an unexpected size")
+                continue
+            ranges = None
+            if not whole:
+                ranges = [
+                    [(2 * layer + which) * self._plane, n_read * self._stride]
                     for layer in layers
                     for which in (0, 1)
                 ]
-            )
-            loc = b.info.locations[0]
-            items.append(ReadItem(loc, memoryview(buf.reshape(-1)), ranges))
-            bufs.append(buf)
-        self.client._data.read(items)
-        return bufs, [i.result for i in items]
+                ranges.append([self._block_bytes, self._table_bytes])
+            pending.append((b, read, ranges, 0))
+        corrupt: list[list[Any]] = []
+        while pending:
+            items = [
+                ReadItem(b.info.locations[r], memoryview(read.flat), ranges)
+                for b, read, ranges, r in pending
+            ]
+            self.client._data.read(items)
+            retry = []
+            for (b, read, ranges, r), item in zip(pending, items, strict=True):
+                read.item = item
+                err = item.result
+                if err is None and not self._verified(b, read, layers):
+                    err = ChecksumMismatchError("a block's bytes do not match their checksum")
+                    g = item.location.grant
+                    corrupt.append(
+                        [g.key, item.location.node_id, g.segment, g.offset, b.info.checksum]
+                    )
+                if isinstance(err, ChecksumMismatchError | NodeUnavailableError) and r + 1 < len(
+                    b.info.locations
+                ):
+                    retry.append((b, read, ranges, r + 1))  # the next replica
+                else:
+                    read.error = err
+            pending = retry
+        if corrupt:  # the master drops them (a corrupt last replica: the block is a miss)
+            self.client._report_corrupt(corrupt)
+        return reads
+
+    def _verified(self, b: _Block, read: _BlockRead, layers: range) -> bool:
+        """Whether what was read of ``b`` is its bytes: whole objects against the object
+        checksum (one hash), ranges chunk by chunk against the block's checksum table."""
+        if read.whole:
+            assert read.item is not None
+            return (
+                read.item.digest
+                if read.item.digest is not None
+                else xxhash.xxh3_64_intdigest(read.flat)
+            ) == b.info.checksum
+        planes = {
+            2 * layer + which: read.planes[i, which]
+            for i, layer in enumerate(layers)
+            for which in (0, 1)
+        }
+        return verify_chunks(
+            b.key, read.table, planes, self.namespace.block_size, self._chunk_bytes
+        )
 
     def load(self, tokens: Any, layers_out: Sequence[Any]) -> int:
         """Fill the cached prefix of ``tokens`` into caller buffers.
@@ -285,8 +377,8 @@ class KVCache:
             layers_out: per layer writable ``(K, V)``, each ``[>= len(tokens), kv_heads, head_dim]``.
 
         Returns:
-            Tokens loaded: the longest prefix read back intact (a lost block ends it early; a
-            miss is always a correct answer).
+            Tokens loaded: the longest prefix read back intact and verified (a lost or corrupt
+            block ends it early; a miss is always a correct answer).
 
         Raises:
             InvalidRequestError: bad tokens, shapes, dtypes or read-only buffers.
@@ -296,27 +388,26 @@ class KVCache:
         num_tokens, blocks = self._match(tok)
         if not blocks:
             return 0
-        bufs, errors = self._read_blocks(blocks, range(self.namespace.num_layers))
+        reads = self._read_blocks(blocks, range(self.namespace.num_layers))
         bs = self.namespace.block_size
         loaded = 0
-        for i, (b, buf, err) in enumerate(zip(blocks, bufs, errors, strict=True)):
-            if err is not None:
-                break
-            if b.num_tokens == bs and xxhash.xxh3_64_intdigest(buf) != b.info.checksum:
-                break  # corrupt or overwritten: stop here, the prefix before it is good
+        for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
+            if read.error is not None:
+                break  # lost, corrupt or overwritten: stop here, the prefix before it is good
+            n = b.num_tokens
             for layer, (k, v) in enumerate(views):
-                k[i * bs : i * bs + b.num_tokens] = buf[layer, 0]
-                v[i * bs : i * bs + b.num_tokens] = buf[layer, 1]
-            loaded += b.num_tokens
+                k[i * bs : i * bs + n] = read.planes[layer, 0, :n]
+                v[i * bs : i * bs + n] = read.planes[layer, 1, :n]
+            loaded += n
         return loaded
 
     def load_layers(self, tokens: Any, layers_out: Sequence[Any]) -> Iterator[tuple[int, Any, Any]]:
         """Load the cached prefix layer by layer, reading layer ``i + 1`` while ``i`` is used.
 
         Yields ``(layer, K, V)`` where K and V are the filled slices ``[:num_tokens]`` of the
-        caller's buffers for that layer. Full blocks are checksummed incrementally (the object
-        is layer-major, so layers arrive in checksum order); a mismatch or a lost block raises
-        after the last layer, so the caller must treat the load as failed.
+        caller's buffers for that layer. Each layer's bytes are verified (chunk by chunk,
+        against each block's checksum table) before it is yielded; a lost or corrupt block
+        raises instead of yielding its layer, so the caller must treat the load as failed.
 
         Raises:
             InvalidRequestError: bad input. ChecksumMismatchError / NodeUnavailableError: see above.
@@ -325,13 +416,14 @@ class KVCache:
         views = self._layer_views(layers_out, len(tok), writable=True)
         num_tokens, blocks = self._match(tok)
         bs = self.namespace.block_size
-        hashers = [xxhash.xxh3_64() for _ in blocks]
-        failure: KVStoreError | None = None
         pending = self._prefetch.submit(self._read_blocks, blocks, range(0, 1)) if blocks else None
         for layer in range(self.namespace.num_layers):
             if pending is None:
                 break
-            bufs, errors = pending.result()
+            reads = pending.result()
+            failure = next((r.error for r in reads if r.error is not None), None)
+            if failure is not None:
+                raise failure
             nxt = layer + 1
             pending = (
                 self._prefetch.submit(self._read_blocks, blocks, range(nxt, nxt + 1))
@@ -339,21 +431,11 @@ class KVCache:
                 else None
             )
             k, v = views[layer]
-            for i, (b, buf, err) in enumerate(zip(blocks, bufs, errors, strict=True)):
-                if err is not None:
-                    failure = failure or err
-                    continue
-                k[i * bs : i * bs + b.num_tokens] = buf[0, 0]
-                v[i * bs : i * bs + b.num_tokens] = buf[0, 1]
-                if b.num_tokens == bs:
-                    hashers[i].update(buf)
+            for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
+                k[i * bs : i * bs + b.num_tokens] = read.planes[0, 0, : b.num_tokens]
+                v[i * bs : i * bs + b.num_tokens] = read.planes[0, 1, : b.num_tokens]
             kx, vx = layers_out[layer]
             yield layer, kx[:num_tokens], vx[:num_tokens]
-        for b, h in zip(blocks, hashers, strict=True):
-            if failure is None and b.num_tokens == bs and h.intdigest() != b.info.checksum:
-                failure = ChecksumMismatchError("a block's bytes do not match its checksum")
-        if failure is not None:
-            raise failure
 
     def close(self) -> None:
         self._prefetch.shutdown(wait=True)

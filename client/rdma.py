@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import grants, protocol, rdma
+from kvstore.client.shm import SHM_WRITE_MARGIN_MS
 from kvstore.client.transport import Endpoint, NodePool, ReadItem, WriteItem
 from kvstore.errors import KVStoreError, TransportUnavailableError
 from kvstore.types import Location
@@ -299,7 +300,9 @@ class RdmaTransport:
         grant = loc.grant
         offer = self._offers[loc.node_id]
         region = offer.regions.get(grant.segment)
-        if region is None or grant.op != op or grant.expires_ms < time.time() * 1000:
+        # A write needs its grant to hold a while longer (see kvstore.client.shm).
+        margin = SHM_WRITE_MARGIN_MS if op == grants.OP_WRITE else 0
+        if region is None or grant.op != op or grant.expires_ms - margin < time.time() * 1000:
             return None
         raddr, rlength, rkey = region
         if grant.offset + grant.size > rlength:

@@ -38,6 +38,15 @@ from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
 
 log = logging.getLogger(__name__)
 
+#: A write is copied in place only while its grant holds at least this much longer (else it goes
+#: over TCP, where the node checks every byte against the grant's expiry). Why: once a grant
+#: expires the master may give its bytes to the next object, and the node never sees an shm
+#: copy; the margin is what a copy that started in time may take (a memcpy of even 64 MiB takes
+#: milliseconds). A writer stalled longer than that between this check and its copy (stopped,
+#: swapped out) can still hit the next tenant, whose readers then fail its checksum loudly:
+#: the shm trust model (every same-user process may write the whole arena) already covers it.
+SHM_WRITE_MARGIN_MS = 500
+
 
 class ShmMapping:
     """One node arena file, mapped read/write in this process.
@@ -78,16 +87,15 @@ class ShmMapping:
                 f"arena file truncated to {st.st_size} of {self.segment.size} bytes"
             )
 
-    def granted(self, grant: grants.Grant, op: str) -> memoryview:
-        """The bytes of ``grant`` in this mapping (no signature check: see the trust model).
-
-        Raises:
-            TransportUnavailableError: the grant is for another op, expired or out of the file.
-        """
+    def granted(self, grant: grants.Grant, op: str) -> memoryview | None:
+        """The bytes of ``grant`` in this mapping (no signature check: see the trust model), or
+        None when the grant is for another op, expired or out of the file: that item goes to
+        TCP (whose node gives the typed answer), and the mapping, which is fine, stays."""
         if grant.op != op or grant.offset + grant.size > self.segment.size:
-            raise TransportUnavailableError("grant does not fit this mapping")
-        if grant.expires_ms < time.time() * 1000:
-            raise TransportUnavailableError("grant expired")
+            return None
+        margin = SHM_WRITE_MARGIN_MS if op == grants.OP_WRITE else 0
+        if grant.expires_ms - margin < time.time() * 1000:
+            return None
         return self.view[grant.offset : grant.offset + grant.size]
 
     def close(self) -> None:

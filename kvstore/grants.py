@@ -10,15 +10,20 @@ did not grant, and the node needs no round trip to the master to know it.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import functools
 import hashlib
 import hmac
 import os
+import socket
 import struct
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import GrantInvalidError, OutOfRangeError
+from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
 
 OP_READ = "r"
 OP_WRITE = "w"
@@ -186,3 +191,190 @@ def check_range(grant: Grant, start: int, length: int) -> None:
         or start + length > grant.size
     ):
         raise OutOfRangeError(f"range ({start!r}, {length!r}) outside object of {grant.size} bytes")
+
+
+# --------------------------------------------------------------------------- write claims
+#: How long a new write waits for an older, fenced write on the same bytes to stop.
+FENCE_WAIT_S = 2.0
+
+
+class WriteStream:
+    """One write streaming into node memory, which a newer write of the same bytes can stop.
+
+    The receiving thread checks :attr:`aborted` before every socket read; :meth:`abort` also
+    shuts the connection down, so a read blocked on a stalled writer returns at once.
+    """
+
+    def __init__(self, sock: Any = None) -> None:
+        self.sock = sock
+        self.aborted = False
+        self.stopped = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+
+
+@dataclass(slots=True)
+class _Claim:
+    start: int
+    end: int
+    stamp: int  # the grant's expiry (ms): grants for the same bytes are ordered by it
+    signature: bytes
+    done: bool = False  # a write with this grant completed: the grant is used up
+    streams: list[WriteStream] = field(default_factory=list)
+
+
+class WriteClaims:
+    """Which allocation each granted range of a node's segments currently belongs to.
+
+    Why: the master frees an extent (put timeout, revoke, remove, overwrite, eviction,
+    demotion) and may hand it to the next object at once, while a write grant for the old
+    allocation is still valid (a stalled writer, a late retry, a replay). Grants alone would let
+    such a write land on the next tenant's bytes. A grant's expiry is its allocation's place in
+    time (``expires = put_start time + put timeout``), so of two grants for overlapping bytes
+    the one that expires later belongs to the newer allocation. The node remembers, per
+    segment, the newest grant that wrote each range (until that grant expires: every older
+    grant has expired by then), and:
+
+    - refuses a write whose range overlaps a newer grant's claim (or an equal expiry of
+      another grant: the order is unknown, so the later comer fails cleanly);
+    - refuses a second write with a grant that already completed one (used up) or is writing;
+    - stops an older write still streaming into the range (shuts its connection down and
+      waits for its receive loop to leave) before the newer one touches a byte.
+
+    Together with receives that start no socket read after the grant's expiry (see
+    ``DataServer``), no write of an allocation that is no longer current changes a byte of
+    another object on this node's TCP path. Bytes a same-host client copies in place (shm,
+    RDMA) are checked at ``shm_commit``/``rdma_commit`` the same way; the copy itself is made
+    only while the grant is valid with a margin to spare (``kvstore.client.shm``).
+
+    Thread-safe. NOTE: the lock guards the claim maps only; fenced writes are stopped and
+    waited for after it is released.
+    """
+
+    def __init__(self, clock_ms: Callable[[], int]) -> None:
+        self.clock_ms = clock_ms
+        self._lock = threading.Lock()
+        # segment -> sorted starts of non-overlapping claims, and start -> claim
+        self._starts: dict[str, list[int]] = {}
+        self._claims: dict[str, dict[int, _Claim]] = {}
+        self._num = 0
+        self._prune_at = 1 << 14
+
+    def begin(self, grant: Grant, stream: WriteStream | None, by_id: bool = False) -> _Claim:
+        """Claim ``grant``'s range for a write (``stream``: bytes that will stream in).
+
+        ``by_id``: the segment addresses objects by id, not by byte (NVMe): the claim is the id.
+
+        Raises:
+            GrantInvalidError: a newer allocation owns part of the range, or the grant is used
+                up or in use; KVTimeoutError: an older write on the range did not stop in time.
+        """
+        end = grant.offset + (1 if by_id else max(1, grant.size))
+        return self.claim(
+            grant.segment, grant.offset, end, grant.expires_ms, grant.signature, stream
+        )
+
+    def claim(
+        self,
+        segment: str,
+        start: int,
+        end: int,
+        stamp: int,
+        signature: bytes,
+        stream: WriteStream | None = None,
+    ) -> _Claim:
+        """Claim ``[start, end)`` of ``segment`` for a writer whose allocation is ordered by
+        ``stamp`` (a grant's expiry) and named by ``signature``; see :meth:`begin`.
+
+        Raises:
+            GrantInvalidError, KVTimeoutError: as :meth:`begin`.
+        """
+        now = self.clock_ms()
+        with self._lock:
+            starts = self._starts.setdefault(segment, [])
+            claims = self._claims.setdefault(segment, {})
+            i = bisect.bisect_left(starts, start)
+            if i and claims[starts[i - 1]].end > start:
+                i -= 1
+            overlapping = []
+            while i < len(starts) and starts[i] < end:
+                overlapping.append(claims[starts[i]])
+                i += 1
+            fenced: list[WriteStream] = []
+            mine: _Claim | None = None
+            for c in overlapping:
+                if c.stamp < now and c.signature != signature:
+                    continue  # expired: every grant it could fence has expired too
+                if c.signature == signature and (c.start, c.end) == (start, end):
+                    if c.done or c.streams:
+                        raise GrantInvalidError("this write grant was already used (or is in use)")
+                    mine = c
+                elif c.stamp >= stamp:
+                    raise GrantInvalidError(
+                        "these bytes now belong to a newer allocation: the grant is stale"
+                    )
+            for c in overlapping:
+                if c is not mine:
+                    fenced.extend(c.streams)
+                    self._remove(segment, c)
+            if mine is None:
+                mine = _Claim(start, end, stamp, signature)
+                bisect.insort(starts, start)
+                claims[start] = mine
+                self._num += 1
+            if stream is not None:
+                mine.streams.append(stream)
+            if self._num > self._prune_at:
+                self._prune(now)
+        for s in fenced:
+            s.abort()
+        for s in fenced:
+            if not s.stopped.wait(FENCE_WAIT_S):
+                self.end(mine, stream, complete=False)
+                raise KVTimeoutError("an older write on these bytes did not stop in time")
+        return mine
+
+    def end(self, claim: _Claim, stream: WriteStream | None, complete: bool) -> None:
+        """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
+        with self._lock:
+            if stream is not None and stream in claim.streams:
+                claim.streams.remove(stream)
+            if complete:
+                claim.done = True
+
+    def reset(self) -> None:
+        """Forget every claim and stop every write in progress (a new grant secret: no grant
+        verified under the old one may write another byte)."""
+        with self._lock:
+            streams = [
+                s for claims in self._claims.values() for c in claims.values() for s in c.streams
+            ]
+            self._starts.clear()
+            self._claims.clear()
+            self._num = 0
+        for s in streams:
+            s.abort()
+
+    def _remove(self, segment: str, c: _Claim) -> None:
+        starts = self._starts[segment]
+        j = bisect.bisect_left(starts, c.start)
+        if j < len(starts) and starts[j] == c.start and self._claims[segment].get(c.start) is c:
+            del starts[j]
+            del self._claims[segment][c.start]
+            self._num -= 1
+
+    def _prune(self, now_ms: int) -> None:
+        """Drop expired claims (no grant they could fence is valid any more)."""
+        for segment, claims in self._claims.items():
+            live = {s: c for s, c in claims.items() if c.stamp >= now_ms or c.streams}
+            self._claims[segment] = live
+            self._starts[segment] = sorted(live)
+        self._num = sum(len(c) for c in self._claims.values())
+        self._prune_at = max(1 << 14, 2 * self._num)
+
+    def __len__(self) -> int:
+        return self._num

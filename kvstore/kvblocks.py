@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
+import xxhash
 
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import BLOCK_KEY_BYTES, BlockKey
@@ -72,3 +73,84 @@ def tokens_from_wire(raw: object) -> np.ndarray:
     if not isinstance(raw, bytes) or len(raw) % 4:
         raise InvalidRequestError("tokens must be packed little-endian uint32 bytes")
     return np.frombuffer(raw, dtype="<u4")
+
+
+# --------------------------------------------------------------------------- checksum table
+#: Token chunks per (layer, K/V) plane that carry their own checksum (fewer where block_size is
+#: not a multiple): a read of the first k tokens of a block reads whole chunks (k rounded up).
+CHUNKS_PER_PLANE = 4
+_U64 = np.dtype("<u8")
+
+
+def chunks_per_plane(block_size: int) -> int:
+    """How many checksummed token chunks each plane of a block has (divides ``block_size``)."""
+    for n in range(min(CHUNKS_PER_PLANE, block_size), 0, -1):
+        if block_size % n == 0:
+            return n
+    return 1
+
+
+def checksum_table_bytes(num_planes: int, block_size: int) -> int:
+    """Bytes of a block's checksum table: one xxh3_64 per (plane, chunk), then the seal."""
+    return (num_planes * chunks_per_plane(block_size) + 1) * _U64.itemsize
+
+
+def checksum_table(key: bytes, planes: np.ndarray, block_size: int) -> np.ndarray:
+    """The checksum table stored after a block's planes.
+
+    Why a table and not only the object checksum: the object checksum covers the whole block,
+    so a read of its first k tokens (the last, partial block of a match) or of one layer (a
+    layer-wise load) cannot be checked against it. Each (layer, K/V) plane is cut into
+    :func:`chunks_per_plane` token chunks, each with its xxh3_64; the last entry, the *seal*,
+    is the xxh3_64 of the object key followed by the other entries, which ties the table to its
+    key (bytes of another block found at that place do not pass).
+
+    Args:
+        key: the block's object key.
+        planes: ``[num_planes, block_size * stride]`` uint8, the block's planes in object order.
+        block_size: tokens per block.
+
+    Returns:
+        ``(num_planes * chunks + 1)`` little-endian uint64 checksums.
+    """
+    n = chunks_per_plane(block_size)
+    num_planes, plane_bytes = planes.shape
+    step = plane_bytes // n
+    table = np.empty(num_planes * n + 1, dtype=_U64)
+    flat = planes.reshape(num_planes * n, step)
+    for i in range(num_planes * n):
+        table[i] = xxhash.xxh3_64_intdigest(flat[i])
+    table[-1] = xxhash.xxh3_64_intdigest(key + table[:-1].tobytes())
+    return table
+
+
+def verify_chunks(
+    key: bytes,
+    table_bytes: memoryview | bytes | np.ndarray,
+    planes: dict[int, np.ndarray],
+    block_size: int,
+    chunk_bytes: int,
+) -> bool:
+    """Whether the chunks read match the block's checksum table, and the table its key.
+
+    Args:
+        key: the block's object key.
+        table_bytes: the checksum table as read from the object.
+        planes: plane number -> its leading whole chunks as read (uint8, a multiple of
+            ``chunk_bytes`` long).
+        block_size: tokens per block.
+        chunk_bytes: bytes of one chunk (``block_size // chunks_per_plane * stride``).
+    """
+    table = np.frombuffer(table_bytes, dtype=_U64)
+    n = chunks_per_plane(block_size)
+    if xxhash.xxh3_64_intdigest(key + table[:-1].tobytes()) != int(table[-1]):
+        return False
+    for p, data in planes.items():
+        flat = data.reshape(-1)
+        if len(flat) % chunk_bytes or len(flat) > n * chunk_bytes:
+            return False
+        for j in range(len(flat) // chunk_bytes):
+            chunk = flat[j * chunk_bytes : (j + 1) * chunk_bytes]
+            if xxhash.xxh3_64_intdigest(chunk) != int(table[p * n + j]):
+                return False
+    return True

@@ -25,7 +25,7 @@ import select
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -419,6 +419,34 @@ class FramedSocket:
         n = self._take(view)
         if n < len(view):
             recv_exact_into(self.sock, view[n:])
+
+    def recv_into_before(
+        self, view: memoryview, deadline: float, cancelled: Callable[[], bool]
+    ) -> None:
+        """:meth:`recv_into` that starts no socket read at or after ``deadline`` (monotonic) or
+        once ``cancelled()``: each read waits at most until the deadline. So bytes land in
+        ``view`` only while the sender's permission (a write grant) holds.
+
+        Raises:
+            TimeoutError: the deadline passed, or the read was cancelled, before ``view`` was
+                full; ConnectionError: the peer closed first.
+        """
+        n = self._take(view)
+        total = len(view)
+        sock = self.sock
+        before = sock.gettimeout()
+        try:
+            while n < total:
+                left = deadline - time.monotonic()
+                if left <= 0 or cancelled():
+                    raise TimeoutError(f"payload stopped after {n} of {total} bytes")
+                sock.settimeout(left if before is None else min(left, before))
+                got = sock.recv_into(view[n:])
+                if got == 0:
+                    raise ConnectionError(f"peer closed after {n} of {total} bytes")
+                n += got
+        finally:
+            sock.settimeout(before)
 
     def recv_scatter(self, views: Sequence[memoryview]) -> None:
         """Fill every view in order (read-ahead bytes first, then scatter I/O from the socket).

@@ -58,6 +58,10 @@ class DeferredFrees:
             out.append((h.owner, h.replica))
         return out
 
+    def held_for(self, owner: Any) -> list[Any]:
+        """The replicas held for ``owner`` (freed, waiting for their leases to end)."""
+        return [h.replica for h in self._heap if h.owner is owner]
+
     def held_bytes(self) -> int:
         return sum(h.replica.size for h in self._heap)
 

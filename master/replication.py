@@ -82,6 +82,9 @@ class Replicator:
             "dst": [dst.segment, dst.offset],
             "stamp": dst.stamp,
             "deadline_ms": expires,
+            # Where the node writes is a new allocation: its place among write grants for
+            # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
+            "claim_ms": svc.wall_ms() + int(svc.config.put_timeout_s * 1000),
         }
         deadline = now + timeout + TASK_GRACE_S
         svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))

@@ -163,6 +163,10 @@ def _remove(svc: MasterService, args: dict[str, Any]) -> Any:
     return [result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.remove(k))]
 
 
+def _report_corrupt(svc: MasterService, args: dict[str, Any]) -> Any:
+    return {"dropped": svc.report_corrupt(_list(args, "items", list))}
+
+
 def _list_keys(svc: MasterService, args: dict[str, Any]) -> Any:
     """Stored keys starting with ``prefix``, sorted, strictly after ``after``; at most ``limit``.
 
@@ -239,6 +243,7 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "unpin": _unpin,
     "stats": _stats,
     "node_transports": _node_transports,
+    "report_corrupt": _report_corrupt,
     "kv_commit": _kv_commit,
     "kv_match": _kv_match,
 }

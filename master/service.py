@@ -185,6 +185,7 @@ class MasterService:
         self._put_ids = itertools.count(1)
         self.num_reclaimed = 0
         self.num_dead_nodes = 0
+        self.num_corrupt_replicas = 0
         self.num_hits = 0
         self.num_misses = 0
         # Hits by the tier of the replica a reader tries first (metrics read these, cheaply).
@@ -342,9 +343,16 @@ class MasterService:
         # What it was told to forget but may still hold (a restart before the next heartbeat):
         # never re-admit those (an overwritten or removed version must not come back).
         self.tombstones[node_id] = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
+        # Freed space still waiting for a read lease to end was never forgotten by the node yet.
+        self.tombstones[node_id].update((r.segment, r.offset) for r in self.deferred.held_for(node))
         for put in [
             p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
         ]:
+            # Bytes of a put this master never committed may sit complete on the node's NVMe:
+            # never admit them when it comes back (only committed versions return).
+            self.tombstones[node_id].update(
+                (r.segment, r.offset) for r in put.replicas if r.node_id == node_id
+            )
             self._discard_pending(put)
         for task in [
             t for t in self.tasks.by_id.values() if t.node_id == node_id or t.src.node_id == node_id
@@ -600,6 +608,61 @@ class MasterService:
                 results.append(None)
         return results
 
+    def report_corrupt(self, reports: Sequence[object]) -> int:
+        """Drop replicas a reader found corrupt (bytes that do not match their checksum).
+
+        Each report is ``[key, node_id, segment, offset, checksum]``: the replica the reader
+        read and the checksum it expected. Only a replica the key's *current* object still
+        names, with that checksum, goes (a report about an older version, or a stale guess,
+        changes nothing). The object keeps its replica count, so replication copies a good
+        replica back; a corrupt last replica takes the object with it (a miss, never bad bytes).
+        Why trust a reader: any token holder may remove the key outright, so a report gives no
+        new power, and a replica that fails its checksum serves no reader anyway.
+
+        Returns:
+            How many replicas were dropped.
+
+        Raises:
+            InvalidRequestError: a malformed report.
+        """
+        self._check_batch(reports)
+        dropped = 0
+        for rep in reports:
+            if not isinstance(rep, list | tuple) or len(rep) != 5:
+                raise InvalidRequestError(
+                    "a corruption report is [key, node_id, segment, offset, checksum]"
+                )
+            key, node_id, segment, offset, checksum = rep
+            obj = self.objects.get(key) if isinstance(key, bytes) else None
+            if obj is None or obj.checksum != checksum or obj.busy:
+                continue  # (a move or copy in flight verifies its bytes itself)
+            bad = next(
+                (
+                    r
+                    for r in obj.replicas
+                    if r.node_id == node_id and r.segment == segment and r.offset == offset
+                ),
+                None,
+            )
+            if bad is None:
+                continue
+            log.warning(
+                "replica of %r on node %s (%s@%d) is corrupt: dropped",
+                key[:64],
+                node_id,
+                segment,
+                offset,
+            )
+            # Its bytes are garbage, but a reader may still be on them: hold the space alike.
+            wanted = obj.replicas_wanted
+            self.delete_replica(obj, bad, hold=True)
+            if obj.replicas:
+                obj.replicas_wanted = wanted
+                self.replication.replica_lost(obj)
+            self.num_corrupt_replicas += 1
+            dropped += 1
+        return dropped
+
     # ================================================================ pins
     def pin(
         self, keys: Sequence[bytes], ttl_s: float, hard: bool = False
@@ -785,6 +848,7 @@ class MasterService:
             "object_bytes": sum(o.size for o in self.objects.values()),
             "num_reclaimed": self.num_reclaimed,
             "num_dead_nodes": self.num_dead_nodes,
+            "num_corrupt_replicas": self.num_corrupt_replicas,
             "prefix": self.prefix.stats(),
             "nodes": [
                 {

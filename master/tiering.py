@@ -328,6 +328,9 @@ class TierManager:
             "dst": [dst.segment, dst.offset],
             "stamp": dst.stamp,
             "deadline_ms": self.svc.wall_ms() + int(self.config.task_timeout_s * 1000),
+            # Where the node writes is a new allocation: its place among write grants for
+            # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
+            "claim_ms": self.svc.wall_ms() + int(self.svc.config.put_timeout_s * 1000),
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id

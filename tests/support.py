@@ -163,3 +163,19 @@ def wait_until(
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def flip_arena_byte(cluster: Cluster, node_id: str, offset: int) -> None:
+    """Flip one byte of a node's DRAM arena file behind the store's back (silent corruption)."""
+    from kvstore.node.arena import default_arena_path
+
+    for i in range(len(cluster.nodes)):
+        data_dir = cluster.tmp / f"node{i}"
+        if (data_dir / "node_id").read_text().strip() == node_id:
+            with open(default_arena_path(node_id, data_dir), "r+b") as f:
+                f.seek(offset)
+                b = f.read(1)
+                f.seek(offset)
+                f.write(bytes([b[0] ^ 0xFF]))
+            return
+    raise AssertionError(f"no node {node_id} in this cluster")

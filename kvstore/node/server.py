@@ -38,7 +38,7 @@ from kvstore.errors import (
     UnknownVerbError,
 )
 from kvstore.node.arena import ShmArena
-from kvstore.node.tiers import StoredObject, Tier
+from kvstore.node.tiers import TIER_NVME, StoredObject, Tier
 from kvstore.types import result_to_wire
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,8 @@ class DataServer:
         self.tiers: dict[str, Tier] = dict(tiers or {})
         self.secret = secret  # also starts the memo of verified grants
         self.clock_ms = clock_ms
+        #: Which allocation owns each granted range now (see grants.WriteClaims).
+        self.claims = grants.WriteClaims(lambda: self.clock_ms())
         self.manifest = Manifest()
         for tier in self.tiers.values():
             for obj in tier.stored():
@@ -164,8 +166,12 @@ class DataServer:
 
     @secret.setter
     def secret(self, secret: bytes) -> None:
-        # A new secret (a new registration) forgets every grant verified under the old one.
+        # A new secret (a new registration) forgets every grant verified under the old one, and
+        # stops every write still streaming in under one of them.
         self.verified = grants.VerifiedGrants(secret)
+        claims = getattr(self, "claims", None)
+        if claims is not None:
+            claims.reset()
 
     def start(self) -> None:
         self._accept_thread.start()
@@ -369,48 +375,84 @@ class DataServer:
             )
         # Check every item before touching the payload, then stream each into place.
         plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
+        claimed: list[tuple[Any, grants.WriteStream | None]] = []  # per planned item, or None
         for grant_wire, start, length, checksum in items:
             try:
                 tier_grant = self._tier_write_grant(grant_wire, start, length)
                 if tier_grant is not None:
                     if not isinstance(checksum, int) or isinstance(checksum, bool):
                         raise InvalidRequestError("checksum must be an integer")
+                    by_id = self.tiers[tier_grant.segment].tier == TIER_NVME
+                    claimed.append((self.claims.begin(tier_grant, None, by_id), None))
                     plan.append((None, tier_grant, None))
                     continue
                 grant, view = self._granted_view(grant_wire, grants.OP_WRITE)
                 grants.check_range(grant, start, length)
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
+                stream = grants.WriteStream(fs.sock)
+                claimed.append((self.claims.begin(grant, stream), stream))
                 plan.append((None, grant, view[start : start + length]))
             except KVStoreError as err:
+                claimed.append((None, None))
                 plan.append((err, None, None))
         results: list[Any] = []
         # Whole objects for non-arena tiers, stored in one batch per tier after the payload.
         tier_items: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}
-        for (err, grant, dest), (_, start, length, checksum) in zip(plan, items, strict=True):
-            if grant is not None and dest is None and err is None:
-                buf = memoryview(bytearray(length))
-                fs.recv_into(buf)
-                obj = StoredObject(grant.offset, grant.key, grant.size, checksum, grant.expires_ms)
-                tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
+        done: set[int] = set()  # planned items whose bytes all arrived
+        try:
+            for i, ((err, grant, dest), (_, start, length, checksum)) in enumerate(
+                zip(plan, items, strict=True)
+            ):
+                if grant is not None and dest is None and err is None:
+                    buf = memoryview(bytearray(length))
+                    fs.recv_into(buf)
+                    obj = StoredObject(
+                        grant.offset, grant.key, grant.size, checksum, grant.expires_ms
+                    )
+                    tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
+                    results.append([0, None])
+                    continue
+                if grant is None or dest is None:
+                    fs.discard(length, scratch)
+                    results.append(result_to_wire(err))
+                    continue
+                stream = claimed[i][1]
+                assert stream is not None
+                # No socket read starts once the grant has expired (or a newer write of these
+                # bytes fenced this one): no byte of it lands on another allocation's bytes.
+                left_s = (grant.expires_ms - self.clock_ms()) / 1000
+                fs.recv_into_before(dest, time.monotonic() + left_s, lambda s=stream: s.aborted)
+                stream.stopped.set()
+                done.add(i)
+                if start == 0 and length == grant.size:
+                    self.manifest.record(
+                        grant.segment,
+                        grant.offset,
+                        ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
+                    )
                 results.append([0, None])
-                continue
-            if grant is None or dest is None:
-                fs.discard(length, scratch)
-                results.append(result_to_wire(err))
-                continue
-            fs.recv_into(dest)
-            if start == 0 and length == grant.size:
-                self.manifest.record(
-                    grant.segment,
-                    grant.offset,
-                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
-                )
-            results.append([0, None])
-        for segment, batch in tier_items.items():
-            errs = self.store_objects(segment, [(obj, buf) for _, obj, buf in batch])
-            for (i, _, _), e in zip(batch, errs, strict=True):
-                results[i] = result_to_wire(e)
+            for segment, batch in tier_items.items():
+                now = self.clock_ms()
+                live = []
+                for i, obj, buf in batch:
+                    if now > obj.stamp:  # (the stamp is the write grant's expiry)
+                        results[i] = result_to_wire(
+                            GrantInvalidError("write grant expired before its bytes arrived")
+                        )
+                    else:
+                        live.append((i, obj, buf))
+                errs = self.store_objects(segment, [(obj, buf) for _, obj, buf in live])
+                for (i, _, _), e in zip(live, errs, strict=True):
+                    results[i] = result_to_wire(e)
+                    if e is None:
+                        done.add(i)
+        finally:
+            for i, (claim, stream) in enumerate(claimed):
+                if claim is not None:
+                    self.claims.end(claim, stream, complete=i in done)
+                if stream is not None:
+                    stream.stopped.set()
         self.num_writes += len(items)
         fs.send_frame(protocol.encode_response(req.req_id, results))
 

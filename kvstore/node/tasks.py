@@ -32,7 +32,7 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
-from kvstore.node.tiers import StoredObject, checksum_of
+from kvstore.node.tiers import TIER_NVME, StoredObject, checksum_of
 from kvstore.types import Location, result_from_wire
 
 if TYPE_CHECKING:
@@ -113,8 +113,41 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
         for i in late:
             results[i] = [results[i][0], int(KVTimeoutError.code), "task passed its deadline"]
         batch = [b for b in batch if b[0] not in late]
+        batch = _claim_destinations(server, segment, batch, tasks, results)
         errs = server.store_objects(segment, [(obj, data) for _, obj, data in batch])
         for (i, _, _), err in zip(batch, errs, strict=True):
             if err is not None:
                 results[i] = [results[i][0], int(err.code), err.message]
     return results
+
+
+def _claim_destinations(
+    server: DataServer,
+    segment: str,
+    batch: list[tuple[int, StoredObject, memoryview]],
+    tasks: list[Any],
+    results: list[list[Any]],
+) -> list[tuple[int, StoredObject, memoryview]]:
+    """Claim each byte-addressed destination for its task's new allocation before storing, so
+    no write grant of an earlier allocation of those bytes can land on them afterwards (see
+    ``kvstore.grants.WriteClaims``). NVMe destinations are fresh ids: nothing to fence."""
+    tier = server.tiers.get(segment)
+    if tier is not None and tier.tier == TIER_NVME:
+        return batch
+    kept = []
+    for i, obj, data in batch:
+        task = tasks[i]
+        stamp = task.get("claim_ms")
+        if not isinstance(stamp, int) or isinstance(stamp, bool):
+            kept.append((i, obj, data))  # (an older master: no claim)
+            continue
+        try:
+            claim = server.claims.claim(
+                segment, obj.offset, obj.offset + max(1, obj.size), stamp, b"task:%d" % task["id"]
+            )
+            server.claims.end(claim, None, complete=True)
+        except KVStoreError as err:
+            results[i] = [results[i][0], int(err.code), err.message]
+            continue
+        kept.append((i, obj, data))
+    return kept

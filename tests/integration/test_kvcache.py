@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client, KVCache, Namespace
-from kvstore.errors import InvalidRequestError
+from kvstore.errors import ChecksumMismatchError, InvalidRequestError
+from kvstore.keys import block_bytes, block_keys
+from kvstore.kvblocks import kv_object_key
+from tests.support import flip_arena_byte
 
 L, H, D, BS = 3, 2, 16, 16
 
@@ -232,3 +235,52 @@ def test_block_level_puts_load_back_by_key(cluster_factory) -> None:
             kv.put_blocks(tokens, 3, rows[:2])  # block 4 would need more tokens
         with pytest.raises(InvalidRequestError):
             kv.put_blocks(tokens, 0, rows[0, :-1])  # not a whole block
+
+
+@pytest.mark.parametrize("reader", ["load", "load_layers"])
+@pytest.mark.parametrize("where", ["plane", "table"])
+def test_a_flipped_byte_in_a_partial_block_is_never_loaded(cluster_factory, where, reader) -> None:
+    # Store 32 tokens (2 blocks), load a prompt sharing 24: block 1 is read as a range of its
+    # first 8 tokens. A byte flipped inside those 8 tokens (or in the block's checksum table)
+    # behind the store's back must end the match before block 1, never hand back wrong bytes.
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(500, 500 + 2 * BS)
+        layers = make_kv(tokens)
+        assert kv.store(tokens, layers) == 2 * BS
+        prompt = np.concatenate([tokens[: BS + 8], np.arange(9000, 9010)])
+        out = empty_kv(len(prompt))
+        assert kv.load(prompt, out) == BS + 8
+        assert all(
+            np.array_equal(o[0][: BS + 8], x[0][: BS + 8]) for o, x in zip(out, layers, strict=True)
+        )
+
+        key = kv_object_key(kv.namespace.digest, block_keys(kv.namespace, tokens)[1])
+        loc = c.locate(key).locations[0]
+        stride = H * D * 2
+        if where == "plane":  # layer 1's V, token 3 of the block
+            pos = (2 * 1 + 1) * BS * stride + 3 * stride + 5
+        else:
+            pos = block_bytes(kv.namespace) + 3
+        flip_arena_byte(cluster, loc.node_id, loc.grant.offset + pos)
+
+        if reader == "load_layers":
+            # The layer holding the flipped byte raises instead of being yielded.
+            yielded = []
+            with pytest.raises(ChecksumMismatchError):
+                for layer, _, _ in kv.load_layers(prompt, empty_kv(len(prompt))):
+                    yielded.append(layer)
+            assert yielded == ([0] if where == "plane" else [])
+        # load: the partial block fails its chunk check (or, once reported, is gone): the match
+        # ends before it, with exactly the bytes stored.
+        out = empty_kv(len(prompt))
+        assert kv.load(prompt, out) == BS, "the match ends before the corrupt block"
+        for (k, v), (ko, vo) in zip(layers, out, strict=True):
+            assert np.array_equal(ko[:BS], k[:BS]) and np.array_equal(vo[:BS], v[:BS])
+            assert np.isnan(ko[BS:].astype(np.float32)).all()
+            assert np.isnan(vo[BS:].astype(np.float32)).all()
+        # The corrupt block was reported and dropped: lookups stop before it too.
+        assert kv.lookup(tokens) == BS
+        assert c.stats()["num_corrupt_replicas"] == 1
+        kv.close()

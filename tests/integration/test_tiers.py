@@ -11,9 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import xxhash
 
+from kvstore import protocol
 from kvstore.client import Client
 from kvstore.errors import (
+    ErrorCode,
     GrantInvalidError,
     InvalidRequestError,
     KeyNotFoundError,
@@ -276,3 +279,91 @@ def test_bad_tier_input_at_start(tmp_path: Path, cluster_factory) -> None:
     assert out.returncode == 2 and "watermarks" in out.stderr
     with Client.connect(cluster.address) as c, pytest.raises(InvalidRequestError):
         c.put("x", b"1", replicas=0)
+
+
+def _raw_control(cluster) -> protocol.FramedSocket:
+    host, port = cluster.address.split(":")
+    return protocol.FramedSocket.connect(host, int(port), timeout=10)
+
+
+def _raw_put(ctl: protocol.FramedSocket, key: bytes, data: bytes, commit: bool) -> list:
+    """put_start, write (with the grant kept), and put_end if ``commit``: the location's wire."""
+    code, (put_id, locations) = ctl.call("put_start", {"keys": [key], "sizes": [len(data)]})[0]
+    assert code == 0
+    loc = locations[0]
+    assert _raw_write(loc, data) == 0
+    if commit:
+        checksum = xxhash.xxh3_64_intdigest(data)
+        assert ctl.call("put_end", {"put_ids": [put_id], "checksums": [checksum]}) == [[0, None]]
+    return loc
+
+
+def _raw_write(loc: list, data: bytes) -> int:
+    conn = protocol.FramedSocket.connect(loc[1], loc[2], timeout=10)
+    try:
+        items = [[loc[3], 0, len(data), xxhash.xxh3_64_intdigest(data)]]
+        conn.send_frame(protocol.encode_request(1, "write", {"items": items}, len(data)), [data])
+        response, _ = conn.read_response()
+        return response.unwrap()[0][0]
+    finally:
+        conn.close()
+
+
+def _kill_and_restart(cluster, c: Client) -> None:
+    cluster.nodes[0].kill()  # kill -9: no goodbye, no last heartbeat
+    cluster.nodes.clear()
+    cluster.add_node("1MiB", name="node0")  # same data dir; the cluster's node_args
+    wait_until(lambda: c.stats()["num_nodes"] == 1, what="node back")
+
+
+def test_after_kill_9_only_committed_latest_nvme_versions_come_back(cluster_factory) -> None:
+    cluster = cluster_factory(
+        num_nodes=1, dram="1MiB", master_args=FAST, node_args=("--nvme", "32MiB")
+    )
+    big = 2 << 20  # larger than DRAM: lands on NVMe
+    vals = {k: os.urandom(big) for k in ("pending", "keep", "gone", "v1", "v2")}
+    ctl = _raw_control(cluster)
+    try:
+        with Client.connect(cluster.address) as c:
+            loc = _raw_put(ctl, b"pending", vals["pending"], commit=False)  # never put_end'ed
+            assert loc[3][2] == "nvme"
+            c.put("keep", vals["keep"])
+            c.put("gone", vals["gone"])
+            c.remove("gone")
+            c.put("over", vals["v1"])
+            c.put("over", vals["v2"])
+            assert {tier_of(c, k) for k in ("keep", "over")} == {"nvme"}
+            _kill_and_restart(cluster, c)
+            wait_until(lambda: c.exists("keep") and c.exists("over"), what="re-admission")
+            assert c.get("keep") == vals["keep"]
+            assert c.get("over") == vals["v2"]
+            assert not c.exists("pending") and not c.exists("gone")
+            with pytest.raises(KeyNotFoundError):
+                c.get("pending")
+            assert c.stats()["num_objects"] == 2
+    finally:
+        ctl.close()
+
+
+def test_a_removed_nvme_key_stays_removed_after_a_late_write_and_restart(
+    cluster_factory,
+) -> None:
+    cluster = cluster_factory(
+        num_nodes=1, dram="1MiB", master_args=FAST, node_args=("--nvme", "32MiB")
+    )
+    first, late = os.urandom(2 << 20), os.urandom(2 << 20)
+    ctl = _raw_control(cluster)
+    try:
+        with Client.connect(cluster.address) as c:
+            loc = _raw_put(ctl, b"k", first, commit=True)
+            assert loc[3][2] == "nvme" and c.get("k") == first
+            c.remove("k")
+            # A write carrying the removed version's grant (still unexpired) is refused.
+            assert _raw_write(loc, late) == ErrorCode.GRANT_INVALID
+            _kill_and_restart(cluster, c)
+            c.put("probe", b"p")  # the node serves again
+            assert not c.exists("k")
+            with pytest.raises(KeyNotFoundError):
+                c.get("k")
+    finally:
+        ctl.close()

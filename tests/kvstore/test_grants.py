@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvstore import grants
@@ -120,3 +123,55 @@ def test_memo_makes_room_by_dropping_expired_grants_first() -> None:
     late = grants.sign(SECRET, grants.OP_READ, b"late", "dram", 0, 10, 10_000)
     memo.check(late.to_wire(), grants.OP_READ, now_ms=500)  # the seven short ones expired
     assert set(memo._memo) == {keep.signature, late.signature}
+
+
+def _w(offset: int, size: int, expires: int, key: bytes = b"k") -> grants.Grant:
+    return grants.sign(SECRET, grants.OP_WRITE, key, "dram", offset, size, expires)
+
+
+def test_claims_refuse_stale_and_used_grants() -> None:
+    now = [100]
+    claims = grants.WriteClaims(lambda: now[0])
+    old = _w(0, 1000, 5000)
+    c = claims.begin(old, None)
+    claims.end(c, None, complete=True)
+    with pytest.raises(GrantInvalidError, match="already used"):
+        claims.begin(old, None)  # a replay of a grant that completed a write
+    new = _w(512, 1000, 6000, b"n")  # a newer allocation overlapping the old one's bytes
+    claims.end(claims.begin(new, None), None, complete=True)
+    with pytest.raises(GrantInvalidError, match="newer allocation"):
+        claims.begin(_w(0, 600, 5500, b"x"), None)  # older than `new`, overlapping it
+    tie = _w(1400, 10, 6000, b"t")  # same expiry, another grant: order unknown, refused
+    with pytest.raises(GrantInvalidError):
+        claims.begin(tie, None)
+    claims.end(claims.begin(_w(1512, 10, 5500, b"y"), None), None, complete=True)  # no overlap
+    now[0] = 7000  # every claim expired: nothing left to fence
+    claims.end(claims.begin(_w(0, 2000, 9000, b"z"), None), None, complete=True)
+
+
+def test_a_newer_write_stops_an_older_stream_first() -> None:
+    claims = grants.WriteClaims(lambda: 100)
+    stream = grants.WriteStream()
+    old = claims.begin(_w(0, 100, 5000), stream)
+    stopped_when_new_began: list[bool] = []
+
+    def receiver() -> None:  # the older write's receive loop: it sees the abort and leaves
+        while not stream.aborted:
+            time.sleep(0.001)
+        claims.end(old, stream, complete=False)
+        stream.stopped.set()
+
+    t = threading.Thread(target=receiver)
+    t.start()
+    claims.begin(_w(0, 100, 6000, b"n"), None)
+    stopped_when_new_began.append(stream.stopped.is_set())
+    t.join(5)
+    assert stream.aborted and stopped_when_new_began == [True]
+
+
+def test_reset_stops_every_stream() -> None:
+    claims = grants.WriteClaims(lambda: 100)
+    stream = grants.WriteStream()
+    claims.begin(_w(0, 100, 5000), stream)
+    claims.reset()
+    assert stream.aborted and len(claims) == 0

@@ -168,3 +168,21 @@ def test_freed_replicas_name_their_version_for_the_node() -> None:
     svc.put_end([t2.put_id], [2])
     g1 = t1.locations[0].grant
     assert svc.heartbeat("a") == [(g1.segment, g1.offset, g1.expires_ms)]
+
+
+def test_a_restarted_node_never_brings_back_an_uncommitted_or_lease_held_extent() -> None:
+    svc = make_service()
+    register(svc, "a")
+    (pending,) = svc.put_start([b"pending"], [100])  # written on the node, never put_end'ed
+    (gone,) = svc.put_start([b"gone"], [100])
+    assert svc.put_end([gone.put_id], [7]) == [None]
+    svc.objects[b"gone"].lease_until = 1e9  # a reader holds it: the remove waits for the lease
+    assert svc.remove([b"gone"]) == [None]
+    assert len(svc.deferred) == 1
+    register(svc, "a")  # the node restarted (same id) before any of it reached it
+    offsets = [t.locations[0].grant.offset for t in (pending, gone)]
+    report = svc.admit_manifest(
+        "a", [claim(b"pending", offsets[0], stamp=5), claim(b"gone", offsets[1], stamp=5)]
+    )
+    assert (report.num_admitted, report.num_rejected) == (0, 2)
+    assert svc.objects == {}

@@ -448,3 +448,30 @@ def test_a_pin_holds_across_an_overwrite(clock: FakeClock) -> None:
     svc.pin([b"k"], ttl_s=100, hard=True)
     put(svc, b"k", 20)
     assert svc.objects[b"k"].pin and svc.stats()["num_pinned"] == 1
+
+
+def test_corrupt_replica_reports_drop_and_re_replicate(clock: FakeClock) -> None:
+    svc = make(clock, nodes=3)
+    put(svc, b"k", 1000, replicas=2)
+    obj = svc.objects[b"k"]
+    bad = obj.replicas[0]
+    report = [b"k", bad.node_id, bad.segment, bad.offset, obj.checksum]
+    # A report naming another version, or a replica the object does not have, changes nothing.
+    assert svc.report_corrupt([[b"k", bad.node_id, bad.segment, bad.offset, 999]]) == 0
+    assert (
+        svc.report_corrupt([[b"k", bad.node_id, bad.segment, bad.offset + 64, obj.checksum]]) == 0
+    )
+    assert svc.report_corrupt([[b"missing", bad.node_id, bad.segment, 0, 1]]) == 0
+    with pytest.raises(InvalidRequestError):
+        svc.report_corrupt([[b"k", bad.node_id]])
+    assert svc.report_corrupt([report]) == 1
+    assert bad not in obj.replicas and len(obj.replicas) == 1 and obj.replicas_wanted == 2
+    svc.tick()
+    assert run_tasks(svc) == 1
+    assert len(obj.replicas) == 2 and svc.stats()["num_corrupt_replicas"] == 1
+    # A corrupt last replica takes the object with it: a miss, never bad bytes.
+    put(svc, b"one", 100)
+    one = svc.objects[b"one"]
+    r = one.replicas[0]
+    assert svc.report_corrupt([[b"one", r.node_id, r.segment, r.offset, one.checksum]]) == 1
+    assert b"one" not in svc.objects

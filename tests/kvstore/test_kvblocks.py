@@ -1,0 +1,34 @@
+"""The checksum table at the end of a block object: chunk sizes, and what it catches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore.kvblocks import checksum_table, checksum_table_bytes, chunks_per_plane, verify_chunks
+
+
+@pytest.mark.parametrize(
+    ("block_size", "chunks"), [(1, 1), (2, 2), (3, 3), (5, 1), (6, 3), (16, 4), (512, 4)]
+)
+def test_chunks_divide_the_block(block_size: int, chunks: int) -> None:
+    assert chunks_per_plane(block_size) == chunks
+    assert block_size % chunks == 0
+
+
+def test_table_catches_flips_in_data_table_and_seal() -> None:
+    bs, stride, num_planes = 16, 8, 6
+    planes = np.random.default_rng(0).integers(0, 256, (num_planes, bs * stride), dtype=np.uint8)
+    table = checksum_table(b"kv/a", planes, bs)
+    assert table.nbytes == checksum_table_bytes(num_planes, bs)
+    chunk = bs // chunks_per_plane(bs) * stride
+    first_two = {p: planes[p, : 2 * chunk] for p in range(num_planes)}
+    assert verify_chunks(b"kv/a", table.tobytes(), first_two, bs, chunk)
+    assert not verify_chunks(b"kv/b", table.tobytes(), first_two, bs, chunk), "another key"
+    bad = {**first_two, 3: first_two[3].copy()}
+    bad[3][chunk + 1] ^= 1
+    assert not verify_chunks(b"kv/a", table.tobytes(), bad, bs, chunk)
+    raw = bytearray(table.tobytes())
+    raw[5] ^= 1
+    assert not verify_chunks(b"kv/a", bytes(raw), first_two, bs, chunk), "a flipped table entry"
+    assert not verify_chunks(b"kv/a", table.tobytes(), {0: planes[0, :5]}, bs, chunk), "partial"
