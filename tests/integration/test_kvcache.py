@@ -207,3 +207,17 @@ def test_kv_blocks_are_immutable_and_not_writable_by_plain_puts(cluster_factory)
         out = empty_kv(len(tokens))
         assert kv.load(tokens, out) == 2 * BS
         assert all(np.array_equal(o[0], w[0]) for o, w in zip(out, layers, strict=True))
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, [2]], [[1], [2, 3]], [[1, 2], [3, 4]], ["a"], [1.5], [None], "abc", {"a": 1}],
+    ids=["ragged", "ragged-lists", "2-d", "str-item", "float", "none", "str", "dict"],
+)
+def test_lookup_of_malformed_tokens_is_a_typed_error(cluster_factory, tokens) -> None:
+    cluster = cluster_factory(num_nodes=1, dram="16MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        with pytest.raises(InvalidRequestError):
+            kv.lookup(tokens)
+        assert kv.lookup(np.arange(BS)) == 0  # the client still works
