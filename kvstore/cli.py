@@ -144,6 +144,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     from kvstore.master.daemon import Master, install_stop_signals
 
+    # Checked here, before anything starts: the node child would only fail on them later.
+    parse_size(args.dram)
+    parse_size(args.nvme)
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
     token = auth.load_token(args.token_file)  # the node child reads the same env / file
@@ -196,10 +199,13 @@ async def _up(args: argparse.Namespace) -> int:
         except TimeoutError:
             line = ""
         if "ready" not in line:
-            print(
-                f"kvstore up: the storage node failed to start ({line or 'no output'})",
-                file=sys.stderr,
-            )
+            if line:
+                why = line
+            elif node.returncode is not None or await _exited(node, 1.0):
+                why = f"it exited with status {node.returncode}; its error is above"
+            else:
+                why = f"not ready within {READY_TIMEOUT_S:g} s"
+            print(f"kvstore up: the storage node failed to start ({why})", file=sys.stderr)
             return 1
         data = line.split("data=")[1].split()[0]
         print(
@@ -228,6 +234,15 @@ async def _up(args: argparse.Namespace) -> int:
         await master.stop()
     print("kvstore up: stopped", flush=True)
     return code
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` seconds."""
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -424,6 +439,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_error_text(exc: OSError) -> str:
+    """``exc`` as one line, without Python's ``[Errno N]`` prefix."""
+    text = str(exc)
+    if text.startswith("[Errno"):
+        text = text.split("] ", 1)[-1]
+    if exc.filename is not None and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
@@ -432,6 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as err:
         print(f"kvstore {args.command}: {err.message}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a port in use, a data dir we may not write: one line, no traceback
+        print(f"kvstore {args.command}: {_os_error_text(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
