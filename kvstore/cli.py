@@ -14,10 +14,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import KVStoreError
+from kvstore.processes import die_with_parent
 
 log = logging.getLogger("kvstore")
 
@@ -119,6 +121,9 @@ def cmd_master(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import NodeOptions, serve_node
 
+    if args.parent_pipe is not None:  # started by `kvstore up`: stop when it dies
+        die_with_parent(args.parent_pipe)
+
     options = NodeOptions(
         host=args.host,
         port=args.port,
@@ -164,7 +169,26 @@ async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
     data_dir = Path(args.data_dir).resolve()
-    node = await asyncio.create_subprocess_exec(
+    # The node holds the read end; only we hold the write end (not inheritable), so the node
+    # sees EOF when we die, even by SIGKILL, and stops (kvstore.processes.die_with_parent).
+    parent_r, parent_w = os.pipe()
+    try:
+        node = await _start_node(args, endpoints.control, node_port, data_dir, parent_r)
+    except BaseException:
+        os.close(parent_w)
+        raise
+    finally:
+        os.close(parent_r)
+    try:
+        return await _run_up(args, master, endpoints, node, stop, data_dir)
+    finally:
+        os.close(parent_w)
+
+
+async def _start_node(
+    args: argparse.Namespace, control: str, node_port: int, data_dir: Path, parent_r: int
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "kvstore",
@@ -172,7 +196,9 @@ async def _up(args: argparse.Namespace) -> int:
         args.log_level,
         "node",
         "--master",
-        endpoints.control,
+        control,
+        "--parent-pipe",
+        str(parent_r),
         "--host",
         args.host,
         "--port",
@@ -188,7 +214,18 @@ async def _up(args: argparse.Namespace) -> int:
         *(["--shm"] if args.shm else []),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
+        pass_fds=(parent_r,),
     )
+
+
+async def _run_up(
+    args: argparse.Namespace,
+    master: Any,
+    endpoints: Any,
+    node: asyncio.subprocess.Process,
+    stop: asyncio.Event,
+    data_dir: Path,
+) -> int:
     assert node.stdout is not None
     code = 0
     try:
@@ -401,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let same-host clients of this user map the DRAM arena (shm transport)",
     )
+    # Internal (kvstore up): the read end of a pipe; EOF on it means the parent died.
+    p.add_argument("--parent-pipe", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")

@@ -107,3 +107,58 @@ def test_status_at_a_port_that_is_not_http_fails_with_one_clear_line(tmp_path: P
         _one_clear_line(out, "kvstore status", "HTTP")
     finally:
         master.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie has exited already (its parent has not reaped it yet).
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_kill_9_of_up_takes_its_node_along_and_a_restart_on_the_same_dir_works(
+    tmp_path: Path,
+) -> None:
+    from tests.support import wait_until
+
+    port, node_port = _free_port(), _free_port()
+    flags = ["up", "--port", str(port), "--admin-port", "0", "--node-port", str(node_port)]
+    flags += ["--data-dir", str(tmp_path), "--dram", "32MiB", "--nvme", "32MiB"]
+    up = Daemon(flags, ready=r"kvstore up: ready")
+    nodes: list[int] = []
+    try:
+        with Client.connect(f"127.0.0.1:{port}", timeout=10) as c:
+            c.put("k", b"v" * 100)
+        nodes = _children(up.pid)
+        assert len(nodes) == 1, nodes
+        up.kill()  # SIGKILL: no chance to stop the node itself
+        wait_until(lambda: _gone(nodes[0]), timeout=30, what="the orphaned node to exit")
+    finally:
+        up.kill()
+        for pid in nodes:  # the test failed: stop what it started anyway
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    again = Daemon(flags, ready=r"kvstore up: ready")
+    try:
+        with Client.connect(f"127.0.0.1:{port}", timeout=10) as c:
+            c.put("k2", b"w" * 100)
+            assert c.get("k2") == b"w" * 100
+        assert again.field("data").endswith(f":{node_port}")
+    finally:
+        assert again.stop() == 0
