@@ -280,6 +280,8 @@ class ControlServer:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._awake = LoopAwake()
+        #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
+        self.pending = auth.PendingConnections()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
@@ -295,24 +297,44 @@ class ControlServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         gate = auth.Gate(self.token)
+        loop = asyncio.get_running_loop()
+        hello_by = started = 0.0
+        if not gate.open:  # the whole hello must arrive, small, by this time
+            hello_by = loop.time() + auth.HELLO_TIMEOUT_S
+            self.pending.add(writer, writer.close)
         try:
             while True:
                 try:
-                    raw = await reader.readexactly(protocol.HEADER_SIZE)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                    if gate.open:
+                        # Idle between frames as long as it likes; once a frame starts, it
+                        # must arrive whole within its deadline (no half-sent frame holds us).
+                        first = await reader.readexactly(1)
+                        started = loop.time()
+                        async with asyncio.timeout_at(started + protocol.FRAME_TIMEOUT_S):
+                            raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
+                    else:
+                        async with asyncio.timeout_at(hello_by):
+                            raw = await reader.readexactly(protocol.HEADER_SIZE)
+                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
                     return
                 try:
                     header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
                     if header.kind != protocol.KIND_REQUEST:
                         raise ProtocolError("expected a request frame")
-                except ProtocolError as err:
-                    # The framing is lost: answer once, then hang up.
+                    gate.check_header(header)  # nothing large before the token is proved
+                except KVStoreError as err:
+                    # The framing is lost (or the peer is not authenticated): answer once,
+                    # then hang up.
                     writer.write(protocol.encode_error(0, err))
                     await writer.drain()
                     return
+                deadline = (
+                    started + protocol.frame_deadline_s(header.body_len) if gate.open else hello_by
+                )
                 try:
-                    body = await reader.readexactly(header.body_len)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                    async with asyncio.timeout_at(deadline):
+                        body = await reader.readexactly(header.body_len)
+                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
                     return
                 try:
                     request = protocol.decode_request(body)
@@ -321,6 +343,8 @@ class ControlServer:
                 else:
                     screened = gate.screen(request)
                     if screened is not None:
+                        if gate.open:
+                            self.pending.discard(writer)
                         writer.write(screened[0])
                         await writer.drain()
                         if screened[1]:
@@ -336,5 +360,6 @@ class ControlServer:
         except ConnectionError:
             return
         finally:
+            self.pending.discard(writer)
             self._writers.discard(writer)
             writer.close()
