@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+import msgpack
 
 from kvstore import auth, protocol
 from kvstore.config import check_wire_key
@@ -24,6 +27,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.master.prefix import check_prompt_size
 from kvstore.master.service import MasterService
 from kvstore.polling import LoopAwake
 from kvstore.transports import check_transports
@@ -250,6 +254,140 @@ def dispatch(
             observer.observe(request, code, result, time.perf_counter() - started)
 
 
+# ---------------------------------------------------------------- bounded work per loop turn
+#: Items (keys, put ids) served per turn of the event loop: a large batch is served in chunks
+#: of this many, and other connections' requests run between two chunks. (``KVSTORE_CHUNK_ITEMS``
+#: overrides it, for bench/bench_fairness.py to compare against unchunked serving.)
+CHUNK_ITEMS = max(1, int(os.environ.get("KVSTORE_CHUNK_ITEMS", "256")))
+
+#: Batch verbs served in chunks: their parallel list arguments and each item's type (None:
+#: keys, checked one by one with an error in place).
+CHUNKED: dict[str, dict[str, type | None]] = {
+    "put_start": {"keys": None, "sizes": int},
+    "put_end": {"put_ids": int, "checksums": int},
+    "put_revoke": {"put_ids": int},
+    "get_locations": {"keys": None},
+    "exists": {"keys": None},
+    "remove": {"keys": None},
+    "pin": {"keys": None},
+    "unpin": {"keys": None},
+    "kv_commit": {"put_ids": int, "checksums": int},
+}
+
+
+def _chunk_count(svc: MasterService, request: protocol.Request) -> int:
+    """How many items a request has that is worth serving in chunks (0: serve it in one go).
+
+    Every item's type is checked here, before the first chunk changes anything, so that a bad
+    item refuses the whole request as it would unchunked.
+
+    Raises:
+        InvalidRequestError: an item of the wrong type.
+    """
+    fields = CHUNKED.get(request.verb)
+    if fields is None:
+        return 0
+    lists = [request.args.get(f) for f in fields]
+    if not all(isinstance(v, list) for v in lists):
+        return 0  # the handler refuses it, as before
+    n = len(lists[0])
+    if any(len(v) != n for v in lists) or n > svc.config.max_batch:
+        return 0  # likewise
+    if n <= CHUNK_ITEMS and request.verb != "kv_commit":
+        return 0
+    for name, item in fields.items():
+        if item is not None:
+            _list(request.args, name, item)
+    return n
+
+
+_PACK = msgpack.Packer(use_bin_type=True)
+
+
+async def _serve_chunks(svc: MasterService, request: protocol.Request, n: int) -> bytes:
+    """Serve a batch in chunks of :data:`CHUNK_ITEMS`, yielding to the loop between two.
+
+    Returns:
+        The msgpack encoding of the result, packed chunk by chunk.
+    """
+    verb, args = request.verb, request.args
+    fields = CHUNKED[verb]
+    handler = HANDLERS[verb]
+    if verb == "kv_commit":  # checked before any put is committed
+        namespace = Namespace.from_dict(_arg(args, "namespace", dict))
+        tokens = tokens_from_wire(args.get("tokens"))
+        check_prompt_size(namespace, tokens)
+        handler = _put_end
+    parts = [_PACK.pack_array_header(n)]
+    for lo in range(0, n, CHUNK_ITEMS):
+        if lo:
+            await asyncio.sleep(0)  # one turn of the loop for everyone else
+        sub = dict(args)
+        for name in fields:
+            sub[name] = args[name][lo : lo + CHUNK_ITEMS]
+        parts.extend(map(_PACK.pack, handler(svc, sub)))
+    if verb != "kv_commit":
+        return b"".join(parts)
+    await asyncio.sleep(0)
+    _, num_indexed = svc.kv_commit([], [], namespace, tokens)  # index the committed prefix
+    body = [_PACK.pack_map_header(2), _PACK.pack("results"), *parts]
+    body += [_PACK.pack("num_indexed"), _PACK.pack(num_indexed)]
+    return b"".join(body)
+
+
+async def _serve_kv_match(svc: MasterService, request: protocol.Request) -> bytes:
+    """``kv_match``: the match in one turn (bounded by the prompt limit), the replicas of its
+    blocks in chunks."""
+    namespace = Namespace.from_dict(_arg(request.args, "namespace", dict))
+    tokens = tokens_from_wire(request.args.get("tokens"))
+    match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
+    blocks: list[Any] = []
+    for lo in range(0, len(match.blocks), CHUNK_ITEMS):
+        if lo:
+            await asyncio.sleep(0)
+        chunk = match.blocks[lo : lo + CHUNK_ITEMS]
+        infos = svc.get_locations([key for key, _ in chunk])
+        blocks.extend(
+            [key, k, result_to_wire(info)] for (key, k), info in zip(chunk, infos, strict=True)
+        )
+    result = {"num_tokens": match.num_tokens, "block_size": match.block_size, "blocks": blocks}
+    return _PACK.pack(result)
+
+
+def _is_large_kv_match(request: protocol.Request) -> bool:
+    raw = request.args.get("tokens")
+    return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * CHUNK_ITEMS
+
+
+async def dispatch_bounded(
+    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+) -> bytes:
+    """:func:`dispatch`, but a large batch is served in chunks with the loop free between two
+    (bounded work per turn: one client's 65,536-key batch does not stall the others)."""
+    started, code, delegated = time.perf_counter(), 0, False
+    try:
+        if _is_large_kv_match(request):
+            packed = await _serve_kv_match(svc, request)
+        else:
+            n = _chunk_count(svc, request)
+            if not n:
+                delegated = True  # small: in one go (dispatch observes it)
+                return dispatch(svc, request, observer)
+            packed = await _serve_chunks(svc, request, n)
+        body = _PACK.pack_array_header(3) + _PACK.pack(request.req_id) + _PACK.pack(0) + packed
+        return protocol.encode_header(protocol.KIND_RESPONSE, len(body)) + body
+    except KVStoreError as err:
+        code = int(err.code)
+        return protocol.encode_error(request.req_id, err)
+    except Exception:
+        code = int(InternalError.code)
+        log.exception("internal error while serving %r", request.verb[:64])
+        return protocol.encode_error(request.req_id, InternalError("internal error"))
+    finally:
+        if observer is not None and not delegated:
+            observer.observe(request, code, None, time.perf_counter() - started)
+
+
 class Fence(Protocol):
     """Decides, before any handler runs, whether this master may serve a request (HA mode)."""
 
@@ -354,7 +492,8 @@ class ControlServer:
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
-                        writer.write(dispatch(self.service, request, self.observer))
+                        reply = await dispatch_bounded(self.service, request, self.observer)
+                        writer.write(reply)
                 await writer.drain()
                 self._awake.served()
         except ConnectionError:

@@ -48,7 +48,7 @@ from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
-from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
@@ -721,7 +721,11 @@ class MasterService:
 
         Returns:
             Per put, None or its error; and the number of blocks newly indexed.
+
+        Raises:
+            InvalidRequestError: a prompt over the block limit (nothing is committed).
         """
+        check_prompt_size(namespace, tokens)
         results = self.put_end(put_ids, checksums)
         return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
 

@@ -1,0 +1,165 @@
+"""Other clients' latency while one client runs maximum-size batches against the master.
+
+Run:  .venv/bin/python bench/bench_fairness.py [--clients 3] [--rounds 3]
+
+Starts an embedded cluster (``kvstore up``: master and node processes) and ``--clients``
+client processes that each call ``exists()`` (one small master round trip) in a loop. The
+benchmark process meanwhile runs, ``--rounds`` times each, the largest batches the master
+takes: ``batch_put`` / ``batch_get`` / ``batch_remove`` of 65,536 keys, and a KV-cache
+``store`` / ``lookup`` of a prompt at the block limit (16,384 blocks, block size 1). It prints one
+table: per big operation, how long it took and the other clients' p50/p99/max latency over the
+calls that overlapped it (idle: with no big operation running). The master serves big batches in
+chunks (``kvstore.master.server.CHUNK_ITEMS``), so the target is p99 < 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvstore.client import Client, KVCache, Namespace
+from kvstore.embedded import EmbeddedCluster
+from kvstore.master.prefix import MAX_PROMPT_BLOCKS
+
+MAX_KEYS = 65536
+
+
+def _other(address: str, key: str, stop: mp.Event, ready: mp.Queue, out: mp.Queue) -> None:
+    """A small client: ``exists()`` in a loop until ``stop``; sends back (start, latency) pairs."""
+    c = Client.connect(address, lease_reads=False, shm=False)
+    c.put(key, b"x")
+    for _ in range(100):
+        c.exists(key)
+    ready.put(True)
+    samples: list[tuple[float, float]] = []
+    while not stop.is_set():
+        t0 = time.monotonic()
+        c.exists(key)
+        samples.append((t0, time.monotonic() - t0))
+    c.close()
+    out.put(samples)
+
+
+def _ns() -> Namespace:
+    return Namespace(
+        model="fair", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=1
+    )
+
+
+def _big_ops(c: Client) -> list[tuple[str, Callable[[int], object]]]:
+    """The big operations, each a function of the round number."""
+    keys = [f"big/{i}" for i in range(MAX_KEYS)]
+    values = [b"v" * 8] * MAX_KEYS
+    kv = KVCache(c, _ns())
+    layer = np.zeros((MAX_PROMPT_BLOCKS, 1, 8), np.float16)
+
+    def prompt(r: int) -> np.ndarray:  # a new prompt each round: every block is stored anew
+        return np.arange(MAX_PROMPT_BLOCKS, dtype=np.uint32) + r * MAX_PROMPT_BLOCKS
+
+    def store(r: int) -> None:
+        assert kv.store(prompt(r), [(layer, layer)]) == MAX_PROMPT_BLOCKS
+
+    def lookup(r: int) -> None:
+        assert kv.lookup(prompt(r)) == MAX_PROMPT_BLOCKS
+
+    def put(r: int) -> None:
+        assert c.batch_put(keys, values) == [None] * MAX_KEYS
+
+    return [
+        (f"batch_put {MAX_KEYS} keys", put),
+        (f"batch_get {MAX_KEYS} keys", lambda r: c.batch_get(keys)),
+        (f"batch_remove {MAX_KEYS} keys", lambda r: c.batch_remove(keys)),
+        (f"KVCache.store {MAX_PROMPT_BLOCKS} blocks", store),
+        (f"KVCache.lookup {MAX_PROMPT_BLOCKS} blocks", lookup),
+    ]
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run(chunk_items: str, clients: int, rounds: int) -> list[tuple[str, float, list[float]]]:
+    """One cluster whose master serves ``chunk_items`` per loop turn; per big operation (and
+    idle), its mean duration and the other clients' latencies (ms) that overlapped it."""
+    env = {"KVSTORE_CHUNK_ITEMS": chunk_items}
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedCluster(tmp, "512MiB", env=env) as cluster:
+        big = Client.connect(cluster.address, timeout=600, shm=False)
+        ops = _big_ops(big)
+        ctx = mp.get_context("spawn")
+        out: mp.Queue = ctx.Queue()
+        ready: mp.Queue = ctx.Queue()
+        stop = ctx.Event()
+        procs = [
+            ctx.Process(target=_other, args=(cluster.address, f"small/{i}", stop, ready, out))
+            for i in range(clients)
+        ]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.get(timeout=120)
+        windows: dict[str, list[tuple[float, float]]] = {"idle": []}
+        t0 = time.monotonic()
+        time.sleep(2.0)  # not synchronisation: the idle window being measured
+        windows["idle"].append((t0, time.monotonic()))
+        for r in range(rounds):
+            for name, fn in ops:
+                t0 = time.monotonic()
+                try:
+                    fn(r)
+                except Exception:
+                    stop.set()
+                    raise SystemExit(
+                        f"{name} failed; the cluster's exit status: {cluster.proc.poll()}"
+                    ) from None
+                windows.setdefault(name, []).append((t0, time.monotonic()))
+        stop.set()
+        samples: list[tuple[float, float]] = []
+        for _ in procs:
+            samples.extend(out.get(timeout=120))
+        for p in procs:
+            p.join(timeout=30)
+        big.close()
+    rows = []
+    for name, spans in windows.items():
+        lat = [
+            lat * 1e3
+            for start, lat in samples
+            if any(start < w1 and start + lat > w0 for w0, w1 in spans)
+        ]
+        took = float(np.mean([w1 - w0 for w0, w1 in spans])) if name != "idle" else float("nan")
+        rows.append((name, took, lat))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--compare", action="store_true", help="also run with every batch in one turn (unchunked)"
+    )
+    args = ap.parse_args()
+    modes = [("256", "chunks of 256")]
+    if args.compare:
+        modes.append((str(1 << 20), "unchunked"))
+    print(f"{args.clients} other clients calling exists() in a loop; {args.rounds} rounds")
+    print(
+        f"{'master serves':14s} {'big operation':30s} {'took s':>7s} {'calls':>7s} "
+        f"{'p50 ms':>7s} {'p99 ms':>7s} {'max ms':>7s}"
+    )
+    for chunk, label in modes:
+        for name, took, lat in run(chunk, args.clients, args.rounds):
+            print(
+                f"{label:14s} {name:30s} {took:7.2f} {len(lat):7d} {_pct(lat, 50):7.2f} "
+                f"{_pct(lat, 99):7.2f} {max(lat, default=float('nan')):7.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
