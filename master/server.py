@@ -95,6 +95,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         _arg(args, "secret", bytes),
         segments,
         check_transports(args.get("transports", {})),
+        identity=_arg(args, "identity", bytes) if "identity" in args else None,
     )
     reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
@@ -113,6 +114,7 @@ def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
     # The node reports the tasks it ran; the reply carries what to forget and what to do next
     # (see kvstore/node/tasks.py), and whether a drained node may stop.
     node_id = _arg(args, "node_id", str)
+    svc.check_node_identity(node_id, _arg(args, "identity", bytes) if "identity" in args else None)
     if "done" in args:
         svc.tasks_done(node_id, _list(args, "done", list))
     forget = svc.heartbeat(node_id)
