@@ -396,6 +396,12 @@ class Fence(Protocol):
     def check(self, request: protocol.Request) -> KVStoreError | None: ...
 
 
+#: Bytes a connection's stream reader buffers before it pauses reading the socket (x2).
+STREAM_LIMIT = 64 << 10
+#: How often the server looks for connections past their frame or hello deadline.
+SWEEP_INTERVAL_S = 0.5
+
+
 class ControlServer:
     """Serves the msgpack control protocol for one :class:`MasterService` on an asyncio loop."""
 
@@ -419,28 +425,54 @@ class ControlServer:
         self.max_body = max_body
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        #: Connections with a frame (or the hello) on the way -> the loop time it must be in by.
+        self._deadlines: dict[asyncio.StreamWriter, float] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self._awake = LoopAwake()
         #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
         self.pending = auth.PendingConnections()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        # A small stream limit: a connection buffers at most ~2x this before we read it, so a
+        # flood of peers that are never authenticated holds little memory (readexactly of a
+        # larger body still works: it resumes reading as it goes).
+        self._server = await asyncio.start_server(
+            self._serve, self.host, self.port, limit=STREAM_LIMIT
+        )
         self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
 
+    async def _sweep(self) -> None:
+        """Close every connection whose frame (or hello) is past its deadline.
+
+        One timer for the whole server instead of one per request: a request only records its
+        deadline in ``_deadlines`` while its frame is on the way (a dict write, no timer).
+        """
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = loop.time()
+            late = [w for w, by in self._deadlines.items() if by < now]
+            for w in late:
+                self._deadlines.pop(w, None)
+                w.close()  # its reader sees EOF: the serving coroutine returns
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         gate = auth.Gate(self.token)
         loop = asyncio.get_running_loop()
-        hello_by = started = 0.0
+        deadlines = self._deadlines
         if not gate.open:  # the whole hello must arrive, small, by this time
-            hello_by = loop.time() + auth.HELLO_TIMEOUT_S
+            deadlines[writer] = loop.time() + auth.HELLO_TIMEOUT_S
             self.pending.add(writer, writer.close)
         try:
             while True:
@@ -450,12 +482,11 @@ class ControlServer:
                         # must arrive whole within its deadline (no half-sent frame holds us).
                         first = await reader.readexactly(1)
                         started = loop.time()
-                        async with asyncio.timeout_at(started + protocol.FRAME_TIMEOUT_S):
-                            raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
+                        deadlines[writer] = started + protocol.FRAME_TIMEOUT_S
+                        raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
                     else:
-                        async with asyncio.timeout_at(hello_by):
-                            raw = await reader.readexactly(protocol.HEADER_SIZE)
-                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+                        raw = await reader.readexactly(protocol.HEADER_SIZE)
+                except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 try:
                     header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
@@ -468,14 +499,14 @@ class ControlServer:
                     writer.write(protocol.encode_error(0, err))
                     await writer.drain()
                     return
-                deadline = (
-                    started + protocol.frame_deadline_s(header.body_len) if gate.open else hello_by
-                )
+                if gate.open and header.body_len > protocol.READ_AHEAD:
+                    deadlines[writer] = started + protocol.frame_deadline_s(header.body_len)
                 try:
-                    async with asyncio.timeout_at(deadline):
-                        body = await reader.readexactly(header.body_len)
-                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+                    body = await reader.readexactly(header.body_len)
+                except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                if gate.open:
+                    deadlines.pop(writer, None)
                 try:
                     request = protocol.decode_request(body)
                 except ProtocolError as err:
@@ -484,6 +515,7 @@ class ControlServer:
                     screened = gate.screen(request)
                     if screened is not None:
                         if gate.open:
+                            deadlines.pop(writer, None)
                             self.pending.discard(writer)
                         writer.write(screened[0])
                         await writer.drain()
@@ -501,6 +533,7 @@ class ControlServer:
         except ConnectionError:
             return
         finally:
+            deadlines.pop(writer, None)
             self.pending.discard(writer)
             self._writers.discard(writer)
             writer.close()
