@@ -298,6 +298,10 @@ class DataServer:
                     if screened is not None:
                         if gate.open:
                             self.pending.discard(conn)
+                        if header.payload_len > MAX_DISCARD:
+                            screened = (screened[0], True)  # not worth reading: hang up
+                        else:
+                            fs.discard(header.payload_len, scratch)
                         fs.send_frame(screened[0])
                         if screened[1]:
                             return

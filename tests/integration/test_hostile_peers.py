@@ -256,3 +256,15 @@ def test_node_ping_announcing_a_tebibyte_payload_is_refused_unread(cluster: Clus
         assert response.req_id == 7 and response.code == ErrorCode.MALFORMED_FRAME
         _wait_all_closed([s], SLACK_S)  # and hung up: the payload was never read
     _legit_service_works(cluster)
+
+
+def test_node_skips_a_small_payload_sent_with_a_hello(cluster: Cluster) -> None:
+    addr, _ = _targets(cluster)["node"]
+    with socket.create_connection(addr, timeout=30) as s:
+        _hello(s)
+        body = msgpack.packb([5, "hello", {"token": SECRET}])
+        s.sendall(protocol.encode_header(protocol.KIND_REQUEST, len(body), 3) + body + b"xyz")
+        fs = protocol.FramedSocket(s)
+        response, _ = fs.read_response()
+        assert response.req_id == 5 and response.code == 0
+        assert fs.call("ping", {})["role"] == "node"  # the framing held
