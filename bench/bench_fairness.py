@@ -10,7 +10,10 @@ takes: ``batch_put`` / ``batch_get`` / ``batch_remove`` of 65,536 keys, and a KV
 ``store`` / ``lookup`` of a prompt at the block limit (16,384 blocks, block size 1). It prints one
 table: per big operation, how long it took and the other clients' p50/p99/max latency over the
 calls that overlapped it (idle: with no big operation running). The master serves big batches in
-chunks (``kvstore.master.server.CHUNK_ITEMS``), so the target is p99 < 50 ms.
+chunks (``kvstore.master.server.CHUNK_ITEMS``), so the target is p99 < 50 ms. ``--compare``
+also runs a master that serves every batch in one turn; ``--gc-off`` repeats each run with the
+cluster's cyclic garbage collector off (through a ``sitecustomize`` on the cluster's
+``PYTHONPATH`` only), to tell CPython's collection pauses apart from the master's own work.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -100,7 +104,9 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def run(chunk_items: str, clients: int, rounds: int) -> list[tuple[str, float, list[float], str]]:
+def run(
+    chunk_items: str, clients: int, rounds: int, gc_off: bool = False
+) -> list[tuple[str, float, list[float], str]]:
     """One cluster whose master serves ``chunk_items`` per loop turn; per big operation (and
     idle), its mean duration, the other clients' latencies (ms) that overlapped it, and how it
     failed if it did."""
@@ -111,10 +117,21 @@ def run(chunk_items: str, clients: int, rounds: int) -> list[tuple[str, float, l
     # Generous timeouts: on a busy machine a 65,536-key batch_put can take longer than the
     # default put timeout, and an unchunked master misses the node's heartbeats meanwhile.
     extra = ["--put-timeout", "600", "--node-ttl", "120"]
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        EmbeddedCluster(tmp, "512MiB", extra=extra, env=env) as cluster,
-    ):
+    with tempfile.TemporaryDirectory() as site, tempfile.TemporaryDirectory() as tmp:
+        if gc_off:
+            # Only the cluster's processes (master, node): a sitecustomize that turns CPython's
+            # cyclic garbage collector off, to tell its pauses apart from the master's own work.
+            Path(site, "sitecustomize.py").write_text("import gc\ngc.disable()\n")
+            env["PYTHONPATH"] = os.pathsep.join(
+                [site, *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+        return _measure(EmbeddedCluster(tmp, "512MiB", extra=extra, env=env), clients, rounds)
+
+
+def _measure(
+    cluster: EmbeddedCluster, clients: int, rounds: int
+) -> list[tuple[str, float, list[float], str]]:
+    with cluster:
         big = Client.connect(cluster.address, timeout=600, shm=False)
         ops = _big_ops(big)
         ctx = mp.get_context("spawn")
@@ -168,22 +185,29 @@ def main() -> None:
     ap.add_argument(
         "--compare", action="store_true", help="also run with every batch in one turn (unchunked)"
     )
+    ap.add_argument(
+        "--gc-off",
+        action="store_true",
+        help="also run with the cluster's cyclic garbage collector off (its pauses apart)",
+    )
     args = ap.parse_args()
-    modes = [("256", "chunks of 256")]
+    modes = [("256", "chunks of 256", False)]
     if args.compare:
-        modes.append((str(1 << 20), "unchunked"))
+        modes.append((str(1 << 20), "unchunked", False))
+    if args.gc_off:
+        modes += [(chunk, f"{label}, gc off", True) for chunk, label, _ in modes]
     print(
         f"{args.clients} other clients calling exists() every {PROBE_INTERVAL_S * 1e3:g} ms "
         f"(latency from the due time); {args.rounds} rounds"
     )
     print(
-        f"{'master serves':14s} {'big operation':30s} {'took s':>7s} {'calls':>7s} "
+        f"{'master serves':24s} {'big operation':30s} {'took s':>7s} {'calls':>7s} "
         f"{'p50 ms':>7s} {'p99 ms':>7s} {'max ms':>7s}"
     )
-    for chunk, label in modes:
-        for name, took, lat, failed in run(chunk, args.clients, args.rounds):
+    for chunk, label, gc_off in modes:
+        for name, took, lat, failed in run(chunk, args.clients, args.rounds, gc_off):
             print(
-                f"{label:14s} {name:30s} {took:7.2f} {len(lat):7d} {_pct(lat, 50):7.2f} "
+                f"{label:24s} {name:30s} {took:7.2f} {len(lat):7d} {_pct(lat, 50):7.2f} "
                 f"{_pct(lat, 99):7.2f} {max(lat, default=float('nan')):7.2f}"
                 + (f"  FAILED: {failed}" if failed else ""),
                 flush=True,
