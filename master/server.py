@@ -458,9 +458,18 @@ class ControlServer:
         deadline in ``_deadlines`` while its frame is on the way (a dict write, no timer).
         """
         loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = loop.time()
+            stalled = now - last - SWEEP_INTERVAL_S
+            last = now
+            if stalled > SWEEP_INTERVAL_S:
+                # This loop did not run (a long batch, a GC pause): the peers' bytes may be
+                # waiting unread. Their time did not run out, ours did: push every deadline back.
+                for w in self._deadlines:
+                    self._deadlines[w] += stalled
+                continue
             late = [w for w, by in self._deadlines.items() if by < now]
             for w in late:
                 self._deadlines.pop(w, None)

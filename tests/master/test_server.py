@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -12,14 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import protocol
+from kvstore import auth, protocol
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, tokens_to_wire
 from kvstore.master.prefix import MAX_PROMPT_BLOCKS
-from kvstore.master.server import CHUNK_ITEMS, ControlServer
+from kvstore.master.server import CHUNK_ITEMS, SWEEP_INTERVAL_S, ControlServer
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import ObjectInfo, SegmentSpec
+from tests.support import wait_until
 
 NS = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=1)
 
@@ -154,3 +156,30 @@ def test_a_small_call_is_served_while_a_max_size_batch_is_in_progress(live: Live
     # Served a few chunks after it arrived, far from the end of the batch.
     assert events.index("small") < chunks // 2, events.index("small")
     assert replies == ["small", "big"]
+
+
+def test_a_hello_sent_in_time_survives_a_stall_of_the_master() -> None:
+    """Deadlines measure the peer, not us: a hello that arrived while the master's loop was
+    stalled past the hello deadline is still served."""
+    svc = MasterService(MasterConfig())
+    token = auth.Token("stall-test-token-0123456789abcdef")
+    # The daemons' loop: uvloop runs due timers (our sweeper) before it reads sockets.
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    server = ControlServer(svc, "127.0.0.1", 0, token=token)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    try:
+        conn = protocol.FramedSocket.connect("127.0.0.1", server.port, timeout=60)
+        wait_until(lambda: len(server.pending) == 1, timeout=30, what="the connection accepted")
+        stall = auth.HELLO_TIMEOUT_S + 2 * SWEEP_INTERVAL_S + 1
+        loop.call_soon_threadsafe(time.sleep, stall)  # the loop stalls (a GC pause, say)
+        auth.hello(conn, token)  # sent at once; answered once the loop runs again
+        assert conn.call("ping", {})["role"] == "master"
+        conn.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
