@@ -30,6 +30,7 @@ from kvstore.errors import (
     KVTimeoutError,
     MasterUnavailableError,
     NodeUnavailableError,
+    NoSpaceError,
     ProtocolError,
     UnauthenticatedError,
 )
@@ -453,10 +454,15 @@ class Client:
             for _round in range(2):  # a second round retries keys whose node died, elsewhere
                 if not todo:
                     break
+                lost = {j: results[index[j]] for j in todo} if _round else {}
                 todo, dead = self._put_round(
                     todo, wire_keys, views, sums, index, results, excluded, commit, replicas
                 )
                 excluded.extend(dead)
+                for j, err in lost.items():
+                    # The retry found no other node: the truth is still that the node died.
+                    if isinstance(results[index[j]], NoSpaceError):
+                        results[index[j]] = err
         finally:
             self._cache.forget(wire_keys)
         return results

@@ -15,10 +15,12 @@ value, and :class:`Token` masks itself.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import ssl
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,13 @@ TOKEN_ENV = "KVSTORE_TOKEN"
 TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
+#: Largest body a connection may send before it proved the token: a ``hello`` and its token.
+PRE_AUTH_MAX_BODY = MAX_TOKEN_BYTES + 1024
+#: Seconds a connection has, from accept, to complete its ``hello`` (token servers only).
+HELLO_TIMEOUT_S = 5.0
+#: Connections per server that have not proved the token yet. A new one over the bound
+#: closes the oldest: a flood cannot lock out a client that sends its hello right away.
+MAX_UNAUTHENTICATED = 256
 
 
 class Token:
@@ -116,6 +125,21 @@ class Gate:
         self._token = token
         self.open = token is None
 
+    def check_header(self, header: protocol.FrameHeader) -> None:
+        """Refuse, from its header alone, a frame too large for a connection that has not
+        proved the token yet: nothing big is read or decoded before authentication.
+
+        Raises:
+            UnauthenticatedError: not authenticated yet and the body is over
+                :data:`PRE_AUTH_MAX_BODY` or a payload follows (the caller closes).
+        """
+        if self.open:
+            return
+        if header.body_len > PRE_AUTH_MAX_BODY or header.payload_len:
+            raise UnauthenticatedError(
+                "this server needs a cluster token: send hello first (a small frame)"
+            )
+
     def screen(self, request: protocol.Request) -> tuple[bytes, bool] | None:
         if request.verb == HELLO_VERB:
             if self._token is not None and not self._token.matches(request.args.get("token")):
@@ -127,6 +151,39 @@ class Gate:
             err = UnauthenticatedError("this server needs a cluster token: send hello first")
             return protocol.encode_error(request.req_id, err), True
         return None
+
+
+class PendingConnections:
+    """The connections of one server that have not proved the token yet, oldest first.
+
+    :meth:`add` a connection at accept with a callable that closes it; :meth:`discard` it
+    once it authenticated or closed. Over ``limit``, adding closes the oldest pending ones.
+    Thread-safe (the node serves each connection on its own thread).
+    """
+
+    def __init__(self, limit: int = MAX_UNAUTHENTICATED) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._pending: dict[object, Callable[[], None]] = {}  # insertion order: oldest first
+
+    def add(self, conn: object, close: Callable[[], None]) -> None:
+        """Track ``conn``; close the oldest pending connections beyond the limit."""
+        evicted: list[Callable[[], None]] = []
+        with self._lock:
+            self._pending[conn] = close
+            while len(self._pending) > self.limit:
+                oldest = next(iter(self._pending))
+                evicted.append(self._pending.pop(oldest))
+        for fn in evicted:  # outside the lock: closing may run other code
+            with contextlib.suppress(Exception):
+                fn()
+
+    def discard(self, conn: object) -> None:
+        with self._lock:
+            self._pending.pop(conn, None)
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
 
 # ------------------------------------------------------------------ clients

@@ -16,11 +16,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.processes import die_with_parent
 
 if TYPE_CHECKING:
     from kvstore.embedded import EmbeddedCluster
@@ -125,6 +126,9 @@ def cmd_master(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from kvstore.node.daemon import NodeOptions, serve_node
 
+    if args.parent_pipe is not None:  # started by `kvstore up`: stop when it dies
+        die_with_parent(args.parent_pipe)
+
     options = NodeOptions(
         host=args.host,
         port=args.port,
@@ -150,6 +154,9 @@ def cmd_node(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     from kvstore.master.daemon import Master, install_stop_signals
 
+    # Checked here, before anything starts: the node child would only fail on them later.
+    parse_size(args.dram)
+    parse_size(args.nvme)
     admin_port = _derived_port(args.port, args.admin_port, 1)
     node_port = _derived_port(args.port, args.node_port, 2)
     token = auth.load_token(args.token_file)  # the node child reads the same env / file
@@ -167,7 +174,26 @@ async def _up(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     install_stop_signals(stop)
     data_dir = Path(args.data_dir).resolve()
-    node = await asyncio.create_subprocess_exec(
+    # The node holds the read end; only we hold the write end (not inheritable), so the node
+    # sees EOF when we die, even by SIGKILL, and stops (kvstore.processes.die_with_parent).
+    parent_r, parent_w = os.pipe()
+    try:
+        node = await _start_node(args, endpoints.control, node_port, data_dir, parent_r)
+    except BaseException:
+        os.close(parent_w)
+        raise
+    finally:
+        os.close(parent_r)
+    try:
+        return await _run_up(args, master, endpoints, node, stop, data_dir)
+    finally:
+        os.close(parent_w)
+
+
+async def _start_node(
+    args: argparse.Namespace, control: str, node_port: int, data_dir: Path, parent_r: int
+) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "kvstore",
@@ -175,7 +201,9 @@ async def _up(args: argparse.Namespace) -> int:
         args.log_level,
         "node",
         "--master",
-        endpoints.control,
+        control,
+        "--parent-pipe",
+        str(parent_r),
         "--host",
         args.host,
         "--port",
@@ -191,7 +219,18 @@ async def _up(args: argparse.Namespace) -> int:
         *(["--shm"] if args.shm else []),
         stdout=asyncio.subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches us; we stop the node ourselves, in order
+        pass_fds=(parent_r,),
     )
+
+
+async def _run_up(
+    args: argparse.Namespace,
+    master: Any,
+    endpoints: Any,
+    node: asyncio.subprocess.Process,
+    stop: asyncio.Event,
+    data_dir: Path,
+) -> int:
     assert node.stdout is not None
     code = 0
     try:
@@ -202,10 +241,13 @@ async def _up(args: argparse.Namespace) -> int:
         except TimeoutError:
             line = ""
         if "ready" not in line:
-            print(
-                f"kvstore up: the storage node failed to start ({line or 'no output'})",
-                file=sys.stderr,
-            )
+            if line:
+                why = line
+            elif node.returncode is not None or await _exited(node, 1.0):
+                why = f"it exited with status {node.returncode}; its error is above"
+            else:
+                why = f"not ready within {READY_TIMEOUT_S:g} s"
+            print(f"kvstore up: the storage node failed to start ({why})", file=sys.stderr)
             return 1
         data = line.split("data=")[1].split()[0]
         print(
@@ -234,6 +276,15 @@ async def _up(args: argparse.Namespace) -> int:
         await master.stop()
     print("kvstore up: stopped", flush=True)
     return code
+
+
+async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` seconds."""
+    try:
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -485,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let same-host clients of this user map the DRAM arena (shm transport)",
     )
+    # Internal (kvstore up): the read end of a pipe; EOF on it means the parent died.
+    p.add_argument("--parent-pipe", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -560,6 +613,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_error_text(exc: OSError) -> str:
+    """``exc`` as one line, without Python's ``[Errno N]`` prefix."""
+    text = str(exc)
+    if text.startswith("[Errno"):
+        text = text.split("] ", 1)[-1]
+    if exc.filename is not None and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level)
@@ -568,6 +631,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as err:
         print(f"kvstore {args.command}: {err.message}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a port in use, a data dir we may not write: one line, no traceback
+        print(f"kvstore {args.command}: {_os_error_text(exc)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -213,7 +213,11 @@ def as_token_array(tokens: Any) -> np.ndarray:
     elif isinstance(tokens, Sequence) and not isinstance(tokens, str | bytes | bytearray):
         if len(tokens) == 0:
             return np.empty(0, dtype="<u4")
-        arr = np.asarray(tokens)
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError, OverflowError):
+            # Ragged or nested sequences ([1, [2]]): numpy cannot make a 1-D array of them.
+            raise InvalidRequestError("tokens must be a flat sequence of ints") from None
         if arr.dtype == object:  # ints beyond int64 (or a mix): check one by one, error path only
             for t in tokens:
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < _U32_LIMIT:

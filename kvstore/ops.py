@@ -7,6 +7,7 @@ print readable tables, or JSON with ``--json``. Settings: see :mod:`kvstore.sett
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import ssl
 import urllib.error
@@ -52,7 +53,13 @@ class AdminClient:
         )
         try:
             with urllib.request.urlopen(req, timeout=self.settings.timeout, context=self._ssl) as r:
-                return json.loads(r.read())
+                raw = r.read()
+            try:
+                return json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                raise ProtocolError(
+                    f"{self.settings.admin} answered, but not with JSON: is it the admin URL?"
+                ) from None
         except urllib.error.HTTPError as exc:
             try:
                 err = json.loads(exc.read())["error"]
@@ -61,6 +68,11 @@ class AdminClient:
                 raise ProtocolError(f"the admin API answered HTTP {exc.code}") from None
             # NOTE: raised outside the try: KeyNotFoundError is a KeyError.
             raise KVStoreError.from_wire(wire) from None
+        except http.client.HTTPException as exc:  # not HTTP at all (BadStatusLine, ...)
+            raise ProtocolError(
+                f"{self.settings.admin} does not speak HTTP ({type(exc).__name__}): "
+                "is it the admin URL?"
+            ) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise MasterUnavailableError(

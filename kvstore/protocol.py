@@ -20,12 +20,13 @@ receiver ``recv_into``s them straight into their destination (an arena, a caller
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,16 @@ HEADER_SIZE = HEADER.size  # 16
 DEFAULT_MAX_BODY = 32 << 20
 #: Default ceiling on the raw payload of one frame.
 DEFAULT_MAX_PAYLOAD = 1 << 40
+#: Seconds a frame's header and body have, once its first byte arrived, to arrive whole
+#: (plus :data:`MIN_FRAME_RATE` for a large body): a half-sent frame cannot hold a server.
+FRAME_TIMEOUT_S = 10.0
+#: Bytes per second a large frame body must at least arrive at.
+MIN_FRAME_RATE = 1 << 20
+
+
+def frame_deadline_s(body_len: int) -> float:
+    """Seconds the rest of a frame (header and a body of ``body_len`` bytes) may take."""
+    return FRAME_TIMEOUT_S + body_len / MIN_FRAME_RATE
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +249,29 @@ def discard(sock: socket.socket, size: int, scratch: memoryview) -> None:
         size -= len(chunk)
 
 
+@contextlib.contextmanager
+def _until(sock: socket.socket, deadline: float) -> Iterator[None]:
+    """Reads under ``deadline`` (see :func:`_set_timeout_until`); the socket's own timeout is
+    restored after."""
+    saved = sock.gettimeout()
+    try:
+        yield
+    finally:
+        sock.settimeout(saved)
+
+
+def _set_timeout_until(sock: socket.socket, deadline: float) -> None:
+    """The next blocking call on ``sock`` times out at ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        TimeoutError: ``deadline`` has passed.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the frame did not arrive in time")
+    sock.settimeout(left)
+
+
 _IOV_MAX = 512
 #: Bytes a FramedSocket reads ahead in one ``recv``: a small frame and its payload in one syscall.
 READ_AHEAD = 32 << 10
@@ -335,9 +369,10 @@ class FramedSocket:
         it, and a poll would only slow its copy down on a shared core)."""
         self._poll_skip = max(self._poll_skip, 1)
 
-    def _fill(self, need: int, poll: bool = False) -> None:
+    def _fill(self, need: int, poll: bool = False, deadline: float | None = None) -> None:
         """Have at least ``need`` (at most READ_AHEAD) bytes read ahead; ``poll``: this is the
-        wait for a frame (see kvstore.polling), not for the rest of one."""
+        wait for a frame (see kvstore.polling), not for the rest of one; ``deadline``: a
+        ``time.monotonic()`` by which they must all have arrived (else TimeoutError)."""
         have = self._rend - self._rpos
         if have >= need:
             return
@@ -349,7 +384,16 @@ class FramedSocket:
                 self._poll_skip -= 1
             elif not self._poll():
                 self._poll_skip = REPLY_BACKOFF if self.awaits_replies else POLL_BACKOFF
+        if deadline is not None:
+            with _until(self.sock, deadline):
+                self._fill_blocking(need, deadline)
+            return
+        self._fill_blocking(need, None)
+
+    def _fill_blocking(self, need: int, deadline: float | None) -> None:
         while self._rend < need:
+            if deadline is not None:
+                _set_timeout_until(self.sock, deadline)
             n = self.sock.recv_into(self._rview[self._rend :])
             if n == 0:
                 raise ConnectionError(
@@ -358,6 +402,10 @@ class FramedSocket:
                     else "peer closed"
                 )
             self._rend += n
+
+    def wait_frame(self) -> None:
+        """Wait (under the socket's own timeout) until the next frame's first byte is here."""
+        self._fill(1, poll=True)
 
     def _poll(self) -> bool:
         """Wait without sleeping until bytes arrive (True) or the poll window is over (False)."""
@@ -382,8 +430,13 @@ class FramedSocket:
             self._rpos += n
         return n
 
-    def read_header(self) -> FrameHeader:
-        self._fill(HEADER_SIZE, poll=True)
+    def read_header(self, deadline: float | None = None) -> FrameHeader:
+        """The next frame's header; ``deadline``: a ``time.monotonic()`` it must arrive by.
+
+        Raises:
+            ProtocolError: see :func:`decode_header`. TimeoutError: past ``deadline``.
+        """
+        self._fill(HEADER_SIZE, poll=True, deadline=deadline)
         start = self._rpos
         self._rpos += HEADER_SIZE
         return decode_header(
@@ -392,22 +445,33 @@ class FramedSocket:
             max_payload=self.max_payload,
         )
 
-    def read_body(self, header: FrameHeader) -> bytes:
-        return self.recv_exact(header.body_len)
+    def read_body(self, header: FrameHeader, deadline: float | None = None) -> bytes:
+        return self.recv_exact(header.body_len, deadline)
 
-    def recv_exact(self, size: int) -> bytes:
-        """The next ``size`` bytes of the stream.
+    def recv_exact(self, size: int, deadline: float | None = None) -> bytes:
+        """The next ``size`` bytes of the stream (by ``deadline``, a ``time.monotonic()``).
 
         Raises:
-            ConnectionError: the peer closed first.
+            ConnectionError: the peer closed first. TimeoutError: past ``deadline``.
         """
         if size <= READ_AHEAD:
-            self._fill(size)
+            self._fill(size, deadline=deadline)
             start = self._rpos
             self._rpos += size
             return bytes(self._rview[start : start + size])
         buf = bytearray(size)
-        self.recv_into(memoryview(buf))
+        view = memoryview(buf)
+        n = self._take(view)
+        if deadline is None:
+            recv_exact_into(self.sock, view[n:])
+        else:
+            with _until(self.sock, deadline):
+                while n < size:
+                    _set_timeout_until(self.sock, deadline)
+                    got = self.sock.recv_into(view[n:])
+                    if got == 0:
+                        raise ConnectionError(f"peer closed after {n} of {size} bytes")
+                    n += got
         return bytes(buf)
 
     def recv_into(self, view: memoryview) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
 
 from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.master.metrics import MasterMetrics
@@ -145,7 +147,7 @@ def init_app(
     app = web.Application(
         middlewares=[error_middleware, auth_middleware, fence_middleware],
         # Longest legitimate URL: a 511-byte prefix and a cursor, percent-encoded (~15 KiB).
-        # Anything the HTTP parser refuses gets aiohttp's plain-text 400, not our JSON.
+        # Anything the HTTP parser refuses still gets our JSON error body (AdminRunner).
         handler_args={"max_line_size": 64 << 10},
     )
     app[SERVICE_KEY] = service
@@ -169,7 +171,52 @@ def init_app(
     return app
 
 
+class _JsonErrorHandler(web_protocol.RequestHandler):
+    """aiohttp's connection handler, but errors raised before routing (a request line or
+    header over the limit, a malformed request) answer with our JSON error body: the
+    middlewares never see those requests, so without this they get aiohttp's plain text."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if sent already
+        code = ErrorCode.INTERNAL if status >= 500 else ErrorCode.INVALID_REQUEST
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "error"
+        # Never the parser's own text: it quotes the raw request (headers, perhaps a token).
+        text = (
+            f"{status} {phrase}: the request line or headers are malformed or too long"
+            if status < 500
+            else "internal error"
+        )
+        body = {"error": {"code": int(code), "name": code.name, "message": text}}
+        out = web.Response(status=status, text=json.dumps(body), content_type="application/json")
+        out.force_close()  # as aiohttp does: the framing of this connection is not trusted
+        return out
+
+
+class _JsonErrorServer(web_server.Server):
+    def __call__(self) -> web_protocol.RequestHandler:
+        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AdminRunner(web.AppRunner):
+    """An ``AppRunner`` whose pre-routing errors are JSON too (see :class:`_JsonErrorHandler`)."""
+
+    async def _make_server(self) -> web_server.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # same state, one overridden factory method
+        return server
+
+
 __all__ = [
+    "AdminRunner",
     "init_app",
     "error_body",
     "http_status",

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from kvstore.auth import Token
-from kvstore.master.admin import AdminSettings, init_app
+from kvstore.master.admin import AdminRunner, AdminSettings, init_app
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.rest.fence import AdminFence
@@ -61,7 +61,7 @@ class Master:
     async def start(self) -> MasterEndpoints:
         await self.control.start()
         app = init_app(self.service, self.metrics, self.admin_settings, self.admin_fence)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = AdminRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
         await site.start()

@@ -18,10 +18,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import KeyNotFoundError
+from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, parse_kv_object_key
 from kvstore.master.radix import RadixIndex
+
+#: Most full blocks one prompt may have in one call (index or match): the work is done in
+#: one turn of the master's event loop, so it is bounded (16384 blocks: 256k tokens at block
+#: size 16, about 25 ms of index work).
+MAX_PROMPT_BLOCKS = 16384
+
+
+def check_prompt_size(namespace: Namespace, tokens: np.ndarray) -> None:
+    """Refuse a prompt with more full blocks than one call may index or match.
+
+    Raises:
+        InvalidRequestError: over :data:`MAX_PROMPT_BLOCKS` full blocks.
+    """
+    num_blocks = len(tokens) // namespace.block_size
+    if num_blocks > MAX_PROMPT_BLOCKS:
+        raise InvalidRequestError(
+            f"a prompt of {num_blocks} blocks exceeds the limit of {MAX_PROMPT_BLOCKS} per call"
+            f" ({MAX_PROMPT_BLOCKS * namespace.block_size} tokens at block size"
+            f" {namespace.block_size})"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +69,11 @@ class PrefixIndex:
 
         Returns:
             The number of blocks newly indexed.
+
+        Raises:
+            InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
+        check_prompt_size(namespace, tokens)
         keys = block_keys(namespace, tokens)
         digest = namespace.digest
         n = 0
@@ -64,7 +88,12 @@ class PrefixIndex:
     def match(
         self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
     ) -> PrefixMatch:
-        """Longest cached prefix of ``tokens`` (token-granular) whose blocks are all committed."""
+        """Longest cached prefix of ``tokens`` (token-granular) whose blocks are all committed.
+
+        Raises:
+            InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
+        """
+        check_prompt_size(namespace, tokens)
         m = self.radix.match(namespace, tokens)
         digest = namespace.digest
         blocks: list[tuple[bytes, int]] = []

@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+
+import msgpack
 
 from kvstore import auth, protocol
 from kvstore.config import MAX_KEY_BYTES, check_wire_key
@@ -25,6 +28,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.master.prefix import check_prompt_size
 from kvstore.master.service import MasterService
 from kvstore.polling import LoopAwake
 from kvstore.transports import check_transports
@@ -95,6 +99,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         _arg(args, "secret", bytes),
         segments,
         check_transports(args.get("transports", {})),
+        identity=_arg(args, "identity", bytes) if "identity" in args else None,
     )
     reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
@@ -113,6 +118,7 @@ def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
     # The node reports the tasks it ran; the reply carries what to forget and what to do next
     # (see kvstore/node/tasks.py), and whether a drained node may stop.
     node_id = _arg(args, "node_id", str)
+    svc.check_node_identity(node_id, _arg(args, "identity", bytes) if "identity" in args else None)
     if "done" in args:
         svc.tasks_done(node_id, _list(args, "done", list))
     forget = svc.heartbeat(node_id)
@@ -279,10 +285,150 @@ def dispatch(
             observer.observe(request, code, result, time.perf_counter() - started)
 
 
+# ---------------------------------------------------------------- bounded work per loop turn
+#: Items (keys, put ids) served per turn of the event loop: a large batch is served in chunks
+#: of this many, and other connections' requests run between two chunks. (``KVSTORE_CHUNK_ITEMS``
+#: overrides it, for bench/bench_fairness.py to compare against unchunked serving.)
+CHUNK_ITEMS = max(1, int(os.environ.get("KVSTORE_CHUNK_ITEMS", "256")))
+
+#: Batch verbs served in chunks: their parallel list arguments and each item's type (None:
+#: keys, checked one by one with an error in place).
+CHUNKED: dict[str, dict[str, type | None]] = {
+    "put_start": {"keys": None, "sizes": int},
+    "put_end": {"put_ids": int, "checksums": int},
+    "put_revoke": {"put_ids": int},
+    "get_locations": {"keys": None},
+    "exists": {"keys": None},
+    "remove": {"keys": None},
+    "pin": {"keys": None},
+    "unpin": {"keys": None},
+    "kv_commit": {"put_ids": int, "checksums": int},
+}
+
+
+def _chunk_count(svc: MasterService, request: protocol.Request) -> int:
+    """How many items a request has that is worth serving in chunks (0: serve it in one go).
+
+    Every item's type is checked here, before the first chunk changes anything, so that a bad
+    item refuses the whole request as it would unchunked.
+
+    Raises:
+        InvalidRequestError: an item of the wrong type.
+    """
+    fields = CHUNKED.get(request.verb)
+    if fields is None:
+        return 0
+    lists = [request.args.get(f) for f in fields]
+    if not all(isinstance(v, list) for v in lists):
+        return 0  # the handler refuses it, as before
+    n = len(lists[0])
+    if any(len(v) != n for v in lists) or n > svc.config.max_batch:
+        return 0  # likewise
+    if n <= CHUNK_ITEMS and request.verb != "kv_commit":
+        return 0
+    for name, item in fields.items():
+        if item is not None:
+            _list(request.args, name, item)
+    return n
+
+
+_PACK = msgpack.Packer(use_bin_type=True)
+
+
+async def _serve_chunks(svc: MasterService, request: protocol.Request, n: int) -> bytes:
+    """Serve a batch in chunks of :data:`CHUNK_ITEMS`, yielding to the loop between two.
+
+    Returns:
+        The msgpack encoding of the result, packed chunk by chunk.
+    """
+    verb, args = request.verb, request.args
+    fields = CHUNKED[verb]
+    handler = HANDLERS[verb]
+    if verb == "kv_commit":  # checked before any put is committed
+        namespace = Namespace.from_dict(_arg(args, "namespace", dict))
+        tokens = tokens_from_wire(args.get("tokens"))
+        check_prompt_size(namespace, tokens)
+        handler = _put_end
+    parts = [_PACK.pack_array_header(n)]
+    for lo in range(0, n, CHUNK_ITEMS):
+        if lo:
+            await asyncio.sleep(0)  # one turn of the loop for everyone else
+        sub = dict(args)
+        for name in fields:
+            sub[name] = args[name][lo : lo + CHUNK_ITEMS]
+        parts.extend(map(_PACK.pack, handler(svc, sub)))
+    if verb != "kv_commit":
+        return b"".join(parts)
+    await asyncio.sleep(0)
+    _, num_indexed = svc.kv_commit([], [], namespace, tokens)  # index the committed prefix
+    body = [_PACK.pack_map_header(2), _PACK.pack("results"), *parts]
+    body += [_PACK.pack("num_indexed"), _PACK.pack(num_indexed)]
+    return b"".join(body)
+
+
+async def _serve_kv_match(svc: MasterService, request: protocol.Request) -> bytes:
+    """``kv_match``: the match in one turn (bounded by the prompt limit), the replicas of its
+    blocks in chunks."""
+    namespace = Namespace.from_dict(_arg(request.args, "namespace", dict))
+    tokens = tokens_from_wire(request.args.get("tokens"))
+    match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
+    blocks: list[Any] = []
+    for lo in range(0, len(match.blocks), CHUNK_ITEMS):
+        if lo:
+            await asyncio.sleep(0)
+        chunk = match.blocks[lo : lo + CHUNK_ITEMS]
+        infos = svc.get_locations([key for key, _ in chunk])
+        blocks.extend(
+            [key, k, result_to_wire(info)] for (key, k), info in zip(chunk, infos, strict=True)
+        )
+    result = {"num_tokens": match.num_tokens, "block_size": match.block_size, "blocks": blocks}
+    return _PACK.pack(result)
+
+
+def _is_large_kv_match(request: protocol.Request) -> bool:
+    raw = request.args.get("tokens")
+    return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * CHUNK_ITEMS
+
+
+async def dispatch_bounded(
+    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+) -> bytes:
+    """:func:`dispatch`, but a large batch is served in chunks with the loop free between two
+    (bounded work per turn: one client's 65,536-key batch does not stall the others)."""
+    started, code, delegated = time.perf_counter(), 0, False
+    try:
+        if _is_large_kv_match(request):
+            packed = await _serve_kv_match(svc, request)
+        else:
+            n = _chunk_count(svc, request)
+            if not n:
+                delegated = True  # small: in one go (dispatch observes it)
+                return dispatch(svc, request, observer)
+            packed = await _serve_chunks(svc, request, n)
+        body = _PACK.pack_array_header(3) + _PACK.pack(request.req_id) + _PACK.pack(0) + packed
+        return protocol.encode_header(protocol.KIND_RESPONSE, len(body)) + body
+    except KVStoreError as err:
+        code = int(err.code)
+        return protocol.encode_error(request.req_id, err)
+    except Exception:
+        code = int(InternalError.code)
+        log.exception("internal error while serving %r", request.verb[:64])
+        return protocol.encode_error(request.req_id, InternalError("internal error"))
+    finally:
+        if observer is not None and not delegated:
+            observer.observe(request, code, None, time.perf_counter() - started)
+
+
 class Fence(Protocol):
     """Decides, before any handler runs, whether this master may serve a request (HA mode)."""
 
     def check(self, request: protocol.Request) -> KVStoreError | None: ...
+
+
+#: Bytes a connection's stream reader buffers before it pauses reading the socket (x2).
+STREAM_LIMIT = 64 << 10
+#: How often the server looks for connections past their frame or hello deadline.
+SWEEP_INTERVAL_S = 0.5
 
 
 class ControlServer:
@@ -308,41 +454,97 @@ class ControlServer:
         self.max_body = max_body
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        #: Connections with a frame (or the hello) on the way -> the loop time it must be in by.
+        self._deadlines: dict[asyncio.StreamWriter, float] = {}
+        self._sweeper: asyncio.Task[None] | None = None
         self._awake = LoopAwake()
+        #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
+        self.pending = auth.PendingConnections()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        # A small stream limit: a connection buffers at most ~2x this before we read it, so a
+        # flood of peers that are never authenticated holds little memory (readexactly of a
+        # larger body still works: it resumes reading as it goes).
+        self._server = await asyncio.start_server(
+            self._serve, self.host, self.port, limit=STREAM_LIMIT
+        )
         self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
 
+    async def _sweep(self) -> None:
+        """Close every connection whose frame (or hello) is past its deadline.
+
+        One timer for the whole server instead of one per request: a request only records its
+        deadline in ``_deadlines`` while its frame is on the way (a dict write, no timer).
+        """
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = loop.time()
+            stalled = now - last - SWEEP_INTERVAL_S
+            last = now
+            if stalled > SWEEP_INTERVAL_S:
+                # This loop did not run (a long batch, a GC pause): the peers' bytes may be
+                # waiting unread. Their time did not run out, ours did: push every deadline back.
+                for w in self._deadlines:
+                    self._deadlines[w] += stalled
+                continue
+            late = [w for w, by in self._deadlines.items() if by < now]
+            for w in late:
+                self._deadlines.pop(w, None)
+                w.close()  # its reader sees EOF: the serving coroutine returns
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         gate = auth.Gate(self.token)
+        loop = asyncio.get_running_loop()
+        deadlines = self._deadlines
+        if not gate.open:  # the whole hello must arrive, small, by this time
+            deadlines[writer] = loop.time() + auth.HELLO_TIMEOUT_S
+            self.pending.add(writer, writer.close)
         try:
             while True:
                 try:
-                    raw = await reader.readexactly(protocol.HEADER_SIZE)
+                    if gate.open:
+                        # Idle between frames as long as it likes; once a frame starts, it
+                        # must arrive whole within its deadline (no half-sent frame holds us).
+                        first = await reader.readexactly(1)
+                        started = loop.time()
+                        deadlines[writer] = started + protocol.FRAME_TIMEOUT_S
+                        raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
+                    else:
+                        raw = await reader.readexactly(protocol.HEADER_SIZE)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 try:
                     header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
                     if header.kind != protocol.KIND_REQUEST:
                         raise ProtocolError("expected a request frame")
-                except ProtocolError as err:
-                    # The framing is lost: answer once, then hang up.
+                    gate.check_header(header)  # nothing large before the token is proved
+                except KVStoreError as err:
+                    # The framing is lost (or the peer is not authenticated): answer once,
+                    # then hang up.
                     writer.write(protocol.encode_error(0, err))
                     await writer.drain()
                     return
+                if gate.open and header.body_len > protocol.READ_AHEAD:
+                    deadlines[writer] = started + protocol.frame_deadline_s(header.body_len)
                 try:
                     body = await reader.readexactly(header.body_len)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                if gate.open:
+                    deadlines.pop(writer, None)
                 try:
                     request = protocol.decode_request(body)
                 except ProtocolError as err:
@@ -350,6 +552,9 @@ class ControlServer:
                 else:
                     screened = gate.screen(request)
                     if screened is not None:
+                        if gate.open:
+                            deadlines.pop(writer, None)
+                            self.pending.discard(writer)
                         writer.write(screened[0])
                         await writer.drain()
                         if screened[1]:
@@ -359,11 +564,14 @@ class ControlServer:
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
-                        writer.write(dispatch(self.service, request, self.observer))
+                        reply = await dispatch_bounded(self.service, request, self.observer)
+                        writer.write(reply)
                 await writer.drain()
                 self._awake.served()
         except ConnectionError:
             return
         finally:
+            deadlines.pop(writer, None)
+            self.pending.discard(writer)
             self._writers.discard(writer)
             writer.close()

@@ -23,6 +23,8 @@ NOTE: single-threaded by design; the master's event loop is the only caller.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import itertools
 import logging
 import time
@@ -35,6 +37,7 @@ import numpy as np
 from kvstore import grants
 from kvstore.config import MAX_OBJECT_BYTES
 from kvstore.errors import (
+    ForbiddenError,
     InvalidRequestError,
     KeyNotFoundError,
     KVStoreError,
@@ -48,7 +51,7 @@ from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
-from kvstore.master.prefix import PrefixIndex, PrefixMatch
+from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
@@ -179,6 +182,8 @@ class MasterService:
         self.clock = clock
         self.wall_ms = wall_ms
         self.nodes: dict[str, Node] = {}
+        #: node id -> SHA-256 of the identity key it proved (see check_node_identity).
+        self.identities: dict[str, bytes] = {}
         self.objects: dict[bytes, ObjectMeta] = {}
         self.pending: dict[int, PendingPut] = {}
         self.pending_by_key: dict[bytes, int] = {}
@@ -247,6 +252,26 @@ class MasterService:
         return done
 
     # ================================================================ membership
+    def check_node_identity(self, node_id: str, identity: bytes | None) -> None:
+        """Refuse a claim to ``node_id`` by anyone but the node that first registered it.
+
+        A node proves its id with the identity key it keeps in its data directory (so a restart
+        on the same directory proves the same id). The first registration that carries a key
+        binds the id to it (only its SHA-256 is kept); from then on every registration and
+        heartbeat for the id must carry the same key. Ids are public (``/api/v1/nodes``); the
+        key is not.
+
+        Raises:
+            ForbiddenError: the id is bound to another key, or the claim carries none.
+        """
+        bound = self.identities.get(node_id)
+        if bound is None:
+            return
+        if identity is None or not hmac.compare_digest(bound, hashlib.sha256(identity).digest()):
+            raise ForbiddenError(
+                f"node id {node_id[:128]!r} belongs to another node: its identity key differs"
+            )
+
     def register(
         self,
         node_id: str,
@@ -255,14 +280,24 @@ class MasterService:
         secret: bytes,
         segments: Sequence[SegmentSpec],
         transports: dict[str, object] | None = None,
+        identity: bytes | None = None,
     ) -> None:
         """Add a node (or replace an earlier incarnation with the same id, dropping its objects).
 
+        Args:
+            identity: the node's identity key (see :meth:`check_node_identity`); None for a
+                node that proves nothing (its id stays unbound).
+
         Raises:
-            InvalidRequestError: empty id, bad port, short secret, no or duplicate segments.
+            InvalidRequestError: empty id, bad port, short secret or identity key, no or
+                duplicate segments.
+            ForbiddenError: the id belongs to another node (nothing changes).
         """
         if not node_id or len(node_id) > 128:
             raise InvalidRequestError("node_id must be 1..128 characters")
+        if identity is not None and not 16 <= len(identity) <= 1024:
+            raise InvalidRequestError("a node identity key must be 16..1024 bytes")
+        self.check_node_identity(node_id, identity)
         if not 0 < port < 65536:
             raise InvalidRequestError(f"bad port {port}")
         if len(secret) < 16:
@@ -278,6 +313,8 @@ class MasterService:
             if s.tier not in TIER_RANK:
                 raise InvalidRequestError(f"segment {s.name!r} has unknown tier {s.tier!r}")
         self.replication.retired.pop(node_id, None)
+        if identity is not None:
+            self.identities[node_id] = hashlib.sha256(identity).digest()
         if node_id in self.nodes:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
             self._drop_node(node_id)
@@ -784,7 +821,11 @@ class MasterService:
 
         Returns:
             Per put, None or its error; and the number of blocks newly indexed.
+
+        Raises:
+            InvalidRequestError: a prompt over the block limit (nothing is committed).
         """
+        check_prompt_size(namespace, tokens)
         results = self.put_end(put_ids, checksums)
         return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
 

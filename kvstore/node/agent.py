@@ -38,6 +38,8 @@ class MasterLink:
             epoch in every call, and rotates its grant secret per epoch, so grants of a deposed
             leader no longer open its arena.
         token: the cluster token, presented on every connection to the master.
+        identity: the node's identity key (``data_dir/node_key``), sent with every registration
+            and heartbeat: it proves the id is ours (``MasterService.check_node_identity``).
     """
 
     def __init__(
@@ -50,8 +52,10 @@ class MasterLink:
         resolver: Callable[[], tuple[Address, int]] | None = None,
         token: auth.Token | None = None,
         transports: dict[str, dict[str, object]] | None = None,
+        identity: bytes | None = None,
     ) -> None:
         self.master = master
+        self.identity = identity
         self.token = token
         self.resolver = resolver
         self.epoch = 0
@@ -143,6 +147,8 @@ class MasterLink:
             args["epoch"] = self.epoch
             args["manifest"] = self._verified_manifest()
         args["secret"] = self.server.secret
+        if self.identity is not None:
+            args["identity"] = self.identity
         reply = conn.call("register", args)
         self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
@@ -175,6 +181,8 @@ class MasterLink:
                     done, self._done = self._done, []
                     try:
                         beat: dict[str, object] = {"node_id": self.node_id, "done": done}
+                        if self.identity is not None:
+                            beat["identity"] = self.identity
                         if self.resolver is not None:
                             beat["epoch"] = self.epoch
                         reply = conn.call("heartbeat", beat)

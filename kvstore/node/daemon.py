@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import ssl
 import threading
@@ -40,6 +41,28 @@ def load_node_id(data_dir: Path) -> str:
     tmp.write_text(node_id + "\n")
     os.replace(tmp, path)
     return node_id
+
+
+def load_node_key(data_dir: Path) -> bytes:
+    """The node's identity key, kept in ``data_dir/node_key`` (mode 0600) across restarts.
+
+    It proves the node's id to the master (``MasterService.check_node_identity``): the id is
+    public, the key never leaves this directory except to the master it registers with.
+    """
+    path = data_dir / "node_key"
+    try:
+        key = bytes.fromhex(path.read_text().strip())
+        if len(key) >= 16:
+            return key
+    except (FileNotFoundError, ValueError):
+        pass
+    key = secrets.token_bytes(32)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+    os.replace(tmp, path)
+    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +105,7 @@ class StorageNode:
             raise InvalidRequestError("--nvme and --hbm must be >= 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
+        identity = load_node_key(data_dir)
         # NOTE: lmdb must be opened after any fork: this is the node's own process.
         tiers: dict[str, Tier] = {}
         hbm = open_hbm(hbm_bytes)
@@ -107,6 +131,7 @@ class StorageNode:
             specs,
             token=token,
             transports=node_transports(self.server, {"dram": self.dram.path}, options.shm),
+            identity=identity,
         )
         self.admin: NodeAdmin | None = None
         if options.admin_port is not None:

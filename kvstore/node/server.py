@@ -43,8 +43,14 @@ from kvstore.types import result_to_wire
 
 log = logging.getLogger(__name__)
 
-#: A connection that sends nothing for this long (idle or stalled mid-frame) is closed.
+#: A connection that sends nothing for this long (idle, or stalled mid-payload) is closed.
+#: A frame's header and body have a shorter deadline (protocol.frame_deadline_s).
 IDLE_TIMEOUT_S = 120.0
+#: Verbs that carry a payload, and its most bytes; every other verb takes none.
+VERB_MAX_PAYLOAD = {"write": protocol.DEFAULT_MAX_PAYLOAD}
+#: A refused request's payload up to this size is read and dropped (the connection stays
+#: usable); a larger one is not read at all: the connection is closed after the error.
+MAX_DISCARD = 1 << 20
 MAX_RANGES_PER_ITEM = 4096
 
 
@@ -142,6 +148,8 @@ class DataServer:
         self._stopped = threading.Event()
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
+        #: Connections that have not sent their hello yet (bounded; auth.PendingConnections).
+        self.pending = auth.PendingConnections()
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="node-accept", daemon=True
         )
@@ -260,6 +268,8 @@ class DataServer:
             conn.settimeout(IDLE_TIMEOUT_S)
             with self._conns_lock:
                 self._conns.add(conn)
+            if self.token is not None:
+                self.pending.add(conn, lambda c=conn: c.shutdown(socket.SHUT_RDWR))
             threading.Thread(
                 target=self._serve, args=(conn,), name="node-conn", daemon=True
             ).start()
@@ -268,24 +278,36 @@ class DataServer:
         fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
         scratch = memoryview(bytearray(1 << 16))
         gate = auth.Gate(self.token)
+        # Without the token proved, the whole hello must arrive, small, by this time.
+        hello_by = time.monotonic() + auth.HELLO_TIMEOUT_S
         try:
             while not self._stopped.is_set():
                 try:
-                    header = fs.read_header()
-                except ProtocolError as err:
+                    if gate.open:
+                        fs.wait_frame()  # idle as long as IDLE_TIMEOUT_S
+                        started = time.monotonic()
+                        header = fs.read_header(started + protocol.FRAME_TIMEOUT_S)
+                        body_by = started + protocol.frame_deadline_s(header.body_len)
+                    else:
+                        header = fs.read_header(hello_by)
+                        body_by = hello_by
+                    if header.kind != protocol.KIND_REQUEST:
+                        raise ProtocolError("expected a request frame")
+                    gate.check_header(header)  # nothing large before the token is proved
+                except KVStoreError as err:
                     fs.send_frame(protocol.encode_error(0, err))
                     return
-                if header.kind != protocol.KIND_REQUEST:
-                    fs.send_frame(
-                        protocol.encode_error(0, ProtocolError("expected a request frame"))
-                    )
-                    return
-                body = fs.read_body(header)
+                body = fs.read_body(header, body_by)
                 try:
                     request = protocol.decode_request(body)
                     screened = gate.screen(request)
                     if screened is not None:
-                        fs.discard(header.payload_len, scratch)
+                        if gate.open:
+                            self.pending.discard(conn)
+                        if header.payload_len > MAX_DISCARD:
+                            screened = (screened[0], True)  # not worth reading: hang up
+                        else:
+                            fs.discard(header.payload_len, scratch)
                         fs.send_frame(screened[0])
                         if screened[1]:
                             return
@@ -293,16 +315,22 @@ class DataServer:
                     handler = self._verbs.get(request.verb)
                     if handler is None:
                         raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
+                    if header.payload_len > VERB_MAX_PAYLOAD.get(request.verb, 0):
+                        raise ProtocolError(
+                            f"{request.verb} takes no payload"
+                            if request.verb not in VERB_MAX_PAYLOAD
+                            else f"payload too large for {request.verb}"
+                        )
                 except KVStoreError as err:
-                    fs.discard(header.payload_len, scratch)
-                    fs.send_frame(protocol.encode_error(protocol.request_id_of(body), err))
+                    if not self._refuse(fs, protocol.request_id_of(body), err, header, scratch):
+                        return
                     continue
                 try:
                     handler(fs, request, header.payload_len, scratch)
                 except KVStoreError as err:
                     # Raised before the payload was touched (handlers guarantee it).
-                    fs.discard(header.payload_len, scratch)
-                    fs.send_frame(protocol.encode_error(request.req_id, err))
+                    if not self._refuse(fs, request.req_id, err, header, scratch):
+                        return
         except (ConnectionError, TimeoutError, OSError):
             pass  # peer went away or stalled; nothing it sent was acknowledged
         except Exception:
@@ -310,11 +338,29 @@ class DataServer:
             with contextlib.suppress(OSError):
                 fs.send_frame(protocol.encode_error(0, InternalError("internal error")))
         finally:
+            self.pending.discard(conn)
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
             for hook in self.on_disconnect:
                 hook(fs)
+
+    @staticmethod
+    def _refuse(
+        fs: protocol.FramedSocket,
+        req_id: int,
+        err: KVStoreError,
+        header: protocol.FrameHeader,
+        scratch: memoryview,
+    ) -> bool:
+        """Answer a refused request; returns whether the connection stays usable. Its payload
+        is skipped when small, never read when large (a 1 TiB ``ping`` costs nothing)."""
+        if header.payload_len > MAX_DISCARD:
+            fs.send_frame(protocol.encode_error(req_id, err))
+            return False
+        fs.discard(header.payload_len, scratch)
+        fs.send_frame(protocol.encode_error(req_id, err))
+        return True
 
     def _simple(
         self, fn: Callable[[dict[str, Any]], Any]

@@ -66,6 +66,8 @@ async def json_body(request: web.Request, allowed: frozenset[str]) -> dict[str, 
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise InvalidRequestError("the body is not valid JSON") from None
+    except RecursionError:  # arrays or objects nested deeper than the decoder's stack
+        raise InvalidRequestError("the body's JSON is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the body must be a JSON object")
     unknown = sorted(set(body) - allowed)

@@ -26,6 +26,8 @@ async def schedule(request: web.Request) -> web.Response:
         body = json.loads(await request.read())
     except (ValueError, UnicodeDecodeError):
         raise InvalidRequestError("body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequestError("body's JSON is nested too deeply") from None
     return web.json_response(schedule_request(request.app[SCHEDULER_KEY], body))
 
 

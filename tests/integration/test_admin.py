@@ -212,6 +212,46 @@ def test_bad_evict_bodies_change_nothing(
     assert client.exists("keep/1")
 
 
+DEEP = b"[" * 100_000 + b"]" * 100_000
+NS = {"model": "m", "num_layers": 1, "num_kv_heads": 1, "head_dim": 8, "block_size": 4}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "raw", "status"),
+    [
+        ("POST", "/api/v1/prefix/match", {"namespace": NS, "tokens": [1, [2]]}, 400),
+        ("POST", "/api/v1/prefix/match", {"namespace": NS, "tokens": [[1, 2], [3, 4]]}, 400),
+        ("POST", "/api/v1/prefix/match", {"namespace": NS, "tokens": ["x"]}, 400),
+        ("POST", "/api/v1/prefix/match", DEEP, 400),
+        ("POST", "/api/v1/prefix/match", b'{"tokens": ' + DEEP + b"}", 400),
+        ("POST", "/api/v1/evict", DEEP, 400),
+        ("POST", "/api/v1/schedule", DEEP, 400),
+        ("GET", "/api/v1/objects?prefix=" + "x" * (65 << 10), None, 400),
+        ("GET", "/api/v1/objects?" + "a=b&" * (40 << 10), None, 400),
+    ],
+    ids=[
+        "ragged-tokens",
+        "2-d-tokens",
+        "str-tokens",
+        "deep-array",
+        "deep-tokens",
+        "deep-evict",
+        "deep-schedule",
+        "query-over-64KiB",
+        "many-params-over-64KiB",
+    ],
+)
+def test_malformed_requests_get_typed_json_errors(
+    http: Http, method: str, path: str, raw: Any, status: int
+) -> None:
+    """Never a 500 and never aiohttp's plain text: a 4xx with our JSON error body."""
+    body = raw if isinstance(raw, dict) else None
+    data = raw if isinstance(raw, bytes) else None
+    got, err = http(method, path, body, raw=data, token=SECRET)
+    assert got == status and _error_code(err) == ErrorCode.INVALID_REQUEST, (got, err)
+    assert http("GET", "/ready")[0] == 200  # and the server keeps serving
+
+
 def test_huge_body_is_413(http: Http) -> None:
     status, err = http(
         "POST", "/api/v1/evict", raw=b'{"keys": ["' + b"a" * (3 << 20) + b'"]}', token=SECRET

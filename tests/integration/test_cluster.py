@@ -222,3 +222,19 @@ def test_errors_are_typed(cluster_factory) -> None:
         Client.connect("127.0.0.1:1", timeout=2)
     with pytest.raises(InvalidRequestError):
         Client.connect("no-port-here")
+
+
+def test_only_node_dying_under_a_put_says_node_unavailable(cluster_factory) -> None:
+    """The only node dies after the master placed the batch on it: the keys fail with
+    NodeUnavailableError (the truth), not the NoSpaceError of the retry that had nowhere to go."""
+    cluster = cluster_factory(
+        num_nodes=1, dram="16MiB", master_args=("--node-ttl", "60", "--heartbeat-interval", "0.2")
+    )
+    with Client.connect(cluster.address) as c:
+        assert c.batch_put(["warm"], [b"x"]) == [None]  # the data connection exists
+        cluster.nodes[0].kill()
+        # --node-ttl 60: the master still places on the dead node; its write fails.
+        assert c.stats()["num_nodes"] == 1
+        got = c.batch_put([f"k/{i}" for i in range(8)], [os.urandom(4096)] * 8)
+        assert all(isinstance(g, NodeUnavailableError) for g in got), got
+        assert not c.exists("k/0")

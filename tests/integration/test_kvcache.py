@@ -284,3 +284,31 @@ def test_a_flipped_byte_in_a_partial_block_is_never_loaded(cluster_factory, wher
         assert kv.lookup(tokens) == BS
         assert c.stats()["num_corrupt_replicas"] == 1
         kv.close()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, [2]], [[1], [2, 3]], [[1, 2], [3, 4]], ["a"], [1.5], [None], "abc", {"a": 1}],
+    ids=["ragged", "ragged-lists", "2-d", "str-item", "float", "none", "str", "dict"],
+)
+def test_lookup_of_malformed_tokens_is_a_typed_error(cluster_factory, tokens) -> None:
+    cluster = cluster_factory(num_nodes=1, dram="16MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        with pytest.raises(InvalidRequestError):
+            kv.lookup(tokens)
+        assert kv.lookup(np.arange(BS)) == 0  # the client still works
+
+
+def test_prompts_over_the_block_limit_are_refused_and_store_nothing(cluster_factory) -> None:
+    from kvstore.master.prefix import MAX_PROMPT_BLOCKS
+
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns(block_size=1))
+        tokens = np.arange(MAX_PROMPT_BLOCKS + 1)
+        layers = [(np.zeros((len(tokens), H, D), np.float16),) * 2 for _ in range(L)]
+        for call in (kv.lookup, lambda t: kv.store(t, layers), lambda t: kv.load(t, layers)):
+            with pytest.raises(InvalidRequestError, match="limit"):
+                call(tokens)
+        assert c.stats()["num_objects"] == 0

@@ -53,3 +53,112 @@ def test_up_serves_a_client_in_another_process_and_stops_cleanly(
             os.kill(pid, 0)
     with pytest.raises(Exception):  # noqa: B017 - anything but success: nobody is listening
         Client.connect(address, timeout=2)
+
+
+def _one_clear_line(out: subprocess.CompletedProcess[str], *expect: str) -> None:
+    """Failed (exit code not 0), said so in one line on stderr, no traceback."""
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode != 0, out
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for word in expect:
+        assert word in lines[0], lines[0]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvstore", "--log-level", "warning", *args],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**clean, "HOME": "/nonexistent"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--dram", "lots"], ["bad size", "lots"]),
+        (["--nvme", "heaps"], ["bad size", "heaps"]),
+        (["--port", "{busy}"], ["address already in use"]),
+    ],
+    ids=["bad-dram", "bad-nvme", "port-in-use"],
+)
+def test_up_fails_with_one_clear_line(tmp_path: Path, flags: list[str], expect: list[str]) -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        args = [f.replace("{busy}", port) for f in flags]
+        if "--port" not in args:
+            args += ["--port", "0"]
+        out = _run("up", "--data-dir", str(tmp_path), *args)
+    _one_clear_line(out, "kvstore up", *expect)
+    assert "failed to start" not in out.stderr
+
+
+def test_status_at_a_port_that_is_not_http_fails_with_one_clear_line(tmp_path: Path) -> None:
+    from tests.support import start_master
+
+    master = start_master()
+    try:
+        control = master.field("control")
+        out = _run("status", "--admin", f"http://{control}", "--timeout", "10")
+        _one_clear_line(out, "kvstore status", "HTTP")
+    finally:
+        master.stop()
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie has exited already (its parent has not reaped it yet).
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_kill_9_of_up_takes_its_node_along_and_a_restart_on_the_same_dir_works(
+    tmp_path: Path,
+) -> None:
+    from tests.support import wait_until
+
+    port, node_port = _free_port(), _free_port()
+    flags = ["up", "--port", str(port), "--admin-port", "0", "--node-port", str(node_port)]
+    flags += ["--data-dir", str(tmp_path), "--dram", "32MiB", "--nvme", "32MiB"]
+    up = Daemon(flags, ready=r"kvstore up: ready")
+    nodes: list[int] = []
+    try:
+        with Client.connect(f"127.0.0.1:{port}", timeout=10) as c:
+            c.put("k", b"v" * 100)
+        nodes = _children(up.pid)
+        assert len(nodes) == 1, nodes
+        up.kill()  # SIGKILL: no chance to stop the node itself
+        wait_until(lambda: _gone(nodes[0]), timeout=30, what="the orphaned node to exit")
+    finally:
+        up.kill()
+        for pid in nodes:  # the test failed: stop what it started anyway
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+    again = Daemon(flags, ready=r"kvstore up: ready")
+    try:
+        with Client.connect(f"127.0.0.1:{port}", timeout=10) as c:
+            c.put("k2", b"w" * 100)
+            assert c.get("k2") == b"w" * 100
+        assert again.field("data").endswith(f":{node_port}")
+    finally:
+        assert again.stop() == 0

@@ -1,0 +1,185 @@
+"""The master's RPC edge over real sockets (an in-process ControlServer on its own event loop):
+bounded work per turn of the loop, and the limits that keep one request from freezing it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore import auth, protocol
+from kvstore.errors import InvalidRequestError
+from kvstore.keys import Namespace, block_keys
+from kvstore.kvblocks import kv_object_key, tokens_to_wire
+from kvstore.master.prefix import MAX_PROMPT_BLOCKS
+from kvstore.master.server import CHUNK_ITEMS, SWEEP_INTERVAL_S, ControlServer
+from kvstore.master.service import MasterConfig, MasterService
+from kvstore.types import ObjectInfo, SegmentSpec
+from tests.support import wait_until
+
+NS = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=1)
+
+
+@dataclass
+class Live:
+    svc: MasterService
+    server: ControlServer
+    loop: asyncio.AbstractEventLoop
+
+    def connect(self) -> protocol.FramedSocket:
+        return protocol.FramedSocket.connect("127.0.0.1", self.server.port, timeout=60)
+
+
+@pytest.fixture
+def live() -> Iterator[Live]:
+    svc = MasterService(MasterConfig())
+    svc.register(
+        "n1", "127.0.0.1", 9, b"s" * 32, [SegmentSpec(name="dram0", tier="dram", capacity=1 << 34)]
+    )
+    loop = asyncio.new_event_loop()
+    server = ControlServer(svc, "127.0.0.1", 0)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    try:
+        yield Live(svc, server, loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
+
+
+def _put_ids(conn: protocol.FramedSocket, keys: list[bytes], **extra: Any) -> list[int]:
+    reply = conn.call("put_start", {"keys": keys, "sizes": [8] * len(keys), **extra})
+    assert all(r[0] == 0 for r in reply), reply[:3]
+    return [r[1][0] for r in reply]
+
+
+def test_chunked_batches_answer_like_unchunked_ones(live: Live) -> None:
+    conn = live.connect()
+    n = CHUNK_ITEMS * 4 + 3
+    keys = [b"k%d" % i for i in range(n)] + [b""]  # the last one is a bad key: its own error
+    reply = conn.call("put_start", {"keys": keys, "sizes": [8] * len(keys)})
+    assert len(reply) == n + 1 and all(r[0] == 0 for r in reply[:-1]) and reply[-1][0] != 0
+    ids = [r[1][0] for r in reply[:-1]]
+    assert conn.call("put_end", {"put_ids": ids, "checksums": [1] * n}) == [[0, None]] * n
+    assert conn.call("exists", {"keys": keys}) == [True] * n + [False]
+    locs = conn.call("get_locations", {"keys": keys[:-1]})
+    granted = [ObjectInfo.from_wire(r[1]).locations[0].grant.key for r in locs]
+    assert granted == keys[:-1]  # in order, each its own key
+
+
+def test_a_bad_item_anywhere_in_a_chunked_batch_changes_nothing(live: Live) -> None:
+    conn = live.connect()
+    n = CHUNK_ITEMS * 3
+    keys = [b"bad%d" % i for i in range(n)]
+    ids = _put_ids(conn, keys)
+    with pytest.raises(InvalidRequestError):
+        conn.call("put_end", {"put_ids": ids, "checksums": [1] * (n - 1) + ["x"]})
+    assert conn.call("exists", {"keys": keys}) == [False] * n  # no chunk was committed
+    with pytest.raises(InvalidRequestError):
+        conn.call("put_start", {"keys": keys, "sizes": [8] * (n - 1) + [None]})
+
+
+def test_prompts_over_the_block_limit_are_refused_and_commit_nothing(live: Live) -> None:
+    conn = live.connect()
+    tokens = np.arange(MAX_PROMPT_BLOCKS + 1, dtype=np.uint32)
+    keys = [kv_object_key(NS.digest, k) for k in block_keys(NS, tokens[:4])]
+    ids = _put_ids(conn, keys, kv=True)
+    args = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(tokens)}
+    with pytest.raises(InvalidRequestError, match="limit"):
+        conn.call("kv_commit", {**args, "put_ids": ids, "checksums": [1] * len(ids)})
+    assert conn.call("exists", {"keys": keys}) == [False] * len(keys)
+    with pytest.raises(InvalidRequestError, match="limit"):
+        conn.call("kv_match", args)
+    # At the limit it is served (in chunks), and indexes what was committed.
+    at_limit = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(tokens[:-1])}
+    done = conn.call("kv_commit", {**at_limit, "put_ids": ids, "checksums": [1] * len(ids)})
+    assert done["results"] == [[0, None]] * len(ids) and done["num_indexed"] == len(ids)
+    assert conn.call("kv_match", at_limit)["num_tokens"] == len(ids)
+    with pytest.raises(InvalidRequestError):  # over max_batch, as before
+        conn.call("exists", {"keys": [b"k"] * (live.svc.config.max_batch + 1)})
+
+
+def test_a_small_call_is_served_while_a_max_size_batch_is_in_progress(live: Live) -> None:
+    """Another client's exists() is answered between two chunks of a 65,536-key put_start,
+    long before the batch's last chunk runs (progress and order, not wall-clock bounds)."""
+    svc = live.svc
+    events: list[str] = []
+    small_sent = threading.Event()
+    put_start, exists = svc.put_start, svc.exists
+
+    def traced_put_start(*a: Any, **kw: Any) -> Any:
+        events.append("big chunk")
+        if len(events) == 2:  # the batch is under way: let the small call arrive now
+            assert small_sent.wait(timeout=60)
+        return put_start(*a, **kw)
+
+    def traced_exists(keys: Any) -> Any:
+        events.append("small")
+        return exists(keys)
+
+    svc.put_start = traced_put_start  # type: ignore[method-assign]
+    svc.exists = traced_exists  # type: ignore[method-assign]
+    n = svc.config.max_batch
+    replies: list[str] = []
+
+    def big() -> None:
+        conn = live.connect()
+        reply = conn.call("put_start", {"keys": [b"b%d" % i for i in range(n)], "sizes": [8] * n})
+        assert len(reply) == n
+        replies.append("big")
+
+    def small() -> None:
+        conn = live.connect()
+        req_id = conn.send_request("exists", {"keys": [b"b0"]})
+        small_sent.set()
+        response, _ = conn.read_response()
+        assert response.req_id == req_id and response.unwrap() == [False]
+        replies.append("small")
+
+    threads = [threading.Thread(target=big), threading.Thread(target=small)]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive()
+    chunks = n // CHUNK_ITEMS
+    assert events.count("big chunk") == chunks
+    # Served a few chunks after it arrived, far from the end of the batch.
+    assert events.index("small") < chunks // 2, events.index("small")
+    assert replies == ["small", "big"]
+
+
+def test_a_hello_sent_in_time_survives_a_stall_of_the_master() -> None:
+    """Deadlines measure the peer, not us: a hello that arrived while the master's loop was
+    stalled past the hello deadline is still served."""
+    svc = MasterService(MasterConfig())
+    token = auth.Token("stall-test-token-0123456789abcdef")
+    # The daemons' loop: uvloop runs due timers (our sweeper) before it reads sockets.
+    uvloop = pytest.importorskip("uvloop")
+    loop = uvloop.new_event_loop()
+    server = ControlServer(svc, "127.0.0.1", 0, token=token)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+    try:
+        conn = protocol.FramedSocket.connect("127.0.0.1", server.port, timeout=60)
+        wait_until(lambda: len(server.pending) == 1, timeout=30, what="the connection accepted")
+        stall = auth.HELLO_TIMEOUT_S + 2 * SWEEP_INTERVAL_S + 1
+        loop.call_soon_threadsafe(time.sleep, stall)  # the loop stalls (a GC pause, say)
+        auth.hello(conn, token)  # sent at once; answered once the loop runs again
+        assert conn.call("ping", {})["role"] == "master"
+        conn.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        loop.close()
