@@ -5,6 +5,7 @@ another's dependencies (vLLM's venv has no SGLang, SGLang's has no transformers 
 
 - ``kvstore.client.adapters.workers`` / ``hf`` / ``models`` / ``fp8`` / ``serve``: prefill and
   decode workers around a Hugging Face transformers causal LM (needs torch and transformers).
+- ``kvstore.client.adapters.vllm``: ``KVStoreConnector``, vLLM's KV connector (vLLM's venv).
 
 This package itself imports nothing. See docs/adapters.md for the mappings.
 """

@@ -75,10 +75,9 @@ CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s
 LOAD_MODES = ("layer", "async")
 #: Staging kept between steps up to this size (larger steps allocate their own).
 MAX_KEPT_STAGING = 512 << 20
-#: The default: measured faster here, where a server computes on one pinned core (see
-#: docs/adapters.md, bench/bench_vllm.py): the io thread shares that core, so the layer-wise
-#: copy cannot overlap the forward; an async load runs while the engine waits.
-DEFAULT_LOAD_MODE = "async"
+#: The default: bench/bench_vllm.py found layer-wise loads faster at 2K tokens 100% cached in
+#: every run here (other cells within the noise of a shared 2-core machine; docs/adapters.md).
+DEFAULT_LOAD_MODE = "layer"
 
 _TORCH_TO_NS_DTYPE = {
     torch.float16: "float16",

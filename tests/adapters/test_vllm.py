@@ -110,8 +110,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         e.start(
             ref=(None, 0),
             p=(kv_config("kv_producer", addr), 1),
-            # D loads layer-wise; the kv_both servers below use the default (async) loads.
-            d=(kv_config("kv_consumer", addr, load_mode="layer"), 0),
+            # D loads asynchronously; the kv_both servers below use the default (layer-wise).
+            d=(kv_config("kv_consumer", addr, load_mode="async"), 0),
         )
         yield e
     finally:
@@ -343,4 +343,4 @@ def test_extra_config_refuses_an_inline_token_and_unknown_keys(tmp_path: Path) -
     assert len([x for x in lines if x.startswith("refused:")]) == 4, out.stdout
     assert "token_file" in lines[0] and "s3cret" not in out.stdout
     assert "slat" in lines[1]
-    assert lines[-1] == "ok etcd://h:2379 t1 async"
+    assert lines[-1] == "ok etcd://h:2379 t1 layer"
