@@ -232,3 +232,30 @@ def test_block_level_puts_load_back_by_key(cluster_factory) -> None:
             kv.put_blocks(tokens, 3, rows[:2])  # block 4 would need more tokens
         with pytest.raises(InvalidRequestError):
             kv.put_blocks(tokens, 0, rows[0, :-1])  # not a whole block
+
+
+def test_lookups_take_no_read_leases_loads_do(cluster_factory) -> None:
+    """A lookup (what an engine's scheduler asks for every request) must not hold blocks from
+    eviction; a load leases what it reads."""
+    import re
+    import urllib.request
+
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+
+    def leases() -> float:
+        with urllib.request.urlopen(cluster.admin + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(r"^kvstore_leases_held (\S+)$", text, re.M)
+        assert m, "the master exports kvstore_leases_held"
+        return float(m.group(1))
+
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(7000, 7000 + 3 * BS)
+        kv.store(tokens, make_kv(tokens))
+        base = leases()
+        for _ in range(3):
+            assert kv.lookup(tokens) == 3 * BS
+        assert leases() == base
+        assert kv.load(tokens, empty_kv(len(tokens))) == 3 * BS
+        assert leases() > base
