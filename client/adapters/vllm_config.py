@@ -1,0 +1,89 @@
+"""The vLLM connector's ``kv_connector_extra_config``, checked without importing vLLM.
+
+Kept apart from :mod:`kvstore.client.adapters.vllm` (which imports vLLM) so that the rules can be
+tested and reused (e.g. by a launcher) in an environment without vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import InvalidRequestError
+
+#: Extra-config keys the connector understands (anything else is refused: a typo must not
+#: silently run without, say, the salt).
+CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s", "retry_s"})
+LOAD_MODES = ("layer", "async")
+#: The default: bench/bench_vllm.py found layer-wise loads faster at 2K tokens 100% cached in
+#: every run here (other cells within the noise of a shared 2-core machine; docs/adapters.md).
+DEFAULT_LOAD_MODE = "layer"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """What ``kv_connector_extra_config`` may carry (nothing vLLM's own config already says).
+
+    Attributes:
+        master: the master's ``HOST:PORT`` or ``etcd://HOST:PORT[,...]``.
+        token_file: a file holding the cluster token; else ``$KVSTORE_TOKEN`` or
+            ``$KVSTORE_TOKEN_FILE``. The token itself never goes in the config (it would show on
+            the command line and in vLLM's config log).
+        salt: optional namespace salt (tenant or LoRA isolation).
+        load_mode: ``layer`` (load inside the step, before the layers run) or ``async`` (load
+            between steps, ``load_async=True``).
+        timeout_s: seconds any one pool call may wait.
+        retry_s: seconds to serve without the pool after it failed, before trying it again.
+    """
+
+    master: str
+    token_file: str | None = None
+    salt: str | None = None
+    load_mode: str = DEFAULT_LOAD_MODE
+    timeout_s: float = 5.0
+    retry_s: float = 10.0
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``.
+
+        Raises:
+            InvalidRequestError: no master, a token given inline, an unknown key or a bad value.
+        """
+        extra = dict(extra or {})
+        if "token" in extra:
+            raise InvalidRequestError(
+                "kvstore connector: the cluster token must not be in kv_connector_extra_config "
+                "(it would show on the command line and in logs); give token_file, or set "
+                "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
+            )
+        unknown = sorted(set(extra) - CONFIG_KEYS)
+        if unknown:
+            raise InvalidRequestError(
+                f"kvstore connector: unknown extra config {unknown}; known: {sorted(CONFIG_KEYS)}"
+            )
+        master = extra.get("master")
+        if not isinstance(master, str) or not master:
+            raise InvalidRequestError(
+                'kvstore connector: kv_connector_extra_config needs "master": "HOST:PORT" '
+                'or "etcd://HOST:PORT"'
+            )
+        mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
+        if mode not in LOAD_MODES:
+            raise InvalidRequestError(f"kvstore connector: load_mode must be one of {LOAD_MODES}")
+        for name in ("timeout_s", "retry_s"):
+            v = extra.get(name, 1.0)
+            if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+                raise InvalidRequestError(f"kvstore connector: {name} must be a positive number")
+        for name in ("token_file", "salt"):
+            v = extra.get(name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
+        return ConnectorConfig(
+            master=master,
+            token_file=extra.get("token_file"),
+            salt=extra.get("salt"),
+            load_mode=mode,
+            timeout_s=float(extra.get("timeout_s", 5.0)),
+            retry_s=float(extra.get("retry_s", 10.0)),
+        )
