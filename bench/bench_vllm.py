@@ -135,14 +135,14 @@ def raw_bandwidth(address: str, prompt: list[int], repeat: int = 5) -> tuple[flo
     with Client.connect(address) as c:
         kv = KVCache(c, namespace())
         keys = kv.block_object_keys(prompt)[: (len(prompt) - 1) // BS]
-        bufs = np.empty((len(keys), kv.block_nbytes), dtype=np.uint8)
+        bufs = np.empty((len(keys), kv.object_nbytes), dtype=np.uint8)
         rows = list(bufs)
         best_s = float("inf")
         for _ in range(repeat):
             t0 = time.perf_counter()
             res = c.batch_get_into(keys, rows)
             best_s = min(best_s, time.perf_counter() - t0)
-            assert all(r == kv.block_nbytes for r in res), res
+            assert all(r == kv.object_nbytes for r in res), res
         kv.close()
     return bufs.nbytes / best_s / 1e6, bufs.nbytes
 

@@ -175,8 +175,15 @@ class KVCache:
     # ------------------------------------------------------------------ whole blocks
     @property
     def block_nbytes(self) -> int:
-        """Bytes of one block object (see :func:`kvstore.keys.block_bytes`)."""
+        """Bytes of one block's KV planes, what an engine lays out (see
+        :func:`kvstore.keys.block_bytes`)."""
         return self._block_bytes
+
+    @property
+    def object_nbytes(self) -> int:
+        """Bytes of one stored block object: its planes, then its checksum table
+        (:func:`kvstore.kvblocks.checksum_table`). A whole-object read needs this much room."""
+        return self._object_bytes
 
     def block_object_keys(self, tokens: Any) -> list[bytes]:
         """The pool keys of the block objects of the full blocks of ``tokens``, in order.
@@ -188,14 +195,18 @@ class KVCache:
         return [kv_object_key(self.namespace.digest, key) for key in keys]
 
     def put_blocks(self, tokens: Any, first_block: int, blocks: Any) -> int:
-        """Store already laid-out block objects and index the prompt, for engines that keep
-        their KV in fixed-size pages (a paged cache block is one object, no repacking here).
+        """Store already laid-out blocks and index the prompt, for engines that keep their KV in
+        fixed-size pages (a paged cache block is one object, no repacking here).
+
+        Each row is either a block's planes (``block_nbytes``: copied into a new object row
+        with its checksum table) or a whole object row (``object_nbytes``: the planes, then room
+        for the table, which is written in place: no copy; the rows must be writable).
 
         Args:
             tokens: the prompt's token ids; only its full blocks count.
             first_block: index of the block ``blocks[0]`` holds.
-            blocks: ``[n, block_nbytes]`` uint8 (numpy array or CPU tensor), each row one
-                block object in the layout of :func:`kvstore.keys.block_bytes`.
+            blocks: ``[n, block_nbytes]`` or ``[n, object_nbytes]`` uint8 (numpy array or CPU
+                tensor), each row one block in the layout of :func:`kvstore.keys.block_bytes`.
 
         Returns:
             Blocks stored now (an existing equal block counts: same key, same KV).
@@ -205,13 +216,14 @@ class KVCache:
             KVStoreError: a block could not be stored; blocks before it stay cached.
         """
         tok = as_token_array(tokens)
-        rows = np.frombuffer(as_bytes_view(blocks), dtype=np.uint8)
-        if rows.size % self._block_bytes:
+        n = len(blocks)
+        raw = as_bytes_view(blocks)
+        row_bytes = raw.nbytes // n if n else self._object_bytes
+        if row_bytes * n != raw.nbytes or row_bytes not in (self._block_bytes, self._object_bytes):
             raise InvalidRequestError(
-                f"blocks hold {rows.size} bytes, not a multiple of {self._block_bytes}"
+                f"{n} blocks of {raw.nbytes} bytes: each row must hold {self._block_bytes} bytes "
+                f"(planes) or {self._object_bytes} (planes and checksum table)"
             )
-        rows = rows.reshape(-1, self._block_bytes)
-        n = len(rows)
         bs = self.namespace.block_size
         end = first_block + n
         if first_block < 0 or end * bs > len(tok):
@@ -220,8 +232,15 @@ class KVCache:
             )
         if n == 0:
             return 0
+        if row_bytes == self._object_bytes:
+            rows = np.frombuffer(as_bytes_view(blocks, writable=True), dtype=np.uint8)
+            rows = rows.reshape(n, self._object_bytes)
+        else:
+            rows = np.empty((n, self._object_bytes), dtype=np.uint8)
+            rows[:, : self._block_bytes] = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1)
         keys = block_keys(self.namespace, tok[: end * bs])
         obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_block:]]
+        self._seal(rows, obj_keys)
         meta = encode_prompt_meta(self._ns_wire, tok[: end * bs])
         results = self.client._batch_put(
             [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
@@ -234,6 +253,13 @@ class KVCache:
             ):
                 raise r
         return n
+
+    def _seal(self, rows: np.ndarray, obj_keys: Sequence[bytes]) -> None:
+        """Write each object row's checksum table after its planes (in place)."""
+        bs = self.namespace.block_size
+        for row, obj_key in zip(rows, obj_keys, strict=True):
+            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
+            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
 
     # ------------------------------------------------------------------ store
     def store(self, tokens: Any, layers: Sequence[Any]) -> int:
@@ -269,9 +295,7 @@ class KVCache:
                 col = (2 * layer + which) * self._plane
                 staging[:, col : col + self._plane] = src[lo:hi].reshape(num_new, self._plane)
         obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_new:]]
-        for row, obj_key in zip(staging, obj_keys, strict=True):
-            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
-            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
+        self._seal(staging, obj_keys)
         meta = encode_prompt_meta(self._ns_wire, tok[: num_full * bs])
         results = self.client._batch_put(
             [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],

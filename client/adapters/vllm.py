@@ -57,6 +57,7 @@ from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
+from kvstore.kvblocks import checksum_table_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -599,10 +600,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._dtype = self._kv5[0].dtype
         self._obj_shape = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
         self._block_nbytes = self._kv5[0][0].nbytes * ns.num_layers
+        # One staging row is one whole pool object: the planes, then the block's checksum table
+        # (kvstore.kvblocks), so reads and saves move objects without another copy.
+        self._object_nbytes = self._block_nbytes + checksum_table_bytes(
+            2 * ns.num_layers, ns.block_size
+        )
         self._bufs: dict[str, torch.Tensor] = {}
 
     def _staging(self, num_blocks: int, kind: str) -> torch.Tensor:
-        """A staging tensor ``[num_blocks, *object shape]`` for ``kind`` (``load``/``save``).
+        """Staging rows ``[num_blocks, object bytes]`` (uint8) for ``kind`` (``load``/``save``):
+        each row one whole pool object; :meth:`_planes` is its typed view of the KV.
 
         Reused between steps, already faulted in: a fresh 50 MB tensor per step cost as much
         as the pool read itself (page faults). One per kind is enough: loads run one at a time
@@ -610,18 +617,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         bytes get a tensor of their own.
         """
         buf = self._bufs.get(kind)
-        nbytes = num_blocks * self._block_nbytes
+        nbytes = num_blocks * self._object_nbytes
         if buf is not None and len(buf) >= num_blocks:
             return buf[:num_blocks]
         if nbytes > MAX_KEPT_STAGING:
-            return torch.empty((num_blocks, *self._obj_shape), dtype=self._dtype)
+            return torch.empty((num_blocks, self._object_nbytes), dtype=torch.uint8)
         # zeros, not empty: every page is touched (faulted) once, here, not in each step.
         buf = torch.zeros(
-            (max(num_blocks, 2 * (len(buf) if buf is not None else 0)), *self._obj_shape),
-            dtype=self._dtype,
+            (max(num_blocks, 2 * (len(buf) if buf is not None else 0)), self._object_nbytes),
+            dtype=torch.uint8,
         )
         self._bufs[kind] = buf
         return buf[:num_blocks]
+
+    def _planes(self, rows: torch.Tensor) -> torch.Tensor:
+        """The KV of staging rows, typed: ``[n, layers, 2, block_size, heads, head]`` (a view)."""
+        return rows[:, : self._block_nbytes].view(self._dtype).view(len(rows), *self._obj_shape)
 
     # ---------------------------------------------------------------- loads
     def _read(self, loads: list[_Transfer]) -> tuple[torch.Tensor, list[bool]]:
@@ -651,7 +662,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         keys: list[bytes] = []
         for t in loads:
             keys.extend(kv.block_object_keys(t.tokens)[t.first : t.first + len(t.block_ids)])
-        rows = staging.view(torch.uint8).view(total, -1).numpy()
+        rows = staging.numpy()
         try:
             results = kv.client.batch_get_into(keys, list(rows))
         except _UNREACHABLE as exc:
@@ -665,7 +676,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # A block's own error (its node gone, checksum, evicted) fails that block only: the
         # pool as a whole stays in use (other nodes may hold the next prompt's blocks).
         for i, r in enumerate(results):
-            if isinstance(r, int) and r == kv.block_nbytes:
+            if isinstance(r, int) and r == kv.object_nbytes:
                 ok[i] = True
                 nbytes += r
         good = sum(ok)
@@ -697,8 +708,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         src_index = torch.tensor(good, dtype=torch.long)
         dst_ids = torch.tensor([all_ids[i] for i in good], dtype=torch.long)
         whole = len(good) == len(ok)
+        planes = (
+            self._planes(staging) if whole else self._planes(staging.index_select(0, src_index))
+        )
         for layer in layers:
-            src = staging[:, layer] if whole else staging.index_select(0, src_index)[:, layer]
+            src = planes[:, layer]
             # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
             self._kv5[layer][dst_ids] = src.permute(0, 3, 1, 2, 4)
         dt = time.perf_counter() - t0
@@ -782,13 +796,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._save_staging = self._staging(len(ids), "save")
             self._save_ids = torch.tensor(ids, dtype=torch.long)
         staging, ids = self._save_staging, self._save_ids
+        planes = self._planes(staging)
         kv5 = self._kv5[layer]
 
         def gather() -> None:
             # vLLM [n, heads, 2, bs, head] -> object [n, 2, bs, heads, head]. The staging was
             # made inside the forward's inference mode: only inference mode may write it.
             with torch.inference_mode():
-                staging[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
+                planes[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
 
         gathers = self._save_futures
         gathers.append(self._saver.submit(gather))
@@ -807,7 +822,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if kv is None:
             return
         t0 = time.perf_counter()
-        rows = staging.view(torch.uint8).view(len(staging), -1).numpy()
+        rows = staging.numpy()  # whole object rows: put_blocks writes their checksum tables
         pos = saves_done = 0
         try:
             for t in saves:

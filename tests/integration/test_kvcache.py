@@ -228,9 +228,20 @@ def test_block_level_puts_load_back_by_key(cluster_factory) -> None:
         assert kv.load(tokens, out) == 4 * BS
         keys = kv.block_object_keys(tokens)
         assert len(keys) == 4
-        bufs = np.zeros_like(rows)
-        assert c.batch_get_into(keys, list(bufs)) == [kv.block_nbytes] * 4
-        assert np.array_equal(bufs, rows)
+        # A stored object is the planes, then the block's checksum table.
+        objects = np.zeros((4, kv.object_nbytes), dtype=np.uint8)
+        assert c.batch_get_into(keys, list(objects)) == [kv.object_nbytes] * 4
+        assert np.array_equal(objects[:, : kv.block_nbytes], rows)
+        # Whole object rows (what an engine's staging holds) get their table written in place:
+        # the same objects as from plane rows.
+        staged = np.zeros_like(objects)
+        staged[:, : kv.block_nbytes] = rows
+        other = np.arange(900, 900 + 4 * BS)
+        assert kv.put_blocks(other, 0, staged) == 4
+        assert np.array_equal(staged[:, : kv.block_nbytes], rows)
+        assert kv.lookup(other) == 4 * BS
+        out = empty_kv(len(other))
+        assert kv.load(other, out) == 4 * BS
         with pytest.raises(InvalidRequestError):
             kv.put_blocks(tokens, 3, rows[:2])  # block 4 would need more tokens
         with pytest.raises(InvalidRequestError):
