@@ -99,4 +99,4 @@ sglang-test: $(SGLANG_VENV)/.built
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/engines_sglang
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(DATA) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DATA) build *.egg-info

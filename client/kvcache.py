@@ -238,28 +238,35 @@ class KVCache:
         else:
             rows = np.empty((n, self._object_bytes), dtype=np.uint8)
             rows[:, : self._block_bytes] = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1)
-        keys = block_keys(self.namespace, tok[: end * bs])
+        self._put_objects(tok[: end * bs], first_block, rows)
+        return n
+
+    def _put_objects(self, prefix: np.ndarray, first_block: int, rows: np.ndarray) -> None:
+        """Seal object rows for blocks ``first_block..`` of ``prefix`` (whole blocks: its checksum
+        table written after each row's planes, in place), store them with the prompt's meta object
+        and commit the prompt to the prefix index, in one batched put.
+
+        Raises:
+            KVStoreError: a block could not be stored (another writer's equal block is no error:
+                equal keys, equal KV); blocks before it stay cached.
+        """
+        bs = self.namespace.block_size
+        keys = block_keys(self.namespace, prefix)
         obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_block:]]
-        self._seal(rows, obj_keys)
-        meta = encode_prompt_meta(self._ns_wire, tok[: end * bs])
+        for row, obj_key in zip(rows, obj_keys, strict=True):
+            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
+            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
+        meta = encode_prompt_meta(self._ns_wire, prefix)
         results = self.client._batch_put(
             [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
             [*rows, meta],
-            commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(tok[: end * bs])},
+            commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(prefix)},
         )
         for r in results:
             if isinstance(r, KVStoreError) and not isinstance(
                 r, ObjectExistsError | ObjectBusyError
             ):
                 raise r
-        return n
-
-    def _seal(self, rows: np.ndarray, obj_keys: Sequence[bytes]) -> None:
-        """Write each object row's checksum table after its planes (in place)."""
-        bs = self.namespace.block_size
-        for row, obj_key in zip(rows, obj_keys, strict=True):
-            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
-            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
 
     # ------------------------------------------------------------------ store
     def store(self, tokens: Any, layers: Sequence[Any]) -> int:
@@ -287,27 +294,13 @@ class KVCache:
         num_new = num_full - first_new
         if num_new == 0:
             return 0
-        keys = block_keys(self.namespace, tok[: num_full * bs])
         staging = np.empty((num_new, self._object_bytes), dtype=np.uint8)
         lo, hi = first_new * bs, num_full * bs
         for layer, (k, v) in enumerate(views):
             for which, src in enumerate((k, v)):
                 col = (2 * layer + which) * self._plane
                 staging[:, col : col + self._plane] = src[lo:hi].reshape(num_new, self._plane)
-        obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_new:]]
-        self._seal(staging, obj_keys)
-        meta = encode_prompt_meta(self._ns_wire, tok[: num_full * bs])
-        results = self.client._batch_put(
-            [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
-            [*staging, meta],
-            commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(tok[: num_full * bs])},
-        )
-        for r in results:
-            # Another writer stored (or is storing) the same block: equal keys, equal KV.
-            if isinstance(r, KVStoreError) and not isinstance(
-                r, ObjectExistsError | ObjectBusyError
-            ):
-                raise r
+        self._put_objects(tok[: num_full * bs], first_new, staging)
         return num_new * bs
 
     # ------------------------------------------------------------------ load
