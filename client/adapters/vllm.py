@@ -329,6 +329,24 @@ def _is_unreachable(err: BaseException) -> bool:
 
 
 # ==================================================================== metadata
+
+
+def _runs(src: Iterable[int], dst: Iterable[int]) -> list[tuple[int, int, int]]:
+    """``(src start, dst start, length)`` of the stretches where both indices go up by one.
+
+    Why: one strided ``copy_`` of a run of blocks moves KV between the staging rows and vLLM's
+    paged cache 2-3x faster than an ``index_put`` of the same blocks (which materialises the
+    permuted source first), and vLLM hands out a prompt's blocks mostly in consecutive runs.
+    """
+    runs: list[list[int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
 @dataclass
 class _Transfer:
     """Blocks ``first .. first + len(block_ids)`` of a prompt, to load or save.
@@ -410,7 +428,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._sync_read: Future[set[int]] | None = None
         self._layer_ready: list[threading.Event] = []
         self._save_staging: torch.Tensor | None = None
-        self._save_ids: torch.Tensor | None = None
+        self._save_runs: list[tuple[int, int, int]] = []
         self._save_futures: list[Future[None]] = []
         logger.info(
             "kvstore connector: role %s, pool %s, namespace %s (block size %d, %s loads)",
@@ -705,16 +723,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         if not good:
             return failed
         t0 = time.perf_counter()
-        src_index = torch.tensor(good, dtype=torch.long)
-        dst_ids = torch.tensor([all_ids[i] for i in good], dtype=torch.long)
-        whole = len(good) == len(ok)
-        planes = (
-            self._planes(staging) if whole else self._planes(staging.index_select(0, src_index))
-        )
+        runs = _runs(good, [all_ids[i] for i in good])
+        planes = self._planes(staging)
         for layer in layers:
-            src = planes[:, layer]
-            # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
-            self._kv5[layer][dst_ids] = src.permute(0, 3, 1, 2, 4)
+            src, dst = planes[:, layer], self._kv5[layer]
+            for s, d, n in runs:
+                # object [n, 2, bs, heads, head] -> vLLM [n, heads, 2, bs, head]
+                dst[d : d + n].copy_(src[s : s + n].permute(0, 3, 1, 2, 4))
         dt = time.perf_counter() - t0
         self._counters.add(load_seconds=dt, copy_seconds=dt)  # into vLLM's cache counts too
         return failed
@@ -794,8 +809,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._save_staging is None:
             ids = [b for t in meta.saves for b in t.block_ids]
             self._save_staging = self._staging(len(ids), "save")
-            self._save_ids = torch.tensor(ids, dtype=torch.long)
-        staging, ids = self._save_staging, self._save_ids
+            self._save_runs = _runs(range(len(ids)), ids)
+        staging, runs = self._save_staging, self._save_runs
         planes = self._planes(staging)
         kv5 = self._kv5[layer]
 
@@ -803,7 +818,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             # vLLM [n, heads, 2, bs, head] -> object [n, 2, bs, heads, head]. The staging was
             # made inside the forward's inference mode: only inference mode may write it.
             with torch.inference_mode():
-                planes[:, layer] = kv5[ids].permute(0, 2, 3, 1, 4)
+                for s, d, n in runs:
+                    planes[s : s + n, layer].copy_(kv5[d : d + n].permute(0, 2, 3, 1, 4))
 
         gathers = self._save_futures
         gathers.append(self._saver.submit(gather))
@@ -854,7 +870,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             except Exception as exc:  # noqa: BLE001 - a failed save is a future miss, not an error
                 logger.warning("kvstore: save failed (%s: %s)", type(exc).__name__, exc)
         self._save_staging = None
-        self._save_ids = None
+        self._save_runs = []
 
     # ---------------------------------------------------------------- completion, errors
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
