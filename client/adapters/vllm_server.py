@@ -76,6 +76,7 @@ class VLLMServer:
         max_model_len: the longest prompt plus answer.
         env: more environment variables.
         port: the port (default: a free one).
+        extra_args: more ``api_server`` arguments (e.g. ``["--max-num-seqs", "4"]``).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class VLLMServer:
         max_model_len: int = 4096,
         env: dict[str, str] | None = None,
         port: int | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         self.name = name
         self.port = port or free_port()
@@ -118,6 +120,7 @@ class VLLMServer:
             "--enforce-eager",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]
+        cmd += extra_args or []
         if kv_config is not None:
             cmd += ["--kv-transfer-config", kv_config]
         child_env = {
@@ -125,9 +128,12 @@ class VLLMServer:
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default (92% of RAM) refuses to start
             "VLLM_CPU_OMP_THREADS_BIND": "auto" if cpu_core is None else str(cpu_core),
             "TQDM_DISABLE": "1",
+            "HF_HUB_OFFLINE": "1",  # the model is a local folder: never a hub
+            "TRANSFORMERS_OFFLINE": "1",
             **(env or {}),
         }
-        self._log: IO[bytes] = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
+        # Appended: a server restarted on the same log keeps its earlier life's lines.
+        self._log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,

@@ -8,24 +8,18 @@ session, and stopping it signals that whole process group, by the leader's PID.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvstore.client.adapters import realmodel, vllm_server
+from kvstore.errors import KVStoreError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONNECTOR = {
-    "kv_connector": "KVStoreConnector",
-    "kv_connector_module_path": "kvstore.client.adapters.vllm",
-}
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 180.0
 
@@ -37,13 +31,8 @@ def vllm_python() -> Path:
 
 
 def model_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct folder (may not exist)."""
-    env = os.environ.get("KVSTORE_MODEL_DIR")
-    return (
-        Path(env)
-        if env
-        else Path.home() / ".cache" / "kvstore" / "models" / "smollm2-135m-instruct"
-    )
+    """The converted SmolLM2-135M-Instruct folder (may not exist; ``$KVSTORE_MODEL_DIR``)."""
+    return realmodel.model_dir("smollm2")
 
 
 def missing_engine() -> str | None:
@@ -59,19 +48,14 @@ def missing_engine() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_config(role: str, master: str, **extra: Any) -> dict[str, Any]:
-    """A ``--kv-transfer-config`` for the kvstore connector."""
-    return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": {"master": master, **extra}}
+    """A ``--kv-transfer-config`` for the kvstore connector (as a dict)."""
+    return json.loads(vllm_server.kv_transfer_config(master, role, **extra))
 
 
-class VLLMServer:
-    """``python -m vllm.entrypoints.openai.api_server`` on a free port, logging to a file.
+class VLLMServer(vllm_server.VLLMServer):
+    """The product's server (:class:`kvstore.client.adapters.vllm_server.VLLMServer`) with the
+    real model and the vLLM venv, plus the requests the tests and the benchmark make.
 
     Args:
         log_path: where its stdout and stderr go.
@@ -93,76 +77,31 @@ class VLLMServer:
         max_model_len: int = 4096,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        args = [
-            str(vllm_python()),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir()),
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--block-size",
-            str(block_size),
-            "--max-model-len",
-            str(max_model_len),
-            "--enforce-eager",
-            "--max-num-seqs",
-            "4",
-            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-        ]
-        if kv_transfer is not None:
-            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() signals all three processes
-            env={
-                **os.environ,
-                "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
-                "VLLM_LOGGING_LEVEL": "INFO",
-                "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                **(env or {}),
-            },
+        super().__init__(
+            model_dir(),
+            log_path.stem,
+            log_path,
+            kv_config=None if kv_transfer is None else json.dumps(kv_transfer),
+            prefix_caching=prefix_caching,
+            cpu_core=cpu,
+            python=str(vllm_python()),
+            block_size=block_size,
+            max_model_len=max_model_len,
+            env={"VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+            extra_args=["--max-num-seqs", "4"],
         )
 
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:  # type: ignore[override]
         """Poll ``/health`` until it answers (bounded).
 
         Raises:
             RuntimeError: the server exited, or was not up within ``timeout``.
         """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"vLLM not up in {timeout}s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 60) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+            super().wait_ready(timeout)
+        except KVStoreError as err:
+            raise RuntimeError(f"{err.message}\n{self.log_tail(60)}") from None
+        return self
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -210,15 +149,3 @@ class VLLMServer:
         ):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL what lingers (by the leader's PID)."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=timeout)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine core and worker too
-        self.proc.wait(timeout=10)
-        self._log.close()
