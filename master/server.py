@@ -229,7 +229,9 @@ def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
         "block_size": match.block_size,
         "blocks": [
             [key, n, result_to_wire(info)] if locate else [key, n, None]
-            for (key, n), info in zip(match.blocks, infos or [None] * len(match.blocks), strict=True)
+            for (key, n), info in zip(
+                match.blocks, infos or [None] * len(match.blocks), strict=True
+            )
         ],
     }
 
@@ -273,16 +275,23 @@ def dispatch(
             raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
         result = handler(svc, request.args)
         return protocol.encode_response(request.req_id, result)
-    except KVStoreError as err:
-        code = int(err.code)
-        return protocol.encode_error(request.req_id, err)
-    except Exception:
-        code = int(InternalError.code)
-        log.exception("internal error while serving %r", request.verb[:64])
-        return protocol.encode_error(request.req_id, InternalError("internal error"))
+    except Exception as exc:  # noqa: BLE001 - every failure is an error frame, never a hang-up
+        code, frame = _error_frame(request, exc)
+        return frame
     finally:
         if observer is not None:
             observer.observe(request, code, result, time.perf_counter() - started)
+
+
+def _error_frame(request: protocol.Request, exc: Exception) -> tuple[int, bytes]:
+    """The error code and response frame for a failed request: a typed error travels as it
+    is; anything else is logged and answered as an internal error (its message never leaves)."""
+    if isinstance(exc, KVStoreError):
+        return int(exc.code), protocol.encode_error(request.req_id, exc)
+    log.exception("internal error while serving %r", request.verb[:64])
+    return int(InternalError.code), protocol.encode_error(
+        request.req_id, InternalError("internal error")
+    )
 
 
 # ---------------------------------------------------------------- bounded work per loop turn
@@ -407,13 +416,9 @@ async def dispatch_bounded(
             packed = await _serve_chunks(svc, request, n)
         body = _PACK.pack_array_header(3) + _PACK.pack(request.req_id) + _PACK.pack(0) + packed
         return protocol.encode_header(protocol.KIND_RESPONSE, len(body)) + body
-    except KVStoreError as err:
-        code = int(err.code)
-        return protocol.encode_error(request.req_id, err)
-    except Exception:
-        code = int(InternalError.code)
-        log.exception("internal error while serving %r", request.verb[:64])
-        return protocol.encode_error(request.req_id, InternalError("internal error"))
+    except Exception as exc:  # noqa: BLE001 - as in dispatch
+        code, frame = _error_frame(request, exc)
+        return frame
     finally:
         if observer is not None and not delegated:
             observer.observe(request, code, None, time.perf_counter() - started)
