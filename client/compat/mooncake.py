@@ -406,9 +406,7 @@ class MooncakeDistributedStore:
         config: ReplicateConfig | None = None,
     ) -> list[int]:
         """Store many objects from caller memory; per key 0 or a negative code."""
-        if not len(keys) == len(buffer_ptrs) == len(sizes):
-            return [ErrorCodes.INVALID_PARAMS] * len(keys)
-        return self._put_many(keys, self._ptr_views(buffer_ptrs, sizes), config, False)
+        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=False)
 
     def batch_upsert_from(
         self,
@@ -417,9 +415,20 @@ class MooncakeDistributedStore:
         sizes: list[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
+        return self._put_from(keys, buffer_ptrs, sizes, config, upsert=True)
+
+    def _put_from(
+        self,
+        keys: list[str],
+        buffer_ptrs: list[int],
+        sizes: list[int],
+        config: ReplicateConfig | None,
+        *,
+        upsert: bool,
+    ) -> list[int]:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [ErrorCodes.INVALID_PARAMS] * len(keys)
-        return self._put_many(keys, self._ptr_views(buffer_ptrs, sizes), config, True)
+        return self._put_many(keys, self._ptr_views(buffer_ptrs, sizes), config, upsert)
 
     def batch_put_from_multi_buffers(
         self,
