@@ -64,7 +64,10 @@ class Replicator:
         svc = self.svc
         offset = seg.allocator.allocate(obj.size)
         assert offset is not None, "a copy was planned without room"
-        dst = Replica(node.node_id, seg.name, offset, obj.size, stamp=src.stamp, tier=seg.tier)
+        claim = seg.claim_stamp(svc.wall_ms() + int(svc.config.put_timeout_s * 1000))
+        dst = Replica(
+            node.node_id, seg.name, offset, obj.size, stamp=src.stamp, tier=seg.tier, claim=claim
+        )
         timeout = svc.tiering.config.task_timeout_s
         expires = svc.wall_ms() + int(timeout * 1000)
         src_node = svc.nodes[src.node_id]
@@ -84,7 +87,7 @@ class Replicator:
             "deadline_ms": expires,
             # Where the node writes is a new allocation: its place among write grants for
             # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
-            "claim_ms": svc.wall_ms() + int(svc.config.put_timeout_s * 1000),
+            "claim_ms": claim,
         }
         deadline = now + timeout + TASK_GRACE_S
         svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))

@@ -96,6 +96,16 @@ class Segment:
     shm_path: str = ""
     # offset -> key of every committed replica here (what eviction and drain walk).
     holding: dict[int, bytes] = field(default_factory=dict)
+    # The newest write claim (grant expiry, wall ms) of any allocation freed here. Nodes order
+    # the writes of reused bytes by that stamp (kvstore.grants.WriteClaims) and cannot order
+    # equal ones, so space freed in the millisecond it was allocated (an eviction right after
+    # a commit) must go to a strictly later stamp: see :meth:`claim_stamp`.
+    reuse_floor: int = 0
+
+    def claim_stamp(self, base_ms: int) -> int:
+        """The write claim for a new allocation here: ``base_ms`` (now + put timeout), or just
+        after every claim on bytes freed here, whichever is later."""
+        return base_ms if base_ms > self.reuse_floor else self.reuse_floor + 1
 
 
 @dataclass(slots=True)
@@ -134,6 +144,9 @@ class Replica:
     size: int
     stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
     tier: str = TIER_DRAM
+    # The stamp the node's write claim on these bytes carries, when not ``stamp``: a move or
+    # copy keeps the object's version stamp but claims its new bytes as a new allocation.
+    claim: int = 0
 
 
 @dataclass(slots=True)
@@ -462,9 +475,11 @@ class MasterService:
             )
         if key in self.pending_by_key:
             raise ObjectBusyError("another put of this key is in flight")
-        expires = self.wall_ms() + int(self.config.put_timeout_s * 1000)
+        picks = self.tiering.place(size, excluded, num_replicas)
+        base = self.wall_ms() + int(self.config.put_timeout_s * 1000)
+        expires = max(segment.claim_stamp(base) for segment, _ in picks)
         placed: list[Replica] = []
-        for segment, node in self.tiering.place(size, excluded, num_replicas):
+        for segment, node in picks:
             offset = segment.allocator.allocate(size)
             assert offset is not None, "placement chose a segment without room"
             placed.append(
@@ -571,7 +586,9 @@ class MasterService:
         self._free_now(node, replica)
 
     def _free_now(self, node: Node, replica: Replica) -> None:
-        allocator = node.segments[replica.segment].allocator
+        seg = node.segments[replica.segment]
+        seg.reuse_floor = max(seg.reuse_floor, replica.stamp, replica.claim)
+        allocator = seg.allocator
         if isinstance(allocator, ByteBudget):
             node.limbo.append((replica.segment, allocator.free(replica.offset)))
         else:

@@ -312,8 +312,15 @@ class TierManager:
 
         offset = dst_seg.allocator.allocate(obj.size)
         assert offset is not None, "a move was planned without room"
+        claim = dst_seg.claim_stamp(self.svc.wall_ms() + int(self.svc.config.put_timeout_s * 1000))
         dst = Replica(
-            node.node_id, dst_seg.name, offset, obj.size, stamp=src.stamp, tier=dst_seg.tier
+            node.node_id,
+            dst_seg.name,
+            offset,
+            obj.size,
+            stamp=src.stamp,
+            tier=dst_seg.tier,
+            claim=claim,
         )
         tasks = self.svc.tasks
         task_id = tasks.next_id()
@@ -330,7 +337,7 @@ class TierManager:
             "deadline_ms": self.svc.wall_ms() + int(self.config.task_timeout_s * 1000),
             # Where the node writes is a new allocation: its place among write grants for
             # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
-            "claim_ms": self.svc.wall_ms() + int(self.svc.config.put_timeout_s * 1000),
+            "claim_ms": claim,
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id

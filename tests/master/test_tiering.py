@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
 from kvstore.manifest import ManifestClaim
 from kvstore.master.eviction import EVICTION_POLICIES, make_policy
@@ -151,6 +152,52 @@ def test_no_space_only_when_everything_left_is_leased_or_pinned(clock: FakeClock
     assert len(svc.objects) == 4, "a failed put changes nothing"
     clock.now += 10  # the leases end: those two may go now
     assert isinstance(svc.put_start([b"x"], [64 * KIB])[0], PutTicket)
+
+
+def test_bytes_reused_in_the_millisecond_they_were_freed_get_a_later_write_claim(
+    clock: FakeClock,
+) -> None:
+    """A node orders writes to the same bytes by their grants' expiry (WriteClaims) and refuses
+    the later comer of a tie. An object committed and evicted within one millisecond must not
+    hand its bytes to a put with the same expiry: that put's write would be refused as stale."""
+    svc = make(clock, dram=256 * KIB, nvme=0)
+    node = grants.WriteClaims(clock.wall_ms)  # what the node remembers of each write
+    stamps = []
+    for i in range(5):  # one clock reading: all in the same millisecond; the 5th evicts one
+        clock.now += 0.0001 if i == 4 else 0.0
+        (ticket,) = svc.put_start([b"k%d" % i], [64 * KIB])
+        assert isinstance(ticket, PutTicket), ticket
+        grant = ticket.locations[0].grant
+        node.end(node.begin(grant, None), None, complete=True)  # refused before the fix
+        assert svc.put_end([ticket.put_id], [i]) == [None]
+        stamps.append(grant.expires_ms)
+    assert svc.tiering.num_sync_evictions == 1
+    assert stamps[4] > max(stamps[:4]), stamps
+
+
+def test_a_failed_move_s_bytes_reused_at_once_get_a_later_write_claim(clock: FakeClock) -> None:
+    svc = make(clock, dram=256 * KIB)
+    node = grants.WriteClaims(clock.wall_ms)
+    for i in range(5):  # the fifth lands in NVMe
+        put(svc, b"k%d" % i, 64 * KIB)
+    svc.remove([b"k0", b"k1"])
+    svc.get_locations([b"k4"])
+    svc.get_locations([b"k4"])  # the second read promotes it into the room k0 and k1 left
+    (task,) = svc.take_tasks("n0")
+    segment, offset = task["dst"]
+    # The node claims the promotion's DRAM bytes, then the move fails: the bytes are free again.
+    claim = node.claim(segment, offset, offset + 64 * KIB, task["claim_ms"], b"task:1")
+    node.end(claim, None, complete=True)
+    svc.tasks_done("n0", [[task["id"], 402, "failed"]])
+    # All in one millisecond: the next puts take those bytes again.
+    for i in range(2):
+        (ticket,) = svc.put_start([b"new%d" % i], [64 * KIB])
+        assert isinstance(ticket, PutTicket), ticket
+        grant = ticket.locations[0].grant
+        node.end(node.begin(grant, None), None, complete=True)  # refused before the fix
+        assert grant.expires_ms > task["claim_ms"]
+        assert svc.put_end([ticket.put_id], [i]) == [None]
+    assert any(r.offset == offset for i in range(2) for r in svc.objects[b"new%d" % i].replicas)
 
 
 def test_soft_pins_go_last_and_hard_pins_never(clock: FakeClock) -> None:
