@@ -61,6 +61,7 @@ def _master_config(args: argparse.Namespace) -> object:
         put_timeout_s=args.put_timeout,
         node_ttl_s=args.node_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
+        event_ring_events=args.event_ring,
     )
 
 
@@ -451,6 +452,12 @@ def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
 
 
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--event-ring",
+        type=int,
+        default=65536,
+        help="KV events kept for subscribers that resume (older ones make them resync)",
+    )
     p.add_argument(
         "--put-timeout",
         type=float,

@@ -112,6 +112,8 @@ class Leadership:
         self.service.reset()
         # Put ids of different terms never collide, even for a caller that ignores epochs.
         self.service._put_ids = itertools.count((epoch << 32) + 1)
+        # KV events of this term carry its epoch: a subscriber of the last leader resyncs.
+        self.service.events.restart(epoch)
         self.epoch = epoch
         self.deadline = deadline
         self.recovering_until = self.clock() + recovery_s

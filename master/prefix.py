@@ -21,6 +21,7 @@ import numpy as np
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, parse_kv_object_key
+from kvstore.master.events import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
 from kvstore.master.radix import RadixIndex
 
 #: Most full blocks one prompt may have in one call (index or match): the work is done in
@@ -54,10 +55,16 @@ class PrefixMatch:
 
 
 class PrefixIndex:
-    """Prefix index over committed KV block objects, for every namespace."""
+    """Prefix index over committed KV block objects, for every namespace.
 
-    def __init__(self) -> None:
+    Args:
+        events: where every change of the index is recorded (see ``events.py``); a private
+            log when None.
+    """
+
+    def __init__(self, events: EventLog | None = None) -> None:
         self.radix = RadixIndex()
+        self.events = events if events is not None else EventLog()
         self.num_queries = 0
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -83,7 +90,11 @@ class PrefixIndex:
             n += 1
         if n == 0:
             return 0
-        return self.radix.insert(namespace, tokens[: n * namespace.block_size], keys[:n], [0] * n)
+        added = self.radix.insert(namespace, tokens[: n * namespace.block_size], keys[:n], [0] * n)
+        if added:
+            # insert indexes a prompt's blocks after the ones already indexed: the last ``added``.
+            self.events.append(EVENT_STORED, digest, keys[n - added : n])
+        return added
 
     def match(
         self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
@@ -111,8 +122,12 @@ class PrefixIndex:
         self.num_hit_tokens += num_tokens
         return PrefixMatch(num_tokens, namespace.block_size, blocks)
 
-    def forget(self, object_key: bytes) -> int:
+    def forget(self, object_key: bytes, kind: str = EVENT_REMOVED) -> int:
         """Drop a block (and the blocks after it, now unreachable) when its object goes away.
+
+        Args:
+            object_key: the object that went away.
+            kind: the event to record (``removed``, or ``evicted`` for the tier manager).
 
         Returns:
             The number of blocks dropped (0 for keys that are not KV blocks).
@@ -122,9 +137,32 @@ class PrefixIndex:
             return 0
         digest, block = parsed
         try:
-            return len(self.radix.remove(digest, BlockKey(block)))
+            removed = self.radix.remove(digest, BlockKey(block))
         except KeyNotFoundError:
             return 0
+        self.events.append(kind, digest, [k for k, _ in removed])
+        return len(removed)
+
+    def moved(self, object_key: bytes, src_tier: str, dst_tier: str) -> None:
+        """Record that an indexed block's replica moved between tiers (nothing for others)."""
+        if src_tier == dst_tier:
+            return
+        parsed = parse_kv_object_key(object_key)
+        if parsed is None:
+            return
+        digest, block = parsed
+        if self.radix.contains(digest, block):
+            self.events.append(EVENT_MOVED, digest, (block,), src_tier, dst_tier)
+
+    def snapshot(self) -> tuple[int, int, dict[bytes, bytes]]:
+        """Every indexed block, per namespace, and the event position it reflects.
+
+        Returns:
+            (epoch, last seq, namespace digest -> the block keys, 16 bytes each, concatenated).
+            Following the events after that seq from this snapshot reproduces the index.
+        """
+        keys = {digest: self.radix.stored_keys(digest) for digest in self.radix.namespaces()}
+        return self.events.epoch, self.events.last_seq, keys
 
     def stats(self) -> dict[str, float | int]:
         return {

@@ -723,6 +723,21 @@ class RadixIndex:
             raise KeyNotFoundError("block key not in the prefix index")
         return int(tree.values[slot])
 
+    def contains(self, ns_digest: bytes, block_key: bytes) -> bool:
+        """Whether a block is indexed (bad keys are simply not)."""
+        tree = self._trees.get(ns_digest)
+        if tree is None or not isinstance(block_key, bytes) or len(block_key) != BLOCK_KEY_BYTES:
+            return False
+        return tree.table.find(block_key, tree.keys) >= 0
+
+    def stored_keys(self, ns_digest: bytes) -> bytes:
+        """The keys of every block of a namespace, 16 bytes each, concatenated (in no order)."""
+        tree = self._trees.get(ns_digest)
+        if tree is None:
+            return b""
+        live = np.flatnonzero(tree.owner[: tree.top] >= 0)
+        return tree.keys[live].tobytes()
+
     def num_blocks(self, ns_digest: bytes | None = None) -> int:
         """Blocks indexed in one namespace, or in all of them."""
         if ns_digest is None:

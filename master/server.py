@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgpack
@@ -28,6 +29,13 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.master.events import (
+    MAX_EVENTS_PER_CALL,
+    EventBatch,
+    EventLog,
+    Resync,
+    event_to_wire,
+)
 from kvstore.master.prefix import check_prompt_size
 from kvstore.master.service import MasterService
 from kvstore.polling import LoopAwake
@@ -38,6 +46,13 @@ log = logging.getLogger(__name__)
 
 #: Most keys one ``list_keys`` answer carries (the client asks for the next page after it).
 LIST_KEYS_MAX = 10_000
+#: Longest long poll of one ``events`` call (a subscriber's call timeout must exceed it).
+EVENTS_MAX_WAIT_S = 30.0
+EVENTS_DEFAULT_MAX = 1000
+#: Most namespaces one ``events`` or ``events_snapshot`` call may name.
+EVENTS_MAX_NAMESPACES = 1024
+#: Most block keys one snapshot answer carries (16 bytes each: 24 MiB, under the frame limit).
+SNAPSHOT_MAX_BLOCKS = 1_500_000
 
 
 # ---------------------------------------------------------------- argument checks
@@ -236,6 +251,93 @@ def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class EventsQuery:
+    """The checked arguments of an ``events`` call."""
+
+    since_seq: int
+    since_epoch: int | None
+    max_events: int
+    wait_s: float
+    namespaces: frozenset[bytes] | None
+
+
+def _namespaces_arg(args: dict[str, Any]) -> frozenset[bytes] | None:
+    if "namespaces" not in args or args["namespaces"] is None:
+        return None
+    digests = _list(args, "namespaces", bytes)
+    if len(digests) > EVENTS_MAX_NAMESPACES or any(len(d) != 16 for d in digests):
+        raise InvalidRequestError(
+            f"namespaces must be at most {EVENTS_MAX_NAMESPACES} digests of 16 bytes"
+        )
+    return frozenset(digests)
+
+
+def events_query(args: dict[str, Any]) -> EventsQuery:
+    """Check the arguments of ``events``.
+
+    NOTE: the caller's epoch travels as ``since_epoch``, never ``epoch``: ``epoch`` is the HA
+    fence's (the leader the caller believes in), and an event epoch there would be refused as
+    stale, or even make a leader step down.
+
+    Raises:
+        InvalidRequestError: a wrong type or a value out of range.
+    """
+    since_seq = _arg(args, "since_seq", int) if "since_seq" in args else 0
+    if since_seq < 0:
+        raise InvalidRequestError("since_seq must be >= 0")
+    raw_epoch = args.get("since_epoch")
+    since_epoch = None if raw_epoch is None else _arg(args, "since_epoch", int)
+    max_events = _arg(args, "max", int) if "max" in args else EVENTS_DEFAULT_MAX
+    if not 1 <= max_events <= MAX_EVENTS_PER_CALL:
+        raise InvalidRequestError(f"max must be in 1..{MAX_EVENTS_PER_CALL}")
+    wait_s = float(_arg(args, "wait_s", (int, float))) if "wait_s" in args else 0.0
+    if not 0.0 <= wait_s <= EVENTS_MAX_WAIT_S:  # (NaN fails too)
+        raise InvalidRequestError(f"wait_s must be in 0..{EVENTS_MAX_WAIT_S:g}")
+    return EventsQuery(since_seq, since_epoch, max_events, wait_s, _namespaces_arg(args))
+
+
+def _read_events(log_: EventLog, q: EventsQuery) -> EventBatch | Resync:
+    return log_.read(q.since_seq, q.since_epoch, q.max_events, q.namespaces)
+
+
+def _events(svc: MasterService, args: dict[str, Any]) -> Any:
+    """The KV events after the caller's position, or a resync (see ``master/events.py``).
+
+    The long poll (``wait_s``) happens in :meth:`ControlServer._await_events`, before this.
+    """
+    log_ = svc.events
+    got = _read_events(log_, events_query(args))
+    if isinstance(got, Resync):
+        return {
+            "epoch": log_.epoch,
+            "last_seq": log_.last_seq,
+            "events": [],
+            "resync": {"reason": got.reason, "message": got.message},
+        }
+    return {
+        "epoch": got.epoch,
+        "last_seq": got.last_seq,
+        "events": [event_to_wire(ev) for ev in got.events],
+        "resync": None,
+    }
+
+
+def _events_snapshot(svc: MasterService, args: dict[str, Any]) -> Any:
+    """Every indexed block per namespace, and the ``(epoch, seq)`` to follow events from."""
+    wanted = _namespaces_arg(args)
+    epoch, seq, keys = svc.prefix.snapshot()
+    if wanted is not None:
+        keys = {d: k for d, k in keys.items() if d in wanted}
+    num_blocks = sum(len(k) for k in keys.values()) // 16
+    if num_blocks > SNAPSHOT_MAX_BLOCKS:
+        raise InvalidRequestError(
+            f"a snapshot of {num_blocks} blocks exceeds {SNAPSHOT_MAX_BLOCKS} per answer: "
+            "ask for fewer namespaces at a time"
+        )
+    return {"epoch": epoch, "seq": seq, "namespaces": keys, "num_blocks": num_blocks}
+
+
 HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "ping": _ping,
     "register": _register,
@@ -254,6 +356,8 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "report_corrupt": _report_corrupt,
     "kv_commit": _kv_commit,
     "kv_match": _kv_match,
+    "events": _events,
+    "events_snapshot": _events_snapshot,
 }
 
 
@@ -465,6 +569,7 @@ class ControlServer:
         self._awake = LoopAwake()
         #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
         self.pending = auth.PendingConnections()
+        self._stopping = False
 
     async def start(self) -> None:
         # A small stream limit: a connection buffers at most ~2x this before we read it, so a
@@ -477,6 +582,8 @@ class ControlServer:
         self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        self._stopping = True
+        self.service.events.wake()  # long polls answer now, not at their timeout
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
@@ -484,6 +591,40 @@ class ControlServer:
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
+
+    async def _await_events(self, request: protocol.Request) -> None:
+        """The long poll of ``events``: wait until an event the caller wants is recorded, or
+        ``wait_s`` passes, or the log is replaced (a new term) or the server stops.
+
+        Holds nothing while it waits (a callback on the log, a future): other connections are
+        served meanwhile. Bad arguments return at once; the handler then refuses them.
+        """
+        try:
+            q = events_query(request.args)
+        except KVStoreError:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + q.wait_s
+        log_ = self.service.events
+        while not self._stopping and self.service.events is log_:
+            got = _read_events(log_, q)
+            if not isinstance(got, EventBatch) or got.events:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            q = EventsQuery(got.last_seq, q.since_epoch, q.max_events, 0.0, q.namespaces)
+            woken: asyncio.Future[None] = loop.create_future()
+
+            def wake(fut: asyncio.Future[None] = woken) -> None:
+                if not fut.done():
+                    fut.set_result(None)
+
+            log_.add_waiter(wake)
+            try:
+                await asyncio.wait({woken}, timeout=left)
+            finally:
+                log_.remove_waiter(wake)
 
     async def _sweep(self) -> None:
         """Close every connection whose frame (or hello) is past its deadline.
@@ -566,6 +707,10 @@ class ControlServer:
                             return
                         continue
                     refusal = self.fence.check(request) if self.fence is not None else None
+                    if refusal is None and request.verb == "events":
+                        await self._await_events(request)
+                        # It may have lost the lead while it waited: ask the fence again.
+                        refusal = self.fence.check(request) if self.fence is not None else None
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:

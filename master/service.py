@@ -50,6 +50,13 @@ from kvstore.keys import Namespace
 from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
+from kvstore.master.events import (
+    DEFAULT_RING_BLOCKS,
+    DEFAULT_RING_EVENTS,
+    EVENT_EVICTED,
+    EVENT_REMOVED,
+    EventLog,
+)
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
@@ -77,6 +84,9 @@ class MasterConfig:
     read_grant_s: float = 60.0
     max_batch: int = 65536
     max_object_bytes: int = MAX_OBJECT_BYTES
+    #: The KV event ring (``events.py``): most events, and most block keys they name together.
+    event_ring_events: int = DEFAULT_RING_EVENTS
+    event_ring_blocks: int = DEFAULT_RING_BLOCKS
 
     def __post_init__(self) -> None:
         for name in ("put_timeout_s", "node_ttl_s", "heartbeat_interval_s", "read_grant_s"):
@@ -86,6 +96,8 @@ class MasterConfig:
             raise InvalidRequestError("heartbeat_interval_s must be shorter than node_ttl_s")
         if self.max_batch <= 0 or self.max_object_bytes <= 0:
             raise InvalidRequestError("max_batch and max_object_bytes must be > 0")
+        if self.event_ring_events < 1 or self.event_ring_blocks < 1:
+            raise InvalidRequestError("event_ring_events and event_ring_blocks must be > 0")
 
 
 @dataclass(slots=True)
@@ -212,7 +224,9 @@ class MasterService:
         self.tasks = TaskBook()
         self.tiering = TierManager(self, tiers or TierConfig())
         self.replication = Replicator(self)
-        self.prefix = PrefixIndex()
+        #: KV events of this term (stored / evicted / removed / moved), for routers.
+        self.events = EventLog(self.config.event_ring_events, self.config.event_ring_blocks)
+        self.prefix = PrefixIndex(self.events)
         # node id -> (segment, offset) it was told to forget but may still hold when it comes
         # back (restart before the next heartbeat): admission never takes those (recovery.py).
         self.tombstones: dict[str, set[tuple[str, int]]] = {}
@@ -223,8 +237,14 @@ class MasterService:
         self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
 
     def reset(self) -> None:
-        """Forget everything (a master that lost leadership starts its next term empty)."""
+        """Forget everything (a master that lost leadership starts its next term empty).
+
+        The event log starts afresh under a new epoch; subscribers waiting on the old one
+        are woken (they then see the new epoch, or the fence's refusal).
+        """
+        old_events = self.events
         self.__init__(self.config, self.clock, self.wall_ms, self.tiering.config)  # type: ignore[misc]
+        old_events.wake()
 
     def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
         """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
@@ -601,12 +621,18 @@ class MasterService:
             return 0.0
         return obj.lease_until + self.tiering.config.lease_grace_s
 
-    def delete_replica(self, obj: ObjectMeta, replica: Replica, hold: bool = False) -> None:
-        """Drop one replica (eviction, drain); the object goes when its last replica does."""
+    def delete_replica(
+        self, obj: ObjectMeta, replica: Replica, hold: bool = False, kind: str = EVENT_EVICTED
+    ) -> None:
+        """Drop one replica (eviction, drain); the object goes when its last replica does.
+
+        Args:
+            kind: the KV event its blocks leave the prefix index with, if it goes.
+        """
         obj.replicas.remove(replica)
         if not obj.replicas:
             del self.objects[obj.key]
-            self.prefix.forget(obj.key)
+            self.prefix.forget(obj.key, kind)
         elif len(obj.replicas) < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
             obj.replicas_wanted = len(obj.replicas)
@@ -709,7 +735,7 @@ class MasterService:
             )
             # Its bytes are garbage, but a reader may still be on them: hold the space alike.
             wanted = obj.replicas_wanted
-            self.delete_replica(obj, bad, hold=True)
+            self.delete_replica(obj, bad, hold=True, kind=EVENT_REMOVED)
             if obj.replicas:
                 obj.replicas_wanted = wanted
                 self.replication.replica_lost(obj)
@@ -908,6 +934,7 @@ class MasterService:
             "num_dead_nodes": self.num_dead_nodes,
             "num_corrupt_replicas": self.num_corrupt_replicas,
             "prefix": self.prefix.stats(),
+            "events": self.events.stats(),
             "nodes": [
                 {
                     "node_id": n.node_id,

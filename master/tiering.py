@@ -384,6 +384,7 @@ class TierManager:
             obj.replicas[obj.replicas.index(task.src)] = task.dst
             self.svc.attach(obj.key, task.dst)
             self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now))
+            self.svc.prefix.moved(obj.key, task.src.tier, task.dst.tier)
             obj.hits_since_move = 0
             if task.purpose == PURPOSE_DEMOTE:
                 self.num_demotions += 1
