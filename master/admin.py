@@ -16,6 +16,7 @@ from aiohttp import web, web_protocol, web_server
 
 from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.master.metrics import MasterMetrics
+from kvstore.master.rest import events as event_routes
 from kvstore.master.rest import openapi, page, routes
 from kvstore.master.rest.fence import FENCE_KEY, AdminFence, fence_middleware
 from kvstore.master.rest.history import History, history_ctx
@@ -166,6 +167,7 @@ def init_app(
     app.router.add_get("/api/v1/cluster", cluster)
     app.router.add_get("/api/v1/openapi.json", openapi.openapi)
     routes.add_routes(app)
+    event_routes.add_routes(app)
     app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
     scheduler_routes.add_routes(app)
     return app

@@ -3,9 +3,9 @@ changes anything or reports ready.
 
 The control protocol checks :class:`~kvstore.master.ha.Leadership` before every request; the
 admin API must obey the same fence, or a leader cut off from etcd (still reachable by operators)
-would delete and evict from its stale table while another master leads. Every mutating route
-and ``/ready`` ask the fence first; reads, ``/health`` and the status page still answer (they
-describe this master, and change nothing). Without HA there is no fence and nothing changes.
+would delete and evict from its stale table while another master leads. Every mutating route,
+``/ready`` and the KV event routes ask the fence first; other reads, ``/health`` and the status
+page still answer (they describe this master, and change nothing). Without HA there is no fence and nothing changes.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ class AdminFence(Protocol):
 
 
 FENCE_KEY = web.AppKey("fence", AdminFence)
-#: Probes that say the master serves: fenced like mutations.
-FENCED_READS = frozenset({"/ready"})
+#: Reads fenced like mutations: probes that say the master serves, and the KV event stream and
+#: its snapshot (a master that may not lead must not pass its table off as the leader's).
+FENCED_READS = frozenset({"/ready", "/api/v1/events", "/api/v1/events/snapshot"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 

@@ -6,6 +6,7 @@ live API against it with schemathesis.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from aiohttp import web
@@ -17,6 +18,9 @@ from kvstore.master.rest.security import READ_ONLY_POSTS
 from kvstore.master.rest.state import SETTINGS_KEY
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+#: Operations that stream until the client hangs up (server-sent events): a generic API fuzzer
+#: must not call them (it would wait forever); their tests bound them with ``duration_s``.
+STREAM_PATHS = frozenset({"/api/v1/events"})
 
 
 def _errors(*statuses: int) -> dict[str, Any]:
@@ -124,6 +128,86 @@ OBJECT = _obj(
 )
 
 
+_NAMESPACE_QUERY = {
+    "name": "namespace",
+    "in": "query",
+    "description": "only these namespaces (digest, 32 hex digits; repeatable)",
+    "schema": {
+        "type": "array",
+        "maxItems": 64,
+        "items": {"type": "string", "pattern": "^[0-9a-fA-F]{32}$"},
+    },
+    "style": "form",
+    "explode": True,
+}
+_SEQ = {"type": "integer", "minimum": 0, "maximum": (1 << 53) - 1}
+_EVENT_PATHS: dict[str, Any] = {
+    "/api/v1/events": {
+        "get": {
+            "summary": "KV events as server-sent events (text/event-stream), resumable",
+            "description": "Events `stored`, `evicted`, `removed`, `moved` (data: JSON with seq, "
+            "kind, namespace, blocks, and src_tier/dst_tier for moves), each with `id: "
+            "EPOCH.SEQ`. Without a position the stream starts with a `snapshot` event (every "
+            "indexed block per namespace); a position the master cannot serve (another epoch, "
+            "events no longer held) gets a `resync` event, then a snapshot. Reconnect with "
+            "`Last-Event-ID` to resume. Ends with an `error` event if this master stops "
+            "leading. Only a leading master serves it (503 NOT_LEADER otherwise).",
+            "x-kvstore-stream": True,
+            "parameters": [
+                {"name": "since", "in": "query", "schema": _SEQ},
+                {"name": "epoch", "in": "query", "schema": _SEQ},
+                _NAMESPACE_QUERY,
+                {
+                    "name": "duration_s",
+                    "in": "query",
+                    "description": "end the stream after this long (default: a day)",
+                    "schema": {
+                        "type": "number",
+                        "exclusiveMinimum": True,
+                        "minimum": 0,
+                        "maximum": 86400,
+                    },
+                },
+                {
+                    "name": "Last-Event-ID",
+                    "in": "header",
+                    "schema": {"type": "string", "pattern": "^[0-9]{1,16}([.][0-9]{1,16})?$"},
+                },
+            ],
+            "responses": {
+                "200": {
+                    "description": "the event stream",
+                    "content": {"text/event-stream": {"schema": _STR}},
+                },
+                **_errors(400, 401, 503),
+            },
+        }
+    },
+    "/api/v1/events/snapshot": {
+        "get": {
+            "summary": "every block in the prefix index per namespace, and the event position "
+            "(epoch, seq) it reflects: follow /api/v1/events from there",
+            "parameters": [_NAMESPACE_QUERY],
+            "responses": {
+                **_ok(
+                    _obj(
+                        {
+                            "epoch": _INT,
+                            "seq": _INT,
+                            "namespaces": {
+                                "type": "object",
+                                "additionalProperties": {"type": "array", "items": _STR},
+                            },
+                        }
+                    )
+                ),
+                **_errors(400, 401, 503),
+            },
+        }
+    },
+}
+
+
 def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
     """The OpenAPI document (a fresh dict each call), for how this master guards itself.
 
@@ -135,6 +219,7 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
         The document as a JSON-ready dict.
     """
     doc = _document()
+    doc["paths"].update(copy.deepcopy(_EVENT_PATHS))
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if "security" in op:

@@ -1,0 +1,245 @@
+"""KV events on the admin API: ``GET /api/v1/events`` (server-sent events) and its snapshot.
+
+The stream is self-healing: it always gives the subscriber a complete view. A subscriber with
+no position (or one the master cannot serve: another epoch, events the ring dropped) first gets
+a ``resync`` event when it had a position, then a ``snapshot`` event (every indexed block per
+namespace), then every event after the snapshot's sequence number. Each data event's ``id:`` is
+``EPOCH.SEQ``, so a browser's ``EventSource`` (or ``curl -N`` with ``Last-Event-ID``) that
+reconnects resumes exactly after the last event it saw.
+
+Why the epoch is in the id (not the bare sequence number): a restarted or failed-over master
+numbers its events from 1 again; a bare number would resume at the wrong place without notice.
+A bare number is still accepted (with the ``epoch`` query parameter, or it resyncs).
+
+The stream obeys the leadership fence: it starts only on a leader (``NOT_LEADER``, 503
+otherwise, see ``fence.py``) and ends with an ``error`` event when this master stops leading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.master.events import (
+    MAX_EVENTS_PER_CALL,
+    EventBatch,
+    Resync,
+    event_to_json,
+)
+from kvstore.master.rest.fence import FENCE_KEY
+from kvstore.master.rest.state import SERVICE_KEY
+from kvstore.master.service import MasterService
+
+#: A comment line this often keeps proxies from closing an idle stream (and finds gone peers).
+KEEPALIVE_S = 15.0
+#: What a browser waits before it reconnects (the SSE ``retry:`` field), in milliseconds.
+RETRY_MS = 1000
+MAX_DURATION_S = 86_400.0
+_MAX_INT = (1 << 53) - 1  # exact in JSON numbers
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Open event streams of one app: the app's shutdown ends them (else it waits for them)."""
+
+    stopping: bool = False
+
+
+STREAMS_KEY = web.AppKey("event_streams", StreamState)
+
+
+def _uint(raw: str, name: str) -> int:
+    if not raw.isascii() or not raw.isdigit() or len(raw) > 16:
+        raise InvalidRequestError(f"{name} must be a non-negative integer")
+    value = int(raw)
+    if value > _MAX_INT:
+        raise InvalidRequestError(f"{name} must be at most {_MAX_INT}")
+    return value
+
+
+def parse_position(request: web.Request) -> tuple[int, int | None] | None:
+    """The subscriber's ``(seq, epoch)``: from ``Last-Event-ID`` (``EPOCH.SEQ`` or ``SEQ``), else
+    from the ``since`` and ``epoch`` query parameters; None for a subscriber with none.
+
+    Raises:
+        InvalidRequestError: a malformed header or parameter.
+    """
+    epoch_q = request.query.get("epoch")
+    epoch = _uint(epoch_q, "epoch") if epoch_q is not None else None
+    last_id = request.headers.get("Last-Event-ID")
+    if last_id:
+        text = last_id.strip()
+        if "." in text:
+            e, _, s = text.partition(".")
+            return _uint(s, "Last-Event-ID's seq"), _uint(e, "Last-Event-ID's epoch")
+        return _uint(text, "Last-Event-ID"), epoch
+    since = request.query.get("since")
+    if since is None:
+        return None  # (an epoch alone names no position)
+    return _uint(since, "since"), epoch
+
+
+def parse_namespaces(request: web.Request) -> frozenset[bytes] | None:
+    """The ``namespace`` query parameters (hex digests, repeatable); None: every namespace.
+
+    Raises:
+        InvalidRequestError: not 32 hex digits, or too many.
+    """
+    raw = request.query.getall("namespace", [])
+    if not raw:
+        return None
+    if len(raw) > 64:
+        raise InvalidRequestError("at most 64 namespace parameters")
+    out = set()
+    for text in raw:
+        try:
+            digest = bytes.fromhex(text) if len(text) == 32 else b""
+        except ValueError:
+            digest = b""
+        if len(digest) != 16:
+            raise InvalidRequestError("namespace must be a digest of 32 hex digits")
+        out.add(digest)
+    return frozenset(out)
+
+
+def _duration(request: web.Request) -> float:
+    raw = request.query.get("duration_s")
+    if raw is None:
+        return MAX_DURATION_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidRequestError("duration_s must be a number") from None
+    if not 0.0 < value <= MAX_DURATION_S:
+        raise InvalidRequestError(f"duration_s must be in (0, {MAX_DURATION_S:g}]")
+    return value
+
+
+def snapshot_json(svc: MasterService, namespaces: frozenset[bytes] | None) -> dict[str, Any]:
+    """The snapshot as JSON: ``{epoch, seq, namespaces: {digest hex: [block key hex]}}``."""
+    epoch, seq, keys = svc.prefix.snapshot()
+    out: dict[str, list[str]] = {}
+    for digest, raw in keys.items():
+        if namespaces is None or digest in namespaces:
+            out[digest.hex()] = [raw[i : i + 16].hex() for i in range(0, len(raw), 16)]
+    return {"epoch": epoch, "seq": seq, "namespaces": out}
+
+
+def _frame(kind: str, data: dict[str, Any], event_id: str | None = None) -> bytes:
+    head = f"event: {kind}\n" + (f"id: {event_id}\n" if event_id is not None else "")
+    return (head + "data: " + json.dumps(data, separators=(",", ":")) + "\n\n").encode()
+
+
+async def events_snapshot(request: web.Request) -> web.Response:
+    """``GET /api/v1/events/snapshot``: every indexed block and the position it reflects."""
+    namespaces = parse_namespaces(request)
+    svc = request.app[SERVICE_KEY]
+    return web.json_response(snapshot_json(svc, namespaces))
+
+
+async def events_stream(request: web.Request) -> web.StreamResponse:
+    """``GET /api/v1/events``: server-sent KV events (see the module's docstring)."""
+    position = parse_position(request)
+    namespaces = parse_namespaces(request)
+    duration = _duration(request)
+    app = request.app
+    svc = app[SERVICE_KEY]
+    fence = app.get(FENCE_KEY)
+    state = app[STREAMS_KEY]
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    await response.prepare(request)
+    await response.write(f"retry: {RETRY_MS}\n\n".encode())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + duration
+    try:
+        while not state.stopping and loop.time() < deadline:
+            err: KVStoreError | None = fence.admin_check() if fence is not None else None
+            if err is not None:
+                await response.write(
+                    _frame(
+                        "error",
+                        {"code": int(err.code), "name": err.code.name, "message": err.message},
+                    )
+                )
+                break
+            log_ = svc.events
+            if position is None:
+                snap = snapshot_json(svc, namespaces)
+                position = (snap["seq"], snap["epoch"])
+                await response.write(_frame("snapshot", snap, f"{snap['epoch']}.{snap['seq']}"))
+                continue
+            got = log_.read(position[0], position[1], MAX_EVENTS_PER_CALL, namespaces)
+            if isinstance(got, Resync):
+                await response.write(
+                    _frame(
+                        "resync",
+                        {
+                            "reason": got.reason,
+                            "message": got.message,
+                            "epoch": log_.epoch,
+                            "last_seq": log_.last_seq,
+                        },
+                    )
+                )
+                position = None
+                continue
+            await _write_batch(response, got)
+            position = (got.last_seq, got.epoch)
+            if got.events or got.last_seq < log_.last_seq:
+                continue
+            await _wait(loop, log_, min(KEEPALIVE_S, deadline - loop.time()), response)
+    except (ConnectionResetError, ConnectionError):
+        pass  # the subscriber went away
+    return response
+
+
+async def _write_batch(response: web.StreamResponse, batch: EventBatch) -> None:
+    if not batch.events:
+        return
+    parts = [_frame(ev[1], event_to_json(ev), f"{batch.epoch}.{ev[0]}") for ev in batch.events]
+    await response.write(b"".join(parts))
+
+
+async def _wait(
+    loop: asyncio.AbstractEventLoop, log_: Any, timeout: float, response: web.StreamResponse
+) -> None:
+    """Until the next event (or a new term, or shutdown); a keep-alive comment on timeout."""
+    if timeout <= 0:
+        return
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    log_.add_waiter(wake)
+    try:
+        done, _ = await asyncio.wait({woken}, timeout=timeout)
+    finally:
+        log_.remove_waiter(wake)
+    if not done:
+        await response.write(b": keep-alive\n\n")
+
+
+async def _stop_streams(app: web.Application) -> None:
+    app[STREAMS_KEY].stopping = True
+    app[SERVICE_KEY].events.wake()
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the event routes on ``app`` (and end open streams at its shutdown)."""
+    app[STREAMS_KEY] = StreamState()
+    app.on_shutdown.append(_stop_streams)
+    app.router.add_get("/api/v1/events", events_stream)
+    app.router.add_get("/api/v1/events/snapshot", events_snapshot)
