@@ -22,6 +22,11 @@ FENCED = [
     ("POST", "/api/v1/nodes/n1/drain", None),
     ("GET", "/ready", None),
 ]
+#: The KV event routes (a leader would stream forever: only the refusal is called here).
+FENCED_EVENTS = [
+    ("GET", "/api/v1/events", None),
+    ("GET", "/api/v1/events/snapshot", None),
+]
 OPEN = [
     ("GET", "/health", None),
     ("GET", "/api/v1/objects", None),
@@ -78,9 +83,10 @@ def test_a_master_that_may_not_lead_refuses_every_mutation_and_ready(state: str)
         if state == "lease unproven":
             fence.clock.now = 111.0  # type: ignore[attr-defined]
         app = init_app(svc, fence=fence)
-        replies = await _calls(app, FENCED + OPEN)
-        assert all(_not_leader(r) for r in replies[: len(FENCED)]), replies
-        assert all(status == 200 for status, _ in replies[len(FENCED) :]), replies
+        fenced = FENCED + FENCED_EVENTS
+        replies = await _calls(app, fenced + OPEN)
+        assert all(_not_leader(r) for r in replies[: len(fenced)]), replies
+        assert all(status == 200 for status, _ in replies[len(fenced) :]), replies
 
     asyncio.run(run())
 
@@ -112,3 +118,4 @@ def test_which_routes_are_fenced() -> None:
         "POST", "/api/v1/schedule"
     )
     assert not is_fenced("GET", "/api/v1/objects") and not is_fenced("GET", "/health")
+    assert is_fenced("GET", "/api/v1/events") and is_fenced("GET", "/api/v1/events/snapshot")
