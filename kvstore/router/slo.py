@@ -140,7 +140,7 @@ class SLOPolicy:
         fraction = data.get("promote_fraction", DEFAULT_PROMOTE_FRACTION)
         if isinstance(fraction, bool) or not isinstance(fraction, int | float):
             raise InvalidRequestError("SLO config: promote_fraction must be a number")
-        default = data.get("default_class", "standard" if raw is None else classes[0].name)
+        default = data.get("default_class", classes[0].name if raw and classes else "standard")
         return SLOPolicy(classes, str(default), dict(keys), float(fraction))
 
     @staticmethod
