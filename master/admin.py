@@ -27,7 +27,6 @@ from kvstore.master.rest.state import (
     SETTINGS_KEY,
     AdminSettings,
 )
-from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,6 @@ def init_app(
     app.router.add_get("/api/v1/openapi.json", openapi.openapi)
     routes.add_routes(app)
     app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
-    scheduler_routes.add_routes(app)
     return app
 
 
