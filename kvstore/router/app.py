@@ -11,6 +11,7 @@ the connection before the answer started -> the next engine. A stream already un
 move: it ends with an OpenAI-style error event.
 
 Response headers say what the router saw: ``x-kvstore-cached-tokens``,
+``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
 ``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
 """
@@ -288,35 +289,39 @@ class RouterState:
             self._kvcaches[key] = KVCache(self._pool, ns)
         return self._kvcaches[key]
 
-    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> int:
-        """Leading tokens of ``tokens`` the pool holds, by the master's prefix index (full
-        blocks, as the connector looks them up; one call, no leases). Any failure is a miss.
+    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> tuple[int, int]:
+        """Leading tokens of ``tokens`` the pool holds, by the master's prefix index (one call,
+        no leases; the prompt's full blocks, as the connector looks them up). Any failure is a
+        miss.
 
         Args:
             model: the served model.
             tokens: the prompt.
 
         Returns:
-            Tokens (0 without a master).
+            The index's answer (token-granular: a block matched in part counts its matching
+            tokens), and the tokens an engine can load of it (whole blocks, never the last
+            prompt token, as the connector offers them). (0, 0) without a master.
         """
         engines = [e for e in self.engines if e.healthy and e.load.block_size] or self.engines
         load = engines[0].load
         async with self._pool_lock:  # one master call at a time through the one client
             kv = await self._kvcache(model, load)
             if kv is None or load.block_size is None:
-                return 0
+                return 0, 0
             bs = load.block_size
             full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
             if not len(full):
-                return 0
+                return 0, 0
             try:
-                return int(await asyncio.to_thread(kv.lookup, full))
+                hit = int(await asyncio.to_thread(kv.lookup, full))
             except (KVStoreError, OSError) as err:
                 log.warning("router: prefix lookup failed (%s); counting a miss", err)
                 self.metrics.lookup_errors.inc()
                 if not isinstance(err, InvalidRequestError):
                     self._drop_pool()
-                return 0
+                return 0, 0
+        return hit, min(hit // bs, (len(tokens) - 1) // bs) * bs
 
     def _drop_pool(self) -> None:
         if self._pool is not None:
@@ -592,10 +597,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 f"you requested {len(tokens) + (limit or 0)} tokens ({len(tokens)} in the "
                 f"messages, {limit or 0} in the completion).",
             )
-        cached = await state.cached_tokens(model, tokens)
+        cached, usable = await state.cached_tokens(model, tokens)
         state.metrics.prompt_tokens.inc(len(tokens))
         state.metrics.cached_tokens.inc(cached)
-        shape = RequestShape(len(tokens), cached, limit or DEFAULT_ANSWER_TOKENS)
+        shape = RequestShape(len(tokens), usable, limit or DEFAULT_ANSWER_TOKENS)
         choice = state.choose(shape, slo)
         if not choice.accepted:
             if choice.prefill is None and choice.reason == "no engine is healthy":
@@ -614,6 +619,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         state.metrics.ttft_predicted.labels(first.url).observe(choice.prefill.ttft_s)
         headers = {
             "x-kvstore-cached-tokens": str(cached),
+            "x-kvstore-loadable-tokens": str(usable),
             "x-kvstore-prompt-tokens": str(len(tokens)),
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
