@@ -40,6 +40,7 @@ from kvstore.client.adapters.vllm_proxy import prefill_request
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.slo import SLOClass
 
 from .admission import EngineSlots
 from .engines import Engine, EngineLoad, make_engines
@@ -67,6 +68,8 @@ log = logging.getLogger("kvstore.router")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
+#: The cost-model terms exported per engine (``kvstore_router_cost_term``).
+_COST_TERMS = ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_seq")
 #: Seconds between two connection attempts to a master that did not answer.
 POOL_RETRY_S = 5.0
 #: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
@@ -207,6 +210,9 @@ class RouterState:
         m.engine_running.labels(engine.url).set(engine.load.num_running)
         m.engine_waiting.labels(engine.url).set(engine.load.num_waiting)
         m.engine_kv_usage.labels(engine.url).set(engine.load.kv_usage)
+        cost = engine.fit.cost()
+        for term in _COST_TERMS:
+            m.cost_term.labels(engine.url, term).set(getattr(cost, term))
 
     async def poll_forever(self) -> None:
         """Poll every engine every ``poll_s`` seconds until cancelled."""
@@ -336,8 +342,16 @@ class RouterState:
         self._pool = None
 
     # ------------------------------------------------------------------ choice
-    def choose(self, shape: RequestShape, slo: Any) -> Choice:
-        """Choose engines for a request from the engines' live views (see :mod:`.policy`)."""
+    def choose(self, shape: RequestShape, slo: SLOClass) -> Choice:
+        """Choose engines for a request from the engines' live views (see :mod:`.policy`).
+
+        Args:
+            shape: the request.
+            slo: its class.
+
+        Returns:
+            The choice.
+        """
         if self.config.disaggregated:
             prefill = [e.view() for e in self.role_engines("prefill")]
             decode = [e.view() for e in self.role_engines("decode")]

@@ -29,6 +29,7 @@ class RouterMetrics:
     engine_running: Gauge
     engine_waiting: Gauge
     engine_kv_usage: Gauge
+    cost_term: Gauge
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -95,5 +96,11 @@ class RouterMetrics:
             ),
             engine_kv_usage=Gauge(
                 p + "engine_kv_usage", "vllm:kv_cache_usage_perc", ["instance"], registry=r
+            ),
+            cost_term=Gauge(
+                p + "cost_term",
+                "Cost-model terms in use per engine (prior, or least-squares fit of measurements)",
+                ["instance", "term"],
+                registry=r,
             ),
         )

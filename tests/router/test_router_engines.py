@@ -24,6 +24,7 @@ import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
 from kvstore.processes import terminate
+from kvstore.router.engines import EngineLoad
 from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
 from tests.support import Cluster, start_master, wait_until
 
@@ -220,6 +221,21 @@ def test_a_shared_prefix_is_reported_cached_from_the_prefix_index(rig: Rig, pd: 
     assert loadable_b == common // BS * BS
     assert len_b == answer_b["usage"]["prompt_tokens"] == len(tok_b)
     assert _metric(pd, "kvstore_router_cached_tokens_total") - before == cached_a + cached_b
+
+
+def test_the_engines_export_the_metrics_the_router_reads(rig: Rig, pd: str) -> None:
+    with urllib.request.urlopen(rig.p.url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert f"\n{name}{{" in text
+    load = EngineLoad.from_metrics(text)
+    assert load.block_size == BS and load.cache_dtype == "auto"
+    assert load.num_blocks is not None and load.num_blocks > 100
+    assert 0.0 <= load.kv_usage <= 1.0 and "vllm:kv_cache_usage_perc{" in text
+    assert load.itl_count > 0  # earlier tests generated tokens here
+    # The router's own view: both engines up, cost terms exported per engine.
+    assert _metric(pd, "kvstore_router_engine_healthy") == 2
+    assert _metric(pd, "kvstore_router_cost_term", f'instance="{rig.p.url}"') > 0
 
 
 def test_slo_rejection_and_bad_requests_are_openai_errors(rig: Rig, pd: str) -> None:
