@@ -265,11 +265,25 @@ class RouterState:
         return self._models[key]
 
     async def tokenizer(self, model: ModelInfo) -> Any:
-        """The model's tokenizer (loaded once, in a thread)."""
+        """The model's tokenizer (loaded once, in a thread).
+
+        Raises:
+            RequestError: 503 when the folder holds no tokenizer transformers can load.
+        """
         key = str(model.root)
         async with self._tokenizer_lock:
             if key not in self._tokenizers:
-                self._tokenizers[key] = await asyncio.to_thread(AutoTokenizer.from_pretrained, key)
+                try:
+                    self._tokenizers[key] = await asyncio.to_thread(
+                        AutoTokenizer.from_pretrained, key
+                    )
+                except (OSError, ValueError) as err:
+                    log.warning("router: no tokenizer in %s (%s)", key, err)
+                    raise RequestError(
+                        503,
+                        f"model {model.model_id}: no tokenizer could be loaded; give --model-dir",
+                        "ServiceUnavailableError",
+                    ) from None
         return self._tokenizers[key]
 
     # ------------------------------------------------------------------ the pool
