@@ -433,6 +433,29 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible router in front of vLLM engines (see kvstore/router/)."""
+    from kvstore.router.app import RouterConfig, serve_router
+    from kvstore.router.slo import SLOPolicy
+
+    config = RouterConfig(
+        prefill=tuple(u.rstrip("/") for u in args.prefill),
+        decode=tuple(u.rstrip("/") for u in args.decode),
+        engines=tuple(u.rstrip("/") for u in args.engine),
+        master=args.master,
+        slo=SLOPolicy.load(args.slo_config) if args.slo_config else SLOPolicy(),
+        model_dir=args.model_dir,
+        dtype=args.dtype,
+        salt=args.salt,
+        max_inflight=args.max_inflight,
+        poll_s=args.poll_interval,
+        timeout_s=args.timeout,
+        early_rejection=not args.no_early_rejection,
+    )
+    _run_loop(serve_router(config, args.host, args.port))
+    return 0
+
+
 def _add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
     p.add_argument(
         "--token-file",
@@ -598,6 +621,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.set_defaults(func=cmd_proxy)
+
+    p = sub.add_parser(
+        "router", help="OpenAI-compatible, cache- and load-aware router in front of vLLM engines"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
+    p.add_argument(
+        "--master", default=None, help="the pool's master HOST:PORT or etcd://... (prefix index)"
+    )
+    p.add_argument("--prefill", action="append", default=[], help="a prefill engine URL")
+    p.add_argument("--decode", action="append", default=[], help="a decode engine URL")
+    p.add_argument(
+        "--engine", action="append", default=[], help="a kv_both engine URL (no P/D split)"
+    )
+    p.add_argument("--slo-config", default=None, help="SLO classes and API keys (TOML or JSON)")
+    p.add_argument(
+        "--model-dir",
+        "--tokenizer",
+        dest="model_dir",
+        default=None,
+        help="the model folder (tokenizer, config) when the engines' is not readable here",
+    )
+    p.add_argument("--dtype", default=None, help="the engines' --dtype if not the model's")
+    p.add_argument("--salt", default=None, help="the connector's namespace salt")
+    p.add_argument("--max-inflight", type=int, default=4, help="concurrent requests per engine")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument(
+        "--no-early-rejection", action="store_true", help="queue requests whatever the prediction"
+    )
+    p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("model", help="real models for the engines (no model hub needed)")
     model_sub = p.add_subparsers(dest="model_command", required=True)

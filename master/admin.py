@@ -28,7 +28,6 @@ from kvstore.master.rest.state import (
     SETTINGS_KEY,
     AdminSettings,
 )
-from kvstore.master.scheduler import routes as scheduler_routes
 from kvstore.master.service import MasterService
 
 log = logging.getLogger(__name__)
@@ -169,7 +168,6 @@ def init_app(
     routes.add_routes(app)
     event_routes.add_routes(app)
     app.router.add_post("/api/v1/nodes/{id}/drain", drain_node)
-    scheduler_routes.add_routes(app)
     return app
 
 

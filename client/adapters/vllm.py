@@ -52,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvstore import auth
-from kvstore.client.adapters.vllm_config import ConnectorConfig
+from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace, kv_dtype_from
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
@@ -79,7 +79,6 @@ _TORCH_TO_NS_DTYPE = {
     torch.bfloat16: "bfloat16",
     torch.float32: "float32",
 }
-_FP8_CACHE_DTYPES = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3"}
 
 
 # ==================================================================== configuration
@@ -89,25 +88,17 @@ def kv_dtype_name(vllm_config: VllmConfig) -> str:
     Raises:
         InvalidRequestError: a KV dtype the pool's namespaces do not describe.
     """
-    cache_dtype = str(vllm_config.cache_config.cache_dtype)
-    if cache_dtype in _FP8_CACHE_DTYPES:
-        return _FP8_CACHE_DTYPES[cache_dtype]
-    if cache_dtype != "auto":
-        raise InvalidRequestError(f"kvstore connector: unsupported kv cache dtype {cache_dtype!r}")
     dtype = vllm_config.model_config.dtype
-    if dtype not in _TORCH_TO_NS_DTYPE:
-        raise InvalidRequestError(f"kvstore connector: unsupported model dtype {dtype}")
-    return _TORCH_TO_NS_DTYPE[dtype]
+    return kv_dtype_from(
+        str(vllm_config.cache_config.cache_dtype), _TORCH_TO_NS_DTYPE.get(dtype, str(dtype))
+    )
 
 
 def namespace_for(
     vllm_config: VllmConfig, num_layers: int, tp_rank: int, salt: str | None
 ) -> Namespace:
-    """The pool namespace of this vLLM instance's KV, derived from vLLM's own config.
-
-    The served model name and revision, the KV cache dtype, the KV heads held by this
-    tensor-parallel rank, the head size, vLLM's block size, the tp rank and size: two instances
-    share KV exactly when all of these agree.
+    """The pool namespace of this vLLM instance's KV, derived from vLLM's own config
+    (:func:`~kvstore.client.adapters.vllm_config.engine_namespace`, which the router shares).
 
     Raises:
         InvalidRequestError: a config the namespace cannot describe.
@@ -117,12 +108,10 @@ def namespace_for(
     name = mc.served_model_name
     if isinstance(name, list | tuple):
         name = name[0]
-    model = str(name or mc.model)
-    if mc.revision:
-        model = f"{model}@{mc.revision}"
-    return Namespace(
-        model=model,
-        dtype=kv_dtype_name(vllm_config),
+    return engine_namespace(
+        served_model=str(name or mc.model),
+        revision=mc.revision,
+        kv_dtype=kv_dtype_name(vllm_config),
         num_layers=num_layers,
         num_kv_heads=mc.get_num_kv_heads(pc),
         head_dim=mc.get_head_size(),

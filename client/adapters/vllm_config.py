@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
+from kvstore.keys import Namespace
 
 #: Extra-config keys the connector understands (anything else is refused: a typo must not
 #: silently run without, say, the salt).
@@ -18,6 +19,83 @@ LOAD_MODES = ("layer", "async")
 #: The default: bench/bench_vllm.py found layer-wise loads faster at 2K tokens 100% cached in
 #: every run here (other cells within the noise of a shared 2-core machine; docs/adapters.md).
 DEFAULT_LOAD_MODE = "layer"
+
+#: vLLM's ``--kv-cache-dtype`` values that name an FP8 cache, as namespace dtypes.
+FP8_CACHE_DTYPES = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3"}
+#: Model dtypes (``--dtype``, or the model's ``config.json``) the pool's namespaces describe.
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def kv_dtype_from(cache_dtype: str, model_dtype: str) -> str:
+    """The namespace dtype of a vLLM KV cache.
+
+    Args:
+        cache_dtype: vLLM's ``--kv-cache-dtype`` (``auto``: the model's dtype).
+        model_dtype: the model's dtype name (``bfloat16``, ``float16``, ``float32``).
+
+    Returns:
+        A :class:`~kvstore.keys.Namespace` dtype.
+
+    Raises:
+        InvalidRequestError: a KV dtype the pool's namespaces do not describe.
+    """
+    if cache_dtype in FP8_CACHE_DTYPES:
+        return FP8_CACHE_DTYPES[cache_dtype]
+    if cache_dtype != "auto":
+        raise InvalidRequestError(f"kvstore connector: unsupported kv cache dtype {cache_dtype!r}")
+    if model_dtype not in MODEL_DTYPES:
+        raise InvalidRequestError(f"kvstore connector: unsupported model dtype {model_dtype}")
+    return model_dtype
+
+
+def engine_namespace(
+    *,
+    served_model: str,
+    revision: str | None,
+    kv_dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    salt: str | None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Namespace:
+    """The pool namespace of a vLLM instance's KV: the connector saves and looks up in it, and
+    the router (which has no vLLM) asks the prefix index in it.
+
+    Two instances share KV exactly when all of these agree.
+
+    Args:
+        served_model: the served model name (``--served-model-name``, else ``--model``).
+        revision: the model revision, or None.
+        kv_dtype: from :func:`kv_dtype_from`.
+        num_layers: attention layers whose KV a block holds.
+        num_kv_heads: KV heads held by this tensor-parallel rank.
+        head_dim: elements per head.
+        block_size: vLLM's ``--block-size``.
+        salt: the connector's namespace salt, or None.
+        tp_rank: this rank.
+        tp_size: tensor-parallel world size.
+
+    Returns:
+        The namespace.
+
+    Raises:
+        InvalidRequestError: values the namespace cannot describe.
+    """
+    model = f"{served_model}@{revision}" if revision else served_model
+    return Namespace(
+        model=model,
+        dtype=kv_dtype,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        salt=salt,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
 
 
 @dataclass(frozen=True)

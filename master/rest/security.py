@@ -17,7 +17,7 @@ from kvstore.master.rest.state import SETTINGS_KEY
 
 ALWAYS_OPEN = frozenset({"/health", "/ready", "/"})
 #: POST routes that change nothing (a query with a body).
-READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match", "/api/v1/schedule"})
+READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 

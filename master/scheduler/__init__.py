@@ -11,7 +11,6 @@ Modules, each owning one thing:
 * :mod:`.scheduler` holds the routers: the conductor and the baselines.
 * :mod:`.simulator` is the discrete-event simulator.
 * :mod:`.report` turns results into tables and PNG plots.
-* :mod:`.api` is the admin API's entry point (JSON in, chosen instances out).
 """
 
 from .cost import CostModel

@@ -114,8 +114,6 @@ def test_without_ha_there_is_no_fence() -> None:
 def test_which_routes_are_fenced() -> None:
     assert is_fenced("DELETE", "/api/v1/objects/x") and is_fenced("GET", "/ready")
     assert is_fenced("POST", "/api/v1/evict") and is_fenced("PUT", "/anything")
-    assert not is_fenced("POST", "/api/v1/prefix/match") and not is_fenced(
-        "POST", "/api/v1/schedule"
-    )
+    assert not is_fenced("POST", "/api/v1/prefix/match")
     assert not is_fenced("GET", "/api/v1/objects") and not is_fenced("GET", "/health")
     assert is_fenced("GET", "/api/v1/events") and is_fenced("GET", "/api/v1/events/snapshot")

@@ -1,0 +1,808 @@
+"""The router daemon: OpenAI-compatible routes in front of vLLM engines.
+
+Per request: check and tokenize it (:mod:`.requests`), ask the master's prefix index how many
+leading tokens the pool holds (the client's ``kv_match`` with ``locate: false``, in the
+namespace the vLLM connector saves in), choose engines on live load (:mod:`.policy`), wait for
+a slot (:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the
+prompt (``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers
+(its connector loads the KV); with kv_both engines one engine does both. A failed step falls
+back: prefill failed -> the whole request on a decode engine; an engine that refuses or drops
+the connection before the answer started -> the next engine. A stream already under way cannot
+move: it ends with an OpenAI-style error event.
+
+Response headers say what the router saw: ``x-kvstore-cached-tokens``,
+``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them),
+``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
+``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from transformers import AutoTokenizer
+
+from kvstore.client import Client
+from kvstore.client.adapters.vllm_proxy import prefill_request
+from kvstore.client.kvcache import KVCache
+from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.slo import SLOClass
+
+from .admission import EngineSlots
+from .engines import Engine, EngineLoad, make_engines
+from .fit import EngineFit
+from .metrics import RouterMetrics
+from .policy import (
+    DEFAULT_HIGH_WATERMARK,
+    DEFAULT_LOW_WATERMARK,
+    Choice,
+    RequestShape,
+    choose,
+    estimate_ttft,
+)
+from .requests import (
+    DEFAULT_ANSWER_TOKENS,
+    ModelInfo,
+    RequestError,
+    answer_tokens,
+    parse_body,
+    prompt_tokens,
+)
+from .slo import SLOPolicy
+
+log = logging.getLogger("kvstore.router")
+
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
+#: The cost-model terms exported per engine (``kvstore_router_cost_term``).
+_COST_TERMS = ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_seq")
+#: Seconds between two connection attempts to a master that did not answer.
+POOL_RETRY_S = 5.0
+#: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
+#: decode terms (:mod:`.fit`); the transfer terms are set from the namespace and the CLI.
+CPU_PRIOR = CostModel(
+    block_size_tokens=32,
+    prefill_base_s=0.05,
+    prefill_s_per_token=1e-3,
+    prefill_s_per_token_pair=0.0,
+    decode_base_s=0.04,
+    decode_s_per_seq=0.005,
+    decode_s_per_kv_token=0.0,
+    kv_bytes_per_token=23_040,
+    transfer_bytes_per_s=1e9,
+    transfer_latency_s=0.002,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """What the router fronts and how it decides.
+
+    Attributes:
+        prefill: prefill engine URLs (P/D mode).
+        decode: decode engine URLs (P/D mode).
+        engines: kv_both engine URLs (no P/D split).
+        master: the pool's master (``HOST:PORT`` / ``etcd://``), or None: nothing is cached.
+        slo: SLO classes and their mapping.
+        prior: the cost model before measurements.
+        model_dir: the model folder (tokenizer, config) when the engines' ``root`` is not
+            readable here.
+        dtype: the engines' ``--dtype`` when it differs from the model config's.
+        salt: the connector's namespace salt.
+        max_inflight: concurrent requests per engine.
+        poll_s: seconds between polls of each engine's ``/metrics``.
+        timeout_s: one whole request.
+        high_watermark: decode KV use over which an engine takes nothing new.
+        low_watermark: KV use under which it takes requests again.
+        early_rejection: reject requests whose SLO the prediction says cannot be met.
+    """
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    engines: tuple[str, ...] = ()
+    master: str | None = None
+    slo: SLOPolicy = field(default_factory=SLOPolicy)
+    prior: CostModel = CPU_PRIOR
+    model_dir: str | None = None
+    dtype: str | None = None
+    salt: str | None = None
+    max_inflight: int = 4
+    poll_s: float = 0.5
+    timeout_s: float = 600.0
+    high_watermark: float = DEFAULT_HIGH_WATERMARK
+    low_watermark: float = DEFAULT_LOW_WATERMARK
+    early_rejection: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engines and (self.prefill or self.decode):
+            raise InvalidRequestError("give --engine, or --prefill and --decode, not both")
+        if not self.engines and not (self.prefill and self.decode):
+            raise InvalidRequestError("give --engine URL, or --prefill URL and --decode URL")
+        for url in (*self.prefill, *self.decode, *self.engines):
+            if not url.startswith(("http://", "https://")):
+                raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise InvalidRequestError("watermarks must satisfy 0 < low <= high <= 1")
+        if self.max_inflight < 1 or self.poll_s <= 0 or self.timeout_s <= 0:
+            raise InvalidRequestError("max_inflight, poll_s and timeout_s must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        """P/D mode (two steps) rather than kv_both engines."""
+        return not self.engines
+
+
+class RouterState:
+    """Everything a request handler reads and updates.
+
+    NOTE: all of it is touched only from the event loop's thread (blocking work runs in
+    ``asyncio.to_thread`` and hands results back), so no lock guards the engine counters.
+
+    Args:
+        config: the router's settings.
+        clock: monotonic seconds (injectable for tests).
+    """
+
+    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        fraction = config.slo.promote_fraction
+        roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
+        roles += [("both", u) for u in config.engines]
+        self.engines = make_engines(
+            roles,
+            lambda: EngineFit(config.prior),
+            lambda: EngineSlots(config.max_inflight, fraction, clock),
+        )
+        self.by_url = {e.url: e for e in self.engines}
+        self.metrics = RouterMetrics.create()
+        self.session: aiohttp.ClientSession | None = None
+        self.first_poll = asyncio.Event()
+        self._models: dict[str, ModelInfo] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self._tokenizer_lock = asyncio.Lock()
+        self._pool: Client | None = None
+        self._pool_failed_s: float | None = None
+        self._pool_lock = asyncio.Lock()
+        self._kvcaches: dict[tuple[str, int, str], KVCache] = {}
+
+    # ------------------------------------------------------------------ engines
+    def role_engines(self, role: str) -> list[Engine]:
+        """The engines of one role (``prefill``, ``decode``, ``both``)."""
+        return [e for e in self.engines if e.role == role]
+
+    async def poll(self, engine: Engine) -> None:
+        """One poll of an engine's ``/metrics`` and ``/v1/models`` (failure: unhealthy)."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(2.0, 4 * self.config.poll_s))
+        try:
+            async with self.session.get(engine.url + "/metrics", timeout=timeout) as resp:
+                text = await resp.text() if resp.status == 200 else None
+            async with self.session.get(engine.url + "/v1/models", timeout=timeout) as resp:
+                models = (await resp.json()).get("data") if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            text = models = None
+        if text is None or not isinstance(models, list):
+            engine.healthy = False
+        else:
+            engine.observe(
+                EngineLoad.from_metrics(text),
+                models,
+                self.config.high_watermark,
+                self.config.low_watermark,
+            )
+        m = self.metrics
+        m.engine_healthy.labels(engine.url).set(1 if engine.healthy else 0)
+        m.engine_running.labels(engine.url).set(engine.load.num_running)
+        m.engine_waiting.labels(engine.url).set(engine.load.num_waiting)
+        m.engine_kv_usage.labels(engine.url).set(engine.load.kv_usage)
+        cost = engine.fit.cost()
+        for term in _COST_TERMS:
+            m.cost_term.labels(engine.url, term).set(getattr(cost, term))
+
+    async def poll_forever(self) -> None:
+        """Poll every engine every ``poll_s`` seconds until cancelled."""
+        while True:
+            await asyncio.gather(*(self.poll(e) for e in self.engines))
+            self.first_poll.set()
+            await asyncio.sleep(self.config.poll_s)  # the poll period, not a synchronisation
+
+    # ------------------------------------------------------------------ models
+    def served_models(self) -> list[dict[str, Any]]:
+        """The models the healthy engines serve (first seen wins, by id)."""
+        seen: dict[str, dict[str, Any]] = {}
+        for engine in self.engines:
+            if engine.healthy:
+                for entry in engine.models:
+                    if isinstance(entry, dict) and "id" in entry:
+                        seen.setdefault(str(entry["id"]), entry)
+        return list(seen.values())
+
+    async def model(self, name: Any) -> ModelInfo:
+        """The served model a request names (the first one when it names none).
+
+        Raises:
+            RequestError: 404 for a model no engine serves; 503 when no engine answers.
+        """
+        models = self.served_models()
+        if not models:
+            raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+        if name is None:
+            entry = models[0]
+        else:
+            found = [m for m in models if m["id"] == name]
+            if not found:
+                raise RequestError(
+                    404, f"The model `{name}` does not exist.", "NotFoundError", param="model"
+                )
+            entry = found[0]
+        key = str(entry["id"])
+        if key not in self._models:
+            try:
+                self._models[key] = await asyncio.to_thread(
+                    ModelInfo.load, entry, self.config.model_dir
+                )
+            except (OSError, ValueError, KeyError) as err:
+                raise RequestError(
+                    503,
+                    f"model {key}: its folder is not readable here ({err}); give --model-dir",
+                    "ServiceUnavailableError",
+                ) from None
+        return self._models[key]
+
+    async def tokenizer(self, model: ModelInfo) -> Any:
+        """The model's tokenizer (loaded once, in a thread).
+
+        Raises:
+            RequestError: 503 when the folder holds no tokenizer transformers can load.
+        """
+        key = str(model.root)
+        async with self._tokenizer_lock:
+            if key not in self._tokenizers:
+                try:
+                    self._tokenizers[key] = await asyncio.to_thread(
+                        AutoTokenizer.from_pretrained, key
+                    )
+                except (OSError, ValueError) as err:
+                    log.warning("router: no tokenizer in %s (%s)", key, err)
+                    raise RequestError(
+                        503,
+                        f"model {model.model_id}: no tokenizer could be loaded; give --model-dir",
+                        "ServiceUnavailableError",
+                    ) from None
+        return self._tokenizers[key]
+
+    # ------------------------------------------------------------------ the pool
+    async def _kvcache(self, model: ModelInfo, load: EngineLoad) -> KVCache | None:
+        if self.config.master is None or load.block_size is None:
+            return None
+        now = self.clock()
+        if self._pool is None:
+            if self._pool_failed_s is not None and now - self._pool_failed_s < POOL_RETRY_S:
+                return None
+            try:
+                self._pool = await asyncio.to_thread(Client.connect, self.config.master)
+            except (KVStoreError, OSError) as err:
+                log.warning("router: master %s unavailable (%s)", self.config.master, err)
+                self._pool_failed_s = now
+                self.metrics.lookup_errors.inc()
+                return None
+        key = (model.model_id, load.block_size, load.cache_dtype or "auto")
+        if key not in self._kvcaches:
+            ns = model.namespace(
+                load.block_size, key[2], dtype=self.config.dtype, salt=self.config.salt
+            )
+            self._kvcaches[key] = KVCache(self._pool, ns)
+        return self._kvcaches[key]
+
+    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> tuple[int, int]:
+        """Leading tokens of ``tokens`` the pool holds, by the master's prefix index (one call,
+        no leases; the prompt's full blocks, as the connector looks them up). Any failure is a
+        miss.
+
+        Args:
+            model: the served model.
+            tokens: the prompt.
+
+        Returns:
+            The index's answer (token-granular: a block matched in part counts its matching
+            tokens), and the tokens an engine can load of it (whole blocks, never the last
+            prompt token, as the connector offers them). (0, 0) without a master.
+        """
+        engines = [e for e in self.engines if e.healthy and e.load.block_size] or self.engines
+        load = engines[0].load
+        async with self._pool_lock:  # one master call at a time through the one client
+            kv = await self._kvcache(model, load)
+            if kv is None or load.block_size is None:
+                return 0, 0
+            bs = load.block_size
+            full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
+            if not len(full):
+                return 0, 0
+            try:
+                hit = int(await asyncio.to_thread(kv.lookup, full))
+            except (KVStoreError, OSError) as err:
+                log.warning("router: prefix lookup failed (%s); counting a miss", err)
+                self.metrics.lookup_errors.inc()
+                if not isinstance(err, InvalidRequestError):
+                    self._drop_pool()
+                return 0, 0
+        return hit, min(hit // bs, (len(tokens) - 1) // bs) * bs
+
+    def _drop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        self._pool, self._kvcaches = None, {}
+        self._pool_failed_s = self.clock()
+
+    def close(self) -> None:
+        """Close the pool client."""
+        if self._pool is not None:
+            self._pool.close()
+        self._pool = None
+
+    # ------------------------------------------------------------------ choice
+    def choose(self, shape: RequestShape, slo: SLOClass) -> Choice:
+        """Choose engines for a request from the engines' live views (see :mod:`.policy`).
+
+        Args:
+            shape: the request.
+            slo: its class.
+
+        Returns:
+            The choice.
+        """
+        if self.config.disaggregated:
+            prefill = [e.view() for e in self.role_engines("prefill")]
+            decode = [e.view() for e in self.role_engines("decode")]
+            return choose(
+                shape,
+                slo,
+                prefill,
+                decode,
+                high=self.config.high_watermark,
+                early_rejection=self.config.early_rejection,
+            )
+        views = [e.view() for e in self.role_engines("both")]
+        return choose(
+            shape,
+            slo,
+            views,
+            None,
+            high=self.config.high_watermark,
+            early_rejection=self.config.early_rejection,
+        )
+
+
+STATE = web.AppKey("state", RouterState)
+
+
+# ====================================================================== steps
+def _forward_headers(request: web.Request) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if "Authorization" in request.headers:  # vLLM's --api-key
+        headers["Authorization"] = request.headers["Authorization"]
+    return headers
+
+
+def _engine_failed(state: RouterState, engine: Engine, step: str, why: str) -> None:
+    log.warning("router: %s step on %s failed (%s); falling back", step, engine.url, why)
+    engine.healthy = False  # until its next poll answers
+    state.metrics.fallbacks.labels(step, engine.url).inc()
+
+
+@dataclass(slots=True)
+class _Ticket:
+    """A request's bookkeeping on the engines; :meth:`first_token` and :meth:`done` undo it
+    (each once, whatever path the request takes)."""
+
+    prefill: Engine
+    prefill_s: float
+    reserved: list[tuple[Engine, int]]
+    prefilled: bool = False
+
+    @staticmethod
+    def take(prefill: Engine, prefill_s: float, reserved: list[tuple[Engine, int]]) -> _Ticket:
+        prefill.prefill_s += prefill_s
+        for engine, tokens in reserved:
+            engine.reserved_tokens += tokens
+        return _Ticket(prefill, prefill_s, reserved)
+
+    def first_token(self) -> None:
+        if not self.prefilled:
+            self.prefilled = True
+            self.prefill.prefill_s = max(0.0, self.prefill.prefill_s - self.prefill_s)
+
+    def done(self) -> None:
+        self.first_token()
+        for engine, tokens in self.reserved:
+            engine.reserved_tokens -= tokens
+        self.reserved = []
+
+
+class _Slot:
+    """An engine slot held for one step (``async with``): the admission queue and the
+    engine's in-flight count, released together."""
+
+    def __init__(self, engine: Engine, priority: int, budget_s: float) -> None:
+        self.engine, self.priority, self.budget_s = engine, priority, budget_s
+
+    async def __aenter__(self) -> Engine:
+        await self.engine.slots.acquire(self.priority, self.budget_s)
+        self.engine.inflight += 1
+        return self.engine
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.engine.inflight -= 1
+        self.engine.slots.release()
+
+
+async def _prefill_step(
+    request: web.Request,
+    engine: Engine,
+    body: dict[str, Any],
+    priority: int,
+    budget_s: float,
+    sample_tokens: int | None,
+) -> web.Response | dict[str, Any] | None:
+    """Run the prefill half on ``engine``.
+
+    Returns:
+        The kv_transfer_params dict (possibly empty) on success; a response to return as it is
+        when the engine refused the request itself (4xx); None when the engine failed.
+    """
+    state = request.app[STATE]
+    assert state.session is not None
+    async with _Slot(engine, priority, budget_s):
+        start = state.clock()
+        try:
+            async with state.session.post(
+                engine.url + request.path,
+                json=prefill_request(body),
+                headers=_forward_headers(request),
+            ) as resp:
+                answer = await resp.read()
+                status, content_type = resp.status, resp.content_type
+        except (aiohttp.ClientError, TimeoutError) as err:
+            _engine_failed(state, engine, "prefill", repr(err))
+            return None
+        elapsed = state.clock() - start
+    if status >= 500 or status == 429:
+        _engine_failed(state, engine, "prefill", f"HTTP {status}")
+        return None
+    if status != 200:
+        return web.Response(body=answer, status=status, content_type=content_type)
+    state.metrics.chosen.labels("prefill", engine.url).inc()
+    state.metrics.prefill_measured.labels(engine.url).observe(elapsed)
+    if sample_tokens is not None:
+        engine.fit.prefill.add(sample_tokens, elapsed)
+    try:
+        params = json.loads(answer).get("kv_transfer_params")
+    except (ValueError, AttributeError):
+        params = None
+    return {"kv_transfer_params": params} if params is not None else {}
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _answer_step(
+    request: web.Request,
+    order: list[Engine],
+    body: dict[str, Any],
+    headers: dict[str, str],
+    priority: int,
+    budget_s: float,
+    ticket: _Ticket,
+    started_s: float,
+    ttft_sample: tuple[Engine, int] | None,
+) -> web.StreamResponse:
+    """Send the whole request to the first engine of ``order`` that answers; stream or return
+    its answer.
+
+    Raises:
+        RequestError: 503 when every engine failed.
+    """
+    state = request.app[STATE]
+    assert state.session is not None
+    stream = bool(body.get("stream"))
+    failures = []
+    for engine in order:
+        out: web.StreamResponse | None = None
+        async with _Slot(engine, priority, budget_s):
+            try:
+                async with state.session.post(
+                    engine.url + request.path, json=body, headers=_forward_headers(request)
+                ) as resp:
+                    if resp.status >= 500 or resp.status == 429:
+                        failures.append(f"{engine.url}: HTTP {resp.status}")
+                        _engine_failed(state, engine, "answer", f"HTTP {resp.status}")
+                        continue
+                    tagged = {**headers, "x-kvstore-engine": engine.url}
+                    if not stream or resp.status != 200:
+                        answer = await resp.read()
+                        ticket.first_token()
+                        state.metrics.chosen.labels("answer", engine.url).inc()
+                        return web.Response(
+                            body=answer,
+                            status=resp.status,
+                            content_type=resp.content_type,
+                            headers=tagged,
+                        )
+                    async for chunk in resp.content.iter_any():
+                        if out is None:
+                            ttft = state.clock() - started_s
+                            ticket.first_token()
+                            state.metrics.ttft_measured.labels(engine.url).observe(ttft)
+                            if ttft_sample is not None and ttft_sample[0] is engine:
+                                engine.fit.prefill.add(ttft_sample[1], ttft)
+                            out = web.StreamResponse(
+                                status=200,
+                                headers={
+                                    **{
+                                        k: v
+                                        for k, v in resp.headers.items()
+                                        if k.lower() not in _SKIP_HEADERS
+                                    },
+                                    **tagged,
+                                },
+                            )
+                            await out.prepare(request)
+                        await out.write(chunk)
+                    if out is None:
+                        raise aiohttp.ClientPayloadError("the engine sent an empty stream")
+                    state.metrics.chosen.labels("answer", engine.url).inc()
+                    await out.write_eof()
+                    return out
+            except (aiohttp.ClientError, TimeoutError) as err:
+                _engine_failed(state, engine, "answer", repr(err))
+                if out is not None:  # mid-stream: the status is sent; end with an error event
+                    request[_STREAM_BROKEN] = True
+                    await out.write(_sse_error(f"engine {engine.url} failed mid-answer: {err!r}"))
+                    await out.write_eof()
+                    return out
+                failures.append(f"{engine.url}: {err!r}")
+    raise RequestError(
+        503, "every engine failed: " + "; ".join(failures), "ServiceUnavailableError"
+    )
+
+
+#: Set on a request whose stream broke after it started (its outcome in the metrics).
+_STREAM_BROKEN = web.RequestKey("stream_broken", bool)
+
+
+def _fallback_order(state: RouterState, first: Engine, shape: RequestShape) -> list[Engine]:
+    """``first``, then the other engines: healthy ones by predicted TTFT, then the rest."""
+    others = [e for e in state.engines if e is not first]
+    healthy = sorted(
+        (e for e in others if e.healthy),
+        key=lambda e: estimate_ttft(e.view(), shape, False).ttft_s,
+    )
+    return [first, *healthy, *(e for e in others if not e.healthy)]
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    route = request.path
+    slo_name = "unknown"
+    outcome = "error"
+    started = state.clock()
+    try:
+        body = parse_body(await request.read())
+        try:
+            priority, slo = state.config.slo.classify(request.headers)
+        except InvalidRequestError as err:
+            raise RequestError(400, err.message) from None
+        slo_name = slo.name
+        model = await state.model(body.get("model"))
+        tokenizer = await state.tokenizer(model)
+        kind = "chat" if route.endswith("/chat/completions") else "completions"
+        tokens = await asyncio.to_thread(prompt_tokens, kind, body, tokenizer)
+        limit = answer_tokens(body)
+        if model.max_model_len and (
+            len(tokens) >= model.max_model_len
+            or (limit is not None and len(tokens) + limit > model.max_model_len)
+        ):
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {model.max_model_len} tokens. However, "
+                f"you requested {len(tokens) + (limit or 0)} tokens ({len(tokens)} in the "
+                f"messages, {limit or 0} in the completion).",
+            )
+        cached, usable = await state.cached_tokens(model, tokens)
+        state.metrics.prompt_tokens.inc(len(tokens))
+        state.metrics.cached_tokens.inc(cached)
+        shape = RequestShape(len(tokens), usable, limit or DEFAULT_ANSWER_TOKENS)
+        choice = state.choose(shape, slo)
+        if not choice.accepted:
+            if choice.prefill is None and choice.reason == "no engine is healthy":
+                raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+            state.metrics.rejections.labels(slo.name, (choice.reason or "").split(" ")[0]).inc()
+            outcome = "rejected"
+            raise RequestError(
+                429,
+                f"request rejected for SLO class {slo.name}: {choice.reason}",
+                "RateLimitError",
+                headers={"Retry-After": str(choice.retry_after_s)},
+            )
+        assert choice.prefill is not None
+        first = state.by_url[choice.prefill.engine]
+        decode = state.by_url[choice.decode] if choice.decode is not None else None
+        state.metrics.ttft_predicted.labels(first.url).observe(choice.prefill.ttft_s)
+        headers = {
+            "x-kvstore-cached-tokens": str(cached),
+            "x-kvstore-loadable-tokens": str(usable),
+            "x-kvstore-prompt-tokens": str(len(tokens)),
+            "x-kvstore-slo-class": slo.name,
+            "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
+            "x-kvstore-prefill-engine": first.url,
+        }
+        idle = first.inflight == 0 and first.load.num_running == 0
+        sample = shape.uncached_tokens if idle else None
+        reserved = [(decode or first, shape.prompt_tokens + shape.max_tokens)]
+        ticket = _Ticket.take(first, choice.prefill.prefill_s, reserved)
+        try:
+            if decode is not None:
+                got = await _prefill_step(request, first, body, priority, slo.ttft_s, sample)
+                if isinstance(got, web.Response):
+                    outcome = "engine_refused"
+                    return got
+                if got is None:
+                    headers["x-kvstore-prefill-engine"] = "none (failed; answered whole)"
+                else:
+                    body = {**body, **got}
+                ticket.first_token()
+                order = _fallback_order(state, decode, shape)
+                ttft_sample = None
+            else:
+                order = _fallback_order(state, first, shape)
+                ttft_sample = (first, sample) if sample is not None and body.get("stream") else None
+            response = await _answer_step(
+                request, order, body, headers, priority, slo.ttft_s, ticket, started, ttft_sample
+            )
+        finally:
+            ticket.done()
+        outcome = "stream_error" if request.get(_STREAM_BROKEN) else "ok"
+        return response
+    except RequestError as err:
+        if outcome == "error":
+            outcome = "unavailable" if err.status >= 500 else "bad_request"
+        raise
+    finally:
+        state.metrics.requests.labels(route, outcome, slo_name).inc()
+        promoted = sum(e.slots.queue.num_promoted for e in state.engines)
+        state.metrics.promoted.set(promoted)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    models = state.served_models()
+    if not models:
+        raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+    return web.json_response({"object": "list", "data": models})
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engines = {e.url: e.healthy for e in state.engines}
+    ok = any(engines.values())
+    return web.json_response(
+        {
+            "status": "ok" if all(engines.values()) else "degraded" if ok else "down",
+            "engines": engines,
+        },
+        status=200 if ok else 503,
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[STATE].metrics.registry
+    return web.Response(
+        body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Map refusals to OpenAI-style JSON error bodies."""
+    try:
+        return await handler(request)
+    except RequestError as err:
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+    except InvalidRequestError as err:
+        return web.json_response(RequestError(400, err.message).body(), status=400)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "NotFoundError" if exc.status == 404 else "BadRequestError"
+        return web.json_response(
+            RequestError(exc.status, exc.reason, kind).body(), status=exc.status
+        )
+
+
+def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> web.Application:
+    """The router's application: its HTTP session and engine poller live in ``cleanup_ctx``.
+
+    Args:
+        config: the router's settings.
+        clock: monotonic seconds.
+
+    Returns:
+        The application.
+    """
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors])
+
+    async def state_ctx(app: web.Application) -> AsyncIterator[None]:
+        state = RouterState(config, clock)
+        timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=10)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            state.session = session
+            app[STATE] = state
+            poller = asyncio.create_task(state.poll_forever())
+            try:
+                yield
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
+                await asyncio.to_thread(state.close)
+
+    app.cleanup_ctx.append(state_ctx)
+    for path in GENERATE_PATHS:
+        app.router.add_post(path, _generate)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+    """Serve until SIGINT or SIGTERM; print a ``ready`` line (after the first poll of the
+    engines, bounded) with the bound address first.
+
+    Args:
+        config: the router's settings.
+        host: address to bind.
+        port: port (0 picks a free one).
+    """
+    app = init_app(config)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    state = app[STATE]
+    # Engines slow to answer: serve anyway, /health says so.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.first_poll.wait(), timeout=30)
+    bound = runner.addresses[0]
+    healthy = sum(e.healthy for e in state.engines)
+    print(
+        f"kvstore router: ready url=http://{bound[0]}:{bound[1]} "
+        f"mode={'pd' if config.disaggregated else 'kv_both'} engines={len(state.engines)} "
+        f"healthy={healthy} master={config.master}",
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    print("kvstore router: stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics (one registry per application)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterMetrics:
+    """Every metric the router exports."""
+
+    registry: CollectorRegistry
+    requests: Counter
+    chosen: Counter
+    ttft_predicted: Histogram
+    ttft_measured: Histogram
+    prefill_measured: Histogram
+    rejections: Counter
+    fallbacks: Counter
+    prompt_tokens: Counter
+    cached_tokens: Counter
+    lookup_errors: Counter
+    promoted: Gauge
+    engine_healthy: Gauge
+    engine_running: Gauge
+    engine_waiting: Gauge
+    engine_kv_usage: Gauge
+    cost_term: Gauge
+
+    @staticmethod
+    def create() -> RouterMetrics:
+        """A fresh registry with the router's metrics."""
+        r = CollectorRegistry()
+        p = "kvstore_router_"
+        return RouterMetrics(
+            registry=r,
+            requests=Counter(
+                p + "requests",
+                "Requests by route, outcome and SLO class",
+                ["route", "outcome", "slo_class"],
+                registry=r,
+            ),
+            chosen=Counter(
+                p + "chosen", "Steps sent to each engine", ["role", "instance"], registry=r
+            ),
+            ttft_predicted=Histogram(
+                p + "ttft_predicted_seconds",
+                "Predicted TTFT of admitted requests",
+                ["instance"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            ttft_measured=Histogram(
+                p + "ttft_measured_seconds",
+                "Measured TTFT (first streamed chunk)",
+                ["instance"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            prefill_measured=Histogram(
+                p + "prefill_measured_seconds",
+                "Measured prefill step (P/D, max_tokens=1)",
+                ["instance"],
+                buckets=_TTFT_BUCKETS,
+                registry=r,
+            ),
+            rejections=Counter(
+                p + "rejections", "Requests rejected early", ["slo_class", "reason"], registry=r
+            ),
+            fallbacks=Counter(
+                p + "fallbacks",
+                "Steps retried elsewhere after an engine failed",
+                ["step", "instance"],
+                registry=r,
+            ),
+            prompt_tokens=Counter(p + "prompt_tokens", "Prompt tokens routed", registry=r),
+            cached_tokens=Counter(
+                p + "cached_tokens", "Prompt tokens the prefix index reported cached", registry=r
+            ),
+            lookup_errors=Counter(
+                p + "lookup_errors",
+                "Prefix-index lookups that failed (counted as misses)",
+                registry=r,
+            ),
+            promoted=Gauge(p + "promoted", "Queued requests promoted so far", registry=r),
+            engine_healthy=Gauge(p + "engine_healthy", "Engine answers", ["instance"], registry=r),
+            engine_running=Gauge(
+                p + "engine_running", "vllm:num_requests_running", ["instance"], registry=r
+            ),
+            engine_waiting=Gauge(
+                p + "engine_waiting", "vllm:num_requests_waiting", ["instance"], registry=r
+            ),
+            engine_kv_usage=Gauge(
+                p + "engine_kv_usage", "vllm:kv_cache_usage_perc", ["instance"], registry=r
+            ),
+            cost_term=Gauge(
+                p + "cost_term",
+                "Cost-model terms in use per engine (prior, or least-squares fit of measurements)",
+                ["instance", "term"],
+                registry=r,
+            ),
+        )

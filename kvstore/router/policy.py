@@ -1,0 +1,273 @@
+"""The router's choice logic, on snapshots of live engine load (no I/O, no clock of its own).
+
+Per request (``p`` new tokens of which ``c`` are cached in the pool, ``n = p - c`` to compute):
+
+* predicted TTFT on a prefill (or kv_both) engine = max(queue wait, pool transfer of the ``c``
+  cached tokens) + prefill of ``n`` tokens on top of ``c`` + one decode step of the batch
+  already running there; in P/D mode the decode engine then loads the whole prompt from the
+  pool (one more transfer). The terms are :class:`~kvstore.master.scheduler.cost.CostModel`'s,
+  with parameters fitted per engine (:mod:`.fit`). The queue wait is what the router itself
+  still has in flight there (its predicted prefill seconds) plus the engine's own waiting
+  requests, each costed like this one.
+* the decode engine: among those whose KV after this request stays under the high watermark
+  (and that have not crossed it since they last fell below the low watermark), the smallest
+  predicted time between tokens with the request added to its running batch.
+* early rejection: the best predicted TTFT above the class's target, no decode engine with room,
+  or a predicted TBT above the target (the last only once the decode fit rests on
+  measurements).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.slo import SLOClass
+
+#: Watermarks on a decode engine's KV use (fraction of its KV blocks). The high one is the
+#: scheduler package's default (``SchedulerConfig.kv_high_watermark``).
+DEFAULT_HIGH_WATERMARK = 0.9
+DEFAULT_LOW_WATERMARK = 0.7
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine's load as the router sees it at one moment.
+
+    Attributes:
+        name: its URL (the engine's identity in metrics and logs).
+        healthy: its last poll succeeded and no request failed on it since.
+        num_running: ``vllm:num_requests_running``.
+        num_waiting: ``vllm:num_requests_waiting``.
+        kv_usage: ``vllm:kv_cache_usage_perc`` (0..1).
+        kv_capacity_tokens: KV blocks x block size (0: unknown).
+        router_inflight: requests the router has on it now (any step).
+        router_prefill_s: predicted prefill seconds of the router's requests there that have
+            not had their first token yet.
+        router_reserved_tokens: KV tokens the router's requests there will hold at the end.
+        above_high: crossed the high watermark and not yet back under the low one.
+        cost: its cost model (prior, or fitted).
+        decode_fitted: whether ``cost``'s decode terms come from measurements.
+    """
+
+    name: str
+    healthy: bool
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    kv_capacity_tokens: int
+    router_inflight: int
+    router_prefill_s: float
+    router_reserved_tokens: int
+    above_high: bool
+    cost: CostModel
+    decode_fitted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What the choice needs to know about a request.
+
+    Attributes:
+        prompt_tokens: tokens of the prompt (>= 1).
+        cached_tokens: leading prompt tokens whose KV the pool holds.
+        max_tokens: tokens it may generate.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int
+    max_tokens: int
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Tokens to compute: at least the last one (its logits give the first token)."""
+        return max(self.prompt_tokens - self.cached_tokens, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class TTFTEstimate:
+    """Predicted time to first token of one request on one engine.
+
+    Attributes:
+        engine: the engine's name.
+        queue_s: wait before its prefill starts.
+        transfer_s: pool -> engine transfer of the cached tokens (overlaps the wait).
+        prefill_s: compute of the uncached tokens.
+        handoff_s: P/D only: the decode engine loading the prompt from the pool.
+        ttft_s: the sum that matters.
+    """
+
+    engine: str
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    handoff_s: float
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The router's answer for one request.
+
+    Attributes:
+        accepted: False when rejected early (or when no engine is healthy).
+        reason: why, when not accepted.
+        retry_after_s: a hint for a rejected client (whole seconds, >= 1).
+        prefill: the estimate on the chosen prefill (or kv_both) engine.
+        decode: the chosen decode engine (P/D), or None.
+        predicted_tbt_s: step time predicted on the decode engine (or the kv_both engine).
+    """
+
+    accepted: bool
+    reason: str | None
+    retry_after_s: int
+    prefill: TTFTEstimate | None
+    decode: str | None
+    predicted_tbt_s: float | None
+
+
+def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTFTEstimate:
+    """Predict TTFT of ``request`` on ``view``.
+
+    Args:
+        view: the engine.
+        request: the request.
+        handoff: P/D: add the decode engine's load of the prompt from the pool.
+
+    Returns:
+        The estimate.
+    """
+    cost = view.cost
+    n = request.uncached_tokens
+    c = request.prompt_tokens - n
+    prefill = cost.prefill_s(n, c)
+    queue = view.router_prefill_s + view.num_waiting * prefill
+    transfer = cost.transfer_s(c)
+    step = cost.decode_step_s(view.num_running, 0) if view.num_running else 0.0
+    handoff_s = cost.transfer_s(request.prompt_tokens) if handoff else 0.0
+    ttft = max(queue, transfer) + prefill + step + handoff_s
+    return TTFTEstimate(view.name, queue, transfer, prefill, handoff_s, ttft)
+
+
+def watermark_state(above_high: bool, kv_usage: float, high: float, low: float) -> bool:
+    """The high/low watermark rule with hysteresis: an engine at or over ``high`` takes no new
+    requests until its use falls to ``low`` or under.
+
+    Args:
+        above_high: the engine's state so far.
+        kv_usage: its KV use now (0..1).
+        high: the high watermark.
+        low: the low watermark (<= ``high``).
+
+    Returns:
+        The new state.
+    """
+    if kv_usage >= high:
+        return True
+    if kv_usage <= low:
+        return False
+    return above_high
+
+
+def kv_room(view: EngineView, request: RequestShape, high: float) -> bool:
+    """Whether the request's KV (prompt + answer) fits on ``view`` under the high watermark,
+    counting what the router has already sent there. An engine of unknown capacity has room.
+
+    Args:
+        view: the engine.
+        request: the request.
+        high: the high watermark.
+
+    Returns:
+        True when it fits.
+    """
+    if view.above_high:
+        return False
+    if view.kv_capacity_tokens <= 0:
+        return True
+    need = request.prompt_tokens + request.max_tokens + view.router_reserved_tokens
+    return view.kv_usage + need / view.kv_capacity_tokens <= high
+
+
+def predicted_tbt(view: EngineView, request: RequestShape) -> float:
+    """Time between tokens on ``view`` once ``request`` joins its running batch.
+
+    Args:
+        view: the engine.
+        request: the request.
+
+    Returns:
+        Seconds.
+    """
+    batch = max(view.num_running, view.router_inflight) + 1
+    return view.cost.decode_step_s(batch, 0)
+
+
+def choose(
+    request: RequestShape,
+    slo: SLOClass,
+    prefill: list[EngineView],
+    decode: list[EngineView] | None,
+    *,
+    high: float = DEFAULT_HIGH_WATERMARK,
+    early_rejection: bool = True,
+) -> Choice:
+    """Choose engines for a request.
+
+    Args:
+        request: the request.
+        slo: its class.
+        prefill: the prefill engines (P/D), or the kv_both engines.
+        decode: the decode engines (P/D), or None for kv_both (one engine does both).
+        high: the high watermark on decode KV use.
+        early_rejection: reject when the prediction says the class's target cannot be met.
+
+    Returns:
+        The choice. Not accepted with ``retry_after_s`` when rejected; not accepted when no
+        engine is healthy (reason says so).
+    """
+    candidates = [v for v in prefill if v.healthy]
+    pool = [v for v in decode if v.healthy] if decode is not None else []
+    # Fallbacks by choice: with no healthy decode engine the prefill engine does the whole
+    # request; with no healthy prefill engine a decode engine does.
+    handoff = bool(candidates and pool)
+    if not candidates:
+        candidates = pool
+    if not candidates:
+        return Choice(False, "no engine is healthy", 5, None, None, None)
+    if not handoff:  # one engine does both steps: it must also have room for the KV
+        roomy = [v for v in candidates if kv_room(v, request, high)]
+        if roomy:
+            candidates = roomy
+        elif early_rejection:
+            return Choice(False, "no engine has room for the KV", 1, None, None, None)
+    best = min(
+        (estimate_ttft(v, request, handoff) for v in candidates),
+        key=lambda e: (e.ttft_s, e.engine),
+    )
+    if early_rejection and best.ttft_s > slo.ttft_s:
+        over = best.ttft_s - slo.ttft_s
+        return Choice(
+            False,
+            f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo.name} {slo.ttft_s:.3f}s",
+            max(1, math.ceil(min(over, best.queue_s) if best.queue_s > 0 else over)),
+            best,
+            None,
+            None,
+        )
+    if not handoff:
+        by_name = {v.name: v for v in candidates}
+        return Choice(True, None, 0, best, None, predicted_tbt(by_name[best.engine], request))
+    roomy = [v for v in pool if kv_room(v, request, high)]
+    if not roomy:
+        if early_rejection:
+            return Choice(False, "no decode engine has room for the KV", 1, best, None, None)
+        roomy = pool
+    target = min(roomy, key=lambda v: (predicted_tbt(v, request), v.name))
+    tbt = predicted_tbt(target, request)
+    if early_rejection and target.decode_fitted and tbt > slo.tbt_s:
+        return Choice(
+            False, f"predicted TBT {tbt:.3f}s > SLO {slo.name} {slo.tbt_s:.3f}s", 1, best, None, tbt
+        )
+    return Choice(True, None, 0, best, target.name, tbt)

@@ -1,0 +1,243 @@
+"""OpenAI request bodies: checked, and tokenized the way the engine will tokenize them.
+
+Completions: a string prompt is tokenized with the tokenizer's special tokens (vLLM's default),
+a list of token ids is taken as it is; batched prompts are forwarded, and the first is the one
+whose prefix is looked up. Chat: the model's chat template with the generation prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstore.client.adapters.vllm_config import engine_namespace, kv_dtype_from
+from kvstore.keys import Namespace
+
+#: Tokens reserved for an answer whose request sets no limit (only the KV-room check uses it).
+DEFAULT_ANSWER_TOKENS = 256
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+
+
+class RequestError(Exception):
+    """A request the router refuses: an OpenAI-style error body with an HTTP status.
+
+    Args:
+        status: the HTTP status.
+        message: what is wrong.
+        kind: the error type (``BadRequestError``, ``NotFoundError``, ...).
+        param: the offending field, if one.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "BadRequestError",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A served model, from an engine's ``/v1/models`` and its folder's ``config.json``.
+
+    Attributes:
+        model_id: the served name.
+        root: the model folder (tokenizer and config).
+        max_model_len: the context length the engine serves.
+        config: the folder's ``config.json``.
+    """
+
+    model_id: str
+    root: Path
+    max_model_len: int
+    config: dict[str, Any]
+
+    @staticmethod
+    def load(entry: dict[str, Any], model_dir: str | None) -> ModelInfo:
+        """Read a ``/v1/models`` entry and the folder it (or ``model_dir``) names.
+
+        Raises:
+            OSError: the folder has no readable ``config.json``.
+            ValueError: the entry or the config is malformed.
+        """
+        root = Path(model_dir or entry.get("root") or "")
+        config = json.loads((root / "config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"{root}/config.json is not an object")
+        max_len = int(entry.get("max_model_len") or config.get("max_position_embeddings") or 0)
+        return ModelInfo(str(entry["id"]), root, max_len, config)
+
+    def namespace(
+        self,
+        block_size: int,
+        cache_dtype: str,
+        *,
+        dtype: str | None,
+        salt: str | None,
+        tp_size: int = 1,
+    ) -> Namespace:
+        """The pool namespace the vLLM connector saves this model's KV in (rank 0's: the one
+        its scheduler looks up in).
+
+        Args:
+            block_size: the engine's block size.
+            cache_dtype: the engine's ``--kv-cache-dtype``.
+            dtype: the engine's ``--dtype`` (None: the model config's).
+            salt: the connector's salt.
+            tp_size: the engine's tensor-parallel size.
+
+        Raises:
+            InvalidRequestError: a config the namespace cannot describe.
+        """
+        c = self.config
+        model_dtype = dtype or str(c.get("dtype") or c.get("torch_dtype") or "bfloat16")
+        heads = int(c["num_attention_heads"])
+        head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+        kv_heads = int(c.get("num_key_value_heads") or heads)
+        return engine_namespace(
+            served_model=self.model_id,
+            revision=None,
+            kv_dtype=kv_dtype_from(cache_dtype, model_dtype),
+            num_layers=int(c["num_hidden_layers"]),
+            num_kv_heads=max(kv_heads // tp_size, 1),
+            head_dim=head_dim,
+            block_size=block_size,
+            salt=salt,
+            tp_rank=0,
+            tp_size=tp_size,
+        )
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        RequestError: not JSON, or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise RequestError(400, "the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    return body
+
+
+def answer_tokens(body: dict[str, Any]) -> int | None:
+    """The answer limit a request sets (``max_completion_tokens`` or ``max_tokens``).
+
+    Raises:
+        RequestError: a limit that is not a positive integer.
+    """
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise RequestError(400, f"{name} must be a positive integer", param=name)
+        return value
+    return None
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check a chat request's ``messages``.
+
+    Raises:
+        RequestError: not a non-empty list of ``{role, content}`` objects.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list", param="messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RequestError(400, f"messages[{i}] must be an object", param="messages")
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise RequestError(
+                400, f"messages[{i}].role must be one of {sorted(_ROLES)}", param="messages"
+            )
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            continue
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError(
+                    400, f"messages[{i}].content: only text parts are supported", param="messages"
+                )
+            continue
+        if not isinstance(content, str):
+            raise RequestError(400, f"messages[{i}].content must be a string", param="messages")
+    return messages
+
+
+def _text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content)
+        out.append({**msg, "content": content or ""})
+    return out
+
+
+def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The prompt's token ids as the engine will see them.
+
+    Args:
+        kind: ``chat`` or ``completions``.
+        body: the request body.
+        tokenizer: the model's transformers tokenizer.
+
+    Returns:
+        Token ids (for batched completions, the first prompt's).
+
+    Raises:
+        RequestError: a missing or malformed prompt, or one the chat template refuses.
+    """
+    if kind == "chat":
+        messages = _text_messages(check_messages(body.get("messages")))
+        try:
+            encoded = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
+        except Exception as err:  # noqa: BLE001 - a template's own refusal: the client's error
+            raise RequestError(400, f"the chat template refused the messages: {err}") from None
+        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        return [int(t) for t in ids]
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        prompt = prompt[0]  # a batch: its first prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError(400, "prompt must not be empty", param="prompt")
+        return [int(t) for t in tokenizer(prompt)["input_ids"]]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
+        return list(prompt)
+    raise RequestError(
+        400, "prompt must be a non-empty string or list of token ids", param="prompt"
+    )
