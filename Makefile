@@ -55,8 +55,10 @@ test: $(BIN)/python vllm-venv model
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/ruff check .
-	@echo "==> test suite (the engine tests start vLLM servers from $(VLLM_VENV))"
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	@echo "==> test suite (everything but the engine group)"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not engine"
+	@echo "==> engine group: real vLLM servers from $(VLLM_VENV) with the real model"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m engine
 	$(MAKE) sglang-test
 
 lint: $(BIN)/python

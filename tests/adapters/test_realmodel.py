@@ -65,6 +65,7 @@ def test_a_folder_that_is_not_a_finished_conversion_is_left_alone(tmp_path: Path
     assert (folder / "config.json").read_text() == "{}"
 
 
+@pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.skipif(not ENGINE_PYTHON.exists(), reason=".venv-vllm is absent (make test builds it)")
 def test_fetch_converts_once_then_finds_the_cache_and_the_model_knows_paris(

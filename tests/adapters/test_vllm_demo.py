@@ -19,6 +19,7 @@ ENGINE_BIN = REPO / ".venv-vllm" / "bin"
 MODEL = realmodel.model_dir("smollm2")
 
 pytestmark = [
+    pytest.mark.engine,
     pytest.mark.slow,
     pytest.mark.skipif(
         not (ENGINE_BIN / "python").exists(), reason=".venv-vllm is absent (make test builds it)"

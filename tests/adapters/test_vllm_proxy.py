@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 MODEL = realmodel.model_dir("smollm2")
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 PROMPT = "The capital of France is"
 CHAT = [
