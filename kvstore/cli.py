@@ -451,6 +451,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         poll_s=args.poll_interval,
         timeout_s=args.timeout,
         early_rejection=not args.no_early_rejection,
+        pool_events=not args.no_pool_events,
     )
     _run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -650,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument(
         "--no-early-rejection", action="store_true", help="queue requests whatever the prediction"
+    )
+    p.add_argument(
+        "--no-pool-events",
+        action="store_true",
+        help="ask the prefix index per request instead of following the master's KV events",
     )
     p.set_defaults(func=cmd_router)
 

@@ -1,9 +1,9 @@
 """The router daemon: OpenAI-compatible routes in front of vLLM engines.
 
-Per request: check and tokenize it (:mod:`.requests`), ask the master's prefix index how many
-leading tokens the pool holds (the client's ``kv_match`` with ``locate: false``, in the
-namespace the vLLM connector saves in), choose engines on live load (:mod:`.policy`), wait for
-a slot (:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the
+Per request: check and tokenize it (:mod:`.requests`), count the leading blocks the pool holds
+in the namespace the vLLM connector saves in (from the view the KV events keep; the client's
+``kv_match`` with ``locate: false`` while that view is not synced), choose engines on live
+load (:mod:`.policy`), wait for a slot (:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the
 prompt (``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers
 (its connector loads the KV); with kv_both engines one engine does both. A failed step falls
 back: prefill failed -> the whole request on a decode engine; an engine that refuses or drops
@@ -11,7 +11,9 @@ the connection before the answer started -> the next engine. A stream already un
 move: it ends with an OpenAI-style error event.
 
 Response headers say what the router saw: ``x-kvstore-cached-tokens``,
-``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them),
+``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them), ``x-kvstore-pool-view``
+(where that came from: ``events``, the view the master's KV events keep (:mod:`.poolview`);
+``lookup``, one prefix-index call while the view is not synced),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
 ``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
 """
@@ -37,8 +39,10 @@ from transformers import AutoTokenizer
 
 from kvstore.client import Client
 from kvstore.client.adapters.vllm_proxy import prefill_request
+from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.keys import Namespace, block_keys
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
 
@@ -54,6 +58,7 @@ from .policy import (
     choose,
     estimate_ttft,
 )
+from .poolview import PoolView
 from .requests import (
     DEFAULT_ANSWER_TOKENS,
     ModelInfo,
@@ -89,6 +94,30 @@ CPU_PRIOR = CostModel(
 
 
 @dataclass(frozen=True, slots=True)
+class PoolHit:
+    """What the pool holds of one prompt.
+
+    Attributes:
+        cached_tokens: leading prompt tokens held (token-granular from the index; whole
+            blocks from the event view).
+        loadable_tokens: of them, the whole blocks an engine loads (never the last prompt
+            token, as the connector offers them): what the TTFT prediction uses.
+        source: ``events`` (the view), ``lookup`` (the prefix index), ``none`` (no master, or
+            no full block).
+    """
+
+    cached_tokens: int
+    loadable_tokens: int
+    source: str
+
+    @staticmethod
+    def of(cached: int, num_tokens: int, block_size: int, source: str) -> PoolHit:
+        """A hit of ``cached`` tokens on a prompt of ``num_tokens``."""
+        loadable = min(cached // block_size, (num_tokens - 1) // block_size) * block_size
+        return PoolHit(cached, loadable, source)
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """What the router fronts and how it decides.
 
@@ -109,6 +138,8 @@ class RouterConfig:
         high_watermark: decode KV use over which an engine takes nothing new.
         low_watermark: KV use under which it takes requests again.
         early_rejection: reject requests whose SLO the prediction says cannot be met.
+        pool_events: follow the master's KV events for the pool's view (else: one prefix-index
+            lookup per request).
     """
 
     prefill: tuple[str, ...] = ()
@@ -126,6 +157,7 @@ class RouterConfig:
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     low_watermark: float = DEFAULT_LOW_WATERMARK
     early_rejection: bool = True
+    pool_events: bool = True
 
     def __post_init__(self) -> None:
         if self.engines and (self.prefill or self.decode):
@@ -178,7 +210,15 @@ class RouterState:
         self._pool: Client | None = None
         self._pool_failed_s: float | None = None
         self._pool_lock = asyncio.Lock()
-        self._kvcaches: dict[tuple[str, int, str], KVCache] = {}
+        self._kvcaches: dict[bytes, KVCache] = {}
+        self._namespaces: dict[tuple[str, int, str], Namespace] = {}
+        #: The pool from the KV events (None: per-request lookups only); started by the app.
+        self.pool_view: PoolView | None = None
+        if config.master is not None and config.pool_events:
+            master = config.master
+            self.pool_view = PoolView(
+                lambda: EventStream(master, wait_s=2.0, retry_s=5.0), self.metrics
+            )
 
     # ------------------------------------------------------------------ engines
     def role_engines(self, role: str) -> list[Engine]:
@@ -287,8 +327,8 @@ class RouterState:
         return self._tokenizers[key]
 
     # ------------------------------------------------------------------ the pool
-    async def _kvcache(self, model: ModelInfo, load: EngineLoad) -> KVCache | None:
-        if self.config.master is None or load.block_size is None:
+    async def _kvcache(self, ns: Namespace) -> KVCache | None:
+        if self.config.master is None:
             return None
         now = self.clock()
         if self._pool is None:
@@ -301,38 +341,65 @@ class RouterState:
                 self._pool_failed_s = now
                 self.metrics.lookup_errors.inc()
                 return None
+        if ns.digest not in self._kvcaches:
+            self._kvcaches[ns.digest] = KVCache(self._pool, ns)
+        return self._kvcaches[ns.digest]
+
+    def _namespace(self, model: ModelInfo, load: EngineLoad) -> Namespace | None:
+        """The namespace the engines' connector saves ``model`` in (None: block size unknown).
+
+        Raises:
+            InvalidRequestError: a config the namespace cannot describe.
+        """
+        if load.block_size is None:
+            return None
         key = (model.model_id, load.block_size, load.cache_dtype or "auto")
-        if key not in self._kvcaches:
-            ns = model.namespace(
+        if key not in self._namespaces:
+            self._namespaces[key] = model.namespace(
                 load.block_size, key[2], dtype=self.config.dtype, salt=self.config.salt
             )
-            self._kvcaches[key] = KVCache(self._pool, ns)
-        return self._kvcaches[key]
+        return self._namespaces[key]
 
-    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> tuple[int, int]:
-        """Leading tokens of ``tokens`` the pool holds, by the master's prefix index (one call,
-        no leases; the prompt's full blocks, as the connector looks them up). Any failure is a
-        miss.
+    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> PoolHit:
+        """Leading tokens of ``tokens`` the pool holds, in the namespace the connector saves in
+        (the prompt's full blocks, as the connector looks them up). Any failure is a miss.
+
+        From the KV-event view when it is synced (no master call: whole blocks); else from
+        the master's prefix index (one ``kv_match``, no leases; token-granular).
 
         Args:
             model: the served model.
             tokens: the prompt.
 
         Returns:
-            The index's answer (token-granular: a block matched in part counts its matching
-            tokens), and the tokens an engine can load of it (whole blocks, never the last
-            prompt token, as the connector offers them). (0, 0) without a master.
+            The hit; nothing cached without a master.
         """
         engines = [e for e in self.engines if e.healthy and e.load.block_size] or self.engines
         load = engines[0].load
+        if self.config.master is None or load.block_size is None:
+            return PoolHit(0, 0, "none")
+        bs = load.block_size
+        full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
+        if not len(full):
+            return PoolHit(0, 0, "none")
+        try:
+            ns = self._namespace(model, load)
+        except InvalidRequestError as err:
+            log.warning("router: no pool namespace for %s (%s)", model.model_id, err)
+            self.metrics.lookup_errors.inc()
+            return PoolHit(0, 0, "none")
+        assert ns is not None
+        if self.pool_view is not None:
+            num_blocks = self.pool_view.count_blocks(ns.digest, block_keys(ns, full))
+            if num_blocks is not None:
+                self.metrics.pool_answers.labels("events").inc()
+                return PoolHit.of(num_blocks * bs, len(tokens), bs, "events")
+            self.metrics.pool_view_fallbacks.inc()
+        self.metrics.pool_answers.labels("lookup").inc()
         async with self._pool_lock:  # one master call at a time through the one client
-            kv = await self._kvcache(model, load)
-            if kv is None or load.block_size is None:
-                return 0, 0
-            bs = load.block_size
-            full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
-            if not len(full):
-                return 0, 0
+            kv = await self._kvcache(ns)
+            if kv is None:
+                return PoolHit(0, 0, "lookup")
             try:
                 hit = int(await asyncio.to_thread(kv.lookup, full))
             except (KVStoreError, OSError) as err:
@@ -340,8 +407,8 @@ class RouterState:
                 self.metrics.lookup_errors.inc()
                 if not isinstance(err, InvalidRequestError):
                     self._drop_pool()
-                return 0, 0
-        return hit, min(hit // bs, (len(tokens) - 1) // bs) * bs
+                return PoolHit(0, 0, "lookup")
+        return PoolHit.of(hit, len(tokens), bs, "lookup")
 
     def _drop_pool(self) -> None:
         if self._pool is not None:
@@ -350,7 +417,9 @@ class RouterState:
         self._pool_failed_s = self.clock()
 
     def close(self) -> None:
-        """Close the pool client."""
+        """Stop following the KV events; close the pool client."""
+        if self.pool_view is not None:
+            self.pool_view.close()
         if self._pool is not None:
             self._pool.close()
         self._pool = None
@@ -625,10 +694,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 f"you requested {len(tokens) + (limit or 0)} tokens ({len(tokens)} in the "
                 f"messages, {limit or 0} in the completion).",
             )
-        cached, usable = await state.cached_tokens(model, tokens)
+        hit = await state.cached_tokens(model, tokens)
         state.metrics.prompt_tokens.inc(len(tokens))
-        state.metrics.cached_tokens.inc(cached)
-        shape = RequestShape(len(tokens), usable, limit or DEFAULT_ANSWER_TOKENS)
+        state.metrics.cached_tokens.inc(hit.cached_tokens)
+        shape = RequestShape(len(tokens), hit.loadable_tokens, limit or DEFAULT_ANSWER_TOKENS)
         choice = state.choose(shape, slo)
         if not choice.accepted:
             if choice.prefill is None and choice.reason == "no engine is healthy":
@@ -646,8 +715,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         decode = state.by_url[choice.decode] if choice.decode is not None else None
         state.metrics.ttft_predicted.labels(first.url).observe(choice.prefill.ttft_s)
         headers = {
-            "x-kvstore-cached-tokens": str(cached),
-            "x-kvstore-loadable-tokens": str(usable),
+            "x-kvstore-cached-tokens": str(hit.cached_tokens),
+            "x-kvstore-loadable-tokens": str(hit.loadable_tokens),
+            "x-kvstore-pool-view": hit.source,
             "x-kvstore-prompt-tokens": str(len(tokens)),
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
@@ -755,6 +825,8 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
             state.session = session
             app[STATE] = state
             poller = asyncio.create_task(state.poll_forever())
+            if state.pool_view is not None:
+                state.pool_view.start()
             try:
                 yield
             finally:

@@ -30,6 +30,12 @@ class RouterMetrics:
     engine_waiting: Gauge
     engine_kv_usage: Gauge
     cost_term: Gauge
+    pool_view_state: Gauge
+    pool_view_events: Counter
+    pool_view_resyncs: Counter
+    pool_view_fallbacks: Counter
+    pool_view_blocks: Gauge
+    pool_answers: Counter
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -101,6 +107,38 @@ class RouterMetrics:
                 p + "cost_term",
                 "Cost-model terms in use per engine (prior, or least-squares fit of measurements)",
                 ["instance", "term"],
+                registry=r,
+            ),
+            pool_view_state=Gauge(
+                p + "pool_view_state",
+                "State of the router's view of the pool from the KV events (1: current)",
+                ["state"],
+                registry=r,
+            ),
+            pool_view_events=Counter(
+                p + "pool_view_events",
+                "KV events applied to the router's view of the pool",
+                ["kind"],
+                registry=r,
+            ),
+            pool_view_resyncs=Counter(
+                p + "pool_view_resyncs",
+                "Resyncs of the KV event stream (a snapshot was read)",
+                ["reason"],
+                registry=r,
+            ),
+            pool_view_fallbacks=Counter(
+                p + "pool_view_fallbacks",
+                "Requests looked up in the prefix index because the view was not synced",
+                registry=r,
+            ),
+            pool_view_blocks=Gauge(
+                p + "pool_view_blocks", "Blocks in the router's view of the pool", registry=r
+            ),
+            pool_answers=Counter(
+                p + "pool_answers",
+                "Where each request's pool hit came from (events: the view; lookup: kv_match)",
+                ["source"],
                 registry=r,
             ),
         )
