@@ -35,6 +35,7 @@ class RouterMetrics:
     pool_view_resyncs: Counter
     pool_view_fallbacks: Counter
     pool_view_blocks: Gauge
+    pool_view_seq: Gauge
     pool_answers: Counter
 
     @staticmethod
@@ -134,6 +135,11 @@ class RouterMetrics:
             ),
             pool_view_blocks=Gauge(
                 p + "pool_view_blocks", "Blocks in the router's view of the pool", registry=r
+            ),
+            pool_view_seq=Gauge(
+                p + "pool_view_seq",
+                "Sequence number of the last KV event the view reflects (in the master's epoch)",
+                registry=r,
             ),
             pool_answers=Counter(
                 p + "pool_answers",

@@ -188,6 +188,7 @@ class PoolView:
         self._set_state("synced")
         if self._metrics is not None:
             self._metrics.pool_view_blocks.set(self.num_blocks())
+            self._metrics.pool_view_seq.set(self._position[1])
 
     def _run(self) -> None:
         backoff = RETRY_MIN_S
