@@ -47,6 +47,7 @@ from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
 
 from .admission import EngineSlots
+from .engine_cache import EngineEvents, chain_keys
 from .engines import Engine, EngineLoad, make_engines
 from .fit import EngineFit
 from .metrics import RouterMetrics
@@ -140,6 +141,8 @@ class RouterConfig:
         early_rejection: reject requests whose SLO the prediction says cannot be met.
         pool_events: follow the master's KV events for the pool's view (else: one prefix-index
             lookup per request).
+        engine_events: (engine URL, ZMQ endpoint) of engines that publish vLLM's own KV events
+            (``--kv-events-config``): the router tracks their local prefix caches.
     """
 
     prefill: tuple[str, ...] = ()
@@ -158,6 +161,7 @@ class RouterConfig:
     low_watermark: float = DEFAULT_LOW_WATERMARK
     early_rejection: bool = True
     pool_events: bool = True
+    engine_events: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.engines and (self.prefill or self.decode):
@@ -171,6 +175,20 @@ class RouterConfig:
             raise InvalidRequestError("watermarks must satisfy 0 < low <= high <= 1")
         if self.max_inflight < 1 or self.poll_s <= 0 or self.timeout_s <= 0:
             raise InvalidRequestError("max_inflight, poll_s and timeout_s must be positive")
+        urls = {*self.prefill, *self.engines}
+        seen = set()
+        for url, endpoint in self.engine_events:
+            if url not in urls:
+                raise InvalidRequestError(
+                    f"--engine-events {url}: not a --prefill or --engine URL of this router"
+                )
+            if url in seen:
+                raise InvalidRequestError(f"--engine-events {url} given twice")
+            seen.add(url)
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise InvalidRequestError(
+                    f"--engine-events {url}={endpoint}: the endpoint must be tcp://HOST:PORT"
+                )
 
     @property
     def disaggregated(self) -> bool:
@@ -212,6 +230,10 @@ class RouterState:
         self._pool_lock = asyncio.Lock()
         self._kvcaches: dict[bytes, KVCache] = {}
         self._namespaces: dict[tuple[str, int, str], Namespace] = {}
+        #: Engines' own prefix caches from vLLM's KV events, by URL; started by the app.
+        self.engine_events = {
+            url: EngineEvents(url, endpoint, self.metrics) for url, endpoint in config.engine_events
+        }
         #: The pool from the KV events (None: per-request lookups only); started by the app.
         self.pool_view: PoolView | None = None
         if config.master is not None and config.pool_events:
@@ -420,23 +442,52 @@ class RouterState:
         """Stop following the KV events; close the pool client."""
         if self.pool_view is not None:
             self.pool_view.close()
+        for feed in self.engine_events.values():
+            feed.close()
         if self._pool is not None:
             self._pool.close()
         self._pool = None
 
     # ------------------------------------------------------------------ choice
-    def choose(self, shape: RequestShape, slo: SLOClass) -> Choice:
+    def local_cached_tokens(self, tokens: list[int]) -> dict[str, int]:
+        """Leading tokens of ``tokens`` in each engine's own prefix cache, for the engines
+        whose vLLM KV events the router follows (whole blocks, never the last prompt token:
+        vLLM always computes it).
+
+        Args:
+            tokens: the prompt.
+
+        Returns:
+            Engine URL -> tokens (engines without events are left out).
+        """
+        out: dict[str, int] = {}
+        keys_by_size: dict[int, list[bytes]] = {}
+        for url, feed in self.engine_events.items():
+            bs = self.by_url[url].load.block_size or feed.cache.block_size
+            if not bs or len(tokens) <= bs:
+                out[url] = 0
+                continue
+            if bs not in keys_by_size:
+                keys_by_size[bs] = chain_keys(tokens[: (len(tokens) - 1) // bs * bs], bs)
+            out[url] = feed.cache.count_keys(keys_by_size[bs], bs) * bs
+        return out
+
+    def choose(
+        self, shape: RequestShape, slo: SLOClass, local: dict[str, int] | None = None
+    ) -> Choice:
         """Choose engines for a request from the engines' live views (see :mod:`.policy`).
 
         Args:
             shape: the request.
             slo: its class.
+            local: the request's tokens in each engine's own prefix cache (by URL).
 
         Returns:
             The choice.
         """
+        local = local or {}
         if self.config.disaggregated:
-            prefill = [e.view() for e in self.role_engines("prefill")]
+            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill")]
             decode = [e.view() for e in self.role_engines("decode")]
             return choose(
                 shape,
@@ -446,7 +497,7 @@ class RouterState:
                 high=self.config.high_watermark,
                 early_rejection=self.config.early_rejection,
             )
-        views = [e.view() for e in self.role_engines("both")]
+        views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
             shape,
             slo,
@@ -656,12 +707,14 @@ async def _answer_step(
 _STREAM_BROKEN = web.RequestKey("stream_broken", bool)
 
 
-def _fallback_order(state: RouterState, first: Engine, shape: RequestShape) -> list[Engine]:
+def _fallback_order(
+    state: RouterState, first: Engine, shape: RequestShape, local: dict[str, int]
+) -> list[Engine]:
     """``first``, then the other engines: healthy ones by predicted TTFT, then the rest."""
     others = [e for e in state.engines if e is not first]
     healthy = sorted(
         (e for e in others if e.healthy),
-        key=lambda e: estimate_ttft(e.view(), shape, False).ttft_s,
+        key=lambda e: estimate_ttft(e.view(local.get(e.url, 0)), shape, False).ttft_s,
     )
     return [first, *healthy, *(e for e in others if not e.healthy)]
 
@@ -698,7 +751,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         state.metrics.prompt_tokens.inc(len(tokens))
         state.metrics.cached_tokens.inc(hit.cached_tokens)
         shape = RequestShape(len(tokens), hit.loadable_tokens, limit or DEFAULT_ANSWER_TOKENS)
-        choice = state.choose(shape, slo)
+        local = state.local_cached_tokens(tokens)
+        choice = state.choose(shape, slo, local)
         if not choice.accepted:
             if choice.prefill is None and choice.reason == "no engine is healthy":
                 raise RequestError(503, "no engine is available", "ServiceUnavailableError")
@@ -718,13 +772,16 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             "x-kvstore-cached-tokens": str(hit.cached_tokens),
             "x-kvstore-loadable-tokens": str(hit.loadable_tokens),
             "x-kvstore-pool-view": hit.source,
+            "x-kvstore-local-cached-tokens": str(choice.prefill.local_tokens),
             "x-kvstore-prompt-tokens": str(len(tokens)),
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
             "x-kvstore-prefill-engine": first.url,
         }
+        state.metrics.local_cached_tokens.labels(first.url).inc(choice.prefill.local_tokens)
         idle = first.inflight == 0 and first.load.num_running == 0
-        sample = shape.uncached_tokens if idle else None
+        uncached = max(shape.prompt_tokens - choice.prefill.cached_tokens, 1)
+        sample = uncached if idle else None
         reserved = [(decode or first, shape.prompt_tokens + shape.max_tokens)]
         ticket = _Ticket.take(first, choice.prefill.prefill_s, reserved)
         try:
@@ -738,10 +795,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 else:
                     body = {**body, **got}
                 ticket.first_token()
-                order = _fallback_order(state, decode, shape)
+                order = _fallback_order(state, decode, shape, local)
                 ttft_sample = None
             else:
-                order = _fallback_order(state, first, shape)
+                order = _fallback_order(state, first, shape, local)
                 ttft_sample = (first, sample) if sample is not None and body.get("stream") else None
             response = await _answer_step(
                 request, order, body, headers, priority, slo.ttft_s, ticket, started, ttft_sample
@@ -827,6 +884,8 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
             poller = asyncio.create_task(state.poll_forever())
             if state.pool_view is not None:
                 state.pool_view.start()
+            for feed in state.engine_events.values():
+                feed.start()
             try:
                 yield
             finally:

@@ -37,6 +37,10 @@ class RouterMetrics:
     pool_view_blocks: Gauge
     pool_view_seq: Gauge
     pool_answers: Counter
+    engine_events: Counter
+    engine_event_gaps: Counter
+    engine_cached_blocks: Gauge
+    local_cached_tokens: Counter
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -145,6 +149,30 @@ class RouterMetrics:
                 p + "pool_answers",
                 "Where each request's pool hit came from (events: the view; lookup: kv_match)",
                 ["source"],
+                registry=r,
+            ),
+            engine_events=Counter(
+                p + "engine_events",
+                "vLLM KV events applied to each engine's prefix-cache view (malformed: dropped)",
+                ["instance", "kind"],
+                registry=r,
+            ),
+            engine_event_gaps=Counter(
+                p + "engine_event_gaps",
+                "Gaps in an engine's KV event sequence (its view was cleared)",
+                ["instance"],
+                registry=r,
+            ),
+            engine_cached_blocks=Gauge(
+                p + "engine_cached_blocks",
+                "Blocks of each engine's own prefix cache the router can match",
+                ["instance"],
+                registry=r,
+            ),
+            local_cached_tokens=Counter(
+                p + "local_cached_tokens",
+                "Prompt tokens found in the chosen engine's own prefix cache",
+                ["instance"],
                 registry=r,
             ),
         )
