@@ -2,10 +2,12 @@
 
 Per request: check and tokenize it (:mod:`.requests`), count the leading blocks the pool holds
 in the namespace the vLLM connector saves in (from the view the KV events keep; the client's
-``kv_match`` with ``locate: false`` while that view is not synced), choose engines on live
-load (:mod:`.policy`), wait for a slot (:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the
-prompt (``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers
-(its connector loads the KV); with kv_both engines one engine does both. A failed step falls
+``kv_match`` with ``locate: false`` while that view is not synced) and, for engines that
+publish vLLM's KV events, in each engine's own prefix cache (:mod:`.engine_cache`); choose
+engines on live load and where the prefix is hottest (:mod:`.policy`), wait for a slot
+(:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the prompt
+(``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers (its
+connector loads the KV); with kv_both engines one engine does both. A failed step falls
 back: prefill failed -> the whole request on a decode engine; an engine that refuses or drops
 the connection before the answer started -> the next engine. A stream already under way cannot
 move: it ends with an OpenAI-style error event.
@@ -14,6 +16,7 @@ Response headers say what the router saw: ``x-kvstore-cached-tokens``,
 ``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them), ``x-kvstore-pool-view``
 (where that came from: ``events``, the view the master's KV events keep (:mod:`.poolview`);
 ``lookup``, one prefix-index call while the view is not synced),
+``x-kvstore-local-cached-tokens`` (the chosen engine's own cache hit),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
 ``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
 """
