@@ -433,6 +433,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_events(value: str) -> tuple[str, str]:
+    """``URL=tcp://HOST:PORT`` -> (URL, endpoint)."""
+    url, sep, endpoint = value.partition("=")
+    if not sep or not url or not endpoint:
+        raise SystemExit(f"--engine-events {value!r}: expected ENGINE_URL=tcp://HOST:PORT")
+    return url.rstrip("/"), endpoint
+
+
 def cmd_router(args: argparse.Namespace) -> int:
     """The OpenAI-compatible router in front of vLLM engines (see kvstore/router/)."""
     from kvstore.router.app import RouterConfig, serve_router
@@ -451,6 +459,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         poll_s=args.poll_interval,
         timeout_s=args.timeout,
         early_rejection=not args.no_early_rejection,
+        pool_events=not args.no_pool_events,
+        engine_events=tuple(_engine_events(v) for v in args.engine_events),
     )
     _run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -650,6 +660,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument(
         "--no-early-rejection", action="store_true", help="queue requests whatever the prediction"
+    )
+    p.add_argument(
+        "--no-pool-events",
+        action="store_true",
+        help="ask the prefix index per request instead of following the master's KV events",
+    )
+    p.add_argument(
+        "--engine-events",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT",
+        help="an engine's vLLM KV-event publisher (--kv-events-config): track its own prefix cache",
     )
     p.set_defaults(func=cmd_router)
 

@@ -1,17 +1,22 @@
 """The router daemon: OpenAI-compatible routes in front of vLLM engines.
 
-Per request: check and tokenize it (:mod:`.requests`), ask the master's prefix index how many
-leading tokens the pool holds (the client's ``kv_match`` with ``locate: false``, in the
-namespace the vLLM connector saves in), choose engines on live load (:mod:`.policy`), wait for
-a slot (:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the
-prompt (``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers
-(its connector loads the KV); with kv_both engines one engine does both. A failed step falls
+Per request: check and tokenize it (:mod:`.requests`), count the leading blocks the pool holds
+in the namespace the vLLM connector saves in (from the view the KV events keep; the client's
+``kv_match`` with ``locate: false`` while that view is not synced) and, for engines that
+publish vLLM's KV events, in each engine's own prefix cache (:mod:`.engine_cache`); choose
+engines on live load and where the prefix is hottest (:mod:`.policy`), wait for a slot
+(:mod:`.admission`), then run the steps: in P/D mode the prefill engine computes the prompt
+(``max_tokens=1``; its connector saves the KV to the pool) and the decode engine answers (its
+connector loads the KV); with kv_both engines one engine does both. A failed step falls
 back: prefill failed -> the whole request on a decode engine; an engine that refuses or drops
 the connection before the answer started -> the next engine. A stream already under way cannot
 move: it ends with an OpenAI-style error event.
 
 Response headers say what the router saw: ``x-kvstore-cached-tokens``,
-``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them),
+``x-kvstore-loadable-tokens`` (whole blocks an engine loads of them), ``x-kvstore-pool-view``
+(where that came from: ``events``, the view the master's KV events keep (:mod:`.poolview`);
+``lookup``, one prefix-index call while the view is not synced),
+``x-kvstore-local-cached-tokens`` (the chosen engine's own cache hit),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
 ``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
 """
@@ -37,12 +42,15 @@ from transformers import AutoTokenizer
 
 from kvstore.client import Client
 from kvstore.client.adapters.vllm_proxy import prefill_request
+from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.keys import Namespace, block_keys
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
 
 from .admission import EngineSlots
+from .engine_cache import EngineEvents, chain_keys
 from .engines import Engine, EngineLoad, make_engines
 from .fit import EngineFit
 from .metrics import RouterMetrics
@@ -54,6 +62,7 @@ from .policy import (
     choose,
     estimate_ttft,
 )
+from .poolview import PoolView
 from .requests import (
     DEFAULT_ANSWER_TOKENS,
     ModelInfo,
@@ -89,6 +98,30 @@ CPU_PRIOR = CostModel(
 
 
 @dataclass(frozen=True, slots=True)
+class PoolHit:
+    """What the pool holds of one prompt.
+
+    Attributes:
+        cached_tokens: leading prompt tokens held (token-granular from the index; whole
+            blocks from the event view).
+        loadable_tokens: of them, the whole blocks an engine loads (never the last prompt
+            token, as the connector offers them): what the TTFT prediction uses.
+        source: ``events`` (the view), ``lookup`` (the prefix index), ``none`` (no master, or
+            no full block).
+    """
+
+    cached_tokens: int
+    loadable_tokens: int
+    source: str
+
+    @staticmethod
+    def of(cached: int, num_tokens: int, block_size: int, source: str) -> PoolHit:
+        """A hit of ``cached`` tokens on a prompt of ``num_tokens``."""
+        loadable = min(cached // block_size, (num_tokens - 1) // block_size) * block_size
+        return PoolHit(cached, loadable, source)
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     """What the router fronts and how it decides.
 
@@ -109,6 +142,10 @@ class RouterConfig:
         high_watermark: decode KV use over which an engine takes nothing new.
         low_watermark: KV use under which it takes requests again.
         early_rejection: reject requests whose SLO the prediction says cannot be met.
+        pool_events: follow the master's KV events for the pool's view (else: one prefix-index
+            lookup per request).
+        engine_events: (engine URL, ZMQ endpoint) of engines that publish vLLM's own KV events
+            (``--kv-events-config``): the router tracks their local prefix caches.
     """
 
     prefill: tuple[str, ...] = ()
@@ -126,6 +163,8 @@ class RouterConfig:
     high_watermark: float = DEFAULT_HIGH_WATERMARK
     low_watermark: float = DEFAULT_LOW_WATERMARK
     early_rejection: bool = True
+    pool_events: bool = True
+    engine_events: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.engines and (self.prefill or self.decode):
@@ -139,6 +178,20 @@ class RouterConfig:
             raise InvalidRequestError("watermarks must satisfy 0 < low <= high <= 1")
         if self.max_inflight < 1 or self.poll_s <= 0 or self.timeout_s <= 0:
             raise InvalidRequestError("max_inflight, poll_s and timeout_s must be positive")
+        urls = {*self.prefill, *self.engines}
+        seen = set()
+        for url, endpoint in self.engine_events:
+            if url not in urls:
+                raise InvalidRequestError(
+                    f"--engine-events {url}: not a --prefill or --engine URL of this router"
+                )
+            if url in seen:
+                raise InvalidRequestError(f"--engine-events {url} given twice")
+            seen.add(url)
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise InvalidRequestError(
+                    f"--engine-events {url}={endpoint}: the endpoint must be tcp://HOST:PORT"
+                )
 
     @property
     def disaggregated(self) -> bool:
@@ -178,7 +231,19 @@ class RouterState:
         self._pool: Client | None = None
         self._pool_failed_s: float | None = None
         self._pool_lock = asyncio.Lock()
-        self._kvcaches: dict[tuple[str, int, str], KVCache] = {}
+        self._kvcaches: dict[bytes, KVCache] = {}
+        self._namespaces: dict[tuple[str, int, str], Namespace] = {}
+        #: Engines' own prefix caches from vLLM's KV events, by URL; started by the app.
+        self.engine_events = {
+            url: EngineEvents(url, endpoint, self.metrics) for url, endpoint in config.engine_events
+        }
+        #: The pool from the KV events (None: per-request lookups only); started by the app.
+        self.pool_view: PoolView | None = None
+        if config.master is not None and config.pool_events:
+            master = config.master
+            self.pool_view = PoolView(
+                lambda: EventStream(master, wait_s=2.0, retry_s=5.0), self.metrics
+            )
 
     # ------------------------------------------------------------------ engines
     def role_engines(self, role: str) -> list[Engine]:
@@ -287,8 +352,8 @@ class RouterState:
         return self._tokenizers[key]
 
     # ------------------------------------------------------------------ the pool
-    async def _kvcache(self, model: ModelInfo, load: EngineLoad) -> KVCache | None:
-        if self.config.master is None or load.block_size is None:
+    async def _kvcache(self, ns: Namespace) -> KVCache | None:
+        if self.config.master is None:
             return None
         now = self.clock()
         if self._pool is None:
@@ -301,38 +366,65 @@ class RouterState:
                 self._pool_failed_s = now
                 self.metrics.lookup_errors.inc()
                 return None
+        if ns.digest not in self._kvcaches:
+            self._kvcaches[ns.digest] = KVCache(self._pool, ns)
+        return self._kvcaches[ns.digest]
+
+    def _namespace(self, model: ModelInfo, load: EngineLoad) -> Namespace | None:
+        """The namespace the engines' connector saves ``model`` in (None: block size unknown).
+
+        Raises:
+            InvalidRequestError: a config the namespace cannot describe.
+        """
+        if load.block_size is None:
+            return None
         key = (model.model_id, load.block_size, load.cache_dtype or "auto")
-        if key not in self._kvcaches:
-            ns = model.namespace(
+        if key not in self._namespaces:
+            self._namespaces[key] = model.namespace(
                 load.block_size, key[2], dtype=self.config.dtype, salt=self.config.salt
             )
-            self._kvcaches[key] = KVCache(self._pool, ns)
-        return self._kvcaches[key]
+        return self._namespaces[key]
 
-    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> tuple[int, int]:
-        """Leading tokens of ``tokens`` the pool holds, by the master's prefix index (one call,
-        no leases; the prompt's full blocks, as the connector looks them up). Any failure is a
-        miss.
+    async def cached_tokens(self, model: ModelInfo, tokens: list[int]) -> PoolHit:
+        """Leading tokens of ``tokens`` the pool holds, in the namespace the connector saves in
+        (the prompt's full blocks, as the connector looks them up). Any failure is a miss.
+
+        From the KV-event view when it is synced (no master call: whole blocks); else from
+        the master's prefix index (one ``kv_match``, no leases; token-granular).
 
         Args:
             model: the served model.
             tokens: the prompt.
 
         Returns:
-            The index's answer (token-granular: a block matched in part counts its matching
-            tokens), and the tokens an engine can load of it (whole blocks, never the last
-            prompt token, as the connector offers them). (0, 0) without a master.
+            The hit; nothing cached without a master.
         """
         engines = [e for e in self.engines if e.healthy and e.load.block_size] or self.engines
         load = engines[0].load
+        if self.config.master is None or load.block_size is None:
+            return PoolHit(0, 0, "none")
+        bs = load.block_size
+        full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
+        if not len(full):
+            return PoolHit(0, 0, "none")
+        try:
+            ns = self._namespace(model, load)
+        except InvalidRequestError as err:
+            log.warning("router: no pool namespace for %s (%s)", model.model_id, err)
+            self.metrics.lookup_errors.inc()
+            return PoolHit(0, 0, "none")
+        assert ns is not None
+        if self.pool_view is not None:
+            num_blocks = self.pool_view.count_blocks(ns.digest, block_keys(ns, full))
+            if num_blocks is not None:
+                self.metrics.pool_answers.labels("events").inc()
+                return PoolHit.of(num_blocks * bs, len(tokens), bs, "events")
+            self.metrics.pool_view_fallbacks.inc()
+        self.metrics.pool_answers.labels("lookup").inc()
         async with self._pool_lock:  # one master call at a time through the one client
-            kv = await self._kvcache(model, load)
-            if kv is None or load.block_size is None:
-                return 0, 0
-            bs = load.block_size
-            full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
-            if not len(full):
-                return 0, 0
+            kv = await self._kvcache(ns)
+            if kv is None:
+                return PoolHit(0, 0, "lookup")
             try:
                 hit = int(await asyncio.to_thread(kv.lookup, full))
             except (KVStoreError, OSError) as err:
@@ -340,8 +432,8 @@ class RouterState:
                 self.metrics.lookup_errors.inc()
                 if not isinstance(err, InvalidRequestError):
                     self._drop_pool()
-                return 0, 0
-        return hit, min(hit // bs, (len(tokens) - 1) // bs) * bs
+                return PoolHit(0, 0, "lookup")
+        return PoolHit.of(hit, len(tokens), bs, "lookup")
 
     def _drop_pool(self) -> None:
         if self._pool is not None:
@@ -350,24 +442,55 @@ class RouterState:
         self._pool_failed_s = self.clock()
 
     def close(self) -> None:
-        """Close the pool client."""
+        """Stop following the KV events; close the pool client."""
+        if self.pool_view is not None:
+            self.pool_view.close()
+        for feed in self.engine_events.values():
+            feed.close()
         if self._pool is not None:
             self._pool.close()
         self._pool = None
 
     # ------------------------------------------------------------------ choice
-    def choose(self, shape: RequestShape, slo: SLOClass) -> Choice:
+    def local_cached_tokens(self, tokens: list[int]) -> dict[str, int]:
+        """Leading tokens of ``tokens`` in each engine's own prefix cache, for the engines
+        whose vLLM KV events the router follows (whole blocks, never the last prompt token:
+        vLLM always computes it).
+
+        Args:
+            tokens: the prompt.
+
+        Returns:
+            Engine URL -> tokens (engines without events are left out).
+        """
+        out: dict[str, int] = {}
+        keys_by_size: dict[int, list[bytes]] = {}
+        for url, feed in self.engine_events.items():
+            bs = self.by_url[url].load.block_size or feed.cache.block_size
+            if not bs or len(tokens) <= bs:
+                out[url] = 0
+                continue
+            if bs not in keys_by_size:
+                keys_by_size[bs] = chain_keys(tokens[: (len(tokens) - 1) // bs * bs], bs)
+            out[url] = feed.cache.count_keys(keys_by_size[bs], bs) * bs
+        return out
+
+    def choose(
+        self, shape: RequestShape, slo: SLOClass, local: dict[str, int] | None = None
+    ) -> Choice:
         """Choose engines for a request from the engines' live views (see :mod:`.policy`).
 
         Args:
             shape: the request.
             slo: its class.
+            local: the request's tokens in each engine's own prefix cache (by URL).
 
         Returns:
             The choice.
         """
+        local = local or {}
         if self.config.disaggregated:
-            prefill = [e.view() for e in self.role_engines("prefill")]
+            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill")]
             decode = [e.view() for e in self.role_engines("decode")]
             return choose(
                 shape,
@@ -377,7 +500,7 @@ class RouterState:
                 high=self.config.high_watermark,
                 early_rejection=self.config.early_rejection,
             )
-        views = [e.view() for e in self.role_engines("both")]
+        views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
             shape,
             slo,
@@ -587,12 +710,14 @@ async def _answer_step(
 _STREAM_BROKEN = web.RequestKey("stream_broken", bool)
 
 
-def _fallback_order(state: RouterState, first: Engine, shape: RequestShape) -> list[Engine]:
+def _fallback_order(
+    state: RouterState, first: Engine, shape: RequestShape, local: dict[str, int]
+) -> list[Engine]:
     """``first``, then the other engines: healthy ones by predicted TTFT, then the rest."""
     others = [e for e in state.engines if e is not first]
     healthy = sorted(
         (e for e in others if e.healthy),
-        key=lambda e: estimate_ttft(e.view(), shape, False).ttft_s,
+        key=lambda e: estimate_ttft(e.view(local.get(e.url, 0)), shape, False).ttft_s,
     )
     return [first, *healthy, *(e for e in others if not e.healthy)]
 
@@ -625,11 +750,12 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 f"you requested {len(tokens) + (limit or 0)} tokens ({len(tokens)} in the "
                 f"messages, {limit or 0} in the completion).",
             )
-        cached, usable = await state.cached_tokens(model, tokens)
+        hit = await state.cached_tokens(model, tokens)
         state.metrics.prompt_tokens.inc(len(tokens))
-        state.metrics.cached_tokens.inc(cached)
-        shape = RequestShape(len(tokens), usable, limit or DEFAULT_ANSWER_TOKENS)
-        choice = state.choose(shape, slo)
+        state.metrics.cached_tokens.inc(hit.cached_tokens)
+        shape = RequestShape(len(tokens), hit.loadable_tokens, limit or DEFAULT_ANSWER_TOKENS)
+        local = state.local_cached_tokens(tokens)
+        choice = state.choose(shape, slo, local)
         if not choice.accepted:
             if choice.prefill is None and choice.reason == "no engine is healthy":
                 raise RequestError(503, "no engine is available", "ServiceUnavailableError")
@@ -646,15 +772,19 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         decode = state.by_url[choice.decode] if choice.decode is not None else None
         state.metrics.ttft_predicted.labels(first.url).observe(choice.prefill.ttft_s)
         headers = {
-            "x-kvstore-cached-tokens": str(cached),
-            "x-kvstore-loadable-tokens": str(usable),
+            "x-kvstore-cached-tokens": str(hit.cached_tokens),
+            "x-kvstore-loadable-tokens": str(hit.loadable_tokens),
+            "x-kvstore-pool-view": hit.source,
+            "x-kvstore-local-cached-tokens": str(choice.prefill.local_tokens),
             "x-kvstore-prompt-tokens": str(len(tokens)),
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
             "x-kvstore-prefill-engine": first.url,
         }
+        state.metrics.local_cached_tokens.labels(first.url).inc(choice.prefill.local_tokens)
         idle = first.inflight == 0 and first.load.num_running == 0
-        sample = shape.uncached_tokens if idle else None
+        uncached = max(shape.prompt_tokens - choice.prefill.cached_tokens, 1)
+        sample = uncached if idle else None
         reserved = [(decode or first, shape.prompt_tokens + shape.max_tokens)]
         ticket = _Ticket.take(first, choice.prefill.prefill_s, reserved)
         try:
@@ -668,10 +798,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
                 else:
                     body = {**body, **got}
                 ticket.first_token()
-                order = _fallback_order(state, decode, shape)
+                order = _fallback_order(state, decode, shape, local)
                 ttft_sample = None
             else:
-                order = _fallback_order(state, first, shape)
+                order = _fallback_order(state, first, shape, local)
                 ttft_sample = (first, sample) if sample is not None and body.get("stream") else None
             response = await _answer_step(
                 request, order, body, headers, priority, slo.ttft_s, ticket, started, ttft_sample
@@ -755,6 +885,10 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
             state.session = session
             app[STATE] = state
             poller = asyncio.create_task(state.poll_forever())
+            if state.pool_view is not None:
+                state.pool_view.start()
+            for feed in state.engine_events.values():
+                feed.start()
             try:
                 yield
             finally:

@@ -158,8 +158,11 @@ class Engine:
         self.healthy = True
         self.above_high = watermark_state(self.above_high, load.kv_usage, high, low)
 
-    def view(self) -> EngineView:
+    def view(self, local_cached_tokens: int = 0) -> EngineView:
         """A snapshot for :func:`.policy.choose`.
+
+        Args:
+            local_cached_tokens: the request's tokens in this engine's own prefix cache.
 
         Returns:
             The view.
@@ -179,6 +182,7 @@ class Engine:
             above_high=self.above_high,
             cost=self.fit.cost(),
             decode_fitted=self.fit.decode.solve() is not None,
+            local_cached_tokens=local_cached_tokens,
         )
 
 

@@ -30,6 +30,17 @@ class RouterMetrics:
     engine_waiting: Gauge
     engine_kv_usage: Gauge
     cost_term: Gauge
+    pool_view_state: Gauge
+    pool_view_events: Counter
+    pool_view_resyncs: Counter
+    pool_view_fallbacks: Counter
+    pool_view_blocks: Gauge
+    pool_view_seq: Gauge
+    pool_answers: Counter
+    engine_events: Counter
+    engine_event_gaps: Counter
+    engine_cached_blocks: Gauge
+    local_cached_tokens: Counter
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -101,6 +112,67 @@ class RouterMetrics:
                 p + "cost_term",
                 "Cost-model terms in use per engine (prior, or least-squares fit of measurements)",
                 ["instance", "term"],
+                registry=r,
+            ),
+            pool_view_state=Gauge(
+                p + "pool_view_state",
+                "State of the router's view of the pool from the KV events (1: current)",
+                ["state"],
+                registry=r,
+            ),
+            pool_view_events=Counter(
+                p + "pool_view_events",
+                "KV events applied to the router's view of the pool",
+                ["kind"],
+                registry=r,
+            ),
+            pool_view_resyncs=Counter(
+                p + "pool_view_resyncs",
+                "Resyncs of the KV event stream (a snapshot was read)",
+                ["reason"],
+                registry=r,
+            ),
+            pool_view_fallbacks=Counter(
+                p + "pool_view_fallbacks",
+                "Requests looked up in the prefix index because the view was not synced",
+                registry=r,
+            ),
+            pool_view_blocks=Gauge(
+                p + "pool_view_blocks", "Blocks in the router's view of the pool", registry=r
+            ),
+            pool_view_seq=Gauge(
+                p + "pool_view_seq",
+                "Sequence number of the last KV event the view reflects (in the master's epoch)",
+                registry=r,
+            ),
+            pool_answers=Counter(
+                p + "pool_answers",
+                "Where each request's pool hit came from (events: the view; lookup: kv_match)",
+                ["source"],
+                registry=r,
+            ),
+            engine_events=Counter(
+                p + "engine_events",
+                "vLLM KV events applied to each engine's prefix-cache view (malformed: dropped)",
+                ["instance", "kind"],
+                registry=r,
+            ),
+            engine_event_gaps=Counter(
+                p + "engine_event_gaps",
+                "Gaps in an engine's KV event sequence (its view was cleared)",
+                ["instance"],
+                registry=r,
+            ),
+            engine_cached_blocks=Gauge(
+                p + "engine_cached_blocks",
+                "Blocks of each engine's own prefix cache the router can match",
+                ["instance"],
+                registry=r,
+            ),
+            local_cached_tokens=Counter(
+                p + "local_cached_tokens",
+                "Prompt tokens found in the chosen engine's own prefix cache",
+                ["instance"],
                 registry=r,
             ),
         )

@@ -1,9 +1,11 @@
 """The router's choice logic, on snapshots of live engine load (no I/O, no clock of its own).
 
-Per request (``p`` new tokens of which ``c`` are cached in the pool, ``n = p - c`` to compute):
+Per request (``p`` new tokens of which ``c`` are cached in the pool and ``l`` in an engine's
+own prefix cache, ``n = p - max(c, l)`` to compute there):
 
-* predicted TTFT on a prefill (or kv_both) engine = max(queue wait, pool transfer of the ``c``
-  cached tokens) + prefill of ``n`` tokens on top of ``c`` + one decode step of the batch
+* predicted TTFT on a prefill (or kv_both) engine = max(queue wait, pool transfer of the
+  ``c - l`` cached tokens beyond the engine's own hit, if any) + prefill of ``n`` tokens on top
+  of ``max(c, l)`` + one decode step of the batch
   already running there; in P/D mode the decode engine then loads the whole prompt from the
   pool (one more transfer). The terms are :class:`~kvstore.master.scheduler.cost.CostModel`'s,
   with parameters fitted per engine (:mod:`.fit`). The queue wait is what the router itself
@@ -49,6 +51,8 @@ class EngineView:
         above_high: crossed the high watermark and not yet back under the low one.
         cost: its cost model (prior, or fitted).
         decode_fitted: whether ``cost``'s decode terms come from measurements.
+        local_cached_tokens: leading prompt tokens of the request at hand in the engine's own
+            prefix cache (whole blocks, at most the prompt less its last token; 0: unknown).
     """
 
     name: str
@@ -63,6 +67,7 @@ class EngineView:
     above_high: bool
     cost: CostModel
     decode_fitted: bool = False
+    local_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +101,8 @@ class TTFTEstimate:
         prefill_s: compute of the uncached tokens.
         handoff_s: P/D only: the decode engine loading the prompt from the pool.
         ttft_s: the sum that matters.
+        cached_tokens: prompt tokens not computed there (its own cache, then the pool).
+        local_tokens: of them, those in the engine's own prefix cache.
     """
 
     engine: str
@@ -104,6 +111,8 @@ class TTFTEstimate:
     prefill_s: float
     handoff_s: float
     ttft_s: float
+    cached_tokens: int = 0
+    local_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,15 +148,19 @@ def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTF
         The estimate.
     """
     cost = view.cost
-    n = request.uncached_tokens
+    # The engine's own cache is free; the pool's tokens beyond it are loaded (the connector is
+    # asked for what follows the engine's local hit). The last prompt token is always computed.
+    local = min(view.local_cached_tokens, request.prompt_tokens - 1)
+    pool = request.cached_tokens
+    n = max(request.prompt_tokens - max(local, pool), 1)
     c = request.prompt_tokens - n
     prefill = cost.prefill_s(n, c)
     queue = view.router_prefill_s + view.num_waiting * prefill
-    transfer = cost.transfer_s(c)
+    transfer = cost.transfer_s(max(0, min(pool, c) - local)) if pool > local else 0.0
     step = cost.decode_step_s(view.num_running, 0) if view.num_running else 0.0
     handoff_s = cost.transfer_s(request.prompt_tokens) if handoff else 0.0
     ttft = max(queue, transfer) + prefill + step + handoff_s
-    return TTFTEstimate(view.name, queue, transfer, prefill, handoff_s, ttft)
+    return TTFTEstimate(view.name, queue, transfer, prefill, handoff_s, ttft, c, max(local, 0))
 
 
 def watermark_state(above_high: bool, kv_usage: float, high: float, low: float) -> bool:

@@ -64,6 +64,7 @@ class VLLMServer(vllm_server.VLLMServer):
         block_size: vLLM's ``--block-size``.
         prefix_caching: vLLM's own prefix cache.
         env: more environment variables.
+        extra_args: more ``vllm serve`` flags.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class VLLMServer(vllm_server.VLLMServer):
         prefix_caching: bool = True,
         max_model_len: int = 4096,
         env: dict[str, str] | None = None,
+        extra_args: list[str] | None = None,
     ) -> None:
         super().__init__(
             model_dir(),
@@ -88,7 +90,7 @@ class VLLMServer(vllm_server.VLLMServer):
             block_size=block_size,
             max_model_len=max_model_len,
             env={"VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-            extra_args=["--max-num-seqs", "4"],
+            extra_args=["--max-num-seqs", "4", *(extra_args or [])],
         )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:  # type: ignore[override]

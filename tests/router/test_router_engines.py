@@ -23,6 +23,7 @@ import openai
 import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
+from kvstore.client.events import EventStream
 from kvstore.processes import terminate
 from kvstore.router.engines import EngineLoad
 from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
@@ -181,20 +182,39 @@ def test_kv_both_router_equals_a_direct_call(rig: Rig) -> None:
         assert routed == _ask(_client(rig.p.url), kind, False)
 
 
-def test_a_shared_prefix_is_reported_cached_from_the_prefix_index(rig: Rig, pd: str) -> None:
+def _caught_up(rig: Rig, router: str) -> None:
+    """Wait (bounded) until the router's event view reflects every event the master has
+    numbered so far, and says it is synced."""
+    with EventStream(rig.cluster.address) as stream:
+        seq = stream.snapshot().seq
+    wait_until(
+        lambda: (
+            _metric(router, "kvstore_router_pool_view_state", 'state="synced"') == 1
+            and _metric(router, "kvstore_router_pool_view_seq") >= seq
+        ),
+        timeout=30,
+        interval=0.1,
+        what="the router's view of the pool catches up with the master",
+    )
+
+
+def test_a_shared_prefix_is_counted_from_the_kv_events_as_the_index_answers(
+    rig: Rig, pd: str
+) -> None:
     def messages(question: str) -> list[dict[str, str]]:
         return [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": question}]
 
-    def ask(question: str) -> tuple[int, int, int, dict[str, Any]]:
+    def ask(router: str, question: str) -> tuple[int, int, int, str, dict[str, Any]]:
         body = {"model": "smollm2", "temperature": 0, "max_tokens": 4}
         status, headers, answer = _post(
-            pd + "/v1/chat/completions", {**body, "messages": messages(question)}
+            router + "/v1/chat/completions", {**body, "messages": messages(question)}
         )
         assert status == 200, answer
         return (
             int(headers["x-kvstore-cached-tokens"]),
             int(headers["x-kvstore-loadable-tokens"]),
             int(headers["x-kvstore-prompt-tokens"]),
+            headers["x-kvstore-pool-view"],
             answer,
         )
 
@@ -207,20 +227,31 @@ def test_a_shared_prefix_is_reported_cached_from_the_prefix_index(rig: Rig, pd: 
     tok_a, tok_b = tokens(a), tokens(b)
     common = next(i for i, (x, y) in enumerate(zip(tok_a, tok_b, strict=False)) if x != y)
     assert common > 4 * BS
+    _caught_up(rig, pd)
     before = _metric(pd, "kvstore_router_cached_tokens_total")
-    cached_a, loadable_a, len_a, answer_a = ask(a)
-    # Its system prompt is new to the pool: at most the chat template's first tokens match
-    # another prompt's first block (the index is token-granular), and no whole block does.
-    assert cached_a < BS and loadable_a == 0
+    events_before = _metric(pd, "kvstore_router_pool_answers_total", 'source="events"')
+    cached_a, loadable_a, len_a, source, answer_a = ask(pd, a)
+    # Its system prompt is new to the pool: no whole block of it is there.
+    assert source == "events" and cached_a == loadable_a == 0
     assert len_a == answer_a["usage"]["prompt_tokens"] == len(tok_a)  # tokenized as the engine
-    cached_b, loadable_b, len_b, answer_b = ask(b)
-    # Served once, A's whole blocks are in the pool: B's shared prefix is found, to the token
-    # where the block it ends in is a whole block of A (only whole blocks are saved).
-    in_whole_block = (common // BS + 1) * BS <= len(tok_a)
-    assert cached_b == (common if in_whole_block else common // BS * BS)
-    assert loadable_b == common // BS * BS
+    _caught_up(rig, pd)  # A's blocks, stored by the connector, reached the router as events
+    cached_b, loadable_b, len_b, source, answer_b = ask(pd, b)
+    # Served once, A's whole blocks are in the pool: B's shared prefix is found in whole
+    # blocks (the view holds block keys; the index would add the tokens of a partial block).
+    assert source == "events"
+    assert cached_b == loadable_b == common // BS * BS
     assert len_b == answer_b["usage"]["prompt_tokens"] == len(tok_b)
     assert _metric(pd, "kvstore_router_cached_tokens_total") - before == cached_a + cached_b
+    assert _metric(pd, "kvstore_router_pool_answers_total", 'source="events"') >= events_before + 2
+    # B served: the view and the master's prefix index (a router that asks it per request)
+    # count the same whole blocks of it.
+    lookup = rig.router("--no-pool-events", "--prefill", rig.p.url, "--decode", rig.d.url)
+    cached_idx, loadable_idx, _, source, _ = ask(lookup, b)
+    assert source == "lookup" and cached_idx >= len(tok_b) // BS * BS
+    _caught_up(rig, pd)
+    cached_view, loadable_view, _, source, _ = ask(pd, b)
+    assert source == "events"
+    assert (cached_view, loadable_view) == (cached_idx // BS * BS, loadable_idx)
 
 
 def test_the_engines_export_the_metrics_the_router_reads(rig: Rig, pd: str) -> None:

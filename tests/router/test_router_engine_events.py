@@ -1,0 +1,164 @@
+"""``kvstore router --engine-events`` with real vLLM servers publishing their own KV events.
+
+Two kv_both servers (prefix caching on, ``--kv-events-config`` with a ZMQ publisher each,
+``--enable-prompt-tokens-details`` so their answers say how many prompt tokens they took from
+a cache) on one pool, and a kv_both router subscribed to both. A second prompt sharing a long
+prefix goes to the engine that holds it in its own cache, and the router's count of those
+tokens is what vLLM itself reports. Select with ``-m engine``; skipped without the vLLM
+virtualenv or the model.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client.adapters.vllm_server import free_port
+from kvstore.processes import terminate
+from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
+from tests.support import Cluster, start_master, wait_until
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(missing_engine() is not None, reason=str(missing_engine())),
+]
+
+BS = 32
+SYSTEM = (
+    "You answer questions about a lighthouse. It stands on a granite rock, was built in 1868, "
+    "and its lamp turns every ten seconds. Visitors may climb the 217 steps from April to "
+    "October; tickets cost eight euros and children under six go free. The keeper's house is "
+    "now a small museum about shipwrecks along this coast. "
+)
+
+
+def _metric(router: str, name: str, *labels: str) -> float:
+    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(label in line for label in labels)
+    )
+
+
+def _post(url: str, body: Any) -> tuple[Any, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return resp.headers, json.loads(resp.read())
+
+
+class Rig:
+    """A pool, two engines publishing KV events, a router subscribed to both."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.cluster = Cluster(tmp, start_master())
+        self.cluster.add_node("1GiB")
+        self.servers: list[VLLMServer] = []
+        self.router_proc: subprocess.Popen | None = None
+        kv = kv_config("kv_both", self.cluster.address)
+        self.ports = [free_port(), free_port()]
+        for i, port in enumerate(self.ports):
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{port}",
+            }
+            self.servers.append(
+                VLLMServer(
+                    tmp / f"e{i}.log",
+                    kv,
+                    cpu=i,
+                    prefix_caching=True,
+                    extra_args=[
+                        "--kv-events-config",
+                        json.dumps(events),
+                        "--enable-prompt-tokens-details",
+                    ],
+                )
+            )
+        for server in self.servers:
+            server.wait_ready()
+        args = [sys.executable, "-m", "kvstore", "router", "--port", "0"]
+        args += ["--master", self.cluster.address]
+        for server, port in zip(self.servers, self.ports, strict=True):
+            args += [
+                "--engine",
+                server.url,
+                "--engine-events",
+                f"{server.url}=tcp://127.0.0.1:{port}",
+            ]
+        self.router_proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert self.router_proc.stdout is not None
+        line = self.router_proc.stdout.readline()
+        assert "ready" in line, f"the router did not start: {line!r}"
+        self.router = line.split("url=")[1].split()[0]
+
+    def close(self) -> None:
+        if self.router_proc is not None:
+            terminate(self.router_proc)
+        for server in self.servers:
+            server.stop()
+        self.cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    r = Rig(Path(tmp_path_factory.mktemp("router_events")))
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> None:
+    def messages(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM * 2}, {"role": "user", "content": question}]
+
+    def ask(question: str) -> tuple[Any, dict[str, Any]]:
+        body = {"model": "smollm2", "temperature": 0, "max_tokens": 4}
+        return _post(rig.router + "/v1/chat/completions", {**body, "messages": messages(question)})
+
+    def tokens(question: str) -> list[int]:
+        return rig.servers[0].post(
+            "/tokenize", {"model": "smollm2", "messages": messages(question)}
+        )["tokens"]
+
+    a, b = "How many steps are there?", "What does a ticket cost?"
+    tok_a, tok_b = tokens(a), tokens(b)
+    common = next(i for i, (x, y) in enumerate(zip(tok_a, tok_b, strict=False)) if x != y)
+    assert common > 4 * BS
+    headers, _ = ask(a)
+    assert headers["x-kvstore-local-cached-tokens"] == "0"
+    holder = headers["x-kvstore-engine"]
+    # The holder's events reached the router (A's whole blocks), and the router's poll of
+    # the holder shows it idle again (a running request would weigh on its prediction).
+    wait_until(
+        lambda: (
+            _metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
+            >= len(tok_a) // BS
+            and _metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
+        ),
+        timeout=60,
+        interval=0.1,
+        what="the holder's KV events reach the router",
+    )
+    headers, answer = ask(b)
+    assert headers["x-kvstore-engine"] == holder
+    local = int(headers["x-kvstore-local-cached-tokens"])
+    assert local == common // BS * BS
+    # What vLLM itself took from its cache for B: the same whole blocks.
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == local
+    assert _metric(rig.router, "kvstore_router_local_cached_tokens_total", f'"{holder}"') == local
+    stored = _metric(rig.router, "kvstore_router_engine_events_total", 'kind="stored"')
+    assert stored >= 2
