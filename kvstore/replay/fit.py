@@ -1,0 +1,282 @@
+"""Fit the simulator's cost model to a measured run, then simulate the same slice.
+
+Two least-squares fits over the served requests:
+
+* TTFT = ``prefill_base_s + prefill_s_per_token * uncached`` where ``uncached`` is the prompt
+  minus its cached tokens (the endpoint's count when it gave one, else the trace's ideal).
+  Queueing is in the measured TTFTs, so it is in the fit: on a busy run the base grows.
+* TBT = ``decode_base_s + decode_s_per_seq * batch`` where ``batch`` is how many served
+  requests were decoding at the middle of this request's decode.
+
+A slope that comes out negative (too few or too similar points) is dropped and the base refit
+as the mean. The attention (token-pair) and KV-size terms of the model are left at 0: the
+scaled prompts are short. Then :func:`simulate_slice` runs the slice through
+:func:`kvstore.master.scheduler.simulator.simulate` with the measured send times as arrivals (so
+a ``--concurrency`` limit is in both), on a cluster shaped like the live one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import InvalidRequestError
+from kvstore.master.scheduler.cluster import ClusterConfig
+from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.scheduler import ROUTERS, SchedulerConfig
+from kvstore.master.scheduler.simulator import SimConfig, simulate
+from kvstore.master.scheduler.slo import SLOClass
+from kvstore.master.scheduler.trace import TraceRequest
+
+from .loadgen import RequestResult
+from .workload import ReplayRequest
+
+#: The router's policies and the simulator's routers that model them.
+SIM_ROUTER_FOR_POLICY = {
+    "cache-aware": "conductor",
+    "round-robin": "round-robin",
+    "least-loaded": "least-loaded",
+}
+
+#: Smallest time a fitted prefill or decode step is given (the cost model refuses zero).
+_MIN_S = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class LinearFit:
+    """``y = intercept + slope * x`` and how well it fits.
+
+    Attributes:
+        intercept: value at x = 0 (>= 0).
+        slope: change per unit of x (>= 0).
+        num_points: samples used.
+        rmse: root mean squared residual.
+    """
+
+    intercept: float
+    slope: float
+    num_points: int
+    rmse: float
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
+    """Least squares of ``ys`` on ``xs`` with a non-negative intercept and slope.
+
+    Args:
+        xs: the regressor.
+        ys: the measurements (same length).
+
+    Returns:
+        The fit; with fewer than two distinct ``xs`` or a negative slope, the slope is 0 and
+        the intercept the mean.
+
+    Raises:
+        InvalidRequestError: for no points or lengths that differ.
+    """
+    if len(xs) != len(ys) or not xs:
+        raise InvalidRequestError("fit_line needs as many ys as xs, at least one")
+    x = np.asarray(xs, dtype=float)
+    y = np.asarray(ys, dtype=float)
+    slope, intercept = 0.0, float(y.mean())
+    if np.unique(x).size >= 2:
+        a = np.column_stack([np.ones_like(x), x])
+        (c0, c1), *_ = np.linalg.lstsq(a, y, rcond=None)
+        if c1 >= 0 and c0 >= 0:
+            intercept, slope = float(c0), float(c1)
+        elif c1 >= 0:  # negative intercept: through the origin instead
+            slope, intercept = float(x @ y / (x @ x)) if x @ x > 0 else 0.0, 0.0
+    intercept = max(intercept, 0.0)
+    rmse = float(np.sqrt(np.mean((y - (intercept + slope * x)) ** 2)))
+    return LinearFit(intercept, slope, int(x.size), rmse)
+
+
+def uncached_tokens(result: RequestResult) -> int:
+    """Prompt tokens the engine had to compute (the endpoint's count, else the ideal)."""
+    cached = result.cached_tokens if result.cached_source else result.ideal_cached_tokens
+    return max(result.prompt_tokens - (cached or 0), 0)
+
+
+def decode_batch_sizes(results: Sequence[RequestResult]) -> list[int]:
+    """For each result, the served requests decoding at the middle of its decode (itself too).
+
+    Args:
+        results: served requests (with at least one token each).
+
+    Returns:
+        One count per result.
+    """
+    spans = [(r.sent_s + r.token_times_s[0], r.sent_s + r.token_times_s[-1]) for r in results]
+    out = []
+    for start, end in spans:
+        mid = (start + end) / 2
+        out.append(max(1, sum(s <= mid <= e for s, e in spans)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class CostFit:
+    """The fitted cost model and the two fits behind it."""
+
+    cost: CostModel
+    ttft: LinearFit
+    tbt: LinearFit
+
+
+def fit_cost_model(results: Sequence[RequestResult], block_tokens: int) -> CostFit:
+    """Fit prefill and decode-step costs to a run (see the module docstring).
+
+    Args:
+        results: the run's results (only served ones are used).
+        block_tokens: tokens per block.
+
+    Returns:
+        The cost model and the fits.
+
+    Raises:
+        InvalidRequestError: when no request was served.
+    """
+    ok = [r for r in results if r.outcome == "ok" and r.token_times_s]
+    if not ok:
+        raise InvalidRequestError("no request was served: nothing to fit")
+    ttft = fit_line([uncached_tokens(r) for r in ok], [r.ttft_s for r in ok])
+    multi = [r for r in ok if len(r.token_times_s) > 1]
+    if multi:
+        tbt = fit_line(decode_batch_sizes(multi), [r.tbt_s for r in multi])
+    else:
+        tbt = LinearFit(_MIN_S, 0.0, 0, 0.0)
+    cost = CostModel(
+        block_size_tokens=block_tokens,
+        prefill_base_s=max(ttft.intercept, _MIN_S),
+        prefill_s_per_token=ttft.slope,
+        prefill_s_per_token_pair=0.0,
+        decode_base_s=max(tbt.intercept, _MIN_S),
+        decode_s_per_seq=tbt.slope,
+        decode_s_per_kv_token=0.0,
+        kv_bytes_per_token=0,
+        transfer_latency_s=0.0,
+    )
+    return CostFit(cost, ttft, tbt)
+
+
+@dataclass(frozen=True, slots=True)
+class SimShape:
+    """The live cluster, as the simulator sees it.
+
+    Attributes:
+        num_prefill: prefill instances (kv_both engines count as one of each).
+        num_decode: decode instances.
+        router: a simulator router (a key of ``ROUTERS``) or a router policy name.
+        shared_pool: whether engines share a kvstore pool (else each has only its own cache).
+        max_batch_size: most sequences an engine decodes at once (vLLM ``--max-num-seqs``).
+
+    Raises:
+        InvalidRequestError: on creation, for counts below 1 or an unknown router.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    router: str = "round-robin"
+    shared_pool: bool = False
+    max_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1 or self.max_batch_size < 1:
+            raise InvalidRequestError("instance counts and max batch size must be >= 1")
+        if self.sim_router not in ROUTERS:
+            known = ", ".join([*SIM_ROUTER_FOR_POLICY, *ROUTERS])
+            raise InvalidRequestError(f"unknown router {self.router!r}; known: {known}")
+
+    @property
+    def sim_router(self) -> str:
+        """The simulator's router name."""
+        return SIM_ROUTER_FOR_POLICY.get(self.router, self.router)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the simulator predicts for the slice.
+
+    Attributes:
+        goodput_rps: requests within the SLO per second of the simulated run.
+        mean_ttft_s: mean TTFT of admitted requests.
+        slo_attainment: requests within the SLO over all requests.
+        hit_rate: reused blocks over blocks of admitted prompts.
+        makespan_s: first arrival to last finish.
+    """
+
+    goodput_rps: float
+    mean_ttft_s: float
+    slo_attainment: float
+    hit_rate: float
+    makespan_s: float
+
+
+def simulate_slice(
+    requests: Sequence[ReplayRequest],
+    results: Sequence[RequestResult],
+    cost: CostModel,
+    shape: SimShape,
+    slo: SLOClass,
+) -> Prediction:
+    """Run the slice through the simulator with the fitted cost model.
+
+    Args:
+        requests: the scaled requests (their blocks and lengths).
+        results: the measured results, same order (their send times become arrivals).
+        cost: the fitted cost model.
+        shape: the live cluster's shape.
+        slo: the class requests are judged by.
+
+    Returns:
+        The prediction.
+
+    Raises:
+        InvalidRequestError: for lists of different lengths or an empty slice.
+    """
+    if len(requests) != len(results) or not requests:
+        raise InvalidRequestError("requests and results must match and not be empty")
+    order = sorted(range(len(requests)), key=lambda i: (results[i].sent_s, i))
+    t0 = results[order[0]].sent_s
+    trace = [
+        TraceRequest(
+            request_id=requests[i].request_id,
+            timestamp_ms=round((results[i].sent_s - t0) * 1000),
+            input_length=requests[i].prompt_tokens,
+            output_length=requests[i].max_tokens,
+            hash_ids=requests[i].hash_ids,
+        )
+        for i in order
+    ]
+    cluster = ClusterConfig(
+        num_prefill=shape.num_prefill,
+        num_decode=shape.num_decode,
+        local_cache_blocks=None,
+        pool_blocks=None if shape.shared_pool else 0,
+        decode_max_batch_size=shape.max_batch_size,
+        cost=cost,
+    )
+    config = SimConfig(
+        cluster=cluster,
+        router=shape.sim_router,
+        scheduler=SchedulerConfig((slo,), early_rejection=False),
+    )
+    sim = simulate(trace, config)
+    ttfts = sim.ttft_s[sim.accepted]
+    num_met = int(sim.met_slo.sum())
+    return Prediction(
+        goodput_rps=num_met / sim.makespan_s if sim.makespan_s > 0 else 0.0,
+        mean_ttft_s=float(ttfts.mean()) if ttfts.size else math.nan,
+        slo_attainment=sim.slo_attainment,
+        hit_rate=sim.cache_hit_rate,
+        makespan_s=sim.makespan_s,
+    )
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """``(predicted - measured) / measured``; NaN when the measurement is 0 or not finite."""
+    if not math.isfinite(measured) or measured == 0 or not math.isfinite(predicted):
+        return math.nan
+    return (predicted - measured) / measured
