@@ -154,7 +154,7 @@ def replay_trace(
     summary = summarize(results, slo)
     fit = prediction = None
     if shape is not None and summary.num_ok:
-        fit = fit_cost_model(results, scale.block_tokens)
+        fit = fit_cost_model(results, scale.block_tokens, shape.num_prefill)
         prediction = simulate_slice(requests, results, fit.cost, shape, slo)
     return ReplayRun(requests, results, summary, fit, prediction)
 

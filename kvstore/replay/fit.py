@@ -2,9 +2,14 @@
 
 Two least-squares fits over the served requests:
 
-* TTFT = ``prefill_base_s + prefill_s_per_token * uncached`` where ``uncached`` is the prompt
-  minus its cached tokens (the endpoint's count when it gave one, else the trace's ideal).
-  Queueing is in the measured TTFTs, so it is in the fit: on a busy run the base grows.
+* TTFT = ``prefill_base_s + prefill_s_per_token * uncached_ahead``. A request's uncached tokens
+  are its prompt minus its cached tokens (the endpoint's count when it gave one, else the
+  trace's ideal); ``uncached_ahead`` adds those of the requests sent before it to the same
+  engine that had no first token yet when it was sent (an engine computes the prompts it holds
+  before this one's first token can come). Without that term, queueing would inflate the
+  per-token cost and the simulator, which queues on its own, would count it twice. Where the
+  engine of a request is unknown, the work of all earlier ones in prefill is shared evenly
+  over ``num_engines``.
 * TBT = ``decode_base_s + decode_s_per_seq * batch`` where ``batch`` is how many served
   requests were decoding at the middle of this request's decode.
 
@@ -99,6 +104,34 @@ def uncached_tokens(result: RequestResult) -> int:
     return max(result.prompt_tokens - (cached or 0), 0)
 
 
+def uncached_ahead(results: Sequence[RequestResult], num_engines: int = 1) -> list[float]:
+    """For each result, its uncached tokens plus those queued before it on its engine.
+
+    Args:
+        results: served requests (with at least one token each).
+        num_engines: engines the requests were spread over, for requests whose engine is
+            unknown.
+
+    Returns:
+        One token count per result.
+    """
+    own = [uncached_tokens(r) for r in results]
+    out = []
+    for i, r in enumerate(results):
+        ahead = 0.0
+        for j, other in enumerate(results):
+            if j == i or not (other.sent_s, j) < (r.sent_s, i):
+                continue
+            if other.sent_s + other.ttft_s <= r.sent_s:
+                continue  # its prefill was done before this one came
+            if r.engine is not None and other.engine is not None:
+                ahead += own[j] if other.engine == r.engine else 0.0
+            else:
+                ahead += own[j] / max(num_engines, 1)
+        out.append(own[i] + ahead)
+    return out
+
+
 def decode_batch_sizes(results: Sequence[RequestResult]) -> list[int]:
     """For each result, the served requests decoding at the middle of its decode (itself too).
 
@@ -118,19 +151,23 @@ def decode_batch_sizes(results: Sequence[RequestResult]) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class CostFit:
-    """The fitted cost model and the two fits behind it."""
+    """The fitted cost model, the two fits behind it, and the engines it assumed."""
 
     cost: CostModel
     ttft: LinearFit
     tbt: LinearFit
+    num_engines: int = 1
 
 
-def fit_cost_model(results: Sequence[RequestResult], block_tokens: int) -> CostFit:
+def fit_cost_model(
+    results: Sequence[RequestResult], block_tokens: int, num_engines: int = 1
+) -> CostFit:
     """Fit prefill and decode-step costs to a run (see the module docstring).
 
     Args:
         results: the run's results (only served ones are used).
         block_tokens: tokens per block.
+        num_engines: engines the requests were spread over (for unknown engines).
 
     Returns:
         The cost model and the fits.
@@ -141,7 +178,7 @@ def fit_cost_model(results: Sequence[RequestResult], block_tokens: int) -> CostF
     ok = [r for r in results if r.outcome == "ok" and r.token_times_s]
     if not ok:
         raise InvalidRequestError("no request was served: nothing to fit")
-    ttft = fit_line([uncached_tokens(r) for r in ok], [r.ttft_s for r in ok])
+    ttft = fit_line(uncached_ahead(ok, num_engines), [r.ttft_s for r in ok])
     multi = [r for r in ok if len(r.token_times_s) > 1]
     if multi:
         tbt = fit_line(decode_batch_sizes(multi), [r.tbt_s for r in multi])
@@ -158,7 +195,7 @@ def fit_cost_model(results: Sequence[RequestResult], block_tokens: int) -> CostF
         kv_bytes_per_token=0,
         transfer_latency_s=0.0,
     )
-    return CostFit(cost, ttft, tbt)
+    return CostFit(cost, ttft, tbt, num_engines)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from typing import Any
 from kvstore.master.scheduler.report import format_table
 from kvstore.master.scheduler.slo import SLOClass
 
-from .fit import CostFit, Prediction, relative_error, uncached_tokens
+from .fit import CostFit, Prediction, relative_error, uncached_ahead
 from .loadgen import RequestResult
 from .metrics import PERCENTILES, ReplaySummary
 
@@ -93,7 +93,7 @@ def prediction_table(summary: ReplaySummary, prediction: Prediction, fit: CostFi
     cost = fit.cost
     return (
         f"{table}\nfitted: TTFT = {cost.prefill_base_s * 1e3:.1f} ms + "
-        f"{cost.prefill_s_per_token * 1e3:.3f} ms x uncached tokens (rmse "
+        f"{cost.prefill_s_per_token * 1e3:.3f} ms x uncached tokens (own + ahead; rmse "
         f"{fit.ttft.rmse * 1e3:.0f} ms, n={fit.ttft.num_points}); decode step = "
         f"{cost.decode_base_s * 1e3:.1f} ms + {cost.decode_s_per_seq * 1e3:.2f} ms x batch "
         f"(rmse {fit.tbt.rmse * 1e3:.1f} ms, n={fit.tbt.num_points})"
@@ -210,7 +210,8 @@ def plot_timeline(results: Sequence[RequestResult], path: Path) -> Path:
 
 
 def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path:
-    """Measured TTFT against uncached prompt tokens, with the fitted line.
+    """Measured TTFT against uncached prompt tokens (its own and those queued before it on its
+    engine, see :mod:`.fit`), with the fitted line.
 
     Args:
         results: every request.
@@ -222,7 +223,7 @@ def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path
     """
     plt = _pyplot()
     ok = [r for r in results if r.outcome == "ok"]
-    xs = [uncached_tokens(r) for r in ok]
+    xs = uncached_ahead(ok, fit.num_engines)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.scatter(xs, [r.ttft_s * 1e3 for r in ok], label="measured")
     if xs:
@@ -233,7 +234,7 @@ def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path
             color="red",
             label="fit",
         )
-    ax.set_xlabel("uncached prompt tokens")
+    ax.set_xlabel("uncached prompt tokens (own + queued ahead)")
     ax.set_ylabel("TTFT (ms)")
     ax.legend()
     fig.tight_layout()

@@ -15,6 +15,7 @@ from kvstore.replay.fit import (
     fit_line,
     relative_error,
     simulate_slice,
+    uncached_ahead,
 )
 from kvstore.replay.loadgen import RequestResult
 from kvstore.replay.workload import ReplayRequest
@@ -136,3 +137,36 @@ def test_relative_error() -> None:
     assert relative_error(1.1, 1.0) == pytest.approx(0.1)
     assert math.isnan(relative_error(1.0, 0.0))
     assert math.isnan(relative_error(float("nan"), 1.0))
+
+
+def test_queued_work_is_in_the_regressor_not_the_per_token_cost() -> None:
+    """Three prompts sent at once to one engine: each waits for the ones before it."""
+    results = []
+    done = 0.0
+    for i, prompt in enumerate((100, 200, 300)):
+        done += 0.001 * prompt  # the engine computes them one after another
+        results.append(
+            RequestResult(
+                i,
+                0.0,
+                sent_s=0.0,
+                prompt_tokens=prompt,
+                max_tokens=1,
+                outcome="ok",
+                status=200,
+                token_times_s=[0.01 + done],
+                output_tokens=1,
+                engine="e0",
+                finish_s=0.01 + done,
+            )
+        )
+    assert uncached_ahead(results) == [100, 300, 600]
+    fit = fit_cost_model(results, 32)
+    assert fit.cost.prefill_s_per_token == pytest.approx(0.001)
+    assert fit.cost.prefill_base_s == pytest.approx(0.01)
+    # on another engine, nothing is ahead; with the engine unknown, half of it (two engines)
+    results[2].engine = "e1"
+    assert uncached_ahead(results)[2] == 300
+    for r in results:
+        r.engine = None
+    assert uncached_ahead(results, num_engines=2) == [100, 250, 450]
