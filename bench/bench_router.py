@@ -62,14 +62,15 @@ MAX_NUM_SEQS = 4
 ROUTER_START_S = 120.0
 
 
-def router_available() -> bool:
-    """Whether this checkout has ``kvstore router``."""
+def router_help() -> str | None:
+    """``kvstore router --help``, or None when this checkout has no ``kvstore router``."""
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore", "router", "--help"],
         capture_output=True,
+        text=True,
         timeout=60,
     )
-    return proc.returncode == 0
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
@@ -89,11 +90,14 @@ def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
 class Router:
     """``kvstore router`` as a child process in front of the engines."""
 
-    def __init__(self, tmp: Path, policy: str, engines: list[str], master: str) -> None:
+    def __init__(self, tmp: Path, policy: str | None, engines: list[str], master: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / f"router-{policy}.log", "ab")  # noqa: SIM115 (closed in stop)
-        cmd = [sys.executable, "-m", "kvstore", "router", "--policy", policy, "--master", master]
+        self.log_path = tmp / f"router-{policy or 'default'}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
+        if policy is not None:
+            cmd += ["--policy", policy]
         for url in engines:
             cmd += ["--engine", url]
         cmd += ["--port", str(self.port)]
@@ -103,7 +107,9 @@ class Router:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvstore router exited with {self.proc.returncode}")
+                raise RuntimeError(
+                    f"kvstore router exited with {self.proc.returncode} (log {self.log_path})"
+                )
             with (
                 contextlib.suppress(urllib.error.URLError, OSError),
                 urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp,
@@ -141,12 +147,16 @@ def main() -> int:
         return 0
     trace = load_slice(args.trace, 0, args.requests)
     slo = slo_from_args(args.slo, None, None)
-    has_router = router_available()
+    help_text = router_help()
+    has_router = help_text is not None
+    has_policy = help_text is not None and "--policy" in help_text
     if not has_router:
         print(
             "`kvstore router` is not available here: replaying against the engines directly, "
             "round robin from the replay tool (a baseline without a router)"
         )
+    elif not has_policy:
+        print("`kvstore router` takes no --policy here: one run with its own policy")
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-router-")
     tmp = args.out or Path(tmp_dir.name)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -162,12 +172,15 @@ def main() -> int:
                 f"pool {cluster.address}, engines {', '.join(urls)} "
                 f"(up in {time.monotonic() - started:.0f} s)"
             )
-            plan = (
-                [(p, p) for p in POLICIES]
-                if has_router
-                else [("round-robin (client)", "round-robin")]
-            )
-            for seed, (label, policy) in enumerate(plan):
+            # (label, the simulator's policy, the router's --policy)
+            plan: list[tuple[str, str, str | None]] = [(p, p, p) for p in POLICIES]
+            if not has_policy:
+                plan = [
+                    ("router (its default)", "cache-aware", None)
+                    if has_router
+                    else ("round-robin (client)", "round-robin", None)
+                ]
+            for seed, (label, policy, router_policy) in enumerate(plan):
                 scale = ScaleConfig(
                     block_tokens=32,
                     max_output_tokens=args.max_output,
@@ -178,7 +191,7 @@ def main() -> int:
                 shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
                 router = None
                 if has_router:
-                    router = Router(tmp, policy, urls, cluster.address)
+                    router = Router(tmp, router_policy, urls, cluster.address)
                 try:
                     if router is not None:
                         router.wait_ready()
