@@ -2,19 +2,20 @@
 
 Two least-squares fits over the served requests:
 
-* TTFT = ``prefill_base_s + prefill_s_per_token * uncached_ahead``. A request's uncached tokens
-  are its prompt minus its cached tokens (the endpoint's count when it gave one, else the
-  trace's ideal); ``uncached_ahead`` adds those of the requests sent before it to the same
-  engine that had no first token yet when it was sent (an engine computes the prompts it holds
-  before this one's first token can come). Without that term, queueing would inflate the
-  per-token cost and the simulator, which queues on its own, would count it twice. Where the
-  engine of a request is unknown, the work of all earlier ones in prefill is shared evenly
-  over ``num_engines``.
+* TTFT = ``prefill_base_s * prefills_ahead + prefill_s_per_token * tokens_ahead``: the
+  simulator's FIFO prefill, in which a request waits for every prefill queued before it.
+  A request's uncached tokens are its prompt minus its cached tokens (the endpoint's count
+  when it gave one, else the trace's ideal); ``prefills_ahead`` and ``tokens_ahead`` count it
+  and the requests sent before it to the same engine that had no first token yet when it was
+  sent. Fitting TTFT on a request's own tokens alone would put the queueing into the costs,
+  and the simulator, which queues on its own, would count it twice. Where the engine of a
+  request is unknown, earlier requests still in prefill count ``1 / num_engines`` each. Both
+  coefficients are kept non-negative (the best fit with one of them at 0 otherwise).
 * TBT = ``decode_base_s + decode_s_per_seq * batch`` where ``batch`` is how many served
   requests were decoding at the middle of this request's decode.
 
-A slope that comes out negative (too few or too similar points) is dropped and the base refit
-as the mean. The attention (token-pair) and KV-size terms of the model are left at 0: the
+In the TBT fit a slope that comes out negative (too few or too similar points) is dropped and
+the base refit as the mean. The attention (token-pair) and KV-size terms of the model are left at 0: the
 scaled prompts are short. Then :func:`simulate_slice` runs the slice through
 :func:`kvstore.master.scheduler.simulator.simulate` with the measured send times as arrivals (so
 a ``--concurrency`` limit is in both), on a cluster shaped like the live one.
@@ -104,32 +105,73 @@ def uncached_tokens(result: RequestResult) -> int:
     return max(result.prompt_tokens - (cached or 0), 0)
 
 
-def uncached_ahead(results: Sequence[RequestResult], num_engines: int = 1) -> list[float]:
-    """For each result, its uncached tokens plus those queued before it on its engine.
+def queue_ahead(
+    results: Sequence[RequestResult], num_engines: int = 1
+) -> list[tuple[float, float]]:
+    """For each result, the prefills and uncached tokens its first token waited for: its own
+    and those of the requests sent before it to its engine that had no first token yet.
 
     Args:
         results: served requests (with at least one token each).
         num_engines: engines the requests were spread over, for requests whose engine is
-            unknown.
+            unknown (each earlier one then counts ``1 / num_engines``).
 
     Returns:
-        One token count per result.
+        ``(prefills, tokens)`` per result.
     """
     own = [uncached_tokens(r) for r in results]
     out = []
     for i, r in enumerate(results):
-        ahead = 0.0
+        prefills, tokens = 1.0, float(own[i])
         for j, other in enumerate(results):
             if j == i or not (other.sent_s, j) < (r.sent_s, i):
                 continue
             if other.sent_s + other.ttft_s <= r.sent_s:
                 continue  # its prefill was done before this one came
             if r.engine is not None and other.engine is not None:
-                ahead += own[j] if other.engine == r.engine else 0.0
+                share = 1.0 if other.engine == r.engine else 0.0
             else:
-                ahead += own[j] / max(num_engines, 1)
-        out.append(own[i] + ahead)
+                share = 1.0 / max(num_engines, 1)
+            prefills += share
+            tokens += share * own[j]
+        out.append((prefills, tokens))
     return out
+
+
+def fit_queued_prefill(ahead: Sequence[tuple[float, float]], ttfts: Sequence[float]) -> LinearFit:
+    """Least squares of ``ttft = base * prefills + per_token * tokens``, both >= 0.
+
+    Args:
+        ahead: ``(prefills, tokens)`` per request (see :func:`queue_ahead`).
+        ttfts: measured TTFTs, seconds.
+
+    Returns:
+        ``intercept`` = base per prefill, ``slope`` = seconds per token.
+
+    Raises:
+        InvalidRequestError: for no points or lengths that differ.
+    """
+    if len(ahead) != len(ttfts) or not ahead:
+        raise InvalidRequestError("fit_queued_prefill needs one TTFT per point, at least one")
+    a = np.asarray(ahead, dtype=float)
+    y = np.asarray(ttfts, dtype=float)
+    candidates = []
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    if coef[0] >= 0 and coef[1] >= 0:
+        candidates.append((float(coef[0]), float(coef[1])))
+    for column in (0, 1):  # one coefficient at 0: the other through the origin
+        x = a[:, column]
+        value = float(x @ y / (x @ x)) if x @ x > 0 else 0.0
+        pair = [0.0, 0.0]
+        pair[column] = max(value, 0.0)
+        candidates.append((pair[0], pair[1]))
+
+    def sse(pair: tuple[float, float]) -> float:
+        return float(np.sum((y - a @ np.asarray(pair)) ** 2))
+
+    base, per_token = min(candidates, key=sse)
+    rmse = math.sqrt(sse((base, per_token)) / y.size)
+    return LinearFit(base, per_token, int(y.size), rmse)
 
 
 def decode_batch_sizes(results: Sequence[RequestResult]) -> list[int]:
@@ -178,7 +220,7 @@ def fit_cost_model(
     ok = [r for r in results if r.outcome == "ok" and r.token_times_s]
     if not ok:
         raise InvalidRequestError("no request was served: nothing to fit")
-    ttft = fit_line(uncached_ahead(ok, num_engines), [r.ttft_s for r in ok])
+    ttft = fit_queued_prefill(queue_ahead(ok, num_engines), [r.ttft_s for r in ok])
     multi = [r for r in ok if len(r.token_times_s) > 1]
     if multi:
         tbt = fit_line(decode_batch_sizes(multi), [r.tbt_s for r in multi])

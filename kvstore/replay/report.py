@@ -16,7 +16,7 @@ from typing import Any
 from kvstore.master.scheduler.report import format_table
 from kvstore.master.scheduler.slo import SLOClass
 
-from .fit import CostFit, Prediction, relative_error, uncached_ahead
+from .fit import CostFit, Prediction, queue_ahead, relative_error
 from .loadgen import RequestResult
 from .metrics import PERCENTILES, ReplaySummary
 
@@ -92,8 +92,8 @@ def prediction_table(summary: ReplaySummary, prediction: Prediction, fit: CostFi
     )
     cost = fit.cost
     return (
-        f"{table}\nfitted: TTFT = {cost.prefill_base_s * 1e3:.1f} ms + "
-        f"{cost.prefill_s_per_token * 1e3:.3f} ms x uncached tokens (own + ahead; rmse "
+        f"{table}\nfitted: TTFT = {cost.prefill_base_s * 1e3:.1f} ms x prefills + "
+        f"{cost.prefill_s_per_token * 1e3:.3f} ms x uncached tokens, waited for (rmse "
         f"{fit.ttft.rmse * 1e3:.0f} ms, n={fit.ttft.num_points}); decode step = "
         f"{cost.decode_base_s * 1e3:.1f} ms + {cost.decode_s_per_seq * 1e3:.2f} ms x batch "
         f"(rmse {fit.tbt.rmse * 1e3:.1f} ms, n={fit.tbt.num_points})"
@@ -210,8 +210,8 @@ def plot_timeline(results: Sequence[RequestResult], path: Path) -> Path:
 
 
 def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path:
-    """Measured TTFT against uncached prompt tokens (its own and those queued before it on its
-    engine, see :mod:`.fit`), with the fitted line.
+    """Measured TTFT against the fitted model's (base per prefill waited for + cost per uncached
+    token waited for, see :mod:`.fit`); on the diagonal the fit is exact.
 
     Args:
         results: every request.
@@ -223,19 +223,18 @@ def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path
     """
     plt = _pyplot()
     ok = [r for r in results if r.outcome == "ok"]
-    xs = uncached_ahead(ok, fit.num_engines)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter(xs, [r.ttft_s * 1e3 for r in ok], label="measured")
-    if xs:
-        line_x = [0, max(xs)]
-        ax.plot(
-            line_x,
-            [(fit.cost.prefill_base_s + fit.cost.prefill_s_per_token * x) * 1e3 for x in line_x],
-            color="red",
-            label="fit",
-        )
-    ax.set_xlabel("uncached prompt tokens (own + queued ahead)")
-    ax.set_ylabel("TTFT (ms)")
+    cost = fit.cost
+    predicted = [
+        (cost.prefill_base_s * prefills + cost.prefill_s_per_token * tokens) * 1e3
+        for prefills, tokens in queue_ahead(ok, fit.num_engines)
+    ]
+    measured = [r.ttft_s * 1e3 for r in ok]
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(predicted, measured, label="requests")
+    top = max([*predicted, *measured, 1.0])
+    ax.plot([0, top], [0, top], color="red", label="exact")
+    ax.set_xlabel("fitted TTFT (ms)")
+    ax.set_ylabel("measured TTFT (ms)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

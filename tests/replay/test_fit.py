@@ -13,9 +13,10 @@ from kvstore.replay.fit import (
     decode_batch_sizes,
     fit_cost_model,
     fit_line,
+    fit_queued_prefill,
+    queue_ahead,
     relative_error,
     simulate_slice,
-    uncached_ahead,
 )
 from kvstore.replay.loadgen import RequestResult
 from kvstore.replay.workload import ReplayRequest
@@ -139,12 +140,12 @@ def test_relative_error() -> None:
     assert math.isnan(relative_error(float("nan"), 1.0))
 
 
-def test_queued_work_is_in_the_regressor_not_the_per_token_cost() -> None:
-    """Three prompts sent at once to one engine: each waits for the ones before it."""
+def test_queued_work_is_in_the_regressors_not_the_costs() -> None:
+    """Three prompts sent at once to one engine: each waits for the prefills before it."""
     results = []
     done = 0.0
     for i, prompt in enumerate((100, 200, 300)):
-        done += 0.001 * prompt  # the engine computes them one after another
+        done += 0.01 + 0.001 * prompt  # the engine computes them one after another
         results.append(
             RequestResult(
                 i,
@@ -154,19 +155,30 @@ def test_queued_work_is_in_the_regressor_not_the_per_token_cost() -> None:
                 max_tokens=1,
                 outcome="ok",
                 status=200,
-                token_times_s=[0.01 + done],
+                token_times_s=[done],
                 output_tokens=1,
                 engine="e0",
-                finish_s=0.01 + done,
+                finish_s=done,
             )
         )
-    assert uncached_ahead(results) == [100, 300, 600]
+    assert queue_ahead(results) == [(1, 100), (2, 300), (3, 600)]
     fit = fit_cost_model(results, 32)
-    assert fit.cost.prefill_s_per_token == pytest.approx(0.001)
     assert fit.cost.prefill_base_s == pytest.approx(0.01)
+    assert fit.cost.prefill_s_per_token == pytest.approx(0.001)
     # on another engine, nothing is ahead; with the engine unknown, half of it (two engines)
     results[2].engine = "e1"
-    assert uncached_ahead(results)[2] == 300
+    assert queue_ahead(results)[2] == (1, 300)
     for r in results:
         r.engine = None
-    assert uncached_ahead(results, num_engines=2) == [100, 250, 450]
+    assert queue_ahead(results, num_engines=2) == [(1, 100), (1.5, 250), (2, 450)]
+
+
+def test_queued_prefill_fit_keeps_both_costs_non_negative() -> None:
+    # exactly -0.05 s a prefill + 1 ms a token: the base goes to 0, tokens alone explain it
+    fit = fit_queued_prefill([(1, 100), (2, 300), (3, 600)], [0.05, 0.2, 0.45])
+    assert fit.intercept == 0.0
+    assert fit.slope == pytest.approx(335 / 460_000)
+    fit = fit_queued_prefill([(1, 100), (2, 100)], [0.1, 0.2])
+    assert (fit.intercept, fit.slope) == (pytest.approx(0.1), 0.0)
+    with pytest.raises(InvalidRequestError):
+        fit_queued_prefill([], [])
