@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstore.client.adapters.vllm_server import VLLMServer, free_port  # noqa: E402
 from kvstore.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.master.scheduler.report import format_table  # noqa: E402
+from kvstore.master.scheduler.slo import SLOClass  # noqa: E402
+from kvstore.master.scheduler.trace import TraceRequest  # noqa: E402
 from kvstore.replay.cli import (  # noqa: E402
     ReplayRun,
     load_slice,
@@ -74,6 +76,7 @@ def router_help() -> str | None:
 
 
 def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
+    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens."""
     return VLLMServer(
         model_dir(),
         name,
@@ -220,7 +223,13 @@ def main() -> int:
     return 0
 
 
-def print_tables(runs, trace, slo, args) -> None:  # noqa: ANN001 (a script's printer)
+def print_tables(
+    runs: list[tuple[str, str, ReplayRun]],
+    trace: list[TraceRequest],
+    slo: SLOClass,
+    args: argparse.Namespace,
+) -> None:
+    """The policy table, then every policy simulated with the first run's fitted costs."""
     print(
         f"\n{len(trace)} requests of {args.trace.name}, time scale {args.time_scale:g}, "
         f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
