@@ -100,7 +100,14 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
 
 
 def uncached_tokens(result: RequestResult) -> int:
-    """Prompt tokens the engine had to compute (the endpoint's count, else the ideal)."""
+    """Prompt tokens the engine had to compute.
+
+    Args:
+        result: a served request.
+
+    Returns:
+        Its prompt minus its cached tokens (the endpoint's count, else the trace's ideal).
+    """
     cached = result.cached_tokens if result.cached_source else result.ideal_cached_tokens
     return max(result.prompt_tokens - (cached or 0), 0)
 
@@ -355,7 +362,16 @@ def simulate_slice(
 
 
 def relative_error(predicted: float, measured: float) -> float:
-    """``(predicted - measured) / measured``; NaN when the measurement is 0 or not finite."""
+    """How far a prediction is from a measurement.
+
+    Args:
+        predicted: the simulator's value.
+        measured: the run's value.
+
+    Returns:
+        ``(predicted - measured) / measured``; NaN when either is not finite or the
+        measurement is 0.
+    """
     if not math.isfinite(measured) or measured == 0 or not math.isfinite(predicted):
         return math.nan
     return (predicted - measured) / measured

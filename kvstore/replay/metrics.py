@@ -133,7 +133,14 @@ class ReplaySummary:
 
 
 def run_duration_s(results: Sequence[RequestResult]) -> float:
-    """First send to last byte over all requests (0 when nothing was sent)."""
+    """First send to last byte over all requests.
+
+    Args:
+        results: every request's result.
+
+    Returns:
+        Seconds (0 when nothing was sent).
+    """
     if not results:
         return 0.0
     return max(r.finish_s for r in results) - min(r.sent_s for r in results)
