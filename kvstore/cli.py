@@ -22,6 +22,7 @@ from kvstore import auth, ops, ops_drain
 from kvstore.config import Address, format_size, parse_size
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.processes import die_with_parent
+from kvstore.replay import cli as replay_cli
 
 if TYPE_CHECKING:
     from kvstore.embedded import EmbeddedCluster
@@ -693,6 +694,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ops.add_parsers(sub)
     ops_drain.add_parser(sub)
+    replay_cli.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,302 @@
+"""Routing policies under a replayed trace: real vLLM engines sharing a kvstore pool.
+
+One run starts the pool (``kvstore up``: embedded master and one storage node, ``--shm``), two
+vLLM engines with the kvstore connector as ``kv_both`` (SmolLM2-135M-Instruct, bf16, each
+pinned to one core), and then, for each policy in ``cache-aware, round-robin, least-loaded``,
+``kvstore router --engine URL --engine URL --policy P --master ADDR`` when that command exists,
+and replays the same trace slice through it with ``kvstore replay``'s machinery. Each policy
+gets its own prompt seed: the same prefix structure with new tokens, so no run reuses the KV
+of the one before. Without ``kvstore router`` it says so and replays once against the two
+engines directly, spreading requests round robin itself (a baseline without a router).
+
+It prints one table (goodput, TTFT p50/p90, hit rate, with the simulator's prediction of
+goodput and mean TTFT from a cost model fitted to that run) and the simulator's prediction for
+every policy from the first run's fit. Engines report their cached prompt tokens
+(``--enable-prompt-tokens-details``), so the hit rate is measured unless the router sends its
+own. Nothing is asserted about times.
+
+Usage: ``.venv/bin/python bench/bench_router.py [--requests 24] [--time-scale 1.0]
+[--max-output 16] [--slo standard] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
+tests/adapters/vllm_servers.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstore.client.adapters.vllm_server import VLLMServer, free_port  # noqa: E402
+from kvstore.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.master.scheduler.report import format_table  # noqa: E402
+from kvstore.master.scheduler.slo import SLOClass  # noqa: E402
+from kvstore.master.scheduler.trace import TraceRequest  # noqa: E402
+from kvstore.replay.cli import (  # noqa: E402
+    ReplayRun,
+    load_slice,
+    replay_trace,
+    slo_from_args,
+    write_outputs,
+)
+from kvstore.replay.fit import SimShape, simulate_slice  # noqa: E402
+from kvstore.replay.loadgen import LoadConfig  # noqa: E402
+from kvstore.replay.metrics import SLO_CLASSES  # noqa: E402
+from kvstore.replay.workload import ScaleConfig  # noqa: E402
+from tests.adapters.vllm_servers import (  # noqa: E402
+    kv_config,
+    missing_engine,
+    model_dir,
+    vllm_python,
+)
+
+POLICIES = ("cache-aware", "round-robin", "least-loaded")
+TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
+MAX_NUM_SEQS = 4
+ROUTER_START_S = 120.0
+
+
+def router_help() -> str | None:
+    """``kvstore router --help``, or None when this checkout has no ``kvstore router``."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "router", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
+    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens."""
+    return VLLMServer(
+        model_dir(),
+        name,
+        tmp / f"{name}.log",
+        kv_config=json.dumps(kv_config("kv_both", master)),
+        cpu_core=cpu,
+        python=str(vllm_python()),
+        block_size=32,
+        env={"TOKENIZERS_PARALLELISM": "false"},
+        extra_args=["--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prompt-tokens-details"],
+    )
+
+
+class Router:
+    """``kvstore router`` as a child process in front of the engines."""
+
+    def __init__(self, tmp: Path, policy: str | None, engines: list[str], master: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"router-{policy or 'default'}.log"
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
+        if policy is not None:
+            cmd += ["--policy", policy]
+        for url in engines:
+            cmd += ["--engine", url]
+        cmd += ["--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = ROUTER_START_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"kvstore router exited with {self.proc.returncode} (log {self.log_path})"
+                )
+            with (
+                contextlib.suppress(urllib.error.URLError, OSError),
+                urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp,
+            ):
+                if resp.status == 200:
+                    return
+            time.sleep(0.5)  # polling a state, bounded by the deadline
+        raise RuntimeError(f"kvstore router not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+        self.log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--max-output", type=int, default=16)
+    parser.add_argument("--max-prompt", type=int, default=1024)
+    parser.add_argument("--slo", default="standard", choices=sorted(SLO_CLASSES))
+    parser.add_argument(
+        "--out", type=Path, default=None, help="keep logs, results.json and plots here"
+    )
+    args = parser.parse_args()
+    reason = missing_engine()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    trace = load_slice(args.trace, 0, args.requests)
+    slo = slo_from_args(args.slo, None, None)
+    help_text = router_help()
+    has_router = help_text is not None
+    has_policy = help_text is not None and "--policy" in help_text
+    if not has_router:
+        print(
+            "`kvstore router` is not available here: replaying against the engines directly, "
+            "round robin from the replay tool (a baseline without a router)"
+        )
+    elif not has_policy:
+        print("`kvstore router` takes no --policy here: one run with its own policy")
+    tmp_dir = tempfile.TemporaryDirectory(prefix="bench-router-")
+    tmp = args.out or Path(tmp_dir.name)
+    tmp.mkdir(parents=True, exist_ok=True)
+    runs: list[tuple[str, str, ReplayRun]] = []
+    started = time.monotonic()
+    with EmbeddedCluster(str(tmp / "pool"), "2GiB", extra=["--shm"]) as cluster:
+        engines = [start_engine(tmp, f"engine{i}", cluster.address, cpu=i) for i in range(2)]
+        try:
+            for engine in engines:
+                engine.wait_ready()
+            urls = [e.url for e in engines]
+            print(
+                f"pool {cluster.address}, engines {', '.join(urls)} "
+                f"(up in {time.monotonic() - started:.0f} s)"
+            )
+            # (label, the simulator's policy, the router's --policy)
+            plan: list[tuple[str, str, str | None]] = [(p, p, p) for p in POLICIES]
+            if not has_policy:
+                plan = [
+                    ("router (its default)", "cache-aware", None)
+                    if has_router
+                    else ("round-robin (client)", "round-robin", None)
+                ]
+            for seed, (label, policy, router_policy) in enumerate(plan):
+                scale = ScaleConfig(
+                    block_tokens=32,
+                    max_output_tokens=args.max_output,
+                    max_prompt_tokens=args.max_prompt,
+                    time_scale=args.time_scale,
+                    seed=seed + 1,
+                )
+                shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
+                router = None
+                if has_router:
+                    router = Router(tmp, router_policy, urls, cluster.address)
+                try:
+                    if router is not None:
+                        router.wait_ready()
+                        targets = (router.url,)
+                    else:
+                        targets = tuple(urls)
+                    load = LoadConfig(targets, "smollm2", timeout_s=600)
+                    t0 = time.monotonic()
+                    run = replay_trace(trace, scale, load, slo, shape)
+                    print(
+                        f"{label}: {run.summary.num_ok}/{run.summary.num_requests} served "
+                        f"in {time.monotonic() - t0:.0f} s"
+                    )
+                    runs.append((label, policy, run))
+                    if args.out is not None:
+                        config = {"policy": label, "targets": list(targets), "seed": seed + 1}
+                        write_outputs(args.out / policy, run, slo, config)
+                finally:
+                    if router is not None:
+                        router.stop()
+        finally:
+            for engine in engines:
+                engine.stop()
+    print_tables(runs, trace, slo, args)
+    tmp_dir.cleanup()
+    return 0
+
+
+def print_tables(
+    runs: list[tuple[str, str, ReplayRun]],
+    trace: list[TraceRequest],
+    slo: SLOClass,
+    args: argparse.Namespace,
+) -> None:
+    """The policy table, then every policy simulated with the first run's fitted costs."""
+    print(
+        f"\n{len(trace)} requests of {args.trace.name}, time scale {args.time_scale:g}, "
+        f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
+        f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s)"
+    )
+    rows = []
+    for label, _, run in runs:
+        s, p = run.summary, run.prediction
+        rows.append(
+            [
+                label,
+                f"{s.num_ok}/{s.num_requests}",
+                s.goodput_rps,
+                p.goodput_rps if p else float("nan"),
+                s.ttft_s[0] * 1e3,
+                s.ttft_s[1] * 1e3,
+                s.mean_ttft_s * 1e3,
+                p.mean_ttft_s * 1e3 if p else float("nan"),
+                s.itl_s[0] * 1e3,
+                f"{s.hit_rate:.0%} ({s.hit_rate_source})",
+                f"{s.ideal_hit_rate:.0%}",
+                " ".join(f"{n}" for n in s.engine_load.values()) or "-",
+            ]
+        )
+    print(
+        format_table(
+            [
+                "policy",
+                "served",
+                "goodput r/s",
+                "sim goodput",
+                "TTFT p50 ms",
+                "TTFT p90 ms",
+                "mean TTFT ms",
+                "sim mean TTFT",
+                "ITL p50 ms",
+                "hit rate",
+                "ideal hit",
+                "per engine",
+            ],
+            rows,
+        )
+    )
+    fitted = next((r for _, _, r in runs if r.fit is not None), None)
+    if fitted is None or fitted.fit is None:
+        return
+    print("\nsimulator, every policy, cost model fitted from the first run:")
+    sim_rows = []
+    for policy in POLICIES:
+        shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
+        p = simulate_slice(fitted.requests, fitted.results, fitted.fit.cost, shape, slo)
+        sim_rows.append(
+            [
+                policy,
+                shape.sim_router,
+                p.goodput_rps,
+                p.mean_ttft_s * 1e3,
+                p.slo_attainment,
+                p.hit_rate,
+            ]
+        )
+    print(
+        format_table(
+            ["policy", "sim router", "goodput r/s", "mean TTFT ms", "SLO met", "hit rate"], sim_rows
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
