@@ -275,10 +275,16 @@ def master_bytes_per_object(
     if out.returncode != 0:
         raise RuntimeError(f"{system} fill failed:\n{out.stderr[-3000:]}")
     after = rss_bytes(pid)
-    seconds = json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
-    log(f"{system}: {n} objects in {seconds:.1f}s; master RSS {before >> 20} -> {after >> 20} MiB")
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    present = report["present"]
+    log(
+        f"{system}: {n} objects put in {report['seconds']:.1f}s, {present} present after; "
+        f"master RSS {before >> 20} -> {after >> 20} MiB"
+    )
     return {
         "objects": n,
+        "present": present,
+        "seconds": report["seconds"],
         "rss_before": before,
         "rss_after": after,
         "per_object": (after - before) / n,
@@ -378,6 +384,13 @@ def metadata_table(results: dict[str, dict], memory: dict[str, dict]) -> str:
             pa, pb = per.get(a), per.get(b)
             cells.append(f"{pa['per_object'] / pb['per_object']:.2f}x" if pa and pb else "-")
         lines.append("| " + " | ".join(cells) + " |")
+        for s, m in memory.items():
+            if m["present"] is not None and m["present"] != m["objects"]:
+                lines.append(
+                    f"\nNOTE: {s} held {m['present']:,} of the {m['objects']:,} objects after the "
+                    "fill (objects were lost meanwhile, e.g. a node declared dead): its figure "
+                    "is suspect."
+                )
     return "\n".join(lines)
 
 

@@ -71,6 +71,9 @@ class Kvstore:
         if errors:
             raise RuntimeError(f"batch_put: {errors[0]!r}")
 
+    def count(self) -> int | None:
+        return int(self.c.stats()["num_objects"])
+
     def batch_get(self, keys: list[str]) -> list[bytes]:
         out = self.c.batch_get(keys)
         bad = [r for r in out if not isinstance(r, bytes)]
@@ -150,6 +153,9 @@ class Mooncake:
     def batch_get(self, keys: list[str]) -> list[bytes]:
         return list(self.s.get_batch(keys))
 
+    def count(self) -> int | None:
+        return None  # (no cheap count in Mooncake's client API)
+
     def remove(self, keys: list[str]) -> None:
         for k in keys:
             self.s.remove(k)  # may refuse while a read lease is held: memory is sized for it
@@ -196,6 +202,9 @@ class Redis:
 
     def batch_get(self, keys: list[str]) -> list[bytes]:
         return self.r.mget(keys)
+
+    def count(self) -> int | None:
+        return int(self.r.dbsize())
 
     def remove(self, keys: list[str]) -> None:
         for lo in range(0, len(keys), 10_000):
@@ -326,13 +335,15 @@ def run_metadata(store: Any, tag: str) -> None:
 
 
 def fill(store: Any, tag: str, n: int) -> None:
-    """Put ``n`` objects of 16 bytes (1,000 a batch) and print how long it took."""
+    """Put ``n`` objects of 16 bytes (1,000 a batch); print how long it took and how many
+    objects the store holds afterwards (None where its client cannot count them cheaply)."""
     t0 = time.perf_counter()
     val = b"x" * META_SIZE
     for lo in range(0, n, META_BATCH):
         ks = [f"{tag}/fill/{i}" for i in range(lo, min(n, lo + META_BATCH))]
         store.batch_put(ks, [val] * len(ks))
-    print(json.dumps({"filled": n, "seconds": time.perf_counter() - t0}), flush=True)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"filled": n, "seconds": seconds, "present": store.count()}), flush=True)
 
 
 def main() -> None:
