@@ -1,6 +1,6 @@
 """kvstore side by side with Mooncake Store and Redis, on this machine, in one command.
 
-Run:  .venv/bin/python bench/bench_peers.py [--repeat 3] [--only kvstore,redis]
+Run:  .venv/bin/python bench/bench_peers.py [--repeat 3] [--only kvstore,redis] [--objects N]
 
 What it does, in one run:
 1. installs what it needs outside the repo: a throwaway venv under /tmp with the PyPI wheels
@@ -11,7 +11,13 @@ What it does, in one run:
    with its HTTP metadata server, plus one storage process that mounts a segment), Redis
    (``redis-server``, no persistence);
 3. runs the same workloads against each (bench/peers_worker.py: sizes 4 KiB, 64 KiB, 1 MiB,
-   16 MiB; put/get of bytes, put_from/get_into of buffers, batches of 16), verifying the bytes;
+   16 MiB; put/get of bytes, put_from/get_into of buffers, batches of 16), verifying the bytes.
+   The headline reads touch **distinct keys, each read once**, after the node is warm (what a
+   decode engine does with the blocks a prefill wrote: no location cache or lease helps); reads
+   that reread one hot key again and again (which flatter caches and leases) are a separate,
+   labelled table. Metadata rows: ``batch_put`` / ``batch_get`` of 1,000 x 16 B objects (keys/s),
+   and the master's memory per object: its RSS before and after putting ``--objects`` (1M by
+   default) 16 B objects into a fresh cluster, divided by their number;
    kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
    setting for content-addressed KV blocks: a key located within the master's read lease is
    reread from its node directly), over TCP with every read asking the master
@@ -20,9 +26,10 @@ What it does, in one run:
    kvstore": ``kvstore.client.compat.mooncake`` driven by the very same worker class, calls and
    keys as real Mooncake; its client's default transport, shared memory here; the ratio column
    ``kv-mcapi/mooncake`` compares the two in the same run);
-4. stops everything it started by PID and prints one table: each system's GB/s (bytes per
+4. stops everything it started by PID and prints its tables: each system's GB/s (bytes per
    operation over the median operation time, so that other jobs on a shared machine skew it
-   less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer.
+   less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer;
+   keys/s and master bytes per object for the metadata rows.
    With ``--repeat N`` each cell is the best of N runs.
 """
 
@@ -38,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np  # noqa: F401 - the worker needs it in this venv too
@@ -126,17 +133,20 @@ class Proc:
 
 
 @contextlib.contextmanager
-def kvstore_cluster(tmp: Path) -> Iterator[str]:
-    """``kvstore up --shm``, warmed up (its arena pre-faulted); yields the control address."""
+def kvstore_cluster(tmp: Path) -> Iterator[tuple[str, int]]:
+    """``kvstore up --shm``, warmed up (its arena pre-faulted); yields the control address and
+    the master's PID (``kvstore up`` serves the master in-process, the node is its child)."""
     from kvstore.embedded import EmbeddedCluster
 
     with EmbeddedCluster(str(tmp / "kvstore-data"), str(SEGMENT), ["--shm"]) as cluster:
         cluster.wait_warm(READY_TIMEOUT_S)
-        yield cluster.address
+        yield cluster.address, cluster.pid
 
 
 @contextlib.contextmanager
-def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str]]:
+def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str, int]]:
+    """``mooncake_master`` and a storage process; yields the master's address, the metadata
+    server's URL and the master's PID."""
     rpc, http, metrics = free_port(), free_port(), free_port()
     master_bin = PEERS_VENV / "bin" / "mooncake_master"
     master = Proc(
@@ -166,7 +176,7 @@ def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str]]:
             tmp,
         )
         storage.wait_for("storage ready")
-        yield address, metadata
+        yield address, metadata, master.p.pid
     finally:
         if storage is not None:
             storage.stop()
@@ -190,7 +200,7 @@ store.close()
 
 
 @contextlib.contextmanager
-def redis_server(tmp: Path) -> Iterator[str]:
+def redis_server(tmp: Path) -> Iterator[tuple[str, int]]:
     port = free_port()
     proc = Proc(
         "redis",
@@ -211,7 +221,7 @@ def redis_server(tmp: Path) -> Iterator[str]:
     )
     try:
         proc.wait_for("Ready to accept connections")
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", proc.p.pid
     finally:
         proc.stop()
 
@@ -225,8 +235,10 @@ def _wait_port(port: int, timeout: float = READY_TIMEOUT_S) -> None:
     raise RuntimeError(f"nothing listens on port {port}")
 
 
-def run_worker(python: Path | str, system: str, address: str, metadata: str, tag: str) -> dict:
-    argv = [str(python), str(WORKER), system, "--address", address, "--tag", tag]
+def run_worker(
+    python: Path | str, system: str, address: str, metadata: str, tag: str, *extra: str
+) -> dict:
+    argv = [str(python), str(WORKER), system, "--address", address, "--tag", tag, *extra]
     if metadata:
         argv += ["--metadata", metadata]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
@@ -240,11 +252,53 @@ def run_worker(python: Path | str, system: str, address: str, metadata: str, tag
     return rows
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def master_bytes_per_object(
+    python: Path | str, system: str, address: str, metadata: str, pid: int, n: int
+) -> dict:
+    """The master's RSS before and after putting ``n`` 16 B objects, per object."""
+    before = rss_bytes(pid)
+    out = subprocess.run(
+        [str(python), str(WORKER), system, "--address", address, "--fill", str(n)]
+        + (["--metadata", metadata] if metadata else []),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{system} fill failed:\n{out.stderr[-3000:]}")
+    after = rss_bytes(pid)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    present = report["present"]
+    log(
+        f"{system}: {n} objects put in {report['seconds']:.1f}s, {present} present after; "
+        f"master RSS {before >> 20} -> {after >> 20} MiB"
+    )
+    return {
+        "objects": n,
+        "present": present,
+        "seconds": report["seconds"],
+        "rss_before": before,
+        "rss_after": after,
+        "per_object": (after - before) / n,
+    }
+
+
 # ---------------------------------------------------------------- table
 SYSTEMS = ["kvstore", "kvstore-strict", "kvstore-shm", "kvstore-mcapi", "mooncake", "redis"]
 KVSTORES = [s for s in SYSTEMS if s.startswith("kvstore")]
 #: "Mooncake API on kvstore" (kvstore.client.compat.mooncake) is compared with real Mooncake only.
 PEERS_OF = {"kvstore-mcapi": ("mooncake",)}
+#: Systems whose master memory is measured (one kvstore master serves every kvstore client).
+MEMORY_SYSTEMS = {"kvstore": "kvstore", "mooncake": "mooncake", "redis": "redis"}
+METADATA = ("batch_put", "batch_get")
 
 
 def best(runs: list[dict]) -> dict:
@@ -257,20 +311,34 @@ def best(runs: list[dict]) -> dict:
             else:
                 cur["gbps"] = max(cur["gbps"], r["gbps"])
                 cur["p50_us"] = min(cur["p50_us"], r["p50_us"])
+                cur["keys_s"] = max(cur["keys_s"], r["keys_s"])
     return out
 
 
-def table(results: dict[str, dict]) -> str:
-    present = [s for s in SYSTEMS if s in results]
-    keys = next(iter(results.values())).keys()
-    head = ["workload", "size", *[f"{s} GB/s" for s in present]]
-    ratios = [
+def _ratios(present: Iterable[str]) -> list[tuple[str, str]]:
+    """(kvstore variant, peer) pairs to compare among the systems ``present``."""
+    have = set(present)
+    return [
         (a, b)
         for a in KVSTORES
         for b in PEERS_OF.get(a, ("mooncake", "redis"))
-        if a in results and b in results
+        if a in have and b in have
     ]
-    head += [f"{a.replace('kvstore', 'kv')}/{b}" for a, b in ratios]
+
+
+def _short(name: str) -> str:
+    return name.replace("kvstore", "kv")
+
+
+def table(results: dict[str, dict], hot: bool) -> str:
+    """GB/s per system of the distinct-key rows (``hot=False``) or the hot-key rows."""
+    present = [s for s in SYSTEMS if s in results]
+    keys = [
+        k for k in next(iter(results.values())) if k[0] not in METADATA and ("[hot" in k[0]) == hot
+    ]
+    ratios = _ratios(results)
+    head = ["workload", "size", *[f"{s} GB/s" for s in present]]
+    head += [f"{_short(a)}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
         cells = [k[0], k[1]]
@@ -281,13 +349,48 @@ def table(results: dict[str, dict]) -> str:
             ra, rb = results[a].get(k), results[b].get(k)
             cells.append(f"{ra['gbps'] / rb['gbps']:.2f}x" if ra and rb and rb["gbps"] else "-")
         lines.append("| " + " | ".join(cells) + " |")
-    # Latency of a single 4 KiB get_into.
-    lat = ["single 4KiB get_into p50 (µs)"]
-    for s in present:
-        r = results[s].get(("get_into", "4KiB"))
-        lat.append(f"{s}={r['p50_us']:.0f}" if r else f"{s}=-")
     lines.append("")
-    lines.append(" ".join(lat))
+    suffix = " [hot key]" if hot else ""
+    for op in ("get", "get_into"):
+        lat = [f"single 4KiB {op}{suffix} p50 (µs):"]
+        for s in present:
+            r = results[s].get((op + suffix, "4KiB"))
+            lat.append(f"{s}={r['p50_us']:.0f}" if r else f"{s}=-")
+        lines.append(" ".join(lat))
+    return "\n".join(lines)
+
+
+def metadata_table(results: dict[str, dict], memory: dict[str, dict]) -> str:
+    """keys/s of the 1,000 x 16 B batch rows, and master bytes per object."""
+    # Every kvstore client shares one master: its memory figure stands for all of them.
+    present = [s for s in SYSTEMS if s in results] or [s for s in SYSTEMS if s in memory]
+    ratios = _ratios(present)
+    head = ["metric", *present, *[f"{_short(a)}/{b}" for a, b in ratios]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for op in METADATA:
+        rows = {s: results.get(s, {}).get((op, "1000x16B")) for s in present}
+        cells = [f"{op} 1000x16B (keys/s)"]
+        cells += [f"{rows[s]['keys_s']:,.0f}" if rows[s] else "-" for s in present]
+        for a, b in ratios:
+            ra, rb = rows.get(a), rows.get(b)
+            cells.append(f"{ra['keys_s'] / rb['keys_s']:.2f}x" if ra and rb else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    if memory:
+        n = next(iter(memory.values()))["objects"]
+        per = {s: memory.get("kvstore" if s.startswith("kvstore") else s) for s in present}
+        cells = [f"master bytes/object at {n:,} objects"]
+        cells += [f"{per[s]['per_object']:.0f}" if per[s] else "-" for s in present]
+        for a, b in ratios:
+            pa, pb = per.get(a), per.get(b)
+            cells.append(f"{pa['per_object'] / pb['per_object']:.2f}x" if pa and pb else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+        for s, m in memory.items():
+            if m["present"] is not None and m["present"] != m["objects"]:
+                lines.append(
+                    f"\nNOTE: {s} held {m['present']:,} of the {m['objects']:,} objects after the "
+                    "fill (objects were lost meanwhile, e.g. a node declared dead): its figure "
+                    "is suspect."
+                )
     return "\n".join(lines)
 
 
@@ -295,24 +398,31 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=1, help="best of N runs per cell")
     ap.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated systems")
+    ap.add_argument(
+        "--objects",
+        type=int,
+        default=1_000_000,
+        help="16 B objects put to measure master memory per object (0: skip)",
+    )
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
     ensure_debian_packages()
     peers_python = ensure_peers_venv() if {"mooncake", "redis"} & set(only) else None
     runs: dict[str, list[dict]] = {s: [] for s in only}
+    memory: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvstore-peers-") as tmp_s:
         tmp = Path(tmp_s)
         for rep in range(args.repeat):
             log(f"run {rep + 1}/{args.repeat}, load {os.getloadavg()[0]:.2f}")
             if set(KVSTORES) & set(only):
-                with kvstore_cluster(tmp) as address:
+                with kvstore_cluster(tmp) as (address, _):
                     for s in KVSTORES:
                         if s in only:
                             runs[s].append(run_worker(sys.executable, s, address, "", f"r{rep}"))
             if "mooncake" in only:
                 assert peers_python is not None
                 try:
-                    with mooncake_cluster(tmp, peers_python) as (address, metadata):
+                    with mooncake_cluster(tmp, peers_python) as (address, metadata, _):
                         runs["mooncake"].append(
                             run_worker(peers_python, "mooncake", address, metadata, f"r{rep}")
                         )
@@ -320,15 +430,44 @@ def main() -> None:
                     log(f"mooncake failed: {err}")
             if "redis" in only:
                 assert peers_python is not None
-                with redis_server(tmp) as address:
+                with redis_server(tmp) as (address, _):
                     runs["redis"].append(run_worker(peers_python, "redis", address, "", f"r{rep}"))
+        if args.objects > 0:  # each in a fresh cluster: the figure is the objects', nothing else's
+            n = args.objects
+            if set(KVSTORES) & set(only):
+                with kvstore_cluster(tmp) as (address, pid):
+                    memory["kvstore"] = master_bytes_per_object(
+                        sys.executable, "kvstore", address, "", pid, n
+                    )
+            if "mooncake" in only:
+                assert peers_python is not None
+                try:
+                    with mooncake_cluster(tmp, peers_python) as (address, metadata, pid):
+                        memory["mooncake"] = master_bytes_per_object(
+                            peers_python, "mooncake", address, metadata, pid, n
+                        )
+                except RuntimeError as err:
+                    log(f"mooncake fill failed: {err}")
+            if "redis" in only:
+                assert peers_python is not None
+                with redis_server(tmp) as (address, pid):
+                    memory["redis"] = master_bytes_per_object(
+                        peers_python, "redis", address, "", pid, n
+                    )
     results = {s: best(r) for s, r in runs.items() if r}
     print(
         f"GB/s = bytes per op / median op time; best of {args.repeat} run(s); "
         f"load average {os.getloadavg()[0]:.2f}; "
         f"{os.cpu_count()} cores; loopback; storage in separate processes"
     )
-    print(table(results))
+    if results:
+        print("\n## Headline: distinct keys, each read once, node warm\n")
+        print(table(results, hot=False))
+        print("\n## Hot key: one key (one batch) reread every time (flatters caches and leases)\n")
+        print(table(results, hot=True))
+    if results or memory:
+        print("\n## Metadata: 1,000 x 16 B batches; master memory per object\n")
+        print(metadata_table(results, memory))
 
 
 if __name__ == "__main__":

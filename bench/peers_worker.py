@@ -3,8 +3,15 @@
 Runs the same workloads against kvstore, Mooncake Store, Mooncake's API on kvstore
 (``kvstore.client.compat.mooncake``, driven by the very same ``Mooncake`` class below) or Redis
 and prints one JSON line per
-row: ``{"workload", "size", "gbps", "gbps_mean", "p50_us"}`` (``gbps``: bytes per operation over
-the median operation time; ``gbps_mean``: over the mean). It runs under the Python that has the system's
+row: ``{"workload", "size", "gbps", "gbps_mean", "p50_us", "keys_s"}`` (``gbps``: bytes per
+operation over the median operation time; ``gbps_mean``: over the mean; ``keys_s``: keys per
+operation over the median time).
+
+Reads of the headline rows touch **distinct keys, each once** (what a decode engine does with
+the KV blocks a prefill wrote): no location cache or read lease can help them. The rows marked
+``[hot key]`` reread one key again and again (they flatter caches and leases; kept apart).
+``--fill N`` instead puts N tiny objects and exits (the orchestrator measures the master's
+memory around it). It runs under the Python that has the system's
 client: the repo's venv for kvstore, the throwaway peers venv for Mooncake and Redis. It uses
 only numpy and that client, so it must not import anything else from this repository.
 """
@@ -59,8 +66,24 @@ class Kvstore:
             if not isinstance(r, int):
                 raise RuntimeError(f"batch_get_into: {r!r}")
 
+    def batch_put(self, keys: list[str], values: list[bytes]) -> None:
+        errors = [e for e in self.c.batch_put(keys, values) if e is not None]
+        if errors:
+            raise RuntimeError(f"batch_put: {errors[0]!r}")
+
+    def count(self) -> int | None:
+        return int(self.c.stats()["num_objects"])
+
+    def batch_get(self, keys: list[str]) -> list[bytes]:
+        out = self.c.batch_get(keys)
+        bad = [r for r in out if not isinstance(r, bytes)]
+        if bad:
+            raise RuntimeError(f"batch_get: {bad[0]!r}")
+        return out
+
     def remove(self, keys: list[str]) -> None:
-        self.c.batch_remove(keys)
+        for lo in range(0, len(keys), 10_000):
+            self.c.batch_remove(keys[lo : lo + 10_000])
 
     def close(self) -> None:
         self.c.close()
@@ -122,6 +145,17 @@ class Mooncake:
         if any(n != a.nbytes for n, a in zip(ns, arrs, strict=True)):
             raise RuntimeError(f"mooncake batch_get_into: {ns}")
 
+    def batch_put(self, keys: list[str], values: list[bytes]) -> None:
+        rc = self.s.put_batch(keys, values)
+        if rc != 0:
+            raise RuntimeError(f"mooncake put_batch: {rc}")
+
+    def batch_get(self, keys: list[str]) -> list[bytes]:
+        return list(self.s.get_batch(keys))
+
+    def count(self) -> int | None:
+        return None  # (no cheap count in Mooncake's client API)
+
     def remove(self, keys: list[str]) -> None:
         for k in keys:
             self.s.remove(k)  # may refuse while a read lease is held: memory is sized for it
@@ -163,8 +197,18 @@ class Redis:
         for v, a in zip(self.r.mget(keys), arrs, strict=True):
             a[:] = np.frombuffer(v, dtype=np.uint8)
 
+    def batch_put(self, keys: list[str], values: list[bytes]) -> None:
+        self.r.mset(dict(zip(keys, values, strict=True)))
+
+    def batch_get(self, keys: list[str]) -> list[bytes]:
+        return self.r.mget(keys)
+
+    def count(self) -> int | None:
+        return int(self.r.dbsize())
+
     def remove(self, keys: list[str]) -> None:
-        self.r.delete(*keys)
+        for lo in range(0, len(keys), 10_000):
+            self.r.delete(*keys[lo : lo + 10_000])
 
     def close(self) -> None:
         self.r.close()
@@ -181,7 +225,7 @@ def timed(fn: Callable[[int], object], iters: int, warmup: int = 2) -> list[floa
     return out
 
 
-def emit(workload: str, label: str, per_op_bytes: int, samples: list[float]) -> None:
+def emit(workload: str, label: str, per_op_bytes: int, samples: list[float], keys: int = 1) -> None:
     s = np.array(samples)
     print(
         json.dumps(
@@ -192,6 +236,7 @@ def emit(workload: str, label: str, per_op_bytes: int, samples: list[float]) -> 
                 # Bytes per op over the median op time: robust to other jobs on a shared machine.
                 "gbps": per_op_bytes / float(np.percentile(s, 50)) / 1e9,
                 "p50_us": float(np.percentile(s, 50) * 1e6),
+                "keys_s": keys / float(np.percentile(s, 50)),
             }
         ),
         flush=True,
@@ -211,43 +256,94 @@ def run(store: Any, tag: str) -> None:
         for a in (value, buf, *vals, *bufs):
             store.register(a)
         p = f"{tag}/{label}"
-        used: list[str] = []
 
-        def key(kind: str, i: int, p: str = p) -> str:
-            k = f"{p}/{kind}/{i}"
-            used.append(k)
-            return k
+        def batch_keys(i: int, p: str = p) -> list[str]:
+            return [f"{p}/bp/{i * BATCH + j}" for j in range(BATCH)]
 
-        emit("put", label, size, timed(lambda i: store.put(key("put", i), raw), iters))
-        emit("put_from", label, size, timed(lambda i: store.put_from(key("pf", i), value), iters))
-        probe = key("pf", 0)
-        emit("get", label, size, timed(lambda i: store.get(probe), iters))
-        if store.get(probe) != raw:
-            raise SystemExit(f"{tag}: get returned other bytes at {label}")
-        emit("get_into", label, size, timed(lambda i: store.get_into(probe, buf), iters))
-        if not np.array_equal(buf, value):
-            raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
-
-        def batch_keys(i: int) -> list[str]:
-            return [key("bp", i * BATCH + j) for j in range(BATCH)]
-
+        # Writes: a new key each time (timed() warms up with i = -1, -2: keys of their own).
+        emit("put", label, size, timed(lambda i: store.put(f"{p}/put/{i}", raw), iters))
+        emit("put_from", label, size, timed(lambda i: store.put_from(f"{p}/pf/{i}", value), iters))
         emit(
             f"batch_put_from x{BATCH}",
             label,
             size * BATCH,
             timed(lambda i: store.batch_put_from(batch_keys(i), vals), b_iters),
         )
-        keys = [f"{p}/bp/{j}" for j in range(BATCH)]
+        # Reads, headline: distinct keys, each read once (``get`` reads what ``put`` wrote,
+        # ``get_into`` what ``put_from`` wrote; all hold the same bytes).
+        got: list[bytes] = []
+        emit("get", label, size, timed(lambda i: got.append(store.get(f"{p}/put/{i}")), iters))
+        if any(g != raw for g in got):
+            raise SystemExit(f"{tag}: get returned other bytes at {label}")
+        got.clear()
+        emit("get_into", label, size, timed(lambda i: store.get_into(f"{p}/pf/{i}", buf), iters))
+        if not np.array_equal(buf, value):
+            raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
         emit(
             f"batch_get_into x{BATCH}",
             label,
             size * BATCH,
-            timed(lambda i: store.batch_get_into(keys, bufs), b_iters),
+            timed(lambda i: store.batch_get_into(batch_keys(i), bufs), b_iters),
         )
         if not all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True)):
             raise SystemExit(f"{tag}: batch_get_into returned other bytes at {label}")
-        store.remove(sorted(set(used)))
+        # Reads, hot key: one key (one batch) reread every time.
+        probe = f"{p}/pf/0"
+        emit("get [hot key]", label, size, timed(lambda i: store.get(probe), iters))
+        if store.get(probe) != raw:
+            raise SystemExit(f"{tag}: get returned other bytes at {label}")
+        emit("get_into [hot key]", label, size, timed(lambda i: store.get_into(probe, buf), iters))
+        if not np.array_equal(buf, value):
+            raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
+        hot = batch_keys(0)
+        emit(
+            f"batch_get_into x{BATCH} [hot keys]",
+            label,
+            size * BATCH,
+            timed(lambda i: store.batch_get_into(hot, bufs), b_iters),
+        )
+        written = [f"{p}/{kind}/{i}" for kind in ("put", "pf") for i in range(-2, iters)]
+        written += [k for i in range(-2, b_iters) for k in batch_keys(i)]
+        store.remove(written)
         store.release()
+    run_metadata(store, tag)
+
+
+META_BATCH = 1000
+META_SIZE = 16
+META_ITERS = 30
+
+
+def run_metadata(store: Any, tag: str) -> None:
+    """``batch_put`` / ``batch_get`` of 1,000 tiny objects: what the metadata path sustains."""
+    vals = [bytes([i % 251]) * META_SIZE for i in range(META_BATCH)]
+
+    def keys(i: int) -> list[str]:
+        return [f"{tag}/meta/{i}/{j}" for j in range(META_BATCH)]
+
+    def put(i: int) -> None:
+        store.batch_put(keys(i), vals)
+
+    def get(i: int) -> None:
+        if store.batch_get(keys(i)) != vals:
+            raise SystemExit(f"{tag}: batch_get returned other bytes")
+
+    label = f"{META_BATCH}x{META_SIZE}B"
+    emit("batch_put", label, META_BATCH * META_SIZE, timed(put, META_ITERS), keys=META_BATCH)
+    emit("batch_get", label, META_BATCH * META_SIZE, timed(get, META_ITERS), keys=META_BATCH)
+    store.remove([k for i in range(-2, META_ITERS) for k in keys(i)])
+
+
+def fill(store: Any, tag: str, n: int) -> None:
+    """Put ``n`` objects of 16 bytes (1,000 a batch); print how long it took and how many
+    objects the store holds afterwards (None where its client cannot count them cheaply)."""
+    t0 = time.perf_counter()
+    val = b"x" * META_SIZE
+    for lo in range(0, n, META_BATCH):
+        ks = [f"{tag}/fill/{i}" for i in range(lo, min(n, lo + META_BATCH))]
+        store.batch_put(ks, [val] * len(ks))
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"filled": n, "seconds": seconds, "present": store.count()}), flush=True)
 
 
 def main() -> None:
@@ -259,6 +355,7 @@ def main() -> None:
     ap.add_argument("--address", required=True)
     ap.add_argument("--metadata", default="")
     ap.add_argument("--tag", default="run")
+    ap.add_argument("--fill", type=int, default=0, help="only put this many 16 B objects")
     args = ap.parse_args()
     if args.system == "kvstore-mcapi":
         store: Any = Mooncake(args.address, args.metadata, compat=True)
@@ -275,7 +372,10 @@ def main() -> None:
     else:
         store = Redis(args.address)
     try:
-        run(store, args.tag)
+        if args.fill:
+            fill(store, args.tag, args.fill)
+        else:
+            run(store, args.tag)
     finally:
         store.close()
     sys.stdout.flush()

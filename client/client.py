@@ -20,6 +20,7 @@ from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import ReadItem, WriteItem
 from kvstore.config import Address, encode_key
@@ -45,7 +46,9 @@ SPECULATE_MAX_BYTES = 2 << 20
 #: Lease reads stop trusting a cached answer this long (or a quarter of the lease, if less) before
 #: its lease ends as seen from here: room for the request still to reach the node in time.
 LEASE_MARGIN_S = 0.5
-_IDEMPOTENT = frozenset({"get_locations", "exists", "stats", "ping", "node_transports"})
+_IDEMPOTENT = frozenset(
+    {"get_locations", "exists", "stats", "ping", "node_transports", "release_leases"}
+)
 
 
 def checksum(view: memoryview) -> int:
@@ -64,6 +67,8 @@ class _ControlChannel:
     """
 
     epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
+    #: Finished reads' leases, carried back on every request (see kvstore.client.releases).
+    releases: LeaseReturns | None = None
     #: Idle connections kept for reuse (more are opened while more threads call at once).
     MAX_IDLE = 4
 
@@ -129,6 +134,8 @@ class _ControlChannel:
             KVStoreError: whatever the master answered.
         """
         deadline = time.monotonic() + self.timeout
+        if self.releases is not None:
+            args = self.releases.attach(args)
         while True:
             conn, reused = self._acquire(deadline)
             try:
@@ -163,6 +170,8 @@ class _ControlChannel:
             Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
         """
         deadline = time.monotonic() + self.timeout
+        if self.releases is not None:
+            args = self.releases.attach(args)
         conn: protocol.FramedSocket | None = None
         try:
             conn, _ = self._acquire(deadline)
@@ -292,7 +301,11 @@ class Client:
         self._data = DataPath(
             timeout, lambda: self._control.call("node_transports", {}), shm=shm, token=token
         )
-        self._cache = LocationCache()
+        #: Leases of finished reads on their way back to the master (kvstore.client.releases).
+        self._returns = LeaseReturns(lambda t: self._control.call("release_leases", {"tokens": t}))
+        control.releases = self._returns
+        # With lease reads the cache owns the leases of the answers it keeps (see locations.py).
+        self._cache = LocationCache(give_back=self._returns.give_back if lease_reads else None)
         #: Seconds a get_locations answer may be reused without the master (0: never); set
         #: from the master's ``ping`` at connect when ``lease_reads`` is asked for.
         self._lease_window = 0.0
@@ -326,6 +339,10 @@ class Client:
                 checksum is checked), but another client's overwrite or remove may be seen up
                 to one lease (``lease_s``, 5 s by default) late. Right for content-addressed
                 keys such as KV blocks; this client's own puts and removes are seen at once.
+                Such a client keeps the read lease of each answer it caches until that cache
+                entry ends (see :mod:`kvstore.client.locations`); without lease reads every
+                read gives its leases back as soon as it is done
+                (:mod:`kvstore.client.releases`).
 
         Raises:
             InvalidRequestError: a malformed address or token.
@@ -361,6 +378,7 @@ class Client:
             self._lease_window = lease_s - min(LEASE_MARGIN_S, lease_s / 4)
 
     def close(self) -> None:
+        self._returns.close()
         self._control.close()
         self._data.close()
 
@@ -656,8 +674,11 @@ class Client:
         lease_until, generation = self._lookup_stamp()
         if not guesses or guessed_bytes > SPECULATE_MAX_BYTES:
             infos = self._locations(wire_keys)
-            self._cache.put_many(wire_keys, infos, lease_until, generation)
-            self._read_objects(infos, dests, index, results)
+            done_with = self._cache.put_many(wire_keys, infos, lease_until, generation)
+            try:
+                self._read_objects(infos, dests, index, results)
+            finally:
+                self._returns.give_back(done_with)
             return
         reply, _ = _call_overlapped(
             self._control,
@@ -666,7 +687,22 @@ class Client:
             lambda: self._data.read(list(guesses.values())),
         )
         infos = self._decode_locations(reply)
-        self._cache.put_many(wire_keys, infos, lease_until, generation)
+        done_with = self._cache.put_many(wire_keys, infos, lease_until, generation)
+        try:
+            self._confirm_guesses(infos, cached, guesses, dests, index, results)
+        finally:
+            self._returns.give_back(done_with)
+
+    def _confirm_guesses(
+        self,
+        infos: list[ObjectInfo | KVStoreError],
+        cached: list[ObjectInfo | None],
+        guesses: dict[int, ReadItem],
+        dests: list[memoryview],
+        index: list[int],
+        results: list[Any],
+    ) -> None:
+        """Accept the speculative reads the master's fresh answers confirm; redo the others."""
         redo: list[int] = []
         for j, info in enumerate(infos):
             item = guesses.get(j)
@@ -776,31 +812,40 @@ class Client:
         if self._lease_window:
             infos = list(self._cache.leased_many(wire_keys, time.monotonic()))
             leased = [j for j, info in enumerate(infos) if info is not None]
-        self._locate_missing(wire_keys, infos)
-        self._read_fresh(infos, index, results)  # type: ignore[arg-type]
-        # A leased answer that failed (node gone, grant refused, bytes changed): ask the master.
-        redo = [j for j in leased if isinstance(results[index[j]], KVStoreError)]
-        if redo:
-            keys = [wire_keys[j] for j in redo]
-            self._cache.forget(keys)
-            fresh: list[ObjectInfo | KVStoreError | None] = [None] * len(redo)
-            self._locate_missing(keys, fresh)
-            self._read_fresh(fresh, [index[j] for j in redo], results)  # type: ignore[arg-type]
+        done_with = self._locate_missing(wire_keys, infos)
+        try:
+            self._read_fresh(infos, index, results)  # type: ignore[arg-type]
+            # A leased answer that failed (node gone, grant refused, bytes changed): ask the
+            # master.
+            redo = [j for j in leased if isinstance(results[index[j]], KVStoreError)]
+            if redo:
+                keys = [wire_keys[j] for j in redo]
+                self._cache.forget(keys)
+                fresh: list[ObjectInfo | KVStoreError | None] = [None] * len(redo)
+                done_with += self._locate_missing(keys, fresh)
+                self._read_fresh(fresh, [index[j] for j in redo], results)  # type: ignore[arg-type]
+        finally:
+            self._returns.give_back(done_with)
         return results
 
     def _locate_missing(
         self, wire_keys: list[bytes], infos: list[ObjectInfo | KVStoreError | None]
-    ) -> None:
-        """Fill the None entries of ``infos`` from the master (and remember the answers)."""
+    ) -> list[int]:
+        """Fill the None entries of ``infos`` from the master (and remember the answers).
+
+        Returns:
+            The lease tokens the caller gives back once its read is done.
+        """
         missing = [j for j, info in enumerate(infos) if info is None]
         if not missing:
-            return
+            return []
         keys = wire_keys if len(missing) == len(wire_keys) else [wire_keys[j] for j in missing]
         lease_until, generation = self._lookup_stamp()
         got = self._locations(keys)
-        self._cache.put_many(keys, got, lease_until, generation)
+        done_with = self._cache.put_many(keys, got, lease_until, generation)
         for j, info in zip(missing, got, strict=True):
             infos[j] = info
+        return done_with
 
     def _read_fresh(
         self, infos: list[ObjectInfo | KVStoreError], index: list[int], results: list[Any]
@@ -884,12 +929,22 @@ class Client:
         """Where an object lives, with a read lease (its grants expire with the lease).
 
         Pair with :meth:`read_located`; a read after the lease ended fails with
-        GrantInvalidError instead of returning bytes that may have been reused.
+        GrantInvalidError instead of returning bytes that may have been reused. The caller owns
+        the lease: give it back with :meth:`release_lease` once done (else the master holds the
+        object and any space freed under it until the lease runs out).
 
         Raises:
             KeyNotFoundError, InvalidRequestError.
         """
         return _raise_if_error(self._locations([encode_key(key)])[0])
+
+    def release_lease(self, info: ObjectInfo) -> None:
+        """Give back the read lease of an answer of :meth:`locate` (reads of it are done).
+
+        It travels with this client's next request to the master, or on its own shortly
+        after; giving one back twice changes nothing.
+        """
+        self._returns.give_back([info.lease])
 
     def read_located(self, info: ObjectInfo, buffer: Any) -> int:
         """Read an object located earlier by :meth:`locate` into ``buffer``; returns its size.

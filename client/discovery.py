@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvstore import auth, protocol
+from kvstore.client.releases import LeaseReturns
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
 from kvstore.errors import (
@@ -48,6 +49,8 @@ class LeaderChannel:
     """
 
     MAX_IDLE = 4
+    #: Finished reads' leases, carried back on every request (see kvstore.client.releases).
+    releases: LeaseReturns | None = None
 
     def __init__(
         self,
@@ -128,6 +131,8 @@ class LeaderChannel:
         """
         deadline = time.monotonic() + self.failover_timeout
         backoff = 0.02
+        if self.releases is not None:
+            args = self.releases.attach(args)  # (a retry carries them again: harmless)
         while True:
             conn: protocol.FramedSocket | None = None
             known: int | None = self.epoch

@@ -152,17 +152,25 @@ class KVCache:
             args["locate"] = False
         reply = self.client._control.call("kv_match", args)
         blocks: list[_Block] = []
+        unused: list[int] = []  # leases of blocks past a gap: not read, given back at once
         num_tokens = 0
         for key, n, r in reply["blocks"]:
             if r is None:  # asked without locations: the index's answer is the answer
                 num_tokens += n
                 continue
             err, payload = result_from_wire(r)
-            if err is not None:
-                break  # vanished between index and table: a shorter hit is still correct
+            if err is not None or unused:
+                # Vanished between index and table: a shorter hit is still correct.
+                unused.append(ObjectInfo.from_wire(payload).lease if err is None else 0)
+                continue
             blocks.append(_Block(key, n, ObjectInfo.from_wire(payload)))
             num_tokens += n
+        self.client._returns.give_back(unused)
         return num_tokens, blocks
+
+    def _give_back(self, blocks: list[_Block]) -> None:
+        """The reads of ``blocks`` are done: their read leases go back to the master."""
+        self.client._returns.give_back(b.info.lease for b in blocks)
 
     def lookup(self, tokens: Any) -> int:
         """Leading tokens of ``tokens`` whose KV is cached (token-granular).
@@ -289,7 +297,8 @@ class KVCache:
         views = self._layer_views(layers, num_full * bs, writable=False)
         if num_full == 0:
             return 0
-        cached, _ = self._match(tok[: num_full * bs])
+        cached, matched = self._match(tok[: num_full * bs])
+        self._give_back(matched)  # only the length was wanted
         first_new = cached // bs
         num_new = num_full - first_new
         if num_new == 0:
@@ -405,7 +414,10 @@ class KVCache:
         num_tokens, blocks = self._match(tok)
         if not blocks:
             return 0
-        reads = self._read_blocks(blocks, range(self.namespace.num_layers))
+        try:
+            reads = self._read_blocks(blocks, range(self.namespace.num_layers))
+        finally:
+            self._give_back(blocks)
         bs = self.namespace.block_size
         loaded = 0
         for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
@@ -434,25 +446,33 @@ class KVCache:
         num_tokens, blocks = self._match(tok)
         bs = self.namespace.block_size
         pending = self._prefetch.submit(self._read_blocks, blocks, range(0, 1)) if blocks else None
-        for layer in range(self.namespace.num_layers):
-            if pending is None:
-                break
-            reads = pending.result()
-            failure = next((r.error for r in reads if r.error is not None), None)
-            if failure is not None:
-                raise failure
-            nxt = layer + 1
-            pending = (
-                self._prefetch.submit(self._read_blocks, blocks, range(nxt, nxt + 1))
-                if nxt < self.namespace.num_layers
-                else None
-            )
-            k, v = views[layer]
-            for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
-                k[i * bs : i * bs + b.num_tokens] = read.planes[0, 0, : b.num_tokens]
-                v[i * bs : i * bs + b.num_tokens] = read.planes[0, 1, : b.num_tokens]
-            kx, vx = layers_out[layer]
-            yield layer, kx[:num_tokens], vx[:num_tokens]
+        try:
+            for layer in range(self.namespace.num_layers):
+                if pending is None:
+                    break
+                reads = pending.result()
+                pending = None
+                failure = next((r.error for r in reads if r.error is not None), None)
+                if failure is not None:
+                    raise failure
+                nxt = layer + 1
+                pending = (
+                    self._prefetch.submit(self._read_blocks, blocks, range(nxt, nxt + 1))
+                    if nxt < self.namespace.num_layers
+                    else None
+                )
+                k, v = views[layer]
+                for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
+                    k[i * bs : i * bs + b.num_tokens] = read.planes[0, 0, : b.num_tokens]
+                    v[i * bs : i * bs + b.num_tokens] = read.planes[0, 1, : b.num_tokens]
+                kx, vx = layers_out[layer]
+                yield layer, kx[:num_tokens], vx[:num_tokens]
+        finally:
+            # The reads are done (or abandoned: a read still in flight ends within the client's
+            # timeout; giving its leases back early only risks a checksum failure there).
+            if pending is not None:
+                pending.cancel()
+            self._give_back(blocks)
 
     def close(self) -> None:
         self._prefetch.shutdown(wait=True)

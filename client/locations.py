@@ -20,11 +20,19 @@ after the lease ends), so the bytes at the cached location are exactly the objec
 named, and their checksum is still checked. The price is staleness: another client's overwrite or
 remove is seen up to one lease (``lease_s``, 5 s by default) late. Content-addressed keys (KV
 blocks: the same key always holds the same bytes) never see the difference.
+
+Who gives a lease back (see :mod:`kvstore.client.releases`): without lease reads, the read that
+asked for an answer, once it is done (the cache keeps the answer only as a guess, and a guess
+needs no lease). With lease reads, an answer the cache keeps takes its lease along: the cache
+gives it back when the entry ends (a newer answer for the key replaces it, this client's own
+put or remove or a failed read forgets it, or the cache starts over when full), so rereads
+within the lease stay safe; an answer it does not keep is given back by its read.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
 
 from kvstore.types import Location, ObjectInfo
 
@@ -50,10 +58,21 @@ class LocationCache:
     """key -> last ObjectInfo the master returned, and until when its read lease holds.
 
     Thread-safe; bounded.
+
+    Args:
+        max_entries: entries kept before the cache starts over.
+        give_back: where leases go that this cache owned and no longer needs; None: the cache
+            owns no leases (without lease reads: its answers are guesses, their reads give the
+            leases back).
     """
 
-    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+    def __init__(
+        self,
+        max_entries: int = MAX_ENTRIES,
+        give_back: Callable[[Iterable[int]], None] | None = None,
+    ) -> None:
         self.max_entries = max_entries
+        self._give_back = give_back
         self._infos: dict[bytes, tuple[ObjectInfo, float]] = {}
         self._lock = threading.Lock()
         # Bumped by every forget: an answer asked for before a forget may predate the write
@@ -76,7 +95,7 @@ class LocationCache:
         infos: list[object],
         lease_until: float = 0.0,
         generation: int | None = None,
-    ) -> None:
+    ) -> list[int]:
         """Remember every ObjectInfo in ``infos``; forget keys whose answer was an error.
 
         Args:
@@ -84,25 +103,61 @@ class LocationCache:
                 holds, as seen from here (0: no lease to rely on).
             generation: :attr:`generation` when the answers were asked for; if a forget came
                 since (this client wrote or removed something), the answers are not kept.
+
+        Returns:
+            The lease tokens of ``infos`` the cache did not take over: the caller gives them
+            back once its read is done.
         """
+        owns = self._give_back is not None
+        taken: set[int] = set()
+        dropped: list[int] = []
         with self._lock:
             if generation is not None and generation != self.generation:
                 for k in keys:
-                    self._infos.pop(k, None)
-                return
-            if len(self._infos) + len(keys) > self.max_entries:
-                self._infos.clear()
-            for k, info in zip(keys, infos, strict=True):
-                if isinstance(info, ObjectInfo) and info.locations:
-                    self._infos[k] = (info, lease_until)
-                else:
-                    self._infos.pop(k, None)
+                    old = self._infos.pop(k, None)
+                    if old is not None:
+                        dropped.append(old[0].lease)
+            else:
+                if len(self._infos) + len(keys) > self.max_entries:
+                    dropped.extend(info.lease for info, _ in self._infos.values())
+                    self._infos.clear()
+                for k, info in zip(keys, infos, strict=True):
+                    if isinstance(info, ObjectInfo) and info.locations:
+                        old = self._infos.get(k)
+                        self._infos[k] = (info, lease_until)
+                        if owns:
+                            taken.add(info.lease)
+                    else:
+                        old = self._infos.pop(k, None)
+                    if old is not None:
+                        dropped.append(old[0].lease)
+        if owns and dropped:
+            self._give_back(dropped)  # type: ignore[misc]
+        return [
+            info.lease
+            for info in infos
+            if isinstance(info, ObjectInfo) and info.lease and info.lease not in taken
+        ]
 
     def forget(self, keys: list[bytes]) -> None:
+        dropped: list[int] = []
         with self._lock:
             self.generation += 1
             for k in keys:
-                self._infos.pop(k, None)
+                old = self._infos.pop(k, None)
+                if old is not None:
+                    dropped.append(old[0].lease)
+        if self._give_back is not None and dropped:
+            self._give_back(dropped)
+
+    def clear(self) -> None:
+        """Forget everything (giving owned leases back)."""
+        with self._lock:
+            self.generation += 1
+            dropped = [info.lease for info, _ in self._infos.values()]
+            self._infos.clear()
+        if self._give_back is not None and dropped:
+            self._give_back(dropped)
 
     def __len__(self) -> int:
         return len(self._infos)

@@ -51,20 +51,32 @@ class PutTicket:
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
-    """A committed object: its size, checksum (xxh3_64) and replicas."""
+    """A committed object: its size, checksum (xxh3_64) and replicas.
+
+    ``lease`` names the read lease the master took for this answer (0: none): the reader gives
+    it back (``release_leases``) once it is done reading, so the master need not wait for the
+    lease to run out before it evicts the object or reuses space freed under it.
+    """
 
     size: int
     checksum: int
     locations: list[Location]
+    lease: int = 0
 
     def to_wire(self) -> list[Any]:
-        return [self.size, self.checksum, [loc.to_wire() for loc in self.locations]]
+        out = [self.size, self.checksum, [loc.to_wire() for loc in self.locations]]
+        if self.lease:
+            out.append(self.lease)
+        return out
 
     @staticmethod
     def from_wire(obj: Any) -> ObjectInfo:
-        if not isinstance(obj, list) or len(obj) != 3:
-            raise ProtocolError("object info must be [size, checksum, locations]")
-        return ObjectInfo(int(obj[0]), int(obj[1]), [Location.from_wire(x) for x in obj[2]])
+        if not isinstance(obj, list) or len(obj) not in (3, 4):
+            raise ProtocolError("object info must be [size, checksum, locations(, lease)]")
+        lease = obj[3] if len(obj) == 4 else 0
+        if not isinstance(lease, int) or isinstance(lease, bool) or lease < 0:
+            raise ProtocolError("an object's lease token must be an unsigned integer")
+        return ObjectInfo(int(obj[0]), int(obj[1]), [Location.from_wire(x) for x in obj[2]], lease)
 
 
 @dataclass(frozen=True, slots=True)

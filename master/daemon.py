@@ -99,7 +99,10 @@ class Master:
                 if isinstance(i, ObjectInfo)
             ]
             svc.prompt_metas.to_fetch.difference_update(keys)
-            fetched = await asyncio.to_thread(fetch_objects, infos, self.control.token)
+            try:
+                fetched = await asyncio.to_thread(fetch_objects, infos, self.control.token)
+            finally:  # the reads are done: their leases go back at once
+                svc.release_leases([i.lease for _, i in infos if i.lease])
             svc.prompt_metas.add_fetched(fetched)
             done = svc.restore_prefix_index()
             if done:

@@ -58,7 +58,12 @@ LATENCY_BUCKETS = (
 #: The first path present wins; none present reads as zero, so every series exists from the first
 #: scrape. Paths follow the tier/lease/replication work's stats (``eviction``, ``replication``).
 _STATS_FIGURES: tuple[tuple[str, str, str, tuple[tuple[str, ...], ...]], ...] = (
-    ("kvstore_leases_held", "gauge", "Read leases currently held", (("num_leases",),)),
+    (
+        "kvstore_leases_held",
+        "gauge",
+        "Read leases currently held",
+        (("num_leases",), ("leases", "num_outstanding")),
+    ),
     ("kvstore_pins_held", "gauge", "Objects pinned now", (("num_pins",), ("num_pinned",))),
     (
         "kvstore_replication_backlog",

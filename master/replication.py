@@ -208,7 +208,7 @@ class Replicator:
             if task.purpose == PURPOSE_DRAIN and task.src in obj.replicas:
                 obj.replicas[obj.replicas.index(task.src)] = task.dst
                 svc.attach(obj.key, task.dst)
-                svc.release(task.src, hold_until=svc.hold_until(obj, now))
+                svc.release(task.src, hold_until=svc.hold_until(obj, now), lease_of=obj)
                 self.num_drained += 1
             else:
                 obj.replicas.append(task.dst)

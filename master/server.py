@@ -36,6 +36,7 @@ from kvstore.master.events import (
     Resync,
     event_to_wire,
 )
+from kvstore.master.leases import check_lease_tokens
 from kvstore.master.prefix import check_prompt_size
 from kvstore.master.service import MasterService
 from kvstore.polling import LoopAwake
@@ -174,6 +175,19 @@ def _get_locations(svc: MasterService, args: dict[str, Any]) -> Any:
     return [
         result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.get_locations(k))
     ]
+
+
+def _release_leases(svc: MasterService, args: dict[str, Any]) -> Any:
+    return svc.release_leases(_list(args, "tokens", int))
+
+
+def _take_releases(svc: MasterService, args: dict[str, Any]) -> None:
+    """Give back the read leases piggybacked on a request (``release``: tokens of leases the
+    caller is done with), before its verb runs. A malformed list refuses the whole request."""
+    if "release" in args:
+        tokens = check_lease_tokens(args["release"], svc.config.max_batch)
+        del args["release"]
+        svc.release_leases(tokens)
 
 
 def _exists(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -346,6 +360,7 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
     "put_end": _put_end,
     "put_revoke": _put_revoke,
     "get_locations": _get_locations,
+    "release_leases": _release_leases,
     "exists": _exists,
     "remove": _remove,
     "list_keys": _list_keys,
@@ -377,6 +392,7 @@ def dispatch(
     try:
         if handler is None:
             raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
+        _take_releases(svc, request.args)
         result = handler(svc, request.args)
         return protocol.encode_response(request.req_id, result)
     except Exception as exc:  # noqa: BLE001 - every failure is an error frame, never a hang-up
@@ -411,6 +427,7 @@ CHUNKED: dict[str, dict[str, type | None]] = {
     "put_end": {"put_ids": int, "checksums": int},
     "put_revoke": {"put_ids": int},
     "get_locations": {"keys": None},
+    "release_leases": {"tokens": int},
     "exists": {"keys": None},
     "remove": {"keys": None},
     "pin": {"keys": None},
@@ -510,6 +527,8 @@ async def dispatch_bounded(
     (bounded work per turn: one client's 65,536-key batch does not stall the others)."""
     started, code, delegated = time.perf_counter(), 0, False
     try:
+        if request.verb in HANDLERS:
+            _take_releases(svc, request.args)
         if _is_large_kv_match(request):
             packed = await _serve_kv_match(svc, request)
         else:

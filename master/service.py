@@ -57,7 +57,15 @@ from kvstore.master.events import (
     EVENT_REMOVED,
     EventLog,
 )
-from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, DeferredFrees, check_pin_ttl
+from kvstore.master.leases import (
+    PIN_HARD,
+    PIN_NONE,
+    PIN_SOFT,
+    DeferredFrees,
+    ReadLeases,
+    check_lease_tokens,
+    check_pin_ttl,
+)
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
@@ -171,7 +179,8 @@ class ObjectMeta:
     last_access: float = 0.0
     hits: int = 0
     hits_since_move: int = 0
-    lease_until: float = 0.0  # monotonic; readers hold grants until then
+    lease_until: float = 0.0  # monotonic; readers hold grants until then (0: all given back)
+    readers: int = 0  # leases outstanding (see leases.ReadLeases): leased while > 0
     pin: int = PIN_NONE
     pin_until: float = 0.0
     busy: int = 0  # id of the move/copy task in flight, 0 when none
@@ -221,6 +230,7 @@ class MasterService:
         # Hits by the tier of the replica a reader tries first (metrics read these, cheaply).
         self.hits_by_tier: collections.Counter[str] = collections.Counter()
         self.deferred = DeferredFrees()
+        self.leases = ReadLeases()
         self.tasks = TaskBook()
         self.tiering = TierManager(self, tiers or TierConfig())
         self.replication = Replicator(self)
@@ -538,7 +548,9 @@ class MasterService:
             now = self.clock()
             old = self.objects.get(put.key)
             if old is not None:
-                self._free_replicas(old.replicas, hold_until=self.hold_until(old, now))
+                self._free_replicas(
+                    old.replicas, hold_until=self.hold_until(old, now), lease_of=old
+                )
             self.objects[put.key] = ObjectMeta(
                 put.key,
                 put.size,
@@ -582,9 +594,14 @@ class MasterService:
         del self.pending_by_key[put.key]
         self._free_replicas(put.replicas)
 
-    def _free_replicas(self, replicas: Iterable[Replica], hold_until: float = 0.0) -> None:
+    def _free_replicas(
+        self,
+        replicas: Iterable[Replica],
+        hold_until: float = 0.0,
+        lease_of: ObjectMeta | None = None,
+    ) -> None:
         for r in replicas:
-            self.release(r, hold_until)
+            self.release(r, hold_until, lease_of)
 
     # ================================================================ replica bookkeeping
     def attach(self, key: bytes, replica: Replica) -> None:
@@ -593,15 +610,18 @@ class MasterService:
         if node is not None:
             node.segments[replica.segment].holding[replica.offset] = key
 
-    def release(self, replica: Replica, hold_until: float = 0.0) -> None:
-        """Free a replica's space: now, or once ``hold_until`` (a lease's end) has passed."""
+    def release(
+        self, replica: Replica, hold_until: float = 0.0, lease_of: ObjectMeta | None = None
+    ) -> None:
+        """Free a replica's space: now, or once ``hold_until`` (a lease's end) has passed or
+        every lease of ``lease_of`` (the object it belonged to) was given back."""
         node = self.nodes.get(replica.node_id)
         if node is None:
             return  # the node is gone and its allocator with it
         seg = node.segments[replica.segment]
         seg.holding.pop(replica.offset, None)
         if hold_until > self.clock():
-            self.deferred.hold(hold_until, node, replica)
+            self.deferred.hold(hold_until, node, replica, lease_of)
             return
         self._free_now(node, replica)
 
@@ -636,7 +656,7 @@ class MasterService:
         elif len(obj.replicas) < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
             obj.replicas_wanted = len(obj.replicas)
-        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0)
+        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
 
     def node_transports(self) -> dict[str, dict[str, object]]:
         """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
@@ -646,16 +666,21 @@ class MasterService:
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:
         """Where each committed object lives, with read grants and a read lease.
 
-        Until the lease ends (``lease_s``) the object is not evicted and space it occupies is
-        not reused; the read grants expire with it, so a read after that fails cleanly.
+        Until the lease ends (``lease_s``) or is given back (:meth:`release_leases`, with the
+        token in ``ObjectInfo.lease``) the object is not evicted and space it occupies is not
+        reused; the read grants expire with it, so a read after that fails cleanly.
+
+        Raises:
+            InvalidRequestError: a batch over the limit.
         """
         self._check_batch(keys)
         lease_s = self.tiering.config.lease_s
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
+        found = [self.objects.get(key) for key in keys]
+        first_token = self.leases.grant(found, now + lease_s)
         results: list[ObjectInfo | KVStoreError] = []
-        for key in keys:
-            obj = self.objects.get(key)
+        for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
             if obj is None:
                 self.num_misses += 1
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
@@ -666,8 +691,39 @@ class MasterService:
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
             locs = [self._location(r, key, grants.OP_READ, expires) for r in obj.replicas]
-            results.append(ObjectInfo(obj.size, obj.checksum, locs))
+            results.append(ObjectInfo(obj.size, obj.checksum, locs, first_token + i))
         return results
+
+    def release_leases(self, tokens: object) -> list[bool]:
+        """Give read leases back: the reads they covered are done.
+
+        An object none of whose leases is outstanding any more may be evicted, and space freed
+        under it (a remove, an overwrite, a move) is freed now. A token released twice, after
+        its lease ended or never issued by this master changes nothing.
+
+        Returns:
+            Per token whether it ended a lease.
+
+        Raises:
+            InvalidRequestError: not a list of lease tokens, or over the batch limit (nothing
+                is released).
+        """
+        checked = check_lease_tokens(tokens, self.config.max_batch)
+        ended, emptied = self.leases.release(checked)
+        now = self.clock()
+        for obj in emptied:
+            self._lease_ended(obj, now)
+        return ended
+
+    def _lease_ended(self, obj: ObjectMeta, now: float) -> None:
+        """No lease of ``obj`` is outstanding: it may be evicted, its held space freed."""
+        obj.lease_until = 0.0
+        # A lease that ran out without being given back may still have a read on its way to a
+        # node whose clock lags ours: space waits out the grace after its end, as before.
+        not_before = self.leases.last_unreleased_end + self.tiering.config.lease_grace_s
+        for owner, replica in self.deferred.release_for(obj, not_before if not_before > now else 0):
+            if self.nodes.get(owner.node_id) is owner:
+                self._free_now(owner, replica)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is committed. Takes no lease and changes nothing."""
@@ -683,7 +739,9 @@ class MasterService:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
             else:
                 # A reader holding a lease finishes on intact bytes; the space waits for it.
-                self._free_replicas(obj.replicas, hold_until=self.hold_until(obj, self.clock()))
+                self._free_replicas(
+                    obj.replicas, hold_until=self.hold_until(obj, self.clock()), lease_of=obj
+                )
                 self.prefix.forget(key)
                 results.append(None)
         return results
@@ -790,6 +848,8 @@ class MasterService:
     def tick(self) -> None:
         """Background work: free space whose leases ended, settle late tasks, evict, replicate."""
         now = self.clock()
+        for obj in self.leases.expire(now):
+            self._lease_ended(obj, now)
         for owner, replica in self.deferred.due(now):
             if self.nodes.get(owner.node_id) is not owner:
                 continue  # the node died or re-registered: that allocator is gone
@@ -921,6 +981,8 @@ class MasterService:
             "num_hits": self.num_hits,
             "num_misses": self.num_misses,
             "num_held_frees": len(self.deferred),
+            "held_bytes": self.deferred.held_bytes(),
+            "leases": self.leases.stats(),
             "num_pinned": sum(
                 1 for o in self.objects.values() if o.pin != PIN_NONE and o.pin_until > self.clock()
             ),

@@ -383,7 +383,7 @@ class TierManager:
         if ok and same and task.src in obj.replicas:
             obj.replicas[obj.replicas.index(task.src)] = task.dst
             self.svc.attach(obj.key, task.dst)
-            self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now))
+            self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now), lease_of=obj)
             self.svc.prefix.moved(obj.key, task.src.tier, task.dst.tier)
             obj.hits_since_move = 0
             if task.purpose == PURPOSE_DEMOTE:

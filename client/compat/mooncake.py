@@ -608,7 +608,9 @@ class MooncakeDistributedStore:
         if client is None:
             return ErrorCodes.INTERNAL_ERROR
         try:
-            return client.locate(key).size
+            info = client.locate(key)
+            client.release_lease(info)  # only its size was wanted
+            return info.size
         except KVStoreError as err:
             return _code(err)
 
