@@ -18,7 +18,8 @@ Response headers say what the router saw: ``x-kvstore-cached-tokens``,
 ``lookup``, one prefix-index call while the view is not synced),
 ``x-kvstore-local-cached-tokens`` (the chosen engine's own cache hit),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
-``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
+``x-kvstore-prefill-engine``, ``x-kvstore-engine`` (the one that answered) and
+``x-kvstore-policy`` (``--policy``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from .metrics import RouterMetrics
 from .policy import (
     DEFAULT_HIGH_WATERMARK,
     DEFAULT_LOW_WATERMARK,
+    DEFAULT_POLICY,
+    POLICIES,
     Choice,
     RequestShape,
     choose,
@@ -165,8 +168,13 @@ class RouterConfig:
     early_rejection: bool = True
     pool_events: bool = True
     engine_events: tuple[tuple[str, str], ...] = ()
+    policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(
+                f"unknown policy {self.policy!r}: one of {', '.join(sorted(POLICIES))}"
+            )
         if self.engines and (self.prefill or self.decode):
             raise InvalidRequestError("give --engine, or --prefill and --decode, not both")
         if not self.engines and not (self.prefill and self.decode):
@@ -223,6 +231,8 @@ class RouterState:
         )
         self.by_url = {e.url: e for e in self.engines}
         self.metrics = RouterMetrics.create()
+        self.policy = POLICIES[config.policy]()
+        self.metrics.policy.info({"policy": config.policy})
         self.session: aiohttp.ClientSession | None = None
         self.first_poll = asyncio.Event()
         self._models: dict[str, ModelInfo] = {}
@@ -499,6 +509,7 @@ class RouterState:
                 decode,
                 high=self.config.high_watermark,
                 early_rejection=self.config.early_rejection,
+                policy=self.policy,
             )
         views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
@@ -508,6 +519,7 @@ class RouterState:
             None,
             high=self.config.high_watermark,
             early_rejection=self.config.early_rejection,
+            policy=self.policy,
         )
 
 
@@ -780,6 +792,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
             "x-kvstore-prefill-engine": first.url,
+            "x-kvstore-policy": state.config.policy,
         }
         state.metrics.local_cached_tokens.labels(first.url).inc(choice.prefill.local_tokens)
         idle = first.inflight == 0 and first.load.num_running == 0
