@@ -15,7 +15,7 @@ every policy from the first run's fit. Engines report their cached prompt tokens
 (``--enable-prompt-tokens-details``), so the hit rate is measured unless the router sends its
 own. Nothing is asserted about times.
 
-Usage: ``.venv/bin/python bench/bench_router.py [--requests 24] [--time-scale 1.0]
+Usage: ``.venv/bin/python bench/bench_router.py [--start 0] [--requests 24] [--time-scale 1.0]
 [--max-output 16] [--slo standard] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
 tests/adapters/vllm_servers.py).
 """
@@ -135,6 +135,7 @@ class Router:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--start", type=int, default=0, help="first request of the slice")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--max-output", type=int, default=16)
@@ -148,7 +149,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    trace = load_slice(args.trace, 0, args.requests)
+    trace = load_slice(args.trace, args.start, args.start + args.requests)
     slo = slo_from_args(args.slo, None, None)
     help_text = router_help()
     has_router = help_text is not None
@@ -231,7 +232,7 @@ def print_tables(
 ) -> None:
     """The policy table, then every policy simulated with the first run's fitted costs."""
     print(
-        f"\n{len(trace)} requests of {args.trace.name}, time scale {args.time_scale:g}, "
+        f"\n{len(trace)} requests of {args.trace.name} (from {args.start}), time scale {args.time_scale:g}, "
         f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
         f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s)"
     )
