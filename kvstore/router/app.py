@@ -81,11 +81,18 @@ log = logging.getLogger("kvstore.router")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
 #: The cost-model terms exported per engine (``kvstore_router_cost_term``).
-_COST_TERMS = ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_seq")
+_COST_TERMS = (
+    "prefill_base_s",
+    "prefill_s_per_token",
+    "decode_base_s",
+    "decode_s_per_seq",
+    "transfer_bytes_per_s",
+)
 #: Seconds between two connection attempts to a master that did not answer.
 POOL_RETRY_S = 5.0
 #: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
-#: decode terms (:mod:`.fit`); the transfer terms are set from the namespace and the CLI.
+#: decode terms (:mod:`.fit`), and its transfer bandwidth once the engine's connector reports
+#: loads; ``kv_bytes_per_token`` is SmolLM2-135M's in bf16 (30 layers x 3 KV heads x 64 x 2 x 2).
 CPU_PRIOR = CostModel(
     block_size_tokens=32,
     prefill_base_s=0.05,
