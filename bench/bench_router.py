@@ -2,8 +2,10 @@
 
 One run starts the pool (``kvstore up``: embedded master and one storage node, ``--shm``), two
 vLLM engines with the kvstore connector as ``kv_both`` (SmolLM2-135M-Instruct, bf16, each
-pinned to one core), and then, for each policy in ``cache-aware, round-robin, least-loaded``,
-``kvstore router --engine URL --engine URL --policy P --master ADDR`` when that command exists,
+pinned to one core, prefix caching on, publishing their KV events), and then, for each policy in
+``cache-aware, round-robin, least-loaded``, ``kvstore router --engine URL --engine-events
+URL=tcp://... ... --policy P --master ADDR`` when that command exists (the router sees each
+engine's own prefix cache as well as the pool; the baselines ignore both),
 and replays the same trace slice through it with ``kvstore replay``'s machinery. Each policy
 gets its own prompt seed: the same prefix structure with new tokens, so no run reuses the KV
 of the one before. Without ``kvstore router`` it says so and replays once against the two
@@ -75,8 +77,14 @@ def router_help() -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
-    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens."""
+def start_engine(tmp: Path, name: str, master: str, cpu: int, events_port: int) -> VLLMServer:
+    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens and
+    publishing its own prefix cache's KV events on ``events_port``."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+    }
     return VLLMServer(
         model_dir(),
         name,
@@ -86,14 +94,22 @@ def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
         python=str(vllm_python()),
         block_size=32,
         env={"TOKENIZERS_PARALLELISM": "false"},
-        extra_args=["--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prompt-tokens-details"],
+        extra_args=[
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            json.dumps(events),
+        ],
     )
 
 
 class Router:
     """``kvstore router`` as a child process in front of the engines."""
 
-    def __init__(self, tmp: Path, policy: str | None, engines: list[str], master: str) -> None:
+    def __init__(
+        self, tmp: Path, policy: str | None, engines: dict[str, int], master: str, events: bool
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"router-{policy or 'default'}.log"
@@ -101,8 +117,10 @@ class Router:
         cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
         if policy is not None:
             cmd += ["--policy", policy]
-        for url in engines:
+        for url, port in engines.items():
             cmd += ["--engine", url]
+            if events:  # the engine's own prefix cache, from its vLLM KV events
+                cmd += ["--engine-events", f"{url}=tcp://127.0.0.1:{port}"]
         cmd += ["--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -167,7 +185,8 @@ def main() -> int:
     runs: list[tuple[str, str, ReplayRun]] = []
     started = time.monotonic()
     with EmbeddedCluster(str(tmp / "pool"), "2GiB", extra=["--shm"]) as cluster:
-        engines = [start_engine(tmp, f"engine{i}", cluster.address, cpu=i) for i in range(2)]
+        ports = [free_port(), free_port()]
+        engines = [start_engine(tmp, f"engine{i}", cluster.address, i, ports[i]) for i in range(2)]
         try:
             for engine in engines:
                 engine.wait_ready()
@@ -195,7 +214,14 @@ def main() -> int:
                 shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
                 router = None
                 if has_router:
-                    router = Router(tmp, router_policy, urls, cluster.address)
+                    events = help_text is not None and "--engine-events" in help_text
+                    router = Router(
+                        tmp,
+                        router_policy,
+                        dict(zip(urls, ports, strict=True)),
+                        cluster.address,
+                        events,
+                    )
                 try:
                     if router is not None:
                         router.wait_ready()
