@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
 
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
+from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -226,3 +229,16 @@ def test_cache_aware_is_the_default_policy() -> None:
     default = choose(shape(), LOOSE, engines, None)
     explicit = choose(shape(), LOOSE, engines, None, policy=POLICIES[DEFAULT_POLICY]())
     assert default == explicit and default.prefill is not None and default.prefill.engine == "b"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_router_exports_its_policy(name: str) -> None:
+    state = RouterState(RouterConfig(engines=("http://a", "http://b"), policy=name))
+    assert state.policy.name == name
+    text = generate_latest(state.metrics.registry).decode()
+    assert f'kvstore_router_policy_info{{policy="{name}"}} 1.0' in text
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="unknown policy"):
+        RouterConfig(engines=("http://a",), policy="random")
