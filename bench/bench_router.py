@@ -2,8 +2,10 @@
 
 One run starts the pool (``kvstore up``: embedded master and one storage node, ``--shm``), two
 vLLM engines with the kvstore connector as ``kv_both`` (SmolLM2-135M-Instruct, bf16, each
-pinned to one core), and then, for each policy in ``cache-aware, round-robin, least-loaded``,
-``kvstore router --engine URL --engine URL --policy P --master ADDR`` when that command exists,
+pinned to one core, prefix caching on, publishing their KV events), and then, for each policy in
+``cache-aware, round-robin, least-loaded``, ``kvstore router --engine URL --engine-events
+URL=tcp://... ... --policy P --master ADDR`` when that command exists (the router sees each
+engine's own prefix cache as well as the pool; the baselines ignore both),
 and replays the same trace slice through it with ``kvstore replay``'s machinery. Each policy
 gets its own prompt seed: the same prefix structure with new tokens, so no run reuses the KV
 of the one before. Without ``kvstore router`` it says so and replays once against the two
@@ -15,7 +17,7 @@ every policy from the first run's fit. Engines report their cached prompt tokens
 (``--enable-prompt-tokens-details``), so the hit rate is measured unless the router sends its
 own. Nothing is asserted about times.
 
-Usage: ``.venv/bin/python bench/bench_router.py [--requests 24] [--time-scale 1.0]
+Usage: ``.venv/bin/python bench/bench_router.py [--start 0] [--requests 24] [--time-scale 1.0]
 [--max-output 16] [--slo standard] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
 tests/adapters/vllm_servers.py).
 """
@@ -75,8 +77,14 @@ def router_help() -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
-    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens."""
+def start_engine(tmp: Path, name: str, master: str, cpu: int, events_port: int) -> VLLMServer:
+    """A kv_both engine with the connector, pinned to ``cpu``, reporting cached tokens and
+    publishing its own prefix cache's KV events on ``events_port``."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{events_port}",
+    }
     return VLLMServer(
         model_dir(),
         name,
@@ -86,14 +94,22 @@ def start_engine(tmp: Path, name: str, master: str, cpu: int) -> VLLMServer:
         python=str(vllm_python()),
         block_size=32,
         env={"TOKENIZERS_PARALLELISM": "false"},
-        extra_args=["--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prompt-tokens-details"],
+        extra_args=[
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            json.dumps(events),
+        ],
     )
 
 
 class Router:
     """``kvstore router`` as a child process in front of the engines."""
 
-    def __init__(self, tmp: Path, policy: str | None, engines: list[str], master: str) -> None:
+    def __init__(
+        self, tmp: Path, policy: str | None, engines: dict[str, int], master: str, events: bool
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"router-{policy or 'default'}.log"
@@ -101,8 +117,10 @@ class Router:
         cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
         if policy is not None:
             cmd += ["--policy", policy]
-        for url in engines:
+        for url, port in engines.items():
             cmd += ["--engine", url]
+            if events:  # the engine's own prefix cache, from its vLLM KV events
+                cmd += ["--engine-events", f"{url}=tcp://127.0.0.1:{port}"]
         cmd += ["--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -135,6 +153,7 @@ class Router:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--start", type=int, default=0, help="first request of the slice")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--max-output", type=int, default=16)
@@ -148,7 +167,7 @@ def main() -> int:
     if reason:
         print(f"skipped: {reason}")
         return 0
-    trace = load_slice(args.trace, 0, args.requests)
+    trace = load_slice(args.trace, args.start, args.start + args.requests)
     slo = slo_from_args(args.slo, None, None)
     help_text = router_help()
     has_router = help_text is not None
@@ -166,7 +185,8 @@ def main() -> int:
     runs: list[tuple[str, str, ReplayRun]] = []
     started = time.monotonic()
     with EmbeddedCluster(str(tmp / "pool"), "2GiB", extra=["--shm"]) as cluster:
-        engines = [start_engine(tmp, f"engine{i}", cluster.address, cpu=i) for i in range(2)]
+        ports = [free_port(), free_port()]
+        engines = [start_engine(tmp, f"engine{i}", cluster.address, i, ports[i]) for i in range(2)]
         try:
             for engine in engines:
                 engine.wait_ready()
@@ -194,7 +214,14 @@ def main() -> int:
                 shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
                 router = None
                 if has_router:
-                    router = Router(tmp, router_policy, urls, cluster.address)
+                    events = help_text is not None and "--engine-events" in help_text
+                    router = Router(
+                        tmp,
+                        router_policy,
+                        dict(zip(urls, ports, strict=True)),
+                        cluster.address,
+                        events,
+                    )
                 try:
                     if router is not None:
                         router.wait_ready()
@@ -231,7 +258,7 @@ def print_tables(
 ) -> None:
     """The policy table, then every policy simulated with the first run's fitted costs."""
     print(
-        f"\n{len(trace)} requests of {args.trace.name}, time scale {args.time_scale:g}, "
+        f"\n{len(trace)} requests of {args.trace.name} (from {args.start}), time scale {args.time_scale:g}, "
         f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
         f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s)"
     )

@@ -462,6 +462,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         early_rejection=not args.no_early_rejection,
         pool_events=not args.no_pool_events,
         engine_events=tuple(_engine_events(v) for v in args.engine_events),
+        policy=args.policy,
     )
     _run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -673,6 +674,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="URL=tcp://HOST:PORT",
         help="an engine's vLLM KV-event publisher (--kv-events-config): track its own prefix cache",
+    )
+    p.add_argument(
+        "--policy",
+        default="cache-aware",
+        choices=("cache-aware", "round-robin", "least-loaded"),
+        help="how the prefill (kv_both) engine is chosen: by predicted TTFT (cache-aware), or a "
+        "baseline; SLO admission is the same for all",
     )
     p.set_defaults(func=cmd_router)
 

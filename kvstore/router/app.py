@@ -18,7 +18,8 @@ Response headers say what the router saw: ``x-kvstore-cached-tokens``,
 ``lookup``, one prefix-index call while the view is not synced),
 ``x-kvstore-local-cached-tokens`` (the chosen engine's own cache hit),
 ``x-kvstore-prompt-tokens``, ``x-kvstore-slo-class``, ``x-kvstore-predicted-ttft-ms``,
-``x-kvstore-prefill-engine`` and ``x-kvstore-engine`` (the one that answered).
+``x-kvstore-prefill-engine``, ``x-kvstore-engine`` (the one that answered) and
+``x-kvstore-policy`` (``--policy``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ from .metrics import RouterMetrics
 from .policy import (
     DEFAULT_HIGH_WATERMARK,
     DEFAULT_LOW_WATERMARK,
+    DEFAULT_POLICY,
+    POLICIES,
     Choice,
     RequestShape,
     choose,
@@ -78,11 +81,18 @@ log = logging.getLogger("kvstore.router")
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _SKIP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding", "host"}
 #: The cost-model terms exported per engine (``kvstore_router_cost_term``).
-_COST_TERMS = ("prefill_base_s", "prefill_s_per_token", "decode_base_s", "decode_s_per_seq")
+_COST_TERMS = (
+    "prefill_base_s",
+    "prefill_s_per_token",
+    "decode_base_s",
+    "decode_s_per_seq",
+    "transfer_bytes_per_s",
+)
 #: Seconds between two connection attempts to a master that did not answer.
 POOL_RETRY_S = 5.0
 #: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
-#: decode terms (:mod:`.fit`); the transfer terms are set from the namespace and the CLI.
+#: decode terms (:mod:`.fit`), and its transfer bandwidth once the engine's connector reports
+#: loads; ``kv_bytes_per_token`` is SmolLM2-135M's in bf16 (30 layers x 3 KV heads x 64 x 2 x 2).
 CPU_PRIOR = CostModel(
     block_size_tokens=32,
     prefill_base_s=0.05,
@@ -165,8 +175,13 @@ class RouterConfig:
     early_rejection: bool = True
     pool_events: bool = True
     engine_events: tuple[tuple[str, str], ...] = ()
+    policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(
+                f"unknown policy {self.policy!r}: one of {', '.join(sorted(POLICIES))}"
+            )
         if self.engines and (self.prefill or self.decode):
             raise InvalidRequestError("give --engine, or --prefill and --decode, not both")
         if not self.engines and not (self.prefill and self.decode):
@@ -223,6 +238,8 @@ class RouterState:
         )
         self.by_url = {e.url: e for e in self.engines}
         self.metrics = RouterMetrics.create()
+        self.policy = POLICIES[config.policy]()
+        self.metrics.policy.info({"policy": config.policy})
         self.session: aiohttp.ClientSession | None = None
         self.first_poll = asyncio.Event()
         self._models: dict[str, ModelInfo] = {}
@@ -499,6 +516,7 @@ class RouterState:
                 decode,
                 high=self.config.high_watermark,
                 early_rejection=self.config.early_rejection,
+                policy=self.policy,
             )
         views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
@@ -508,6 +526,7 @@ class RouterState:
             None,
             high=self.config.high_watermark,
             early_rejection=self.config.early_rejection,
+            policy=self.policy,
         )
 
 
@@ -780,6 +799,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             "x-kvstore-slo-class": slo.name,
             "x-kvstore-predicted-ttft-ms": f"{choice.prefill.ttft_s * 1000:.1f}",
             "x-kvstore-prefill-engine": first.url,
+            "x-kvstore-policy": state.config.policy,
         }
         state.metrics.local_cached_tokens.labels(first.url).inc(choice.prefill.local_tokens)
         idle = first.inflight == 0 and first.load.num_running == 0

@@ -4,7 +4,9 @@ router itself has sent there, and the fits of its timings.
 Metric names are those the vLLM 0.32 OpenAI server exports: ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (a fraction, 0..1), the info gauge
 ``vllm:cache_config_info`` (labels ``block_size``, ``num_gpu_blocks``, ``cache_dtype``) and the
-``vllm:inter_token_latency_seconds`` histogram (its ``_sum`` and ``_count``).
+``vllm:inter_token_latency_seconds`` histogram (its ``_sum`` and ``_count``); and the kvstore
+connector's counters ``vllm:kvstore_loaded_bytes_total`` and ``vllm:kvstore_load_seconds_total``
+(absent on an engine without it).
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class EngineLoad:
         cache_dtype: ``--kv-cache-dtype`` (None: not exported).
         itl_sum_s: the inter-token latency histogram's sum.
         itl_count: its count.
+        loaded_bytes: bytes the kvstore connector loaded from the pool (a counter).
+        load_seconds: seconds it spent loading them (a counter).
     """
 
     num_running: int = 0
@@ -76,6 +80,8 @@ class EngineLoad:
     cache_dtype: str | None = None
     itl_sum_s: float = 0.0
     itl_count: float = 0.0
+    loaded_bytes: float = 0.0
+    load_seconds: float = 0.0
 
     @staticmethod
     def from_metrics(text: str) -> EngineLoad:
@@ -94,6 +100,8 @@ class EngineLoad:
             kv_usage=float(_total(samples, "vllm:kv_cache_usage_perc") or 0.0),
             itl_sum_s=_total(samples, "vllm:inter_token_latency_seconds_sum") or 0.0,
             itl_count=_total(samples, "vllm:inter_token_latency_seconds_count") or 0.0,
+            loaded_bytes=_total(samples, "vllm:kvstore_loaded_bytes_total") or 0.0,
+            load_seconds=_total(samples, "vllm:kvstore_load_seconds_total") or 0.0,
         )
         info = samples.get("vllm:cache_config_info")
         if info:
@@ -140,8 +148,8 @@ class Engine:
     def observe(
         self, load: EngineLoad, models: list[dict[str, Any]], high: float, low: float
     ) -> None:
-        """Take a successful poll: gauges, models, watermark state, and one decode-fit sample
-        from the inter-token latency seen since the last poll.
+        """Take a successful poll: gauges, models, watermark state, one decode-fit sample from
+        the inter-token latency seen since the last poll, and the pool loads made since then.
 
         Args:
             load: the poll's gauges.
@@ -153,6 +161,11 @@ class Engine:
         if self.healthy and tokens >= 1 and load.itl_sum_s >= self.load.itl_sum_s:
             batch = max(1.0, (load.num_running + self.load.num_running) / 2)
             self.fit.decode.add(batch, (load.itl_sum_s - self.load.itl_sum_s) / tokens)
+        if self.healthy and load.loaded_bytes >= self.load.loaded_bytes:  # not restarted
+            self.fit.transfer.add(
+                load.loaded_bytes - self.load.loaded_bytes,
+                load.load_seconds - self.load.load_seconds,
+            )
         self.load = load
         self.models = models
         self.healthy = True

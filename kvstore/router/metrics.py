@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 _TTFT_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120)
 
@@ -41,6 +41,7 @@ class RouterMetrics:
     engine_event_gaps: Counter
     engine_cached_blocks: Gauge
     local_cached_tokens: Counter
+    policy: Info
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -174,5 +175,8 @@ class RouterMetrics:
                 "Prompt tokens found in the chosen engine's own prefix cache",
                 ["instance"],
                 registry=r,
+            ),
+            policy=Info(
+                p + "policy", "The routing policy (--policy) choosing the engines", registry=r
             ),
         )

@@ -14,15 +14,23 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
 * the decode engine: among those whose KV after this request stays under the high watermark
   (and that have not crossed it since they last fell below the low watermark), the smallest
   predicted time between tokens with the request added to its running batch.
-* early rejection: the best predicted TTFT above the class's target, no decode engine with room,
-  or a predicted TBT above the target (the last only once the decode fit rests on
-  measurements).
+* early rejection: the predicted TTFT on the chosen engine above the class's target, no decode
+  engine with room, or a predicted TBT above the target (the last only once the decode fit rests
+  on measurements).
+
+Which prefill (or kv_both) engine is chosen is a :class:`RoutingPolicy`, looked up by name in
+:data:`POLICIES`: ``cache-aware`` (the smallest predicted TTFT, the logic above),
+``round-robin`` and ``least-loaded`` (baselines). Admission is the same rule for all three, on
+the estimate of the engine the policy chose, so a comparison isolates the routing.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
@@ -217,6 +225,85 @@ def predicted_tbt(view: EngineView, request: RequestShape) -> float:
     return view.cost.decode_step_s(batch, 0)
 
 
+class RoutingPolicy(Protocol):
+    """Picks the prefill (or kv_both) engine among the admissible ones.
+
+    Attributes:
+        name: the policy's name (``--policy``, metrics, headers).
+    """
+
+    name: str
+
+    def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
+        """The index of the chosen engine.
+
+        Args:
+            candidates: healthy engines with room, in the router's order (never empty).
+            estimates: the predicted TTFT on each, same order.
+
+        Returns:
+            An index into ``candidates``.
+        """
+        ...
+
+
+class CacheAware:
+    """The smallest predicted TTFT (queue, transfer of the pool's hit, uncached prefill); ties by
+    name."""
+
+    name = "cache-aware"
+
+    def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
+        """See :class:`RoutingPolicy`."""
+        return min(range(len(estimates)), key=lambda i: (estimates[i].ttft_s, estimates[i].engine))
+
+
+class RoundRobin:
+    """Cycles over the healthy engines, blind to caches and load.
+
+    NOTE: one counter for the router's life; an engine left out (unhealthy, no room) is skipped
+    and the cycle goes on over the others, in the order of their names.
+    """
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
+        """See :class:`RoutingPolicy`."""
+        order = sorted(range(len(candidates)), key=lambda i: candidates[i].name)
+        return order[next(self._turn) % len(order)]
+
+
+class LeastLoaded:
+    """The fewest requests on the engine by its own ``/metrics`` (running + waiting); ties by
+    fewer requests of the router's in flight there, then by name. Blind to caches."""
+
+    name = "least-loaded"
+
+    def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
+        """See :class:`RoutingPolicy`."""
+        return min(
+            range(len(candidates)),
+            key=lambda i: (
+                candidates[i].num_running + candidates[i].num_waiting,
+                candidates[i].router_inflight,
+                candidates[i].name,
+            ),
+        )
+
+
+#: Routing policies by name (``kvstore router --policy``); each call makes a fresh one.
+POLICIES: dict[str, Callable[[], RoutingPolicy]] = {
+    CacheAware.name: CacheAware,
+    RoundRobin.name: RoundRobin,
+    LeastLoaded.name: LeastLoaded,
+}
+DEFAULT_POLICY = CacheAware.name
+_CACHE_AWARE = CacheAware()
+
+
 def choose(
     request: RequestShape,
     slo: SLOClass,
@@ -225,6 +312,7 @@ def choose(
     *,
     high: float = DEFAULT_HIGH_WATERMARK,
     early_rejection: bool = True,
+    policy: RoutingPolicy | None = None,
 ) -> Choice:
     """Choose engines for a request.
 
@@ -235,6 +323,8 @@ def choose(
         decode: the decode engines (P/D), or None for kv_both (one engine does both).
         high: the high watermark on decode KV use.
         early_rejection: reject when the prediction says the class's target cannot be met.
+        policy: picks the prefill (kv_both) engine; None: cache-aware. The decode engine (P/D)
+            is chosen by predicted TBT whatever the policy.
 
     Returns:
         The choice. Not accepted with ``retry_after_s`` when rejected; not accepted when no
@@ -255,10 +345,8 @@ def choose(
             candidates = roomy
         elif early_rejection:
             return Choice(False, "no engine has room for the KV", 1, None, None, None)
-    best = min(
-        (estimate_ttft(v, request, handoff) for v in candidates),
-        key=lambda e: (e.ttft_s, e.engine),
-    )
+    estimates = [estimate_ttft(v, request, handoff) for v in candidates]
+    best = estimates[(policy or _CACHE_AWARE).pick(candidates, estimates)]
     if early_rejection and best.ttft_s > slo.ttft_s:
         over = best.ttft_s - slo.ttft_s
         return Choice(

@@ -5,10 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from prometheus_client import generate_latest
 
+from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cost import CostModel
 from kvstore.master.scheduler.slo import SLOClass
+from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
     EngineView,
     RequestShape,
     choose,
@@ -166,3 +171,74 @@ def test_kv_both_choice_is_one_engine_by_ttft_with_room() -> None:
     assert choice.accepted and choice.prefill is not None
     assert choice.prefill.engine == "b" and choice.decode is None
     assert choice.prefill.transfer_s == pytest.approx(0.96)  # cached tokens come from the pool
+
+
+# ---------------------------------------------------------------- baselines (--policy)
+def test_round_robin_cycles_over_healthy_engines_blind_to_caches_and_load() -> None:
+    rr = POLICIES["round-robin"]()
+    # b holds the whole prefix in its own cache and a is busy: round robin does not care.
+    engines = [view("b", local_cached_tokens=960), view("a", num_waiting=5), view("c")]
+    picked = [choose(shape(), LOOSE, engines, None, policy=rr) for _ in range(6)]
+    assert [c.prefill.engine for c in picked if c.prefill] == ["a", "b", "c", "a", "b", "c"]
+    # An engine going down is skipped; the cycle goes on over the others.
+    down = [view("a"), view("b", healthy=False), view("c")]
+    names = [choose(shape(), LOOSE, down, None, policy=rr).prefill.engine for _ in range(4)]  # type: ignore[union-attr]
+    assert sorted(names) == ["a", "a", "c", "c"]
+
+
+@pytest.mark.parametrize(
+    ("loads", "want"),
+    [
+        # Running + waiting from the engine's /metrics decides...
+        ({"a": {"num_running": 2, "num_waiting": 1}, "b": {"num_running": 2}}, "b"),
+        # ...blind to caches: b holds the prefix, a is emptier.
+        ({"a": {}, "b": {"num_running": 1, "local_cached_tokens": 960}}, "a"),
+        # A tie goes to fewer of the router's own requests in flight there.
+        ({"a": {"num_running": 1, "router_inflight": 2}, "b": {"num_waiting": 1}}, "b"),
+        # Then by name.
+        ({"b": {}, "a": {}}, "a"),
+        # An unhealthy engine is never chosen.
+        ({"a": {"healthy": False}, "b": {"num_running": 4}}, "b"),
+    ],
+)
+def test_least_loaded_picks_by_live_load(loads: dict[str, dict[str, object]], want: str) -> None:
+    engines = [view(name, **kw) for name, kw in loads.items()]
+    got = choose(shape(), LOOSE, engines, None, policy=POLICIES["least-loaded"]())
+    assert got.accepted and got.prefill is not None and got.prefill.engine == want
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_admission_is_the_same_rule_for_every_policy(name: str) -> None:
+    tight = SLOClass("tight", ttft_s=0.5, tbt_s=10.0)
+    # Both engines are predicted past the target: every policy rejects, with the same reason.
+    busy = [view("a", router_prefill_s=2.0), view("b", router_prefill_s=3.0)]
+    got = choose(shape(), tight, busy, None, policy=POLICIES[name]())
+    assert not got.accepted and got.reason is not None and got.reason.startswith("predicted TTFT")
+    # No room for the KV anywhere: rejected whatever the policy.
+    full = [view("a", kv_usage=0.95), view("b", kv_usage=0.95)]
+    got = choose(shape(), LOOSE, full, None, policy=POLICIES[name]())
+    assert not got.accepted and got.reason == "no engine has room for the KV"
+    # Within the target: accepted, and the estimate is the chosen engine's.
+    idle = [view("a"), view("b")]
+    got = choose(shape(), LOOSE, idle, None, policy=POLICIES[name]())
+    assert got.accepted and got.prefill is not None and got.prefill.ttft_s < LOOSE.ttft_s
+
+
+def test_cache_aware_is_the_default_policy() -> None:
+    engines = [view("a", num_waiting=2), view("b", local_cached_tokens=960)]
+    default = choose(shape(), LOOSE, engines, None)
+    explicit = choose(shape(), LOOSE, engines, None, policy=POLICIES[DEFAULT_POLICY]())
+    assert default == explicit and default.prefill is not None and default.prefill.engine == "b"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_router_exports_its_policy(name: str) -> None:
+    state = RouterState(RouterConfig(engines=("http://a", "http://b"), policy=name))
+    assert state.policy.name == name
+    text = generate_latest(state.metrics.registry).decode()
+    assert f'kvstore_router_policy_info{{policy="{name}"}} 1.0' in text
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="unknown policy"):
+        RouterConfig(engines=("http://a",), policy="random")

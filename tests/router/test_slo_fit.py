@@ -9,9 +9,15 @@ import pytest
 
 from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cost import CostModel
-from kvstore.router.engines import EngineLoad
+from kvstore.router.admission import EngineSlots
+from kvstore.router.engines import EngineLoad, make_engines
 from kvstore.router.fit import EngineFit, LineFit
 from kvstore.router.slo import SLOPolicy
+
+
+def _slots() -> EngineSlots:
+    return EngineSlots(4, 0.7, lambda: 0.0)
+
 
 TOML = """
 default_class = "standard"
@@ -114,6 +120,8 @@ vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.25
 vllm:cache_config_info{block_size="32",cache_dtype="auto",engine="0",num_gpu_blocks="1456"} 1.0
 vllm:inter_token_latency_seconds_sum{engine="0",model_name="smollm2"} 3.5
 vllm:inter_token_latency_seconds_count{engine="0",model_name="smollm2"} 70.0
+vllm:kvstore_loaded_bytes_total{engine="0",model_name="smollm2"} 4.0e+06
+vllm:kvstore_load_seconds_total{engine="0",model_name="smollm2"} 0.5
 """
 
 
@@ -122,3 +130,24 @@ def test_vllm_metrics_are_read() -> None:
     assert (load.num_running, load.num_waiting, load.kv_usage) == (2, 1, 0.25)
     assert (load.block_size, load.num_blocks, load.cache_dtype) == (32, 1456, "auto")
     assert (load.itl_sum_s, load.itl_count) == (3.5, 70.0)
+    assert (load.loaded_bytes, load.load_seconds) == (4e6, 0.5)
+
+
+def test_measured_load_bandwidth_replaces_the_transfer_prior() -> None:
+    prior = CostModel(kv_bytes_per_token=1000, transfer_bytes_per_s=1e9, transfer_latency_s=0.0)
+    fit = EngineFit(prior)
+    fit.transfer.add(500_000, 0.1)  # under a MiB loaded: the prior stands
+    assert fit.cost().transfer_bytes_per_s == 1e9
+    fit.transfer.add(1_500_000, 0.3)
+    fit.transfer.add(0, 0.0)  # a poll that saw no load is not a sample
+    assert fit.cost().transfer_bytes_per_s == pytest.approx(5e6)
+    assert fit.cost().transfer_s(1000) == pytest.approx(0.2)
+
+
+def test_engine_polls_feed_the_bandwidth_fit() -> None:
+    engine = make_engines([("both", "http://e")], lambda: EngineFit(CostModel()), _slots)[0]
+    before = EngineLoad.from_metrics(METRICS)
+    engine.observe(before, [], 0.9, 0.7)  # the first poll: totals since the engine started
+    after = EngineLoad(loaded_bytes=before.loaded_bytes + 2e6, load_seconds=before.load_seconds + 1)
+    engine.observe(after, [], 0.9, 0.7)
+    assert engine.fit.cost().transfer_bytes_per_s == pytest.approx(2e6)
