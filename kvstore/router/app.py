@@ -644,6 +644,28 @@ def _sse_error(message: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
+class _ClientGone(Exception):
+    """The client hung up while its answer was being sent: the engine did nothing wrong."""
+
+
+async def _to_client(out: web.StreamResponse, request: web.Request, data: bytes | None) -> None:
+    """Prepare ``out`` (first call) and send ``data`` to the client (the end, when None).
+
+    Raises:
+        _ClientGone: the client's connection is closed (aiohttp's ClientConnectionResetError is
+            a ConnectionResetError too, and a ClientError: it must not read as the engine's).
+    """
+    try:
+        if not out.prepared:
+            await out.prepare(request)
+        if data is None:
+            await out.write_eof()
+        else:
+            await out.write(data)
+    except ConnectionResetError as err:
+        raise _ClientGone(str(err)) from err
+
+
 async def _answer_step(
     request: web.Request,
     order: list[Engine],
@@ -705,19 +727,26 @@ async def _answer_step(
                                     **tagged,
                                 },
                             )
-                            await out.prepare(request)
-                        await out.write(chunk)
+                        await _to_client(out, request, chunk)
                     if out is None:
                         raise aiohttp.ClientPayloadError("the engine sent an empty stream")
                     state.metrics.chosen.labels("answer", engine.url).inc()
-                    await out.write_eof()
+                    await _to_client(out, request, None)
                     return out
+            except _ClientGone as gone:
+                # Leaving the engine's response closes that connection: vLLM aborts the request.
+                log.info("client left while %s answered: %s", engine.url, gone)
+                request[_CLIENT_GONE] = True
+                assert out is not None
+                return out
             except (aiohttp.ClientError, TimeoutError) as err:
                 _engine_failed(state, engine, "answer", repr(err))
                 if out is not None:  # mid-stream: the status is sent; end with an error event
                     request[_STREAM_BROKEN] = True
-                    await out.write(_sse_error(f"engine {engine.url} failed mid-answer: {err!r}"))
-                    await out.write_eof()
+                    with contextlib.suppress(_ClientGone):
+                        message = _sse_error(f"engine {engine.url} failed mid-answer: {err!r}")
+                        await _to_client(out, request, message)
+                        await _to_client(out, request, None)
                     return out
                 failures.append(f"{engine.url}: {err!r}")
     raise RequestError(
@@ -727,6 +756,7 @@ async def _answer_step(
 
 #: Set on a request whose stream broke after it started (its outcome in the metrics).
 _STREAM_BROKEN = web.RequestKey("stream_broken", bool)
+_CLIENT_GONE = web.RequestKey("client_gone", bool)
 
 
 def _fallback_order(
@@ -828,7 +858,13 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             )
         finally:
             ticket.done()
-        outcome = "stream_error" if request.get(_STREAM_BROKEN) else "ok"
+        outcome = (
+            "client_gone"
+            if request.get(_CLIENT_GONE)
+            else "stream_error"
+            if request.get(_STREAM_BROKEN)
+            else "ok"
+        )
         return response
     except RequestError as err:
         if outcome == "error":

@@ -8,9 +8,11 @@ skipped where the vLLM virtualenv or the model is missing.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -312,6 +314,37 @@ def test_a_dead_decode_or_prefill_engine_falls_back_to_the_other(rig: Rig) -> No
     ):
         router = rig.router(*args)
         assert _ask(_client(router), "completions", False) == direct
+
+
+def test_a_client_hanging_up_mid_stream_is_not_an_engine_failure(rig: Rig, pd: str) -> None:
+    """The router's write to a client that left fails; that is the client's doing: the engine
+    stays healthy and nothing falls back to another engine."""
+    fallbacks = _metric(pd, "kvstore_router_fallbacks_total")
+    host, port = pd.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    body = {
+        "model": "smollm2",
+        "prompt": "Write a long story about a lighthouse keeper.",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.fp.readline()  # the answer is streaming
+    conn.sock.shutdown(socket.SHUT_RDWR)  # the client hangs up
+    conn.close()
+    wait_until(
+        lambda: _metric(pd, "kvstore_router_requests_total", 'outcome="client_gone"') >= 1,
+        timeout=120,
+        interval=0.2,
+        what="the router to see the client leave",
+    )
+    assert _metric(pd, "kvstore_router_fallbacks_total") == fallbacks
+    with urllib.request.urlopen(pd + "/health", timeout=10) as r:
+        assert json.loads(r.read())["engines"] == {rig.p.url: True, rig.d.url: True}
 
 
 def test_an_engine_killed_mid_stream_ends_cleanly_and_the_router_keeps_serving(
