@@ -149,8 +149,11 @@ class VerifiedGrants:
         self.max_entries = max_entries
         self._memo: dict[bytes, tuple[list[Any], Grant]] = {}
 
-    def check(self, grant_wire: Any, op: str, now_ms: int) -> Grant:
+    def check(self, grant_wire: Any, op: str, now_ms: int, remember: bool = True) -> Grant:
         """The verified grant of ``grant_wire``.
+
+        Args:
+            remember: keep it in the memo (False for grants used once: writes).
 
         Raises:
             GrantInvalidError: malformed, forged, for another operation, or expired.
@@ -167,6 +170,8 @@ class VerifiedGrants:
                 return grant
         grant = Grant.from_wire(grant_wire)
         verify(self.secret, grant, op, now_ms)
+        if not remember:
+            return grant
         if len(self._memo) >= self.max_entries:
             self._drop_expired(now_ms)
         self._memo[grant.signature] = (list(grant_wire), grant)
@@ -209,6 +214,9 @@ class WriteStream:
         self.sock = sock
         self.aborted = False
         self.stopped = threading.Event()
+
+    def is_aborted(self) -> bool:
+        return self.aborted
 
     def abort(self) -> None:
         self.aborted = True
@@ -345,6 +353,15 @@ class WriteClaims:
                 claim.streams.remove(stream)
             if complete:
                 claim.done = True
+
+    def end_many(self, ends: list[tuple[_Claim, bool]], stream: WriteStream | None) -> None:
+        """:meth:`end` for many ``(claim, complete)`` of one write request (one lock)."""
+        with self._lock:
+            for claim, complete in ends:
+                if stream is not None and stream in claim.streams:
+                    claim.streams.remove(stream)
+                if complete:
+                    claim.done = True
 
     def reset(self) -> None:
         """Forget every claim and stop every write in progress (a new grant secret: no grant

@@ -497,6 +497,8 @@ class FramedSocket:
         """
         n = self._take(view)
         total = len(view)
+        if n == total:  # all read ahead already: no socket read
+            return
         sock = self.sock
         before = sock.gettimeout()
         try:

@@ -175,3 +175,38 @@ def test_reset_stops_every_stream() -> None:
     claims.begin(_w(0, 100, 5000), stream)
     claims.reset()
     assert stream.aborted and len(claims) == 0
+
+
+def test_memo_without_remember_verifies_but_keeps_nothing() -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    g = grants.sign(SECRET, grants.OP_WRITE, b"k", "dram", 0, 10, 1000)
+    assert memo.check(g.to_wire(), grants.OP_WRITE, now_ms=0, remember=False) == g
+    assert memo._memo == {}
+    forged = g.to_wire()
+    forged[4] = 11  # one byte more than granted, same signature
+    with pytest.raises(GrantInvalidError, match="signature"):
+        memo.check(forged, grants.OP_WRITE, now_ms=0, remember=False)
+    with pytest.raises(GrantInvalidError, match="expired"):
+        memo.check(g.to_wire(), grants.OP_WRITE, now_ms=1001, remember=False)
+
+
+def test_one_stream_for_many_claims_ends_them_together() -> None:
+    """A write request's items share one stream: ending them releases the stream from every
+    claim, marks only the completed ones used up, and a newer write aborts the shared stream."""
+    claims = grants.WriteClaims(lambda: 100)
+    stream = grants.WriteStream()
+    a, b = _w(0, 100, 5000, b"a"), _w(100, 100, 5000, b"b")
+    ca, cb = claims.begin(a, stream), claims.begin(b, stream)
+    with pytest.raises(GrantInvalidError, match="in use"):
+        claims.begin(a, None)
+    claims.end_many([(ca, True), (cb, False)], stream)
+    assert ca.streams == [] and cb.streams == []
+    with pytest.raises(GrantInvalidError, match="already used"):
+        claims.begin(a, None)  # completed: used up
+    claims.end(claims.begin(b, None), None, complete=True)  # not completed: may be retried
+    shared = grants.WriteStream()  # one request writing two extents
+    claims.begin(_w(300, 100, 5000, b"c"), shared)
+    claims.begin(_w(400, 100, 5000, b"d"), shared)
+    shared.stopped.set()  # its receive loop already left (so the newer write need not wait)
+    claims.begin(_w(350, 100, 6000, b"n"), None)  # newer, overlapping only the first extent
+    assert shared.is_aborted()
