@@ -28,7 +28,7 @@ from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
 OP_READ = "r"
 OP_WRITE = "w"
 SECRET_BYTES = 32
-_FIXED = struct.Struct("!1sQQQ")
+_FIXED = struct.Struct("!1sQQQH")  # op, offset, size, expiry, then the key's length
 
 
 def new_secret() -> bytes:
@@ -94,10 +94,8 @@ def _digest(
     secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
 ) -> bytes:
     h = _keyed(secret).copy()
-    h.update(_FIXED.pack(op.encode(), offset, size, expires_ms))
-    h.update(struct.pack("!H", len(key)))
-    h.update(key)
-    h.update(segment.encode())
+    # One update of the concatenation: the same digest as updates of each part, in one call.
+    h.update(_FIXED.pack(op.encode(), offset, size, expires_ms, len(key)) + key + segment.encode())
     return h.digest()
 
 

@@ -210,3 +210,15 @@ def test_one_stream_for_many_claims_ends_them_together() -> None:
     shared.stopped.set()  # its receive loop already left (so the newer write need not wait)
     claims.begin(_w(350, 100, 6000, b"n"), None)  # newer, overlapping only the first extent
     assert shared.is_aborted()
+
+
+@pytest.mark.parametrize(
+    ("args", "signature"),
+    [
+        (("w", b"key/1", "dram", 4096, 16, 1700000000123), "580d3c5b56a60b68134566dd862c6904"),
+        (("r", b"", "nvme", 0, 0, 0), "0edb90fc3b66454cf58fbccd05cdb55a"),
+    ],
+)
+def test_signatures_are_stable_across_versions(args: tuple, signature: str) -> None:
+    """A master and a node of different versions must agree on every grant's signature."""
+    assert grants.sign(b"s" * 32, *args).signature.hex() == signature
