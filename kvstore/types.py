@@ -27,9 +27,13 @@ class Location:
 
     @staticmethod
     def from_wire(obj: Any) -> Location:
-        if not isinstance(obj, list) or len(obj) != 4:
+        """Raises ProtocolError (GrantInvalidError for the grant) when ``obj`` is malformed."""
+        if type(obj) is not list or len(obj) != 4:
             raise ProtocolError("location must be [node_id, host, port, grant]")
-        return Location(str(obj[0]), str(obj[1]), int(obj[2]), Grant.from_wire(obj[3]))
+        node_id, host, port, grant = obj
+        if type(node_id) is not str or type(host) is not str or type(port) is not int:
+            raise ProtocolError("location must be [node_id: str, host: str, port: int, grant]")
+        return Location(node_id, host, port, Grant.from_wire(grant))
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +108,8 @@ def result_to_wire(result: Any) -> list[Any]:
 
 def result_from_wire(obj: Any) -> tuple[KVStoreError | None, Any]:
     """Split a per-key ``[code, payload]`` into (error or None, payload)."""
+    if type(obj) is list and len(obj) == 2 and type(obj[0]) is int and obj[0] == ErrorCode.OK:
+        return None, obj[1]  # the common case, in one test
     if not isinstance(obj, list) or len(obj) != 2 or not isinstance(obj[0], int):
         return ProtocolError(f"bad per-key result {obj!r:.100}"), None
     if obj[0] == ErrorCode.OK:

@@ -539,22 +539,23 @@ class DataServer:
             try:
                 grant, view = self._granted_view(grant_wire, grants.OP_READ)
                 if ranges is None:
-                    item_views = [view]
-                else:
-                    if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
-                        raise InvalidRequestError(
-                            f"ranges must be a list of at most {MAX_RANGES_PER_ITEM} pairs"
-                        )
-                    item_views = []
-                    for r in ranges:
-                        if not isinstance(r, list) or len(r) != 2:
-                            raise InvalidRequestError("each range must be [start, length]")
-                        grants.check_range(grant, r[0], r[1])
-                        item_views.append(view[r[0] : r[0] + r[1]])
+                    views.append(view)
+                    results.append([0, len(view)])
+                    continue
+                if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
+                    raise InvalidRequestError(
+                        f"ranges must be a list of at most {MAX_RANGES_PER_ITEM} pairs"
+                    )
+                item_views = []
+                for r in ranges:
+                    if not isinstance(r, list) or len(r) != 2:
+                        raise InvalidRequestError("each range must be [start, length]")
+                    grants.check_range(grant, r[0], r[1])
+                    item_views.append(view[r[0] : r[0] + r[1]])
                 views.extend(item_views)
                 results.append([0, sum(len(v) for v in item_views)])
             except KVStoreError as err:
                 results.append(err.to_wire())
-        total = sum(len(v) for v in views)
+        total = sum(map(len, views))
         self.num_reads += len(items)
         fs.send_frame(protocol.encode_response(req.req_id, results, total), views)
