@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import struct
+import threading
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +21,7 @@ from kvstore.errors import (
     NoSpaceError,
     ProtocolError,
 )
+from kvstore.types import Location
 
 msgpack_values = st.recursive(
     st.none()
@@ -189,3 +193,45 @@ def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
         assert polling.poll_window() == pytest.approx(want)
     monkeypatch.delenv("KVSTORE_POLL_US")
     assert polling.poll_window() == pytest.approx(100e-6)
+
+
+@pytest.mark.parametrize("num_buffers", [3, 1000, 5000])
+def test_send_all_keeps_order_whether_it_joins_or_gathers(num_buffers: int) -> None:
+    """Small totals are joined into one send, large ones gathered: same bytes either way."""
+    rng = np.random.default_rng(num_buffers)
+    parts: list[bytes | memoryview | bytearray] = []
+    for i in range(num_buffers):
+        raw = rng.integers(0, 256, 1 + i % 40, dtype=np.uint8).tobytes()
+        parts.append([raw, memoryview(raw), bytearray(raw)][i % 3])
+    expected = b"".join(bytes(p) for p in parts)
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def receive() -> None:
+        for _ in range(len(expected)):  # bounded: at least one byte per recv
+            if len(got) >= len(expected):
+                return
+            got.extend(b.recv(1 << 16))
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    protocol.send_all(a, parts)
+    reader.join(10)
+    a.close()
+    b.close()
+    assert bytes(got) == expected
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        [1, "h", 1, []],
+        ["n", b"h", 1, []],
+        ["n", "h", "1", []],
+        ["n", "h", 1],
+        ("n", "h", 1, []),
+    ],
+)
+def test_location_refuses_malformed_wire(wire: object) -> None:
+    with pytest.raises(KVStoreError):
+        Location.from_wire(wire)
