@@ -279,7 +279,7 @@ READ_AHEAD = 32 << 10
 
 #: Up to this many bytes in all, many buffers are joined and sent with one ``sendall``: copying
 #: them costs less than a memoryview (and an iovec) per buffer.
-JOIN_MAX_BYTES = 64 << 10
+JOIN_MAX_BYTES = 256 << 10
 
 
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
