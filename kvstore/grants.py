@@ -35,7 +35,7 @@ def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see the NOTE in kvstore.types
 class Grant:
     """Permission for ``op`` on ``[offset, offset + size)`` of ``segment``, holding ``key``.
 
