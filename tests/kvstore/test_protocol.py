@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import polling, protocol
+from kvstore import grants, polling, protocol
 from kvstore.errors import (
     ErrorCode,
     KeyNotFoundError,
@@ -21,7 +21,7 @@ from kvstore.errors import (
     NoSpaceError,
     ProtocolError,
 )
-from kvstore.types import Location
+from kvstore.types import Location, ObjectInfo, PutTicket
 
 msgpack_values = st.recursive(
     st.none()
@@ -235,3 +235,17 @@ def test_send_all_keeps_order_whether_it_joins_or_gathers(num_buffers: int) -> N
 def test_location_refuses_malformed_wire(wire: object) -> None:
     with pytest.raises(KVStoreError):
         Location.from_wire(wire)
+
+
+def test_tickets_and_infos_round_trip_through_their_wire_forms() -> None:
+    locs = [
+        Location(f"n{i}", "127.0.0.1", 9000 + i, grants.sign(b"s" * 32, "w", b"k", "d", i, 16, 7))
+        for i in range(3)
+    ]
+    for n in range(4):
+        ticket = PutTicket(5, locs[:n])
+        assert ticket.to_wire() == [5, [loc.to_wire() for loc in locs[:n]]]
+        assert PutTicket.from_wire(ticket.to_wire()) == ticket
+        info = ObjectInfo(16, 99, locs[:n])
+        assert info.to_wire() == [16, 99, [loc.to_wire() for loc in locs[:n]]]
+        assert ObjectInfo.from_wire(info.to_wire()) == info
