@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
+from kvstore.errors import GrantInvalidError, KVStoreError, KVTimeoutError, OutOfRangeError
 
 OP_READ = "r"
 OP_WRITE = "w"
@@ -301,39 +301,7 @@ class WriteClaims:
         """
         now = self.clock_ms()
         with self._lock:
-            starts = self._starts.setdefault(segment, [])
-            claims = self._claims.setdefault(segment, {})
-            i = bisect.bisect_left(starts, start)
-            if i and claims[starts[i - 1]].end > start:
-                i -= 1
-            overlapping = []
-            while i < len(starts) and starts[i] < end:
-                overlapping.append(claims[starts[i]])
-                i += 1
-            fenced: list[WriteStream] = []
-            mine: _Claim | None = None
-            for c in overlapping:
-                if c.stamp < now and c.signature != signature:
-                    continue  # expired: every grant it could fence has expired too
-                if c.signature == signature and (c.start, c.end) == (start, end):
-                    if c.done or c.streams:
-                        raise GrantInvalidError("this write grant was already used (or is in use)")
-                    mine = c
-                elif c.stamp >= stamp:
-                    raise GrantInvalidError(
-                        "these bytes now belong to a newer allocation: the grant is stale"
-                    )
-            for c in overlapping:
-                if c is not mine:
-                    fenced.extend(c.streams)
-                    self._remove(segment, c)
-            if mine is None:
-                mine = _Claim(start, end, stamp, signature)
-                bisect.insort(starts, start)
-                claims[start] = mine
-                self._num += 1
-            if stream is not None:
-                mine.streams.append(stream)
+            mine, fenced = self._claim_locked(segment, start, end, stamp, signature, stream, now)
             if self._num > self._prune_at:
                 self._prune(now)
         for s in fenced:
@@ -343,6 +311,108 @@ class WriteClaims:
                 self.end(mine, stream, complete=False)
                 raise KVTimeoutError("an older write on these bytes did not stop in time")
         return mine
+
+    def begin_many(
+        self, items: list[tuple[Grant, bool, WriteStream | None]]
+    ) -> list[_Claim | KVStoreError]:
+        """:meth:`begin` for the ``(grant, by_id, stream)`` items of one write request: one lock
+        for all, then every fenced older write is stopped.
+
+        Returns:
+            Per item, its claim or the error :meth:`begin` would raise (GrantInvalidError,
+            KVTimeoutError).
+        """
+        now = self.clock_ms()
+        out: list[_Claim | KVStoreError] = []
+        fenced_by: list[list[WriteStream]] = []
+        own = {id(stream) for _, _, stream in items if stream is not None}
+        with self._lock:
+            for grant, by_id, stream in items:
+                end = grant.offset + (1 if by_id else max(1, grant.size))
+                try:
+                    mine, fenced = self._claim_locked(
+                        grant.segment,
+                        grant.offset,
+                        end,
+                        grant.expires_ms,
+                        grant.signature,
+                        stream,
+                        now,
+                    )
+                except GrantInvalidError as err:
+                    out.append(err)
+                    fenced_by.append([])
+                    continue
+                out.append(mine)
+                fenced_by.append(fenced)
+            if self._num > self._prune_at:
+                self._prune(now)
+        for fenced in fenced_by:
+            for s in fenced:
+                s.abort()
+        for k, fenced in enumerate(fenced_by):
+            for s in fenced:
+                # NOTE: a request that fences itself (two live grants of overlapping bytes) has
+                # aborted its own stream: no byte of it lands, and waiting for it would deadlock.
+                if id(s) not in own and not s.stopped.wait(FENCE_WAIT_S):
+                    claim = out[k]
+                    assert isinstance(claim, _Claim), "only a claim fences"
+                    self.end(claim, items[k][2], complete=False)
+                    out[k] = KVTimeoutError("an older write on these bytes did not stop in time")
+                    break
+        return out
+
+    def _claim_locked(
+        self,
+        segment: str,
+        start: int,
+        end: int,
+        stamp: int,
+        signature: bytes,
+        stream: WriteStream | None,
+        now: int,
+    ) -> tuple[_Claim, list[WriteStream]]:
+        """The claim of :meth:`claim`, and the streams it fences (to stop after the lock).
+
+        NOTE: called holding ``self._lock``.
+
+        Raises:
+            GrantInvalidError: as :meth:`begin`.
+        """
+        starts = self._starts.setdefault(segment, [])
+        claims = self._claims.setdefault(segment, {})
+        i = bisect.bisect_left(starts, start)
+        if i and claims[starts[i - 1]].end > start:
+            i -= 1
+        overlapping = []
+        while i < len(starts) and starts[i] < end:
+            overlapping.append(claims[starts[i]])
+            i += 1
+        fenced: list[WriteStream] = []
+        mine: _Claim | None = None
+        for c in overlapping:
+            if c.stamp < now and c.signature != signature:
+                continue  # expired: every grant it could fence has expired too
+            if c.signature == signature and (c.start, c.end) == (start, end):
+                if c.done or c.streams:
+                    raise GrantInvalidError("this write grant was already used (or is in use)")
+                mine = c
+            elif c.stamp >= stamp:
+                raise GrantInvalidError(
+                    "these bytes now belong to a newer allocation: the grant is stale"
+                )
+        for c in overlapping:
+            if c is not mine:
+                fenced.extend(c.streams)
+                self._remove(segment, c)
+        if mine is None:
+            mine = _Claim(start, end, stamp, signature)
+            bisect.insort(starts, start)
+            claims[start] = mine
+            self._num += 1
+        if stream is not None:
+            mine.streams.append(stream)
+        return mine, fenced
 
     def end(self, claim: _Claim, stream: WriteStream | None, complete: bool) -> None:
         """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""

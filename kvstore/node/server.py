@@ -432,7 +432,7 @@ class DataServer:
         stream = grants.WriteStream(fs.sock)
         now = self.clock_ms()
         plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
-        claimed: list[Any] = []  # per planned item, its claim or None
+        wanted: list[tuple[grants.Grant, bool, grants.WriteStream | None]] = []
         for grant_wire, start, length, checksum in items:
             try:
                 # Write grants are used once: not worth a place in the memo of verified grants.
@@ -445,18 +445,31 @@ class DataServer:
                         )
                     if type(checksum) is not int:
                         raise InvalidRequestError("checksum must be an integer")
-                    claimed.append(self.claims.begin(grant, None, tier.tier == TIER_NVME))
+                    # (bytes buffered, stored after the payload: no stream to fence)
+                    wanted.append((grant, tier.tier == TIER_NVME, None))
                     plan.append((None, grant, None))
                     continue
                 view = self._arena_view(grant)
                 grants.check_range(grant, start, length)
                 if type(checksum) is not int:
                     raise InvalidRequestError("checksum must be an integer")
-                claimed.append(self.claims.begin(grant, stream))
+                wanted.append((grant, False, stream))
                 plan.append((None, grant, view[start : start + length]))
             except KVStoreError as err:
-                claimed.append(None)
                 plan.append((err, None, None))
+        # Claim every checked item's range at once (see grants.WriteClaims).
+        got = iter(self.claims.begin_many(wanted))
+        claimed: list[Any] = []  # per planned item, its claim or None
+        for k, (err, _, _) in enumerate(plan):
+            if err is not None:
+                claimed.append(None)
+                continue
+            c = next(got)
+            if isinstance(c, KVStoreError):
+                claimed.append(None)
+                plan[k] = (c, None, None)
+            else:
+                claimed.append(c)
         results: list[Any] = []
         # Whole objects for non-arena tiers, stored in one batch per tier after the payload.
         tier_items: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvstore import grants
-from kvstore.errors import GrantInvalidError, OutOfRangeError
+from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
 
 SECRET = b"s" * 32
 
@@ -222,3 +222,45 @@ def test_one_stream_for_many_claims_ends_them_together() -> None:
 def test_signatures_are_stable_across_versions(args: tuple, signature: str) -> None:
     """A master and a node of different versions must agree on every grant's signature."""
     assert grants.sign(b"s" * 32, *args).signature.hex() == signature
+
+
+def test_begin_many_claims_in_one_step_with_errors_in_place() -> None:
+    claims = grants.WriteClaims(lambda: 100)
+    claims.end(claims.begin(_w(0, 100, 6000, b"new"), None), None, complete=True)
+    stream = grants.WriteStream()
+    used = _w(1000, 10, 5000, b"used")
+    claims.end(claims.begin(used, None), None, complete=True)
+    out = claims.begin_many(
+        [
+            (_w(200, 100, 5000, b"a"), False, stream),
+            (_w(50, 100, 5000, b"stale"), False, stream),  # older than "new" on its bytes
+            (used, False, stream),  # a replay
+            (_w(4096, 0, 5000, b"id"), True, None),  # by id (NVMe): no stream
+        ]
+    )
+    assert isinstance(out[0], grants._Claim) and out[0].streams == [stream]
+    assert isinstance(out[1], GrantInvalidError) and "newer allocation" in out[1].message
+    assert isinstance(out[2], GrantInvalidError) and "already used" in out[2].message
+    assert isinstance(out[3], grants._Claim) and out[3].streams == []
+
+
+def test_begin_many_stops_older_writes_and_never_waits_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grants, "FENCE_WAIT_S", 0.05)
+    claims = grants.WriteClaims(lambda: 100)
+    stalled = grants.WriteStream()  # another request's write that never stops
+    claims.begin(_w(0, 100, 5000, b"old"), stalled)
+    mine = grants.WriteStream()
+    t0 = time.monotonic()
+    out = claims.begin_many(
+        [
+            (_w(500, 100, 5000, b"x"), False, mine),
+            (_w(520, 10, 5500, b"y"), False, mine),  # fences the item before it: its own stream
+            (_w(0, 100, 6000, b"z"), False, mine),  # fences `stalled`, which does not stop
+        ]
+    )
+    assert stalled.aborted and mine.aborted  # no byte of either may land any more
+    assert isinstance(out[1], grants._Claim)  # no wait for its own stream
+    assert isinstance(out[2], KVTimeoutError)
+    assert time.monotonic() - t0 < 1.0  # one bounded wait, for `stalled` only
