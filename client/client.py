@@ -521,7 +521,8 @@ class Client:
                 continue
             ticket = PutTicket.from_wire(payload)
             tickets.append((j, ticket))
-            writes.extend(WriteItem(loc, views[j], sums[j]) for loc in ticket.locations)
+            for loc in ticket.locations:
+                writes.append(WriteItem(loc, views[j], sums[j]))
         self._data.write(writes)
         failed: dict[int, KVStoreError] = {}
         dead_nodes: set[str] = set()

@@ -71,8 +71,12 @@ def _by_node(items: Sequence[Any]) -> dict[Endpoint, _Exchange]:
     """One exchange per node, holding that node's items in order."""
     exchanges: dict[Endpoint, _Exchange] = {}
     for item in items:
-        ep = (item.location.host, item.location.port)
-        exchanges.setdefault(ep, _Exchange(ep)).items.append(item)
+        loc = item.location
+        ep = (loc.host, loc.port)
+        ex = exchanges.get(ep)
+        if ex is None:  # (not setdefault: that would build an exchange per item)
+            ex = exchanges[ep] = _Exchange(ep)
+        ex.items.append(item)
     return exchanges
 
 

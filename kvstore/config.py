@@ -65,6 +65,8 @@ def encode_key(key: str | bytes) -> bytes:
     Raises:
         InvalidRequestError: empty, too long, or not str/bytes.
     """
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return key  # the common case, checked in one step
     if isinstance(key, str):
         raw = key.encode("utf-8", "surrogatepass")
     elif isinstance(key, bytes | bytearray | memoryview):

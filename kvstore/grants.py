@@ -23,19 +23,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
+from kvstore.errors import GrantInvalidError, KVStoreError, KVTimeoutError, OutOfRangeError
 
 OP_READ = "r"
 OP_WRITE = "w"
 SECRET_BYTES = 32
-_FIXED = struct.Struct("!1sQQQ")
+_FIXED = struct.Struct("!1sQQQH")  # op, offset, size, expiry, then the key's length
 
 
 def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see the NOTE in kvstore.types
 class Grant:
     """Permission for ``op`` on ``[offset, offset + size)`` of ``segment``, holding ``key``.
 
@@ -94,10 +94,8 @@ def _digest(
     secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
 ) -> bytes:
     h = _keyed(secret).copy()
-    h.update(_FIXED.pack(op.encode(), offset, size, expires_ms))
-    h.update(struct.pack("!H", len(key)))
-    h.update(key)
-    h.update(segment.encode())
+    # One update of the concatenation: the same digest as updates of each part, in one call.
+    h.update(_FIXED.pack(op.encode(), offset, size, expires_ms, len(key)) + key + segment.encode())
     return h.digest()
 
 
@@ -149,8 +147,11 @@ class VerifiedGrants:
         self.max_entries = max_entries
         self._memo: dict[bytes, tuple[list[Any], Grant]] = {}
 
-    def check(self, grant_wire: Any, op: str, now_ms: int) -> Grant:
+    def check(self, grant_wire: Any, op: str, now_ms: int, remember: bool = True) -> Grant:
         """The verified grant of ``grant_wire``.
+
+        Args:
+            remember: keep it in the memo (False for grants used once: writes).
 
         Raises:
             GrantInvalidError: malformed, forged, for another operation, or expired.
@@ -167,6 +168,8 @@ class VerifiedGrants:
                 return grant
         grant = Grant.from_wire(grant_wire)
         verify(self.secret, grant, op, now_ms)
+        if not remember:
+            return grant
         if len(self._memo) >= self.max_entries:
             self._drop_expired(now_ms)
         self._memo[grant.signature] = (list(grant_wire), grant)
@@ -209,6 +212,9 @@ class WriteStream:
         self.sock = sock
         self.aborted = False
         self.stopped = threading.Event()
+
+    def is_aborted(self) -> bool:
+        return self.aborted
 
     def abort(self) -> None:
         self.aborted = True
@@ -295,39 +301,7 @@ class WriteClaims:
         """
         now = self.clock_ms()
         with self._lock:
-            starts = self._starts.setdefault(segment, [])
-            claims = self._claims.setdefault(segment, {})
-            i = bisect.bisect_left(starts, start)
-            if i and claims[starts[i - 1]].end > start:
-                i -= 1
-            overlapping = []
-            while i < len(starts) and starts[i] < end:
-                overlapping.append(claims[starts[i]])
-                i += 1
-            fenced: list[WriteStream] = []
-            mine: _Claim | None = None
-            for c in overlapping:
-                if c.stamp < now and c.signature != signature:
-                    continue  # expired: every grant it could fence has expired too
-                if c.signature == signature and (c.start, c.end) == (start, end):
-                    if c.done or c.streams:
-                        raise GrantInvalidError("this write grant was already used (or is in use)")
-                    mine = c
-                elif c.stamp >= stamp:
-                    raise GrantInvalidError(
-                        "these bytes now belong to a newer allocation: the grant is stale"
-                    )
-            for c in overlapping:
-                if c is not mine:
-                    fenced.extend(c.streams)
-                    self._remove(segment, c)
-            if mine is None:
-                mine = _Claim(start, end, stamp, signature)
-                bisect.insort(starts, start)
-                claims[start] = mine
-                self._num += 1
-            if stream is not None:
-                mine.streams.append(stream)
+            mine, fenced = self._claim_locked(segment, start, end, stamp, signature, stream, now)
             if self._num > self._prune_at:
                 self._prune(now)
         for s in fenced:
@@ -338,6 +312,108 @@ class WriteClaims:
                 raise KVTimeoutError("an older write on these bytes did not stop in time")
         return mine
 
+    def begin_many(
+        self, items: list[tuple[Grant, bool, WriteStream | None]]
+    ) -> list[_Claim | KVStoreError]:
+        """:meth:`begin` for the ``(grant, by_id, stream)`` items of one write request: one lock
+        for all, then every fenced older write is stopped.
+
+        Returns:
+            Per item, its claim or the error :meth:`begin` would raise (GrantInvalidError,
+            KVTimeoutError).
+        """
+        now = self.clock_ms()
+        out: list[_Claim | KVStoreError] = []
+        fenced_by: list[list[WriteStream]] = []
+        own = {id(stream) for _, _, stream in items if stream is not None}
+        with self._lock:
+            for grant, by_id, stream in items:
+                end = grant.offset + (1 if by_id else max(1, grant.size))
+                try:
+                    mine, fenced = self._claim_locked(
+                        grant.segment,
+                        grant.offset,
+                        end,
+                        grant.expires_ms,
+                        grant.signature,
+                        stream,
+                        now,
+                    )
+                except GrantInvalidError as err:
+                    out.append(err)
+                    fenced_by.append([])
+                    continue
+                out.append(mine)
+                fenced_by.append(fenced)
+            if self._num > self._prune_at:
+                self._prune(now)
+        for fenced in fenced_by:
+            for s in fenced:
+                s.abort()
+        for k, fenced in enumerate(fenced_by):
+            for s in fenced:
+                # NOTE: a request that fences itself (two live grants of overlapping bytes) has
+                # aborted its own stream: no byte of it lands, and waiting for it would deadlock.
+                if id(s) not in own and not s.stopped.wait(FENCE_WAIT_S):
+                    claim = out[k]
+                    assert isinstance(claim, _Claim), "only a claim fences"
+                    self.end(claim, items[k][2], complete=False)
+                    out[k] = KVTimeoutError("an older write on these bytes did not stop in time")
+                    break
+        return out
+
+    def _claim_locked(
+        self,
+        segment: str,
+        start: int,
+        end: int,
+        stamp: int,
+        signature: bytes,
+        stream: WriteStream | None,
+        now: int,
+    ) -> tuple[_Claim, list[WriteStream]]:
+        """The claim of :meth:`claim`, and the streams it fences (to stop after the lock).
+
+        NOTE: called holding ``self._lock``.
+
+        Raises:
+            GrantInvalidError: as :meth:`begin`.
+        """
+        starts = self._starts.setdefault(segment, [])
+        claims = self._claims.setdefault(segment, {})
+        i = bisect.bisect_left(starts, start)
+        if i and claims[starts[i - 1]].end > start:
+            i -= 1
+        overlapping = []
+        while i < len(starts) and starts[i] < end:
+            overlapping.append(claims[starts[i]])
+            i += 1
+        fenced: list[WriteStream] = []
+        mine: _Claim | None = None
+        for c in overlapping:
+            if c.stamp < now and c.signature != signature:
+                continue  # expired: every grant it could fence has expired too
+            if c.signature == signature and (c.start, c.end) == (start, end):
+                if c.done or c.streams:
+                    raise GrantInvalidError("this write grant was already used (or is in use)")
+                mine = c
+            elif c.stamp >= stamp:
+                raise GrantInvalidError(
+                    "these bytes now belong to a newer allocation: the grant is stale"
+                )
+        for c in overlapping:
+            if c is not mine:
+                fenced.extend(c.streams)
+                self._remove(segment, c)
+        if mine is None:
+            mine = _Claim(start, end, stamp, signature)
+            bisect.insort(starts, start)
+            claims[start] = mine
+            self._num += 1
+        if stream is not None:
+            mine.streams.append(stream)
+        return mine, fenced
+
     def end(self, claim: _Claim, stream: WriteStream | None, complete: bool) -> None:
         """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
         with self._lock:
@@ -345,6 +421,15 @@ class WriteClaims:
                 claim.streams.remove(stream)
             if complete:
                 claim.done = True
+
+    def end_many(self, ends: list[tuple[_Claim, bool]], stream: WriteStream | None) -> None:
+        """:meth:`end` for many ``(claim, complete)`` of one write request (one lock)."""
+        with self._lock:
+            for claim, complete in ends:
+                if stream is not None and stream in claim.streams:
+                    claim.streams.remove(stream)
+                if complete:
+                    claim.done = True
 
     def reset(self) -> None:
         """Forget every claim and stop every write in progress (a new grant secret: no grant

@@ -277,10 +277,19 @@ _IOV_MAX = 512
 READ_AHEAD = 32 << 10
 
 
+#: Up to this many bytes in all, many buffers are joined and sent with one ``sendall``: copying
+#: them costs less than a memoryview (and an iovec) per buffer.
+JOIN_MAX_BYTES = 256 << 10
+
+
 def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
-    """Send every buffer with ``sendmsg`` (gather I/O: the payload is never joined or copied)."""
+    """Send every buffer: small ones joined in one ``sendall``, larger ones with ``sendmsg``
+    (gather I/O: a large payload is never joined or copied)."""
     if len(buffers) == 1 and type(buffers[0]) is bytes:
         sock.sendall(buffers[0])  # a frame without payload: one syscall, no views
+        return
+    if len(buffers) > 2 and sum(map(len, buffers)) <= JOIN_MAX_BYTES:
+        sock.sendall(b"".join(buffers))
         return
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
     while views:
@@ -497,6 +506,8 @@ class FramedSocket:
         """
         n = self._take(view)
         total = len(view)
+        if n == total:  # all read ahead already: no socket read
+            return
         sock = self.sock
         before = sock.gettimeout()
         try:

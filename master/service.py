@@ -70,7 +70,7 @@ from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
-from kvstore.master.tiering import TIER_NVME, TIER_RANK, TierConfig, TierManager
+from kvstore.master.tiering import TIER_NVME, TIER_RANK, Candidates, TierConfig, TierManager
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
 
 if TYPE_CHECKING:
@@ -480,6 +480,10 @@ class MasterService:
             raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
         excluded = set(exclude_nodes)
         results: list[PutTicket | KVStoreError] = []
+        # Once per batch: where objects may go, and the grants' expiry base (each allocation's
+        # claim stamp is still ordered after every claim on its bytes, see Segment.claim_stamp).
+        cands = self.tiering.candidates(excluded)
+        base = self.wall_ms() + int(self.config.put_timeout_s * 1000)
         for key, size in zip(keys, sizes, strict=True):
             try:
                 if is_kv_key(key):
@@ -489,13 +493,19 @@ class MasterService:
                         )
                     if key in self.objects:
                         raise ObjectExistsError("this KV block is already stored")
-                results.append(self._put_start_one(key, size, excluded, replicas))
+                results.append(self._put_start_one(key, size, excluded, replicas, cands, base))
             except KVStoreError as err:
                 results.append(err)
         return results
 
     def _put_start_one(
-        self, key: bytes, size: int, excluded: set[str], num_replicas: int = 1
+        self,
+        key: bytes,
+        size: int,
+        excluded: set[str],
+        num_replicas: int,
+        cands: Candidates,
+        base: int,
     ) -> PutTicket:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
@@ -505,9 +515,11 @@ class MasterService:
             )
         if key in self.pending_by_key:
             raise ObjectBusyError("another put of this key is in flight")
-        picks = self.tiering.place(size, excluded, num_replicas)
-        base = self.wall_ms() + int(self.config.put_timeout_s * 1000)
-        expires = max(segment.claim_stamp(base) for segment, _ in picks)
+        picks = self.tiering.place(size, excluded, num_replicas, cands)
+        if len(picks) == 1:
+            expires = picks[0][0].claim_stamp(base)
+        else:
+            expires = max(segment.claim_stamp(base) for segment, _ in picks)
         placed: list[Replica] = []
         for segment, node in picks:
             offset = segment.allocator.allocate(size)

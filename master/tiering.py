@@ -112,6 +112,15 @@ def _check_marks(tier: str, high: object, low: object) -> None:
         )
 
 
+@dataclass(slots=True)
+class Candidates:
+    """Where a batch of new objects may go (see :meth:`TierManager.candidates`)."""
+
+    nodes: list[Node]
+    segments: list[list[Segment]]  # per node, fastest tier first
+    largest: int  # the largest segment's capacity
+
+
 def ordered_segments(node: Node) -> list[Segment]:
     """A node's segments, fastest tier first."""
     return sorted(node.segments.values(), key=lambda s: TIER_RANK.get(s.tier, len(TIER_ORDER)))
@@ -163,38 +172,58 @@ class TierManager:
         return out
 
     # ================================================================ placement
-    def place(self, size: int, excluded: set[str], num_replicas: int) -> list[tuple[Segment, Node]]:
-        """Choose ``num_replicas`` segments on distinct nodes for a new object, evicting if needed.
-
-        Raises:
-            NoSpaceError: too few nodes, an object larger than any segment, or no room left that
-                eviction could make (the message says what holds the space).
-        """
+    def candidates(self, excluded: set[str]) -> Candidates:
+        """The nodes that can take a new object now (not excluded, draining or retired), each
+        with its segments fastest tier first; computed once per batch and passed to
+        :meth:`place` for each of its keys (membership does not change within a batch)."""
         svc = self.svc
         nodes = [
             n
             for n in svc.nodes.values()
             if n.node_id not in excluded and not n.draining and not n.retired
         ]
-        if not svc.nodes:
+        largest = max((s.allocator.capacity for n in nodes for s in n.segments.values()), default=0)
+        return Candidates(nodes, [ordered_segments(n) for n in nodes], largest)
+
+    def place(
+        self,
+        size: int,
+        excluded: set[str],
+        num_replicas: int,
+        cands: Candidates | None = None,
+    ) -> list[tuple[Segment, Node]]:
+        """Choose ``num_replicas`` segments on distinct nodes for a new object, evicting if needed.
+
+        Args:
+            cands: :meth:`candidates` of ``excluded``, when the caller places a batch.
+
+        Raises:
+            NoSpaceError: too few nodes, an object larger than any segment, or no room left that
+                eviction could make (the message says what holds the space).
+        """
+        if cands is None:
+            cands = self.candidates(excluded)
+        nodes, largest = cands.nodes, cands.largest
+        if not self.svc.nodes:
             raise NoSpaceError("no storage node is registered")
         if len(nodes) < num_replicas:
             raise NoSpaceError(
                 f"{num_replicas} replica(s) need as many nodes; {len(nodes)} can take data"
             )
-        largest = max((s.allocator.capacity for n in nodes for s in n.segments.values()), default=0)
         if nodes and self._reserved(nodes[0], size) > largest:
             raise NoSpaceError(
                 f"an object of {size} bytes is larger than any tier segment ({largest} bytes)"
             )
         options: list[tuple[int, int, int, Segment, Node]] = []
         for i, n in enumerate(nodes):
-            for seg in ordered_segments(n):
-                if seg.allocator.largest_free >= seg.allocator.reserved_size(size):
+            for seg in cands.segments[i]:
+                alloc = seg.allocator
+                if alloc.largest_free >= alloc.reserved_size(size):
                     rank = TIER_RANK.get(seg.tier, len(TIER_ORDER))
-                    options.append((rank, -seg.allocator.free_bytes, i, seg, n))
+                    options.append((rank, -alloc.free_bytes, i, seg, n))
                     break
-        options.sort(key=lambda o: o[:3])
+        if len(options) > 1:
+            options.sort(key=lambda o: o[:3])
         picks = [(seg, n) for _, _, _, seg, n in options[:num_replicas]]
         if len(picks) < num_replicas:
             chosen = {n.node_id for _, n in picks}

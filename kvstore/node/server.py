@@ -73,6 +73,12 @@ class Manifest:
         with self._lock:
             self._entries[(segment, offset)] = entry
 
+    def record_many(self, entries: list[tuple[str, int, ManifestEntry]]) -> None:
+        """Record ``(segment, offset, entry)`` triples under one lock."""
+        with self._lock:
+            for segment, offset, entry in entries:
+                self._entries[(segment, offset)] = entry
+
     def forget(self, items: list[tuple[Any, ...]]) -> None:
         """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
         with self._lock:
@@ -375,29 +381,29 @@ class DataServer:
         return handler
 
     # ------------------------------------------------------------------ grants
-    def _granted_view(self, grant_wire: Any, op: str) -> tuple[grants.Grant, memoryview]:
-        grant = self.verified.check(grant_wire, op, self.clock_ms())
+    def _granted_view(
+        self, grant_wire: Any, op: str, remember: bool = True
+    ) -> tuple[grants.Grant, memoryview]:
+        grant = self.verified.check(grant_wire, op, self.clock_ms(), remember)
         tier = self.tiers.get(grant.segment)
         if tier is not None:
             if op != grants.OP_READ:
                 raise InvalidRequestError("tier writes go through the whole-object path")
             return grant, tier.read(grant.offset, grant.size)
+        return grant, self._arena_view(grant)
+
+    def _arena_view(self, grant: grants.Grant) -> memoryview:
+        """The granted bytes of an arena segment.
+
+        Raises:
+            GrantInvalidError: no such segment here; OutOfRangeError: the grant overruns it.
+        """
         arena = self.segments.get(grant.segment)
         if arena is None:
             raise GrantInvalidError(f"no segment {grant.segment!r} on this node")
         if grant.offset + grant.size > arena.size:
             raise OutOfRangeError("granted range lies outside the segment")
-        return grant, arena.view[grant.offset : grant.offset + grant.size]
-
-    def _tier_write_grant(self, grant_wire: Any, start: Any, length: Any) -> grants.Grant | None:
-        """The verified grant of a write to a non-arena tier, or None for arena writes."""
-        grant = grants.Grant.from_wire(grant_wire)
-        if grant.segment not in self.tiers:
-            return None
-        grants.verify(self.secret, grant, grants.OP_WRITE, self.clock_ms())
-        if start != 0 or length != grant.size:
-            raise InvalidRequestError(f"writes to segment {grant.segment!r} carry whole objects")
-        return grant
+        return arena.view[grant.offset : grant.offset + grant.size]
 
     # ------------------------------------------------------------------ verbs
     def _write(
@@ -413,39 +419,63 @@ class DataServer:
         ):
             raise InvalidRequestError("write takes items: [[grant, start, length, checksum], ...]")
         lengths = [i[2] for i in items]
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+        if not all(type(n) is int and n >= 0 for n in lengths):
             raise InvalidRequestError("item lengths must be non-negative integers")
         if sum(lengths) != payload_len:
             raise ProtocolError(
                 f"payload of {payload_len} bytes does not match the items' {sum(lengths)}"
             )
         # Check every item before touching the payload, then stream each into place.
+        # NOTE: one WriteStream for the whole request: its items share one socket, and fencing
+        # any of them shuts that socket down, so they stop together anyway. It is stopped (and
+        # its claims released) when the request is over.
+        stream = grants.WriteStream(fs.sock)
+        now = self.clock_ms()
         plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
-        claimed: list[tuple[Any, grants.WriteStream | None]] = []  # per planned item, or None
+        wanted: list[tuple[grants.Grant, bool, grants.WriteStream | None]] = []
         for grant_wire, start, length, checksum in items:
             try:
-                tier_grant = self._tier_write_grant(grant_wire, start, length)
-                if tier_grant is not None:
-                    if not isinstance(checksum, int) or isinstance(checksum, bool):
+                # Write grants are used once: not worth a place in the memo of verified grants.
+                grant = self.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
+                tier = self.tiers.get(grant.segment)
+                if tier is not None:
+                    if start != 0 or length != grant.size:
+                        raise InvalidRequestError(
+                            f"writes to segment {grant.segment!r} carry whole objects"
+                        )
+                    if type(checksum) is not int:
                         raise InvalidRequestError("checksum must be an integer")
-                    by_id = self.tiers[tier_grant.segment].tier == TIER_NVME
-                    claimed.append((self.claims.begin(tier_grant, None, by_id), None))
-                    plan.append((None, tier_grant, None))
+                    # (bytes buffered, stored after the payload: no stream to fence)
+                    wanted.append((grant, tier.tier == TIER_NVME, None))
+                    plan.append((None, grant, None))
                     continue
-                grant, view = self._granted_view(grant_wire, grants.OP_WRITE)
+                view = self._arena_view(grant)
                 grants.check_range(grant, start, length)
-                if not isinstance(checksum, int) or isinstance(checksum, bool):
+                if type(checksum) is not int:
                     raise InvalidRequestError("checksum must be an integer")
-                stream = grants.WriteStream(fs.sock)
-                claimed.append((self.claims.begin(grant, stream), stream))
+                wanted.append((grant, False, stream))
                 plan.append((None, grant, view[start : start + length]))
             except KVStoreError as err:
-                claimed.append((None, None))
                 plan.append((err, None, None))
+        # Claim every checked item's range at once (see grants.WriteClaims).
+        got = iter(self.claims.begin_many(wanted))
+        claimed: list[Any] = []  # per planned item, its claim or None
+        for k, (err, _, _) in enumerate(plan):
+            if err is not None:
+                claimed.append(None)
+                continue
+            c = next(got)
+            if isinstance(c, KVStoreError):
+                claimed.append(None)
+                plan[k] = (c, None, None)
+            else:
+                claimed.append(c)
         results: list[Any] = []
         # Whole objects for non-arena tiers, stored in one batch per tier after the payload.
         tier_items: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}
         done: set[int] = set()  # planned items whose bytes all arrived
+        stored: list[tuple[str, int, ManifestEntry]] = []
+        aborted = stream.is_aborted
         try:
             for i, ((err, grant, dest), (_, start, length, checksum)) in enumerate(
                 zip(plan, items, strict=True)
@@ -463,19 +493,18 @@ class DataServer:
                     fs.discard(length, scratch)
                     results.append(result_to_wire(err))
                     continue
-                stream = claimed[i][1]
-                assert stream is not None
                 # No socket read starts once the grant has expired (or a newer write of these
                 # bytes fenced this one): no byte of it lands on another allocation's bytes.
                 left_s = (grant.expires_ms - self.clock_ms()) / 1000
-                fs.recv_into_before(dest, time.monotonic() + left_s, lambda s=stream: s.aborted)
-                stream.stopped.set()
+                fs.recv_into_before(dest, time.monotonic() + left_s, aborted)
                 done.add(i)
                 if start == 0 and length == grant.size:
-                    self.manifest.record(
-                        grant.segment,
-                        grant.offset,
-                        ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
+                    stored.append(
+                        (
+                            grant.segment,
+                            grant.offset,
+                            ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
+                        )
                     )
                 results.append([0, None])
             for segment, batch in tier_items.items():
@@ -494,11 +523,12 @@ class DataServer:
                     if e is None:
                         done.add(i)
         finally:
-            for i, (claim, stream) in enumerate(claimed):
-                if claim is not None:
-                    self.claims.end(claim, stream, complete=i in done)
-                if stream is not None:
-                    stream.stopped.set()
+            if stored:
+                self.manifest.record_many(stored)
+            self.claims.end_many(
+                [(c, i in done) for i, c in enumerate(claimed) if c is not None], stream
+            )
+            stream.stopped.set()
         self.num_writes += len(items)
         fs.send_frame(protocol.encode_response(req.req_id, results))
 
@@ -522,22 +552,23 @@ class DataServer:
             try:
                 grant, view = self._granted_view(grant_wire, grants.OP_READ)
                 if ranges is None:
-                    item_views = [view]
-                else:
-                    if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
-                        raise InvalidRequestError(
-                            f"ranges must be a list of at most {MAX_RANGES_PER_ITEM} pairs"
-                        )
-                    item_views = []
-                    for r in ranges:
-                        if not isinstance(r, list) or len(r) != 2:
-                            raise InvalidRequestError("each range must be [start, length]")
-                        grants.check_range(grant, r[0], r[1])
-                        item_views.append(view[r[0] : r[0] + r[1]])
+                    views.append(view)
+                    results.append([0, len(view)])
+                    continue
+                if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
+                    raise InvalidRequestError(
+                        f"ranges must be a list of at most {MAX_RANGES_PER_ITEM} pairs"
+                    )
+                item_views = []
+                for r in ranges:
+                    if not isinstance(r, list) or len(r) != 2:
+                        raise InvalidRequestError("each range must be [start, length]")
+                    grants.check_range(grant, r[0], r[1])
+                    item_views.append(view[r[0] : r[0] + r[1]])
                 views.extend(item_views)
                 results.append([0, sum(len(v) for v in item_views)])
             except KVStoreError as err:
                 results.append(err.to_wire())
-        total = sum(len(v) for v in views)
+        total = sum(map(len, views))
         self.num_reads += len(items)
         fs.send_frame(protocol.encode_response(req.req_id, results, total), views)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvstore import grants
-from kvstore.errors import GrantInvalidError, OutOfRangeError
+from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
 
 SECRET = b"s" * 32
 
@@ -175,3 +175,92 @@ def test_reset_stops_every_stream() -> None:
     claims.begin(_w(0, 100, 5000), stream)
     claims.reset()
     assert stream.aborted and len(claims) == 0
+
+
+def test_memo_without_remember_verifies_but_keeps_nothing() -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    g = grants.sign(SECRET, grants.OP_WRITE, b"k", "dram", 0, 10, 1000)
+    assert memo.check(g.to_wire(), grants.OP_WRITE, now_ms=0, remember=False) == g
+    assert memo._memo == {}
+    forged = g.to_wire()
+    forged[4] = 11  # one byte more than granted, same signature
+    with pytest.raises(GrantInvalidError, match="signature"):
+        memo.check(forged, grants.OP_WRITE, now_ms=0, remember=False)
+    with pytest.raises(GrantInvalidError, match="expired"):
+        memo.check(g.to_wire(), grants.OP_WRITE, now_ms=1001, remember=False)
+
+
+def test_one_stream_for_many_claims_ends_them_together() -> None:
+    """A write request's items share one stream: ending them releases the stream from every
+    claim, marks only the completed ones used up, and a newer write aborts the shared stream."""
+    claims = grants.WriteClaims(lambda: 100)
+    stream = grants.WriteStream()
+    a, b = _w(0, 100, 5000, b"a"), _w(100, 100, 5000, b"b")
+    ca, cb = claims.begin(a, stream), claims.begin(b, stream)
+    with pytest.raises(GrantInvalidError, match="in use"):
+        claims.begin(a, None)
+    claims.end_many([(ca, True), (cb, False)], stream)
+    assert ca.streams == [] and cb.streams == []
+    with pytest.raises(GrantInvalidError, match="already used"):
+        claims.begin(a, None)  # completed: used up
+    claims.end(claims.begin(b, None), None, complete=True)  # not completed: may be retried
+    shared = grants.WriteStream()  # one request writing two extents
+    claims.begin(_w(300, 100, 5000, b"c"), shared)
+    claims.begin(_w(400, 100, 5000, b"d"), shared)
+    shared.stopped.set()  # its receive loop already left (so the newer write need not wait)
+    claims.begin(_w(350, 100, 6000, b"n"), None)  # newer, overlapping only the first extent
+    assert shared.is_aborted()
+
+
+@pytest.mark.parametrize(
+    ("args", "signature"),
+    [
+        (("w", b"key/1", "dram", 4096, 16, 1700000000123), "580d3c5b56a60b68134566dd862c6904"),
+        (("r", b"", "nvme", 0, 0, 0), "0edb90fc3b66454cf58fbccd05cdb55a"),
+    ],
+)
+def test_signatures_are_stable_across_versions(args: tuple, signature: str) -> None:
+    """A master and a node of different versions must agree on every grant's signature."""
+    assert grants.sign(b"s" * 32, *args).signature.hex() == signature
+
+
+def test_begin_many_claims_in_one_step_with_errors_in_place() -> None:
+    claims = grants.WriteClaims(lambda: 100)
+    claims.end(claims.begin(_w(0, 100, 6000, b"new"), None), None, complete=True)
+    stream = grants.WriteStream()
+    used = _w(1000, 10, 5000, b"used")
+    claims.end(claims.begin(used, None), None, complete=True)
+    out = claims.begin_many(
+        [
+            (_w(200, 100, 5000, b"a"), False, stream),
+            (_w(50, 100, 5000, b"stale"), False, stream),  # older than "new" on its bytes
+            (used, False, stream),  # a replay
+            (_w(4096, 0, 5000, b"id"), True, None),  # by id (NVMe): no stream
+        ]
+    )
+    assert isinstance(out[0], grants._Claim) and out[0].streams == [stream]
+    assert isinstance(out[1], GrantInvalidError) and "newer allocation" in out[1].message
+    assert isinstance(out[2], GrantInvalidError) and "already used" in out[2].message
+    assert isinstance(out[3], grants._Claim) and out[3].streams == []
+
+
+def test_begin_many_stops_older_writes_and_never_waits_for_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(grants, "FENCE_WAIT_S", 0.05)
+    claims = grants.WriteClaims(lambda: 100)
+    stalled = grants.WriteStream()  # another request's write that never stops
+    claims.begin(_w(0, 100, 5000, b"old"), stalled)
+    mine = grants.WriteStream()
+    t0 = time.monotonic()
+    out = claims.begin_many(
+        [
+            (_w(500, 100, 5000, b"x"), False, mine),
+            (_w(520, 10, 5500, b"y"), False, mine),  # fences the item before it: its own stream
+            (_w(0, 100, 6000, b"z"), False, mine),  # fences `stalled`, which does not stop
+        ]
+    )
+    assert stalled.aborted and mine.aborted  # no byte of either may land any more
+    assert isinstance(out[1], grants._Claim)  # no wait for its own stream
+    assert isinstance(out[2], KVTimeoutError)
+    assert time.monotonic() - t0 < 1.0  # one bounded wait, for `stalled` only

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import struct
+import threading
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore import polling, protocol
+from kvstore import grants, polling, protocol
 from kvstore.errors import (
     ErrorCode,
     KeyNotFoundError,
@@ -18,6 +21,7 @@ from kvstore.errors import (
     NoSpaceError,
     ProtocolError,
 )
+from kvstore.types import Location, ObjectInfo, PutTicket
 
 msgpack_values = st.recursive(
     st.none()
@@ -189,3 +193,59 @@ def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
         assert polling.poll_window() == pytest.approx(want)
     monkeypatch.delenv("KVSTORE_POLL_US")
     assert polling.poll_window() == pytest.approx(100e-6)
+
+
+@pytest.mark.parametrize("num_buffers", [3, 1000, 30000])
+def test_send_all_keeps_order_whether_it_joins_or_gathers(num_buffers: int) -> None:
+    """Small totals are joined into one send, large ones gathered: same bytes either way."""
+    rng = np.random.default_rng(num_buffers)
+    parts: list[bytes | memoryview | bytearray] = []
+    for i in range(num_buffers):
+        raw = rng.integers(0, 256, 1 + i % 40, dtype=np.uint8).tobytes()
+        parts.append([raw, memoryview(raw), bytearray(raw)][i % 3])
+    expected = b"".join(bytes(p) for p in parts)
+    a, b = socket.socketpair()
+    got = bytearray()
+
+    def receive() -> None:
+        for _ in range(len(expected)):  # bounded: at least one byte per recv
+            if len(got) >= len(expected):
+                return
+            got.extend(b.recv(1 << 16))
+
+    reader = threading.Thread(target=receive)
+    reader.start()
+    protocol.send_all(a, parts)
+    reader.join(10)
+    a.close()
+    b.close()
+    assert bytes(got) == expected
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        [1, "h", 1, []],
+        ["n", b"h", 1, []],
+        ["n", "h", "1", []],
+        ["n", "h", 1],
+        ("n", "h", 1, []),
+    ],
+)
+def test_location_refuses_malformed_wire(wire: object) -> None:
+    with pytest.raises(KVStoreError):
+        Location.from_wire(wire)
+
+
+def test_tickets_and_infos_round_trip_through_their_wire_forms() -> None:
+    locs = [
+        Location(f"n{i}", "127.0.0.1", 9000 + i, grants.sign(b"s" * 32, "w", b"k", "d", i, 16, 7))
+        for i in range(3)
+    ]
+    for n in range(4):
+        ticket = PutTicket(5, locs[:n])
+        assert ticket.to_wire() == [5, [loc.to_wire() for loc in locs[:n]]]
+        assert PutTicket.from_wire(ticket.to_wire()) == ticket
+        info = ObjectInfo(16, 99, locs[:n])
+        assert info.to_wire() == [16, 99, [loc.to_wire() for loc in locs[:n]]]
+        assert ObjectInfo.from_wire(info.to_wire()) == info

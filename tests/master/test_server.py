@@ -18,7 +18,13 @@ from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, tokens_to_wire
 from kvstore.master.prefix import MAX_PROMPT_BLOCKS
-from kvstore.master.server import CHUNK_ITEMS, SWEEP_INTERVAL_S, ControlServer
+from kvstore.master.server import (
+    _PACK,
+    CHUNK_ITEMS,
+    SWEEP_INTERVAL_S,
+    ControlServer,
+    _pack_items,
+)
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import ObjectInfo, SegmentSpec
 from tests.support import wait_until
@@ -183,3 +189,11 @@ def test_a_hello_sent_in_time_survives_a_stall_of_the_master() -> None:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=30)
         loop.close()
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 255, 256, (1 << 16) - 1, 1 << 16])
+def test_a_chunk_packs_like_its_items_one_by_one(n: int) -> None:
+    """Chunks are packed in one call and joined under one array header: the bytes must be
+    those of packing every item alone (whatever the chunk's own header length)."""
+    items = [[0, [i, [b"x" * (i % 7)]]] for i in range(n)]
+    assert _pack_items(items) == b"".join(map(_PACK.pack, items))

@@ -142,3 +142,14 @@ def test_batch_limit(clock: FakeClock) -> None:
     s = MasterService(MasterConfig(max_batch=3), clock, clock.wall_ms)
     with pytest.raises(InvalidRequestError):
         s.exists([b"a"] * 4)
+
+
+def test_a_batch_is_placed_key_by_key_on_one_view_of_the_nodes(svc: MasterService) -> None:
+    """Candidates are computed once per batch, but each key still sees the room the keys
+    before it took: equal nodes share a batch evenly, and one that fills up is skipped."""
+    tickets = svc.put_start([b"a", b"b", b"c", b"d"], [4096] * 4)
+    nodes = [t.locations[0].node_id for t in tickets if isinstance(t, PutTicket)]
+    assert sorted(nodes) == ["n1", "n1", "n2", "n2"]
+    big = svc.put_start([b"e", b"f"], [(1 << 20) - 8192, (1 << 20) - 8192])
+    assert {t.locations[0].node_id for t in big if isinstance(t, PutTicket)} == {"n1", "n2"}
+    assert [type(t).__name__ for t in svc.put_start([b"g"], [4096])] == ["NoSpaceError"]
