@@ -1,0 +1,465 @@
+"""``kv_both`` engines behind the live router: a discrete-event simulator of what it sees and does.
+
+The P/D simulator (:mod:`.simulator`) models Mooncake's split: FIFO prefill instances beside
+separate decode instances. A vLLM ``kv_both`` engine is one continuous-batching loop
+(:mod:`.engine`), and ``kvstore router`` in front of such engines decides with what it can see.
+This module puts the two together:
+
+* **Router slots.** The router chooses an engine when a request arrives, then holds it in that
+  engine's queue until one of the engine's ``max_inflight`` slots is free (``kvstore router
+  --max-inflight``); a request with a slot reaches the engine ``request_overhead_s`` later.
+* **What the policies see** (``kvstore/router/policy.py``, by name in :data:`LIVE_POLICIES`):
+
+  - the engines' ``num_requests_running`` / ``num_requests_waiting`` **as last polled**: the
+    router reads ``/metrics`` every ``poll_interval_s`` (0.5 s), so the values are those at
+    the latest multiple of the interval (plus ``poll_phase_s``), not the current ones;
+  - exactly: its own requests in flight per engine (holding a slot), the predicted prefill
+    seconds of its requests there without a first token yet (queued ones included), each
+    engine's own prefix cache (followed through vLLM's KV events, milliseconds behind) and
+    the pool (through the master's KV events).
+
+* **Policies.** ``round-robin`` cycles over the engines; ``least-loaded`` takes the fewest
+  polled running + waiting, ties by fewer of the router's in flight, then by index (blind to
+  the requests queued in the router: a burst between two polls all goes to the engine that
+  looked emptier); ``cache-aware`` takes the smallest predicted TTFT, the live router's
+  estimate (:func:`estimate_ttft`): max(queue, pool load beyond the engine's own hit) +
+  prefill of the tokens neither holds + one step of the polled running batch, where the
+  queue is the router's predicted prefill seconds there plus the polled waiting requests,
+  each costed like this one. Its costs are the engine model's own (a router whose fit is
+  exact).
+* **Admission.** With ``admission_ttft_s`` a request whose estimate on the chosen engine
+  exceeds it is rejected (the router's early rejection for the request's class; 10 s for
+  ``standard``), whatever the policy.
+
+TTFT is arrival -> first token, TBT (last - first token) / (output - 1); goodput counts the
+requests within ``slo``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.errors import InternalError, InvalidRequestError
+
+from .engine import EngineConfig, EngineRequest, KvBothEngine, StepCost
+from .policies import BlockCache
+from .simulator import SimResult
+from .slo import DEFAULT_SLO, SLOClass
+from .trace import TraceRequest
+
+_REACH = 0
+_STEP_END = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """One engine as a policy sees it for one request.
+
+    Attributes:
+        engine_id: its index.
+        num_running: running requests at the last poll.
+        num_waiting: waiting requests at the last poll.
+        router_inflight: the router's requests holding a slot there now.
+        router_prefill_s: predicted prefill seconds of the router's requests there that have
+            no first token yet (queued in the router too).
+        local_tokens: prompt tokens in its own prefix cache now.
+        pool_tokens: prompt tokens in the pool now.
+        prefill_s: predicted prefill of this request's uncached tokens there.
+        ttft_s: predicted TTFT there (:func:`estimate_ttft`).
+    """
+
+    engine_id: int
+    num_running: int
+    num_waiting: int
+    router_inflight: int
+    router_prefill_s: float
+    local_tokens: int
+    pool_tokens: int
+    prefill_s: float
+    ttft_s: float
+
+
+def estimate_ttft(
+    cost: StepCost,
+    prompt_tokens: int,
+    local_tokens: int,
+    pool_tokens: int,
+    num_running: int,
+    num_waiting: int,
+    router_prefill_s: float,
+) -> tuple[float, float]:
+    """The live router's TTFT estimate (``kvstore.router.policy.estimate_ttft``) in step terms.
+
+    Args:
+        cost: the engine's step cost (prefill alone = base + per token; a decode step of
+            ``b`` = base + ``b`` per sequence; a pool load = per token).
+        prompt_tokens: the prompt (>= 1).
+        local_tokens: its tokens in the engine's own cache.
+        pool_tokens: its tokens in the pool.
+        num_running: the engine's running requests as polled.
+        num_waiting: its waiting requests as polled.
+        router_prefill_s: the router's predicted prefill seconds there.
+
+    Returns:
+        ``(ttft_s, prefill_s)``.
+    """
+    local = min(local_tokens, prompt_tokens - 1)
+    uncached = max(prompt_tokens - max(local, pool_tokens), 1)
+    cached = prompt_tokens - uncached
+    prefill = cost.prefill_s(uncached)
+    queue = router_prefill_s + num_waiting * prefill
+    transfer = (
+        (min(pool_tokens, cached) - local) * cost.load_s_per_token if pool_tokens > local else 0.0
+    )
+    step = cost.step_s(num_running, 0) if num_running else 0.0
+    return max(queue, transfer) + prefill + step, prefill
+
+
+class LivePolicy(Protocol):
+    """Picks the engine for a request from snapshots (``kvstore.router.policy.RoutingPolicy``).
+
+    Attributes:
+        name: the router's ``--policy`` name.
+    """
+
+    name: str
+
+    def pick(self, views: list[EngineSnapshot]) -> int:
+        """The index of the chosen engine in ``views`` (never empty, in engine order)."""
+        ...
+
+
+class CacheAwarePolicy:
+    """The smallest predicted TTFT; ties by engine index."""
+
+    name = "cache-aware"
+
+    def pick(self, views: list[EngineSnapshot]) -> int:
+        """See :class:`LivePolicy`."""
+        return min(range(len(views)), key=lambda i: (views[i].ttft_s, views[i].engine_id))
+
+
+class RoundRobinPolicy:
+    """The engines in turn, blind to caches and load."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def pick(self, views: list[EngineSnapshot]) -> int:
+        """See :class:`LivePolicy`."""
+        return next(self._turn) % len(views)
+
+
+class LeastLoadedPolicy:
+    """The fewest polled running + waiting; ties by fewer of the router's in flight, then
+    index."""
+
+    name = "least-loaded"
+
+    def pick(self, views: list[EngineSnapshot]) -> int:
+        """See :class:`LivePolicy`."""
+        return min(
+            range(len(views)),
+            key=lambda i: (
+                views[i].num_running + views[i].num_waiting,
+                views[i].router_inflight,
+                views[i].engine_id,
+            ),
+        )
+
+
+#: The live router's policies by name; each call makes a fresh one.
+LIVE_POLICIES: dict[str, Callable[[], LivePolicy]] = {
+    CacheAwarePolicy.name: CacheAwarePolicy,
+    RoundRobinPolicy.name: RoundRobinPolicy,
+    LeastLoadedPolicy.name: LeastLoadedPolicy,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KvBothConfig:
+    """A run of :func:`simulate_kv_both`.
+
+    Attributes:
+        num_engines: kv_both engines (>= 1).
+        engine: each engine's sizes and step cost.
+        policy: a key of :data:`LIVE_POLICIES`.
+        shared_pool: the engines share a kvstore pool (unlimited); else only own caches hit.
+        poll_interval_s: how often the router reads the engines' load (> 0).
+        poll_phase_s: when, within the interval, the polls happen (>= 0).
+        max_inflight: router slots per engine (>= 1).
+        admission_ttft_s: reject a request whose predicted TTFT exceeds this (None: admit all).
+        slo: the class goodput is judged by.
+        speedup: arrivals happen ``speedup`` times faster than in the trace (> 0).
+
+    Raises:
+        InvalidRequestError: on creation, for a bad count, interval, policy or speedup.
+    """
+
+    num_engines: int = 2
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    policy: str = "cache-aware"
+    shared_pool: bool = True
+    poll_interval_s: float = 0.5
+    poll_phase_s: float = 0.0
+    max_inflight: int = 4
+    admission_ttft_s: float | None = None
+    slo: SLOClass = DEFAULT_SLO
+    speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1 or self.max_inflight < 1:
+            raise InvalidRequestError("num_engines and max_inflight must be >= 1")
+        if not self.poll_interval_s > 0 or not self.poll_phase_s >= 0:
+            raise InvalidRequestError("poll_interval_s must be > 0 and poll_phase_s >= 0")
+        if self.policy not in LIVE_POLICIES:
+            known = ", ".join(LIVE_POLICIES)
+            raise InvalidRequestError(f"unknown policy {self.policy!r}; known: {known}")
+        if not self.speedup > 0:
+            raise InvalidRequestError(f"speedup must be > 0, got {self.speedup}")
+        if self.admission_ttft_s is not None and not self.admission_ttft_s > 0:
+            raise InvalidRequestError("admission_ttft_s must be > 0 or None")
+
+
+class _LoadHistory:
+    """An engine's (running, waiting) over time, so that a poll can be read back later.
+
+    NOTE: appended in time order only; several entries at one time are allowed, the last wins.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = [-math.inf]
+        self.values: list[tuple[int, int]] = [(0, 0)]
+
+    def record(self, now_s: float, engine: KvBothEngine) -> None:
+        value = (len(engine.running), len(engine.waiting))
+        if value != self.values[-1]:
+            self.times.append(now_s)
+            self.values.append(value)
+
+    def at(self, time_s: float) -> tuple[int, int]:
+        return self.values[bisect.bisect_right(self.times, time_s) - 1]
+
+
+def last_poll_s(now_s: float, interval_s: float, phase_s: float = 0.0) -> float:
+    """The latest poll at or before ``now_s`` (polls at ``phase + k * interval``, k >= 0).
+
+    Args:
+        now_s: the time.
+        interval_s: the poll interval (> 0).
+        phase_s: the first poll's time.
+
+    Returns:
+        Its time (``-inf`` before the first poll: nothing polled yet reads as idle).
+    """
+    if now_s < phase_s:
+        return -math.inf
+    return phase_s + math.floor((now_s - phase_s) / interval_s + 1e-9) * interval_s
+
+
+def simulate_kv_both(
+    requests: SequenceOf[TraceRequest],
+    config: KvBothConfig | None = None,
+    on_token: Callable[[int, float], None] | None = None,
+) -> SimResult:
+    """Replay ``requests`` through the live router's policy onto ``kv_both`` engines.
+
+    Deterministic: ties by engine index, events by sequence number; an arrival is handled
+    before an event at the same time.
+
+    Args:
+        requests: the trace, in arrival order (``hash_ids`` are block keys of
+            ``config.engine.block_size_tokens`` tokens).
+        config: the run (default :class:`KvBothConfig`).
+        on_token: called with (request index, time) for every token emitted, in time order.
+
+    Returns:
+        Per-request outcomes (``prefill_ids`` and ``decode_ids`` are both the engine) and
+        per-engine busy seconds (``prefill_busy_s``) and requests (``decode_served``).
+
+    Raises:
+        InvalidRequestError: for an empty or unsorted trace.
+    """
+    config = config or KvBothConfig()
+    if not requests:
+        raise InvalidRequestError("cannot simulate an empty trace")
+    arrivals_s = [r.timestamp_ms / 1000.0 / config.speedup for r in requests]
+    if any(b < a for a, b in itertools.pairwise(arrivals_s)):
+        raise InvalidRequestError("requests must be sorted by timestamp")
+    cost = config.engine.cost
+    block = config.engine.block_size_tokens
+    pool = BlockCache(None, "lru") if config.shared_pool else None
+    engines = [KvBothEngine(config.engine, pool) for _ in range(config.num_engines)]
+    history = [_LoadHistory() for _ in engines]
+    policy = LIVE_POLICIES[config.policy]()
+    inflight = [0] * len(engines)
+    pending: list[deque[int]] = [deque() for _ in engines]
+    router_prefill_s = [0.0] * len(engines)
+    served = [0] * len(engines)
+
+    n = len(requests)
+    accepted = np.zeros(n, dtype=bool)
+    ttft = np.full(n, np.nan)
+    tbt = np.full(n, np.nan)
+    first_token_s = np.zeros(n)
+    predicted_prefill_s = np.zeros(n)
+    cached = np.zeros(n, dtype=np.int64)
+    local = np.zeros(n, dtype=np.int64)
+    engine_ids = np.full(n, -1, dtype=np.int64)
+    num_blocks = np.array([len(r.hash_ids) for r in requests], dtype=np.int64)
+    last_finish_s = 0.0
+
+    events: list[tuple[float, int, int, int]] = []  # (time, seq, kind, payload)
+    counter = itertools.count()
+
+    def push(time_s: float, kind: int, payload: int) -> None:
+        heapq.heappush(events, (time_s, next(counter), kind, payload))
+
+    def send(index: int, engine_id: int, now_s: float) -> None:
+        inflight[engine_id] += 1
+        push(now_s + cost.request_overhead_s, _REACH, index)
+
+    def start(engine_id: int, now_s: float) -> None:
+        engine = engines[engine_id]
+        plan = engine.start_step()
+        history[engine_id].record(now_s, engine)
+        if plan is not None:
+            push(now_s + plan.duration_s, _STEP_END, engine_id)
+
+    def snapshot(engine_id: int, request: TraceRequest, now_s: float) -> EngineSnapshot:
+        engine = engines[engine_id]
+        keys = tuple(request.hash_ids)
+        running, waiting = history[engine_id].at(
+            last_poll_s(now_s, config.poll_interval_s, config.poll_phase_s)
+        )
+        local_tokens = engine.local_hit_tokens(keys, request.input_length)
+        pool_tokens = engine.pool_hit_tokens(keys, request.input_length)
+        estimate, prefill = estimate_ttft(
+            cost,
+            request.input_length,
+            local_tokens,
+            pool_tokens,
+            running,
+            waiting,
+            router_prefill_s[engine_id],
+        )
+        return EngineSnapshot(
+            engine_id,
+            running,
+            waiting,
+            inflight[engine_id],
+            router_prefill_s[engine_id],
+            local_tokens,
+            pool_tokens,
+            prefill,
+            estimate,
+        )
+
+    def arrive(index: int, now_s: float) -> None:
+        request = requests[index]
+        views = [snapshot(e, request, now_s) for e in range(len(engines))]
+        view = views[policy.pick(views)]
+        if config.admission_ttft_s is not None and view.ttft_s > config.admission_ttft_s:
+            return
+        engine_id = view.engine_id
+        accepted[index] = True
+        engine_ids[index] = engine_id
+        served[engine_id] += 1
+        predicted_prefill_s[index] = view.prefill_s
+        router_prefill_s[engine_id] += view.prefill_s
+        if inflight[engine_id] < config.max_inflight:
+            send(index, engine_id, now_s)
+        else:
+            pending[engine_id].append(index)
+
+    def reach(index: int, now_s: float) -> None:
+        request = requests[index]
+        engine_id = int(engine_ids[index])
+        engine = engines[engine_id]
+        engine.add(
+            EngineRequest(
+                index, tuple(request.hash_ids), request.input_length, request.output_length
+            )
+        )
+        history[engine_id].record(now_s, engine)
+        if not engine.busy:
+            start(engine_id, now_s)
+
+    def step_end(engine_id: int, now_s: float) -> None:
+        nonlocal last_finish_s
+        engine = engines[engine_id]
+        plan = engine.plan
+        first, finished = engine.end_step()
+        if on_token is not None and plan is not None:
+            for item in (*plan.decode, *first):
+                on_token(item.index, now_s)
+        for item in first:
+            i = item.index
+            ttft[i] = now_s - arrivals_s[i]
+            first_token_s[i] = now_s
+            cached[i] = item.cached_tokens // block
+            local[i] = item.local_tokens // block
+            router_prefill_s[engine_id] = max(
+                0.0, router_prefill_s[engine_id] - predicted_prefill_s[i]
+            )
+        for item in finished:
+            i = item.index
+            after_first = item.output_tokens - 1
+            tbt[i] = (now_s - first_token_s[i]) / after_first if after_first else 0.0
+            last_finish_s = max(last_finish_s, now_s)
+            inflight[engine_id] -= 1
+            if pending[engine_id]:
+                send(pending[engine_id].popleft(), engine_id, now_s)
+        start(engine_id, now_s)
+
+    budget = config.engine.max_num_batched_tokens
+    max_events = 16 + sum(
+        2 + r.output_length + math.ceil(r.input_length / budget) for r in requests
+    )
+    next_arrival = 0
+    for _ in range(max_events):
+        if next_arrival < n and (not events or arrivals_s[next_arrival] <= events[0][0]):
+            arrive(next_arrival, arrivals_s[next_arrival])
+            next_arrival += 1
+            continue
+        if not events:
+            break
+        now_s, _, kind, payload = heapq.heappop(events)
+        if kind == _REACH:
+            reach(payload, now_s)
+        else:
+            step_end(payload, now_s)
+    else:
+        raise InternalError(f"simulation did not finish within {max_events} events")
+
+    slo = config.slo
+    met = accepted & (ttft <= slo.ttft_s) & (tbt <= slo.tbt_s)
+    return SimResult(
+        router=config.policy,
+        accepted=accepted,
+        ttft_s=ttft,
+        tbt_s=tbt,
+        met_slo=met,
+        num_blocks=num_blocks,
+        cached_blocks=cached,
+        local_blocks=local,
+        prefill_ids=engine_ids,
+        decode_ids=engine_ids.copy(),
+        prefill_busy_s=tuple(e.busy_s for e in engines),
+        decode_served=tuple(served),
+        num_replicated=0,
+        span_s=arrivals_s[-1] - arrivals_s[0],
+        makespan_s=max(last_finish_s, arrivals_s[-1]) - arrivals_s[0],
+    )

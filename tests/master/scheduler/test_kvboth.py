@@ -1,0 +1,163 @@
+"""kv_both engines behind the live router's policies: timings, polls, caches, admission."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidRequestError
+from kvstore.master.scheduler.engine import EngineConfig, StepCost
+from kvstore.master.scheduler.kvboth import (
+    KvBothConfig,
+    estimate_ttft,
+    last_poll_s,
+    simulate_kv_both,
+)
+from kvstore.master.scheduler.trace import TraceRequest
+
+COST = StepCost(step_base_s=0.01, decode_s_per_seq=0.002, prefill_s_per_token=0.0001)
+
+
+def request(
+    at_s: float, prompt: int, output: int, keys: tuple[int, ...] = (), request_id: int = 0
+) -> TraceRequest:
+    """A trace request arriving at ``at_s``."""
+    return TraceRequest(
+        request_id=request_id,
+        timestamp_ms=round(at_s * 1000),
+        input_length=prompt,
+        output_length=output,
+        hash_ids=keys,
+    )
+
+
+def config(**kwargs: object) -> KvBothConfig:
+    """One engine with :data:`COST` unless told otherwise."""
+    base: dict[str, object] = {"num_engines": 1, "engine": EngineConfig(COST)}
+    base.update(kwargs)
+    return KvBothConfig(**base)  # type: ignore[arg-type]
+
+
+def test_one_request() -> None:
+    result = simulate_kv_both([request(0.0, 100, 3)], config())
+    assert result.ttft_s[0] == pytest.approx(0.02)
+    assert result.tbt_s[0] == pytest.approx(0.012)
+    assert result.makespan_s == pytest.approx(0.044)
+
+
+def test_two_overlapping_requests_share_steps() -> None:
+    # B arrives during A's prefill, is admitted next step beside A's first decode.
+    result = simulate_kv_both([request(0.0, 100, 3), request(0.01, 50, 2, request_id=1)], config())
+    assert result.ttft_s.tolist() == pytest.approx([0.02, 0.037 - 0.01])
+    assert result.tbt_s.tolist() == pytest.approx([(0.051 - 0.02) / 2, 0.051 - 0.037])
+
+
+def test_request_overhead_delays_reaching_the_engine() -> None:
+    cost = StepCost(0.01, 0.002, 0.0001, request_overhead_s=0.005)
+    result = simulate_kv_both([request(0.0, 100, 1)], config(engine=EngineConfig(cost)))
+    assert result.ttft_s[0] == pytest.approx(0.025)
+
+
+def test_a_cached_prefix_is_served_from_the_engine_or_the_pool() -> None:
+    cost = StepCost(0.01, 0.002, 0.0001, load_s_per_token=1e-5)
+    keys = (1, 2, 3, 4)
+    trace = [
+        request(0.0, 100, 1, keys),
+        request(1.0, 100, 1, keys, 1),
+        request(2.0, 100, 1, keys, 2),
+    ]
+    # Round robin: engine 0, engine 1 (pool), engine 0 (its own cache).
+    result = simulate_kv_both(
+        trace, config(num_engines=2, engine=EngineConfig(cost), policy="round-robin")
+    )
+    assert result.prefill_ids.tolist() == [0, 1, 0]
+    assert result.ttft_s.tolist() == pytest.approx([0.02, 0.0104 + 96e-5, 0.0104])
+    assert result.cached_blocks.tolist() == [0, 3, 3]
+    assert result.local_blocks.tolist() == [0, 0, 3]
+    no_pool = simulate_kv_both(
+        trace,
+        config(num_engines=2, engine=EngineConfig(cost), policy="round-robin", shared_pool=False),
+    )
+    assert no_pool.ttft_s.tolist() == pytest.approx([0.02, 0.02, 0.0104])
+
+
+def test_cache_aware_sends_a_prompt_where_its_prefix_is() -> None:
+    keys = tuple(range(10))
+    trace = [request(0.0, 320, 1, keys), request(1.0, 320, 1, keys, 1)]
+    no_pool = simulate_kv_both(
+        trace, config(num_engines=2, policy="cache-aware", shared_pool=False)
+    )
+    # Engine 1 is idle and empty; engine 0 holds 9 blocks: the second goes to engine 0.
+    assert no_pool.prefill_ids.tolist() == [0, 0]
+    assert no_pool.local_blocks.tolist() == [0, 9]
+
+
+def test_least_loaded_reads_the_load_of_the_last_poll() -> None:
+    zero = StepCost(step_base_s=0.01, decode_s_per_seq=0.0, prefill_s_per_token=0.0)
+    trace = [
+        request(0.5, 10, 70),  # engine 0, runs until 0.5 + 0.01 * 70 = 1.2
+        request(0.6, 10, 1, request_id=1),  # engine 1 (fewer of the router's), done at 0.61
+        request(1.3, 10, 1, request_id=2),  # both idle now; the poll at 1.0 saw engine 0 busy
+        request(1.305, 10, 1, request_id=3),  # while request 2 runs
+    ]
+    polled = simulate_kv_both(
+        trace, config(num_engines=2, engine=EngineConfig(zero), policy="least-loaded")
+    )
+    assert polled.prefill_ids.tolist() == [0, 1, 1, 1]
+    exact = simulate_kv_both(
+        trace,
+        config(
+            num_engines=2,
+            engine=EngineConfig(zero),
+            policy="least-loaded",
+            poll_interval_s=1e-4,
+        ),
+    )
+    assert exact.prefill_ids.tolist() == [0, 1, 0, 1]
+
+
+def test_least_loaded_does_not_see_the_requests_queued_in_the_router() -> None:
+    # One slot per engine: a burst fills both, the rest wait in the router, which the engines'
+    # load does not show; ties go to the router's in-flight count, then to engine 0.
+    trace = [request(0.1 + 0.001 * i, 10, 20, request_id=i) for i in range(6)]
+    result = simulate_kv_both(trace, config(num_engines=2, policy="least-loaded", max_inflight=1))
+    assert result.prefill_ids.tolist() == [0, 1, 0, 0, 0, 0]
+    rr = simulate_kv_both(trace, config(num_engines=2, policy="round-robin", max_inflight=1))
+    assert rr.prefill_ids.tolist() == [0, 1, 0, 1, 0, 1]
+    assert np.nanmax(result.ttft_s) > np.nanmax(rr.ttft_s)
+
+
+def test_admission_rejects_a_request_predicted_past_its_target() -> None:
+    trace = [request(0.0, 1000, 1), request(0.0, 1000, 1, request_id=1)]
+    # prefill 0.01 + 0.1 = 0.11 s each; the second waits behind the first: 0.22 s predicted.
+    result = simulate_kv_both(trace, config(admission_ttft_s=0.15))
+    assert result.accepted.tolist() == [True, False]
+    assert math.isnan(result.ttft_s[1]) and result.num_rejected == 1
+
+
+def test_estimate_matches_the_live_router_terms() -> None:
+    cost = StepCost(0.01, 0.002, 0.0001, load_s_per_token=1e-5)
+    ttft, prefill = estimate_ttft(cost, 100, 32, 96, 2, 1, 0.5)
+    assert prefill == pytest.approx(0.01 + 4 * 0.0001)
+    # queue 0.5 + 1 waiting x prefill; load of 64 tokens overlaps it; then one decode step of 2.
+    assert ttft == pytest.approx(0.5 + prefill + prefill + 0.01 + 0.004)
+
+
+@pytest.mark.parametrize(
+    ("now", "expected"), [(0.0, 0.0), (0.49, 0.0), (0.5, 0.5), (1.26, 1.0), (-0.1, -math.inf)]
+)
+def test_last_poll(now: float, expected: float) -> None:
+    assert last_poll_s(now, 0.5) == pytest.approx(expected)
+
+
+def test_config_refuses_bad_values() -> None:
+    with pytest.raises(InvalidRequestError):
+        KvBothConfig(policy="random")
+    with pytest.raises(InvalidRequestError):
+        KvBothConfig(poll_interval_s=0)
+    with pytest.raises(InvalidRequestError):
+        simulate_kv_both([])
+    with pytest.raises(InvalidRequestError):
+        simulate_kv_both([request(1.0, 10, 1), request(0.0, 10, 1)])
