@@ -20,9 +20,10 @@ from kvstore.master.scheduler.slo import SLOClass
 from kvstore.master.scheduler.trace import TraceRequest, load_trace
 
 from . import report
-from .fit import CostFit, Prediction, SimShape, fit_cost_model, simulate_slice
+from .fit import ENGINE_MODELS, CostFit, Prediction, SimShape, fit_cost_model, simulate_slice
 from .loadgen import LoadConfig, RequestResult, resolve_model, run_replay
 from .metrics import SLO_CLASSES, ReplaySummary, summarize
+from .stepfit import StepFit, fit_step_model
 from .workload import ReplayRequest, ScaleConfig, build_requests, ideal_cached_tokens
 
 DEFAULT_NUM_REQUESTS = 20
@@ -117,6 +118,8 @@ class ReplayRun:
         summary: the summary.
         fit: the fitted cost model (None without ``--simulate``).
         prediction: the simulator's prediction (None without ``--simulate``).
+        step_fit: the fitted step cost of kv_both engines (None unless simulated with
+            ``--engine-model kv_both``).
     """
 
     requests: list[ReplayRequest]
@@ -124,6 +127,7 @@ class ReplayRun:
     summary: ReplaySummary
     fit: CostFit | None
     prediction: Prediction | None
+    step_fit: StepFit | None = None
 
 
 def replay_trace(
@@ -152,11 +156,14 @@ def replay_trace(
     ideal = ideal_cached_tokens(requests, scale.block_tokens)
     results = run_replay(requests, scale, load, ideal)
     summary = summarize(results, slo)
-    fit = prediction = None
+    fit = prediction = step_fit = None
     if shape is not None and summary.num_ok:
         fit = fit_cost_model(results, scale.block_tokens, shape.num_prefill)
-        prediction = simulate_slice(requests, results, fit.cost, shape, slo)
-    return ReplayRun(requests, results, summary, fit, prediction)
+        if shape.engine_model == "kv_both":
+            step_fit = fit_step_model(results)
+        step = step_fit.cost if step_fit is not None else None
+        prediction = simulate_slice(requests, results, fit.cost, shape, slo, step)
+    return ReplayRun(requests, results, summary, fit, prediction, step_fit)
 
 
 def write_outputs(out: Path, run: ReplayRun, slo: SLOClass, config: dict[str, Any]) -> list[Path]:
@@ -174,7 +181,13 @@ def write_outputs(out: Path, run: ReplayRun, slo: SLOClass, config: dict[str, An
     out.mkdir(parents=True, exist_ok=True)
     paths = [
         report.write_json(
-            out / "results.json", config, run.summary, run.results, run.prediction, run.fit
+            out / "results.json",
+            config,
+            run.summary,
+            run.results,
+            run.prediction,
+            run.fit,
+            run.step_fit,
         ),
         report.plot_latencies(run.results, slo, out / "latency_cdf.png"),
         report.plot_timeline(run.results, out / "timeline.png"),
@@ -244,6 +257,34 @@ def add_parser(sub: Any) -> None:
     )
     sim.add_argument("--pool", action="store_true", help="engines share a kvstore pool")
     sim.add_argument("--max-batch", type=int, default=4, help="engines' --max-num-seqs")
+    sim.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="pd",
+        help="pd: FIFO prefill and separate decode instances (default); kv_both: "
+        "--instances continuous-batching engines behind the live router's --policy",
+    )
+    sim.add_argument(
+        "--poll-interval", type=float, default=0.5, help="kv_both: the router's load poll, s"
+    )
+    sim.add_argument(
+        "--max-inflight", type=int, default=4, help="kv_both: the router's slots per engine"
+    )
+    sim.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="kv_both: tokens per step"
+    )
+    sim.add_argument(
+        "--cache-blocks",
+        type=int,
+        default=None,
+        help="kv_both: blocks of each engine's prefix cache (default unlimited)",
+    )
+    sim.add_argument(
+        "--admission-ttft",
+        type=float,
+        default=None,
+        help="kv_both: the router rejects a request predicted past this TTFT, s (its class's)",
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -279,7 +320,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.simulate:
         num_p = args.instances or args.prefill
         num_d = args.instances or args.decode
-        shape = SimShape(num_p, num_d, args.policy, args.pool, args.max_batch)
+        shape = SimShape(
+            num_p,
+            num_d,
+            args.policy,
+            args.pool,
+            args.max_batch,
+            engine_model=args.engine_model,
+            poll_interval_s=args.poll_interval,
+            max_inflight=args.max_inflight,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            cache_blocks=args.cache_blocks,
+            admission_ttft_s=args.admission_ttft,
+        )
     trace = load_slice(args.trace, start, end)
     targets = tuple(url.rstrip("/") for url in args.router)
     LoadConfig(targets, "check")  # validate the URLs before asking one for its models
@@ -293,11 +346,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     run = replay_trace(trace, scale, load, slo, shape)
     print(report.summary_table(run.summary, slo))
     if run.prediction is not None and run.fit is not None and shape is not None:
-        print(
-            f"\nsimulator ({shape.num_prefill} prefill / {shape.num_decode} decode, router "
-            f"{shape.sim_router}, cost model fitted from this run):"
+        cluster = (
+            f"{shape.num_prefill} kv_both engines, policy"
+            if shape.engine_model == "kv_both"
+            else f"{shape.num_prefill} prefill / {shape.num_decode} decode, router"
         )
-        print(report.prediction_table(run.summary, run.prediction, run.fit))
+        print(f"\nsimulator ({cluster} {shape.sim_router}, cost model fitted from this run):")
+        print(report.prediction_table(run.summary, run.prediction, run.fit, run.step_fit))
     config = {
         "trace": str(args.trace),
         "slice": [start, end],

@@ -19,6 +19,11 @@ the base refit as the mean. The attention (token-pair) and KV-size terms of the 
 scaled prompts are short. Then :func:`simulate_slice` runs the slice through
 :func:`kvstore.master.scheduler.simulator.simulate` with the measured send times as arrivals (so
 a ``--concurrency`` limit is in both), on a cluster shaped like the live one.
+
+That is the P/D model (FIFO prefill instances beside decode instances, the default). With
+``SimShape(engine_model="kv_both")`` the slice runs instead on ``kv_both`` continuous-batching
+engines behind the live router's policy (:mod:`kvstore.master.scheduler.kvboth`), with step
+costs fitted by :func:`kvstore.replay.stepfit.fit_step_model`.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import numpy as np
 from kvstore.errors import InvalidRequestError
 from kvstore.master.scheduler.cluster import ClusterConfig
 from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.engine import EngineConfig, StepCost
+from kvstore.master.scheduler.kvboth import LIVE_POLICIES, KvBothConfig, simulate_kv_both
 from kvstore.master.scheduler.scheduler import ROUTERS, SchedulerConfig
-from kvstore.master.scheduler.simulator import SimConfig, simulate
+from kvstore.master.scheduler.simulator import SimConfig, SimResult, simulate
 from kvstore.master.scheduler.slo import SLOClass
 from kvstore.master.scheduler.trace import TraceRequest
 
@@ -46,6 +53,9 @@ SIM_ROUTER_FOR_POLICY = {
     "round-robin": "round-robin",
     "least-loaded": "least-loaded",
 }
+
+#: Engine models :func:`simulate_slice` runs: Mooncake's P/D split, or vLLM kv_both engines.
+ENGINE_MODELS = ("pd", "kv_both")
 
 #: Smallest time a fitted prefill or decode step is given (the cost model refuses zero).
 _MIN_S = 1e-6
@@ -257,9 +267,21 @@ class SimShape:
         router: a simulator router (a key of ``ROUTERS``) or a router policy name.
         shared_pool: whether engines share a kvstore pool (else each has only its own cache).
         max_batch_size: most sequences an engine decodes at once (vLLM ``--max-num-seqs``).
+        engine_model: ``pd`` (FIFO prefill and separate decode instances) or ``kv_both``
+            (``num_prefill`` continuous-batching engines behind the live router's policy,
+            which ``router`` then names: cache-aware, round-robin or least-loaded).
+        poll_interval_s: kv_both: how often the router reads the engines' load
+            (``kvstore router --poll-interval``).
+        max_inflight: kv_both: the router's slots per engine (``--max-inflight``).
+        max_num_batched_tokens: kv_both: tokens per step (vLLM ``--max-num-batched-tokens``).
+        cache_blocks: kv_both: blocks of each engine's prefix cache (its KV cache; None
+            unlimited).
+        admission_ttft_s: kv_both: the router rejects a request predicted past this TTFT
+            (its SLO class's; None admits all).
 
     Raises:
-        InvalidRequestError: on creation, for counts below 1 or an unknown router.
+        InvalidRequestError: on creation, for counts below 1, an unknown engine model or an
+            unknown router.
     """
 
     num_prefill: int = 1
@@ -267,17 +289,34 @@ class SimShape:
     router: str = "round-robin"
     shared_pool: bool = False
     max_batch_size: int = 4
+    engine_model: str = "pd"
+    poll_interval_s: float = 0.5
+    max_inflight: int = 4
+    max_num_batched_tokens: int = 2048
+    cache_blocks: int | None = None
+    admission_ttft_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1 or self.max_batch_size < 1:
             raise InvalidRequestError("instance counts and max batch size must be >= 1")
-        if self.sim_router not in ROUTERS:
+        if self.engine_model not in ENGINE_MODELS:
+            known = ", ".join(ENGINE_MODELS)
+            raise InvalidRequestError(f"unknown engine model {self.engine_model!r}; known: {known}")
+        if self.engine_model == "kv_both":
+            if self.router not in LIVE_POLICIES:
+                known = ", ".join(LIVE_POLICIES)
+                raise InvalidRequestError(
+                    f"unknown policy {self.router!r} for kv_both engines; known: {known}"
+                )
+        elif self.sim_router not in ROUTERS:
             known = ", ".join([*SIM_ROUTER_FOR_POLICY, *ROUTERS])
             raise InvalidRequestError(f"unknown router {self.router!r}; known: {known}")
 
     @property
     def sim_router(self) -> str:
-        """The simulator's router name."""
+        """The simulator's router name (the live policy itself for kv_both engines)."""
+        if self.engine_model == "kv_both":
+            return self.router
         return SIM_ROUTER_FOR_POLICY.get(self.router, self.router)
 
 
@@ -306,21 +345,24 @@ def simulate_slice(
     cost: CostModel,
     shape: SimShape,
     slo: SLOClass,
+    step: StepCost | None = None,
 ) -> Prediction:
     """Run the slice through the simulator with the fitted cost model.
 
     Args:
         requests: the scaled requests (their blocks and lengths).
         results: the measured results, same order (their send times become arrivals).
-        cost: the fitted cost model.
+        cost: the fitted cost model (the P/D model's; its block size is the blocks').
         shape: the live cluster's shape.
         slo: the class requests are judged by.
+        step: the fitted step cost, for ``shape.engine_model == "kv_both"``.
 
     Returns:
         The prediction.
 
     Raises:
-        InvalidRequestError: for lists of different lengths or an empty slice.
+        InvalidRequestError: for lists of different lengths, an empty slice, or a kv_both
+            shape without a step cost.
     """
     if len(requests) != len(results) or not requests:
         raise InvalidRequestError("requests and results must match and not be empty")
@@ -336,6 +378,30 @@ def simulate_slice(
         )
         for i in order
     ]
+    if shape.engine_model == "kv_both":
+        if step is None:
+            raise InvalidRequestError("a kv_both simulation needs a fitted step cost")
+        engine = EngineConfig(
+            step,
+            max_num_seqs=shape.max_batch_size,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            cache_blocks=shape.cache_blocks,
+            block_size_tokens=cost.block_size_tokens,
+        )
+        sim = simulate_kv_both(
+            trace,
+            KvBothConfig(
+                num_engines=shape.num_prefill,
+                engine=engine,
+                policy=shape.router,
+                shared_pool=shape.shared_pool,
+                poll_interval_s=shape.poll_interval_s,
+                max_inflight=shape.max_inflight,
+                admission_ttft_s=shape.admission_ttft_s,
+                slo=slo,
+            ),
+        )
+        return _prediction(sim)
     cluster = ClusterConfig(
         num_prefill=shape.num_prefill,
         num_decode=shape.num_decode,
@@ -349,7 +415,10 @@ def simulate_slice(
         router=shape.sim_router,
         scheduler=SchedulerConfig((slo,), early_rejection=False),
     )
-    sim = simulate(trace, config)
+    return _prediction(simulate(trace, config))
+
+
+def _prediction(sim: SimResult) -> Prediction:
     ttfts = sim.ttft_s[sim.accepted]
     num_met = int(sim.met_slo.sum())
     return Prediction(

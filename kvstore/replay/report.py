@@ -19,6 +19,7 @@ from kvstore.master.scheduler.slo import SLOClass
 from .fit import CostFit, Prediction, queue_ahead, relative_error
 from .loadgen import RequestResult
 from .metrics import PERCENTILES, ReplaySummary
+from .stepfit import StepFit
 
 
 def _ms(values: Sequence[float]) -> list[float]:
@@ -61,13 +62,20 @@ def summary_table(summary: ReplaySummary, slo: SLOClass) -> str:
     return format_table(["metric", "value"], rows)
 
 
-def prediction_table(summary: ReplaySummary, prediction: Prediction, fit: CostFit) -> str:
+def prediction_table(
+    summary: ReplaySummary,
+    prediction: Prediction,
+    fit: CostFit,
+    step_fit: StepFit | None = None,
+) -> str:
     """Measured against simulated, with the relative error.
 
     Args:
         summary: the measured run.
         prediction: the simulator's prediction.
         fit: the fitted cost model.
+        step_fit: the fitted step cost when the simulation ran kv_both engines (then the line
+            describes it instead of ``fit``).
 
     Returns:
         The table, then a line with the fitted parameters.
@@ -90,6 +98,15 @@ def prediction_table(summary: ReplaySummary, prediction: Prediction, fit: CostFi
             for name, m, s in rows
         ],
     )
+    if step_fit is not None:
+        step = step_fit.cost
+        return (
+            f"{table}\nfitted (kv_both engine): step = {step.step_base_s * 1e3:.1f} ms + "
+            f"{step.decode_s_per_seq * 1e3:.2f} ms x decoding + "
+            f"{step.prefill_s_per_token * 1e3:.3f} ms x prefill tokens, request overhead "
+            f"{step.request_overhead_s * 1e3:.0f} ms (rmse {step_fit.rmse * 1e3:.0f} ms, "
+            f"{step_fit.num_gap_rows} token gaps, {step_fit.num_ttft_rows} idle TTFTs)"
+        )
     cost = fit.cost
     return (
         f"{table}\nfitted: TTFT = {cost.prefill_base_s * 1e3:.1f} ms x prefills + "
@@ -107,6 +124,7 @@ def write_json(
     results: Sequence[RequestResult],
     prediction: Prediction | None = None,
     fit: CostFit | None = None,
+    step_fit: StepFit | None = None,
 ) -> Path:
     """Write the run (configuration, summary, every request) as JSON.
 
@@ -117,6 +135,7 @@ def write_json(
         results: every request.
         prediction: the simulator's, if any.
         fit: the fitted cost model, if any.
+        step_fit: the fitted kv_both step cost, if any.
 
     Returns:
         ``path``.
@@ -136,6 +155,7 @@ def write_json(
         "summary": asdict(summary),
         "prediction": asdict(prediction) if prediction else None,
         "cost_model": asdict(fit.cost) if fit else None,
+        "step_model": asdict(step_fit.cost) if step_fit else None,
         "requests": [r.to_json() for r in results],
     }
     path.write_text(json.dumps(clean(body), indent=1))

@@ -105,3 +105,21 @@ def test_a_run_prints_tables_and_writes_results(
     assert body["prediction"]["goodput_rps"] > 0
     for name in ("latency_cdf.png", "timeline.png", "engine_load.png", "ttft_fit.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_a_kv_both_simulation_fits_the_step_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _trace(tmp_path, GOOD + GOOD2 + GOOD3)
+    out = tmp_path / "out"
+    with FakeOpenAI() as server:
+        argv = ["replay", trace, "--router", server.url, "--requests", "3", "--time-scale", "0"]
+        sim = ["--simulate", "--engine-model", "kv_both", "--instances", "1"]
+        status = main([*argv, "--policy", "least-loaded", *sim, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "1 kv_both engines, policy least-loaded" in printed
+    assert "fitted (kv_both engine): step =" in printed
+    body = json.loads((out / "results.json").read_text())
+    assert body["step_model"]["step_base_s"] > 0
+    assert body["prediction"]["mean_ttft_s"] > 0

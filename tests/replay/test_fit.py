@@ -19,6 +19,7 @@ from kvstore.replay.fit import (
     simulate_slice,
 )
 from kvstore.replay.loadgen import RequestResult
+from kvstore.replay.stepfit import fit_step_model
 from kvstore.replay.workload import ReplayRequest
 
 SLO = SLOClass("t", ttft_s=1.0, tbt_s=0.1)
@@ -182,3 +183,27 @@ def test_queued_prefill_fit_keeps_both_costs_non_negative() -> None:
     assert (fit.intercept, fit.slope) == (pytest.approx(0.1), 0.0)
     with pytest.raises(InvalidRequestError):
         fit_queued_prefill([], [])
+
+
+def test_kv_both_simulation_of_the_fitted_run_predicts_it() -> None:
+    requests, results = _run(6)
+    step = fit_step_model(results)
+    assert step.num_ttft_rows == 6 and step.rmse < 1e-9
+    shape = SimShape(1, 1, "round-robin", shared_pool=True, engine_model="kv_both")
+    fit = fit_cost_model(results, 32)
+    prediction = simulate_slice(requests, results, fit.cost, shape, SLO, step.cost)
+    mean_ttft = sum(r.ttft_s for r in results) / len(results)
+    assert prediction.mean_ttft_s == pytest.approx(mean_ttft, rel=1e-6)
+    assert prediction.slo_attainment == 1.0
+    assert prediction.hit_rate == pytest.approx(5 / sum(len(r.hash_ids) for r in requests))
+    with pytest.raises(InvalidRequestError):
+        simulate_slice(requests, results, fit.cost, shape, SLO)  # no step cost
+
+
+def test_sim_shape_kv_both_takes_the_live_policies() -> None:
+    for policy in ("cache-aware", "round-robin", "least-loaded"):
+        assert SimShape(router=policy, engine_model="kv_both").sim_router == policy
+    with pytest.raises(InvalidRequestError):
+        SimShape(router="conductor", engine_model="kv_both")
+    with pytest.raises(InvalidRequestError):
+        SimShape(engine_model="mixed")
