@@ -12,13 +12,18 @@ of the one before. Without ``kvstore router`` it says so and replays once agains
 engines directly, spreading requests round robin itself (a baseline without a router).
 
 It prints one table (goodput, TTFT p50/p90, hit rate, with the simulator's prediction of
-goodput and mean TTFT from a cost model fitted to that run) and the simulator's prediction for
-every policy from the first run's fit. Engines report their cached prompt tokens
+goodput and mean TTFT from a cost model fitted to that run, and their relative errors) and the
+simulator's prediction for every policy from the first run's fit. The simulator runs the
+engines as they are (``--engine-model kv_both``, the default): two continuous-batching
+engines, each step's cost fitted from the run's token times, behind the same policy with what
+the live router sees (load polled every 0.5 s, its 4 slots per engine, each engine's prefix
+cache of 1456 blocks and the pool, admission by the ``standard`` class's 10 s);
+``--engine-model pd`` gives the P/D model instead (FIFO prefill beside separate decode). Engines report their cached prompt tokens
 (``--enable-prompt-tokens-details``), so the hit rate is measured unless the router sends its
 own. Nothing is asserted about times.
 
 Usage: ``.venv/bin/python bench/bench_router.py [--start 0] [--requests 24] [--time-scale 1.0]
-[--max-output 16] [--slo standard] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
+[--max-output 16] [--slo standard] [--engine-model kv_both|pd] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
 tests/adapters/vllm_servers.py).
 """
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
@@ -49,10 +55,17 @@ from kvstore.replay.cli import (  # noqa: E402
     slo_from_args,
     write_outputs,
 )
-from kvstore.replay.fit import SimShape, simulate_slice  # noqa: E402
+from kvstore.replay.fit import (  # noqa: E402
+    ENGINE_MODELS,
+    SimShape,
+    relative_error,
+    simulate_slice,
+)
 from kvstore.replay.loadgen import LoadConfig  # noqa: E402
 from kvstore.replay.metrics import SLO_CLASSES  # noqa: E402
 from kvstore.replay.workload import ScaleConfig  # noqa: E402
+from kvstore.router.app import RouterConfig  # noqa: E402
+from kvstore.router.slo import DEFAULT_CLASSES  # noqa: E402
 from tests.adapters.vllm_servers import (  # noqa: E402
     kv_config,
     missing_engine,
@@ -64,6 +77,36 @@ POLICIES = ("cache-aware", "round-robin", "least-loaded")
 TRACE = Path("/work/shared/data/traces/conversation_trace.jsonl")
 MAX_NUM_SEQS = 4
 ROUTER_START_S = 120.0
+#: Each engine's KV cache in 32-token blocks: vLLM logs "CPU KV cache size: 46,592 tokens" for
+#: SmolLM2 with VLLM_CPU_KVCACHE_SPACE=1 (GiB).
+ENGINE_CACHE_BLOCKS = 46_592 // 32
+#: The router admits by its own class (no X-SLO-Class is sent: its default, ``standard``).
+ROUTER_CLASS = next(c for c in DEFAULT_CLASSES if c.name == "standard")
+
+
+def sim_shape(policy: str, engine_model: str) -> SimShape:
+    """The live cluster as the simulator runs it."""
+    if engine_model == "pd":
+        return SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
+    router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}  # its defaults
+    return SimShape(
+        2,
+        2,
+        policy,
+        shared_pool=True,
+        max_batch_size=MAX_NUM_SEQS,
+        engine_model="kv_both",
+        poll_interval_s=router["poll_s"],
+        max_inflight=router["max_inflight"],
+        cache_blocks=ENGINE_CACHE_BLOCKS,
+        admission_ttft_s=ROUTER_CLASS.ttft_s,
+    )
+
+
+def error_text(predicted: float, measured: float) -> str:
+    """A relative error as ``+12%`` (``n/a`` when undefined)."""
+    error = relative_error(predicted, measured)
+    return f"{error:+.0%}" if error == error else "n/a"
 
 
 def router_help() -> str | None:
@@ -140,6 +183,20 @@ class Router:
             time.sleep(0.5)  # polling a state, bounded by the deadline
         raise RuntimeError(f"kvstore router not ready after {timeout:.0f} s")
 
+    def warm_up(self, timeout: float = ROUTER_START_S) -> None:
+        """One short request through the router before the replay: the router loads the
+        model's tokenizer on its first request (a second or more on these cores), which would
+        otherwise land on the first requests of the trace, and no engine-side model has it.
+        Its prompt (token ids 1..8) shares no block with the trace's."""
+        body = json.dumps(
+            {"model": "smollm2", "prompt": list(range(1, 9)), "max_tokens": 1, "temperature": 0}
+        ).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            resp.read()
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -159,6 +216,12 @@ def main() -> int:
     parser.add_argument("--max-output", type=int, default=16)
     parser.add_argument("--max-prompt", type=int, default=1024)
     parser.add_argument("--slo", default="standard", choices=sorted(SLO_CLASSES))
+    parser.add_argument(
+        "--engine-model",
+        choices=ENGINE_MODELS,
+        default="kv_both",
+        help="the simulator's engines: kv_both (as run here) or pd",
+    )
     parser.add_argument(
         "--out", type=Path, default=None, help="keep logs, results.json and plots here"
     )
@@ -211,7 +274,7 @@ def main() -> int:
                     time_scale=args.time_scale,
                     seed=seed + 1,
                 )
-                shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
+                shape = sim_shape(policy, args.engine_model)
                 router = None
                 if has_router:
                     events = help_text is not None and "--engine-events" in help_text
@@ -225,6 +288,7 @@ def main() -> int:
                 try:
                     if router is not None:
                         router.wait_ready()
+                        router.warm_up()
                         targets = (router.url,)
                     else:
                         targets = tuple(urls)
@@ -265,16 +329,20 @@ def print_tables(
     rows = []
     for label, _, run in runs:
         s, p = run.summary, run.prediction
+        sim_goodput = p.goodput_rps if p else float("nan")
+        sim_ttft = p.mean_ttft_s if p else float("nan")
         rows.append(
             [
                 label,
                 f"{s.num_ok}/{s.num_requests}",
                 s.goodput_rps,
-                p.goodput_rps if p else float("nan"),
+                sim_goodput,
+                error_text(sim_goodput, s.goodput_rps),
                 s.ttft_s[0] * 1e3,
                 s.ttft_s[1] * 1e3,
                 s.mean_ttft_s * 1e3,
-                p.mean_ttft_s * 1e3 if p else float("nan"),
+                sim_ttft * 1e3,
+                error_text(sim_ttft, s.mean_ttft_s),
                 s.itl_s[0] * 1e3,
                 f"{s.hit_rate:.0%} ({s.hit_rate_source})",
                 f"{s.ideal_hit_rate:.0%}",
@@ -288,10 +356,12 @@ def print_tables(
                 "served",
                 "goodput r/s",
                 "sim goodput",
+                "error",
                 "TTFT p50 ms",
                 "TTFT p90 ms",
                 "mean TTFT ms",
                 "sim mean TTFT",
+                "error",
                 "ITL p50 ms",
                 "hit rate",
                 "ideal hit",
@@ -300,14 +370,24 @@ def print_tables(
             rows,
         )
     )
+    for label, _, run in runs:
+        if run.step_fit is not None:
+            c, f = run.step_fit.cost, run.step_fit
+            print(
+                f"{label}: step = {c.step_base_s * 1e3:.1f} ms + {c.decode_s_per_seq * 1e3:.2f} "
+                f"ms x decoding + {c.prefill_s_per_token * 1e3:.3f} ms x prefill tokens, "
+                f"overhead {c.request_overhead_s * 1e3:.0f} ms (rmse {f.rmse * 1e3:.0f} ms, "
+                f"{f.num_gap_rows} gaps, {f.num_ttft_rows} idle TTFTs)"
+            )
     fitted = next((r for _, _, r in runs if r.fit is not None), None)
     if fitted is None or fitted.fit is None:
         return
     print("\nsimulator, every policy, cost model fitted from the first run:")
     sim_rows = []
+    step = fitted.step_fit.cost if fitted.step_fit is not None else None
     for policy in POLICIES:
-        shape = SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
-        p = simulate_slice(fitted.requests, fitted.results, fitted.fit.cost, shape, slo)
+        shape = sim_shape(policy, args.engine_model)
+        p = simulate_slice(fitted.requests, fitted.results, fitted.fit.cost, shape, slo, step)
         sim_rows.append(
             [
                 policy,
