@@ -9,7 +9,9 @@ Modules, each owning one thing:
 * :mod:`.replay` measures hit rates of one pool or of per-instance caches.
 * :mod:`.cluster` is the state the scheduler reads.
 * :mod:`.scheduler` holds the routers: the conductor and the baselines.
-* :mod:`.simulator` is the discrete-event simulator.
+* :mod:`.simulator` is the discrete-event simulator (P/D: FIFO prefill, separate decode).
+* :mod:`.engine` is a vLLM ``kv_both`` engine: continuous batching, step by step.
+* :mod:`.kvboth` simulates such engines behind the live router's policies.
 * :mod:`.report` turns results into tables and PNG plots.
 """
 
