@@ -26,7 +26,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +53,15 @@ class MrCache:
     reference to its buffer: the memory cannot be freed (and its address reused by another
     allocation, which the stale registration would still point past) while it is registered.
 
+    Thread-safe: batches of several threads (to several nodes) plan at once. Each batch pins the
+    registrations it uses (``pins``, one list per batch) and unpins them in :meth:`end_batch`; a
+    registration pinned by any batch is never evicted, so one thread's eviction cannot pull a
+    memory region from under another thread's operations in flight.
+
+    NOTE: ``_lock`` guards the table and the pins, and is held across ``register``/``deregister``
+    (``ibv_reg_mr``/``ibv_dereg_mr``: local calls into the device driver, no network). It is a
+    leaf: nothing else is locked under it.
+
     Args:
         register: registers a buffer: ``(name, buffer) -> MemoryRegion``.
         deregister: releases a registration by name.
@@ -70,27 +79,44 @@ class MrCache:
         self.capacity = capacity
         self.table = rdma.MemoryRegionTable()
         self._keep: OrderedDict[str, memoryview] = OrderedDict()
-        self._in_use: set[str] = set()  # used by the batch being planned: never evicted
+        # name -> how many batches in flight use it (pinned: never evicted while counted)
+        self._in_use: Counter[str] = Counter()
         self._seq = 0
+        self._lock = threading.Lock()
 
-    def lkey(self, view: memoryview, addr: int) -> int:
+    def lkey(self, view: memoryview, addr: int, pins: list[str]) -> int:
         """The local key covering ``view`` (at ``addr``), registering its buffer if needed.
 
-        Raises:
-            TransportUnavailableError: the device refused the registration.
-        """
-        try:
-            region = self.table.locate(addr, view.nbytes)
-        except KVStoreError:
-            region = self._add(view, addr)
-        self._keep.move_to_end(region.name)
-        self._in_use.add(region.name)
-        return region.lkey
+        Args:
+            view: the bytes an operation reads or writes locally.
+            addr: ``view``'s address.
+            pins: the calling batch's pins: the registration's name is added (pinned until
+                :meth:`end_batch` is given the same list).
 
-    def end_batch(self) -> None:
-        """The batch's operations completed: its buffers may be evicted again."""
-        self._in_use.clear()
-        self._trim(self.capacity)
+        Raises:
+            TransportUnavailableError: the device refused the registration, or the buffer
+                overlaps a smaller registration another batch is using.
+        """
+        with self._lock:
+            try:
+                region = self.table.locate(addr, view.nbytes)
+            except KVStoreError:
+                region = self._add(view, addr)
+            self._keep.move_to_end(region.name)
+            self._in_use[region.name] += 1
+            pins.append(region.name)
+            return region.lkey
+
+    def end_batch(self, pins: list[str]) -> None:
+        """A batch's operations completed: unpin its buffers (emptying ``pins``); the cache
+        goes back to its capacity."""
+        with self._lock:
+            self._in_use.subtract(pins)
+            for name in set(pins):
+                if self._in_use[name] <= 0:
+                    del self._in_use[name]
+            pins.clear()
+            self._trim(self.capacity)
 
     def _trim(self, keep: int) -> None:
         """Evict least recently used buffers not in use until at most ``keep`` remain."""
@@ -101,11 +127,16 @@ class MrCache:
 
     def _add(self, view: memoryview, addr: int) -> rdma.MemoryRegion:
         whole = _whole_buffer(view, addr)
-        self._trim(self.capacity - 1)  # a batch may exceed the capacity until end_batch()
-        for other in self.table.regions():  # a larger registration replaces overlapping ones
-            other_end = other.addr + other.length
-            if other.addr < whole[1] + whole[0].nbytes and whole[1] < other_end:
-                self._drop(other.name)
+        self._trim(self.capacity - 1)  # batches may exceed the capacity until end_batch()
+        overlapping = [
+            other.name
+            for other in self.table.regions()
+            if other.addr < whole[1] + whole[0].nbytes and whole[1] < other.end
+        ]
+        if any(name in self._in_use for name in overlapping):
+            raise TransportUnavailableError("buffer overlaps a registration in use")
+        for name in overlapping:  # a larger registration replaces overlapping ones
+            self._drop(name)
         self._seq += 1
         name = f"buf{self._seq}"
         region = self._register(name, whole[0])
@@ -119,9 +150,10 @@ class MrCache:
         self._deregister(name)
 
     def close(self) -> None:
-        self._in_use.clear()
-        for name in list(self._keep):
-            self._drop(name)
+        with self._lock:
+            self._in_use.clear()
+            for name in list(self._keep):
+                self._drop(name)
 
     def __len__(self) -> int:
         return len(self._keep)
@@ -181,6 +213,7 @@ class RdmaTransport:
         self._ctx: Any = None  # VerbsContext, opened on first use
         self._ctx_error: TransportUnavailableError | None = None
         self._mrs: MrCache | None = None
+        self._pins: list[str] = []  # the batch's registrations (one batch at a time)
         self._lock = threading.Lock()
         #: Nodes whose session failed: the data path asks the master for their offers again
         #: (a node that restarted publishes a new one, and :meth:`learn` then retries RDMA).
@@ -320,7 +353,7 @@ class RdmaTransport:
             return None
         ops: list[rdma.RdmaOp] = []
         laddr = rdma.address_of(view)
-        lkey = self._mrs.lkey(view, laddr)
+        lkey = self._mrs.lkey(view, laddr, self._pins)
         pos = 0
         for start, length in ranges:
             for done in range(0, length, rdma.MAX_OP_BYTES):
@@ -345,7 +378,7 @@ class RdmaTransport:
                     failed.extend(items)
         finally:
             if self._mrs is not None:
-                self._mrs.end_batch()
+                self._mrs.end_batch(self._pins)
         return failed
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
