@@ -17,6 +17,11 @@ checked against the object's checksum by the client, as over TCP.
 
 Any failure (the local device cannot be opened, the node refuses ``rdma_connect``, a queue pair
 error or timeout) logs one line and sends that node's items, and all later ones, over TCP.
+
+Threads: each node has its own state and lock, held only for bookkeeping; ``rdma_connect`` runs
+with no lock held while other threads wait for it (each until its own deadline), and each node's
+queue pair is driven by one thread at a time. So a slow or silent node delays only the batches
+that use it: other threads, and other nodes, go on (see :class:`RdmaTransport` for the locks).
 """
 
 from __future__ import annotations
@@ -172,22 +177,91 @@ def _whole_buffer(view: memoryview, addr: int) -> tuple[memoryview, int]:
     return view, addr
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Session:
-    """One node's queue pair and the TCP connection that keeps it alive on the node."""
+    """One node's queue pair and the TCP connection that keeps it alive on the node.
+
+    ``users``, ``retired`` and ``qp_closed`` are guarded by the owning :class:`_Node`'s lock;
+    ``qp_lock`` makes the queue pair one thread's at a time (see :class:`RdmaTransport`).
+    """
 
     qp: Any
     conn: protocol.FramedSocket
     offer: rdma.RdmaOffer
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)  # a hint: written unlocked
+    qp_lock: threading.Lock = field(default_factory=threading.Lock)
+    users: int = 0  # threads holding this session (planning, waiting for or running the QP)
+    retired: bool = False  # no longer the node's session: closed when its last user leaves
+    qp_closed: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Node:
+    """What RDMA knows of one node. Every field but ``node_id`` and ``lock`` is guarded by
+    ``lock``, which is only ever held for in-memory bookkeeping (never across I/O).
+
+    The states: no session yet (``session``, ``connecting`` and ``error`` all None); connecting
+    (``connecting`` set: one thread connects, others wait on the event with their own timeout);
+    connected (``session``); failed (``error``: TCP until a new offer).
+    """
+
+    node_id: str
+    offer: rdma.RdmaOffer
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    session: _Session | None = None
+    #: Set when the connect (or the keepalive ping) in flight ends, however it ends.
+    connecting: threading.Event | None = None
+    error: TransportUnavailableError | None = None
+    #: Bumped by a new offer and by close(): a connect begun under an older one is discarded.
+    generation: int = 0
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One node's share of a batch: its session, operations and items, and the buffers pinned."""
+
+    node: _Node
+    items: list[Any] = field(default_factory=list)
+    todo: list[tuple[Any, memoryview, int, list[list[int]]]] = field(default_factory=list)
+    session: _Session | None = None
+    ops: list[rdma.RdmaOp] = field(default_factory=list)
+    pins: list[str] = field(default_factory=list)
 
 
 class RdmaTransport:
-    """Sessions with RDMA-capable nodes, made on first use. Thread-safe (one batch at a time).
+    """Sessions with RDMA-capable nodes, made on first use. Thread-safe: batches of any number
+    of threads run at once; only batches using the same node's queue pair take turns.
+
+    NOTE: locks, and their order (a lock may be taken while holding one to its left, never the
+    reverse). None is held across a network round trip (``rdma_connect``, the keepalive ping)
+    or a call back into other client code; the one lock held across a call out, ``qp_lock``
+    around ``qp.run``, is explained below.
+
+        ``_Session.qp_lock``  →  ``_Node.lock``
+        ``_lock`` (the node table), ``_ctx_lock`` (opening the device), ``MrCache._lock``:
+        leaves, each taken with no other lock held and nothing locked under it.
+
+    - ``_lock`` guards the ``node_id -> _Node`` table: lookups and inserts only.
+    - ``_Node.lock`` guards one node's state and the bookkeeping of its sessions (users, retired).
+      ``rdma_connect`` (a TCP round trip) and the keepalive ping run with no lock held: the
+      thread that starts one leaves a "connecting" event in the node's state, other threads
+      wait on that event with their own deadline (the client's timeout) and send their items
+      over TCP for that batch if it passes. A slow node delays its own users only.
+    - ``_Session.qp_lock`` is held around ``qp.run`` (post the work requests, poll the completion
+      queue) and nothing else. A queue pair and its completion queue must be driven by one
+      thread at a time (completions would otherwise be counted by the wrong poller). Holding a
+      lock there is acceptable because the lock belongs to one node's queue pair (never shared
+      across nodes, so another node's users never wait on it), ``run`` calls nothing of ours and
+      is bounded by :data:`~kvstore.rdma.COMPLETION_TIMEOUT_S`, and a waiter waits for it with
+      its own deadline, then uses TCP for that batch. Under it, ``_Node.lock`` is taken only to
+      read whether the session was retired meanwhile.
+    - The device context (opened once, ``ibv_open_device``) and memory registrations are local
+      calls into the driver, no network; their locks are leaves.
 
     Args:
         device: this host's device.
-        pool: where TCP connections to nodes come from (for ``rdma_connect``).
+        pool: where TCP connections to nodes come from (for ``rdma_connect``); its timeout is
+            also the longest a batch waits for another thread's connect or queue pair.
         settings: port and GID index.
         open_context: opens the device (:class:`~kvstore.rdma.VerbsContext`) and
         make_qp: makes a queue pair on it (:class:`~kvstore.rdma.RcQueuePair`); tests pass
@@ -207,93 +281,222 @@ class RdmaTransport:
         self.settings = settings
         self._open_context = open_context or (lambda: rdma.VerbsContext(device, settings))
         self._make_qp = make_qp or rdma.RcQueuePair
-        self._offers: dict[str, rdma.RdmaOffer] = {}
-        # node_id -> session, or why RDMA does not serve that node (not retried until a new offer).
-        self._sessions: dict[str, _Session | TransportUnavailableError] = {}
+        self._nodes: dict[str, _Node] = {}
+        self._lock = threading.Lock()
+        self._closed = False
         self._ctx: Any = None  # VerbsContext, opened on first use
         self._ctx_error: TransportUnavailableError | None = None
         self._mrs: MrCache | None = None
-        self._pins: list[str] = []  # the batch's registrations (one batch at a time)
-        self._lock = threading.Lock()
+        self._ctx_lock = threading.Lock()
         #: Nodes whose session failed: the data path asks the master for their offers again
         #: (a node that restarted publishes a new one, and :meth:`learn` then retries RDMA).
         self.dropped: set[str] = set()
 
     def learn(self, node_id: str, offer: rdma.RdmaOffer) -> None:
         """Record a node's offer; a changed one ends the node's session (the node restarted), or
-        clears its recorded failure, so RDMA is tried again."""
+        clears its recorded failure, so RDMA is tried again. In-memory only: never waits."""
         with self._lock:
-            if self._offers.get(node_id) != offer:
-                self._offers[node_id] = offer
-                self._end(node_id)
+            node = self._nodes.get(node_id)
+            if node is None:
+                self._nodes[node_id] = _Node(node_id, offer)
+                return
+        with node.lock:
+            if node.offer == offer:
+                return
+            node.offer = offer
+            old = self._reset(node)
+        self._retire(node, old)
 
     def serves(self, node_id: str) -> bool:
         """Whether RDMA may be tried for ``node_id`` (an offer, and no failure recorded)."""
-        return (
-            self._ctx_error is None
-            and node_id in self._offers
-            and not isinstance(self._sessions.get(node_id), TransportUnavailableError)
-        )
+        with self._lock:
+            node = self._nodes.get(node_id)
+        if node is None or self._ctx_error is not None:
+            return False
+        with node.lock:
+            return node.error is None
 
     def close(self) -> None:
+        """End every session and release the device. Connects in flight are discarded when
+        they end (they hold no lock, so close never waits for them)."""
         with self._lock:
-            for node_id in list(self._sessions):
-                self._end(node_id)
-            if self._mrs is not None:
-                self._mrs.close()
-            if self._ctx is not None:
-                self._ctx.close()
-                self._ctx = None
+            self._closed = True
+            nodes = list(self._nodes.values())
+        for node in nodes:
+            with node.lock:
+                old = self._reset(node)
+            self._retire(node, old)
+        with self._ctx_lock:
+            mrs, ctx, self._ctx = self._mrs, self._ctx, None
+        if mrs is not None:
+            mrs.close()
+        if ctx is not None:
+            ctx.close()
 
     # ---------------------------------------------------------------- sessions
-    def _end(self, node_id: str) -> None:
-        s = self._sessions.pop(node_id, None)
-        if isinstance(s, _Session):
-            s.conn.close()  # the node destroys its queue pair when this connection closes
+    @staticmethod
+    def _reset(node: _Node) -> _Session | None:
+        """Forget the node's session, failure and connect in flight (caller holds node.lock);
+        returns the session to retire."""
+        node.generation += 1
+        old, node.session = node.session, None
+        node.error = None
+        node.connecting = None  # the connect in flight sees the new generation and is dropped
+        return old
+
+    @staticmethod
+    def _retire(node: _Node, s: _Session | None) -> None:
+        """End a session that is no longer the node's: its connection now (the node destroys
+        its queue pair), its local queue pair once the last thread using it lets go."""
+        if s is None:
+            return
+        with node.lock:
+            s.retired = True
+            close_qp = s.users == 0 and not s.qp_closed
+            s.qp_closed = s.qp_closed or close_qp
+        s.conn.close()
+        if close_qp:
             s.qp.close()
 
-    def _fail(self, node_id: str, err: TransportUnavailableError) -> None:
-        self._end(node_id)
-        self._sessions[node_id] = err
-        self.dropped.add(node_id)
-        rdma.log_fallback(f"rdma-node-{node_id}", f"client, node {node_id}", err.message)
+    @staticmethod
+    def _let_go(node: _Node, s: _Session) -> None:
+        """This thread no longer uses ``s``; the last user of a retired session closes its QP."""
+        with node.lock:
+            s.users -= 1
+            close_qp = s.retired and s.users == 0 and not s.qp_closed
+            s.qp_closed = s.qp_closed or close_qp
+        if close_qp:
+            s.qp.close()
+
+    def _fail(self, node: _Node, s: _Session, err: TransportUnavailableError) -> None:
+        """Move ``node`` to TCP because its session ``s`` failed; one log line. A failure of a
+        session that is no longer the node's (replaced, or failed already) changes nothing."""
+        with node.lock:
+            current = node.session is s
+            if current:
+                node.generation += 1
+                node.session = None
+                node.error = err
+        self._retire(node, s)
+        if current:
+            self._log_fallback(node, err)
+
+    def _log_fallback(self, node: _Node, err: TransportUnavailableError) -> None:
+        """The node now uses TCP (its failure is recorded): say so once, and have the data path
+        ask the master for its offer again."""
+        self.dropped.add(node.node_id)
+        rdma.log_fallback(f"rdma-node-{node.node_id}", f"client, node {node.node_id}", err.message)
 
     def _context(self) -> Any:
-        if self._ctx is None and self._ctx_error is None:
-            try:
-                self._ctx = self._open_context()
-                self._mrs = MrCache(
-                    lambda name, buf: self._ctx.register(name, buf, remote=False),
-                    self._ctx.deregister,
-                )
-            except TransportUnavailableError as err:
-                self._ctx_error = err
-                rdma.log_fallback("rdma-client-open", "client", err.message)
-        return self._ctx
+        with self._ctx_lock:
+            if self._ctx is None and self._ctx_error is None and not self._closed:
+                try:
+                    ctx = self._open_context()
+                    self._mrs = MrCache(
+                        lambda name, buf: ctx.register(name, buf, remote=False), ctx.deregister
+                    )
+                    self._ctx = ctx
+                except TransportUnavailableError as err:
+                    self._ctx_error = err
+            ctx, err = self._ctx, self._ctx_error
+        if err is not None:
+            rdma.log_fallback("rdma-client-open", "client", err.message)
+        return ctx
 
-    def _session(self, node_id: str, endpoint: Endpoint) -> _Session | None:
-        """The node's session, connecting it now if needed; None where RDMA does not serve."""
-        s = self._sessions.get(node_id)
-        if isinstance(s, TransportUnavailableError):
-            return None
-        if isinstance(s, _Session):
-            if time.monotonic() - s.last_used < KEEPALIVE_S or _alive(s.conn):
-                return s
-            self._end(node_id)  # the node closed the idle connection: reconnect once
-        offer = self._offers.get(node_id)
-        ctx = self._context()
-        if offer is None or ctx is None:
-            return None
+    def _node(self, node_id: str) -> _Node | None:
+        with self._lock:
+            return None if self._closed else self._nodes.get(node_id)
+
+    def _session(self, node: _Node, endpoint: Endpoint, deadline: float) -> _Session | None:
+        """The node's session, held for this thread (give it back with :meth:`_let_go`), or None
+        where RDMA does not serve this batch.
+
+        Connects (or pings an idle session) with no lock held when no other thread is doing so;
+        else waits for that thread until ``deadline`` (a ``time.monotonic()``), then gives up
+        for this batch only (its items go over TCP; the connecting thread decides the node's
+        fate).
+        """
+        while True:
+            with node.lock:
+                if node.error is not None:
+                    return None
+                s = node.session
+                if s is not None and time.monotonic() - s.last_used < KEEPALIVE_S:
+                    s.users += 1
+                    return s
+                if node.connecting is None:  # this thread connects (or pings the idle session)
+                    event = node.connecting = threading.Event()
+                    generation, offer, stale = node.generation, node.offer, s
+                    node.session = None  # others wait on the event until it is settled
+                    if stale is not None:
+                        stale.users += 1  # kept open while it is pinged
+                    break
+                event = node.connecting
+            left = deadline - time.monotonic()
+            if left <= 0 or not event.wait(left):
+                return None
         try:
-            s = self._connect(ctx, endpoint, offer)
-        except TransportUnavailableError as err:
-            self._fail(node_id, err)
+            return self._establish(node, endpoint, generation, offer, stale)
+        finally:
+            with node.lock:  # settled by _establish; cleared here too if it raised
+                if node.connecting is event:
+                    node.connecting = None
+            event.set()
+
+    def _establish(
+        self,
+        node: _Node,
+        endpoint: Endpoint,
+        generation: int,
+        offer: rdma.RdmaOffer,
+        stale: _Session | None,
+    ) -> _Session | None:
+        """Reuse ``stale`` if it answers a ping, else connect; publish the result if the node's
+        state is still the one it began from (``generation``). Runs with no lock held."""
+        s: _Session | None = None
+        err: TransportUnavailableError | None = None
+        if stale is not None:
+            if _alive(stale.conn):
+                s = stale
+                s.last_used = time.monotonic()
+            else:  # the node closed the idle connection: reconnect once
+                self._let_go(node, stale)
+                self._retire(node, stale)
+        if s is None:
+            ctx = self._context()
+            if ctx is None:
+                with node.lock:
+                    if node.generation == generation:
+                        node.connecting = None
+                return None
+            try:
+                s = self._connect(ctx, endpoint, offer)
+                s.users += 1  # this thread's, before anyone else can see it
+            except TransportUnavailableError as exc:
+                err = exc
+            except KVStoreError as exc:
+                err = TransportUnavailableError(f"rdma_connect: {exc.message}")
+        with node.lock:
+            current = node.generation == generation
+            if current:
+                node.connecting = None
+                if s is not None:
+                    node.session = s
+                else:
+                    assert err is not None
+                    node.generation += 1
+                    node.error = err
+        if not current:  # a new offer (or close) came meanwhile: this result is stale
+            if s is not None:
+                self._let_go(node, s)
+                self._retire(node, s)
             return None
-        except KVStoreError as err:
-            self._fail(node_id, TransportUnavailableError(f"rdma_connect: {err.message}"))
+        if err is not None:
+            self._log_fallback(node, err)
             return None
-        self._sessions[node_id] = s
-        log.info("node %s: using RDMA (%s)", node_id, self.device.name)
+        assert s is not None
+        if s is not stale:
+            log.info("node %s: using RDMA (%s)", node.node_id, self.device.name)
         return s
 
     def _connect(self, ctx: Any, endpoint: Endpoint, offer: rdma.RdmaOffer) -> _Session:
@@ -324,21 +527,25 @@ class RdmaTransport:
         return _Session(qp, conn, offer)
 
     # ---------------------------------------------------------------- operations
-    def _plan(
-        self, loc: Location, view: memoryview, op: str, ranges: list[list[int]] | None
-    ) -> tuple[_Session, list[rdma.RdmaOp]] | None:
-        """The session and operations for one item, or None where RDMA cannot serve it."""
-        if not self.serves(loc.node_id):
-            return None
+    def _eligible(
+        self, node: _Node, loc: Location, view: memoryview, op: str, ranges: Any
+    ) -> list[list[int]] | None:
+        """The ranges to move for one item, or None where RDMA cannot serve it (TCP decides).
+
+        Raises:
+            OutOfRangeError: a range outside the grant (a bad request, not retried over TCP).
+        """
         grant = loc.grant
-        offer = self._offers[loc.node_id]
+        with node.lock:
+            offer, failed = node.offer, node.error is not None
         region = offer.regions.get(grant.segment)
         # A write needs its grant to hold a while longer (see kvstore.client.shm).
         margin = SHM_WRITE_MARGIN_MS if op == grants.OP_WRITE else 0
-        if region is None or grant.op != op or grant.expires_ms - margin < time.time() * 1000:
+        if failed or region is None or grant.op != op:
             return None
-        raddr, rlength, rkey = region
-        if grant.offset + grant.size > rlength:
+        if grant.expires_ms - margin < time.time() * 1000:
+            return None
+        if grant.offset + grant.size > region[1]:
             return None  # the master granted more than the node registered: TCP decides
         if ranges is None:
             ranges = [[0, grant.size]]
@@ -347,68 +554,116 @@ class RdmaTransport:
         if view.nbytes == 0 or sum(r[1] for r in ranges) != view.nbytes:
             return None
         for start, length in ranges:
-            grants.check_range(grant, start, length)  # OutOfRangeError: a bad request
-        s = self._session(loc.node_id, (loc.host, loc.port))
-        if s is None or self._mrs is None:
-            return None
-        ops: list[rdma.RdmaOp] = []
-        laddr = rdma.address_of(view)
-        lkey = self._mrs.lkey(view, laddr, self._pins)
-        pos = 0
-        for start, length in ranges:
-            for done in range(0, length, rdma.MAX_OP_BYTES):
-                n = min(rdma.MAX_OP_BYTES, length - done)
-                remote = raddr + grant.offset + start + done
-                ops.append(
-                    rdma.RdmaOp(op == grants.OP_WRITE, laddr + pos + done, lkey, n, remote, rkey)
-                )
-            pos += length
-        return s, ops
+            grants.check_range(grant, start, length)
+        return ranges
 
-    def _run(self, plans: dict[str, tuple[_Session, list[rdma.RdmaOp], list[Any]]]) -> list[Any]:
-        """Run each node's operations; returns the items of nodes whose session failed."""
-        failed: list[Any] = []
+    def _ops(self, plan: _Plan, mrs: MrCache) -> None:
+        """Fill ``plan.ops`` from its items, against the offer its session was made for.
+
+        Raises:
+            TransportUnavailableError: a buffer could not be registered (TCP for this batch).
+        """
+        assert plan.session is not None
+        offer = plan.session.offer
+        for item, view, laddr, ranges in plan.todo:
+            grant = item.location.grant
+            region = offer.regions.get(grant.segment)
+            if region is None or grant.offset + grant.size > region[1]:
+                raise TransportUnavailableError("the node's offer changed")
+            raddr, _, rkey = region
+            lkey = mrs.lkey(view, laddr, plan.pins)
+            pos = 0
+            write = grant.op == grants.OP_WRITE
+            for start, length in ranges:
+                for done in range(0, length, rdma.MAX_OP_BYTES):
+                    n = min(rdma.MAX_OP_BYTES, length - done)
+                    remote = raddr + grant.offset + start + done
+                    plan.ops.append(rdma.RdmaOp(write, laddr + pos + done, lkey, n, remote, rkey))
+                pos += length
+
+    def _run_node(self, plan: _Plan, deadline: float) -> bool:
+        """Connect (or reuse) the node's session and run its operations. Returns whether the
+        items were moved; False sends them over TCP (the node too, from now on, if its session
+        failed)."""
+        node = plan.node
+        first = plan.items[0].location
+        s = plan.session = self._session(node, (first.host, first.port), deadline)
+        mrs = self._mrs
+        if s is None or mrs is None:
+            return False
         try:
-            for node_id, (s, ops, items) in plans.items():
-                try:
-                    s.qp.run(ops)
-                    s.last_used = time.monotonic()
-                except TransportUnavailableError as err:
-                    self._fail(node_id, err)
-                    failed.extend(items)
+            self._ops(plan, mrs)
+        except TransportUnavailableError:
+            return False
+        if not s.qp_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False  # another thread's batch holds this node's queue pair: TCP this time
+        try:
+            with node.lock:
+                retired = s.retired
+            if retired:  # failed (or replaced) while this thread waited for it
+                return False
+            try:
+                s.qp.run(plan.ops)
+            except TransportUnavailableError as err:
+                failure = err
+            else:
+                s.last_used = time.monotonic()
+                return True
         finally:
-            if self._mrs is not None:
-                self._mrs.end_batch(self._pins)
-        return failed
+            s.qp_lock.release()
+        self._fail(node, s, failure)
+        return False
+
+    def _batch(self, items: Sequence[Any], op: str) -> tuple[list[Any], list[Any]]:
+        """Move what RDMA can of ``items``; returns ``(moved, rest)``: rest is for TCP. An item
+        whose ranges leave its grant gets its ``result`` (OutOfRangeError) and is in neither."""
+        rest: list[Any] = []
+        plans: dict[str, _Plan] = {}
+        for item in items:
+            loc = item.location
+            node = self._node(loc.node_id)
+            if node is None or self._ctx_error is not None:
+                rest.append(item)
+                continue
+            view = item.dest if op == grants.OP_READ else item.data
+            try:
+                ranges = self._eligible(
+                    node, loc, view, op, item.ranges if op == grants.OP_READ else None
+                )
+                laddr = rdma.address_of(view) if ranges is not None else 0
+            except KVStoreError as err:
+                if op == grants.OP_READ and not isinstance(err, TransportUnavailableError):
+                    item.result = err
+                else:
+                    rest.append(item)
+                continue
+            if ranges is None:
+                rest.append(item)
+                continue
+            plan = plans.get(loc.node_id)
+            if plan is None:
+                plan = plans[loc.node_id] = _Plan(node)
+            plan.items.append(item)
+            plan.todo.append((item, view, laddr, ranges))
+        moved: list[Any] = []
+        deadline = time.monotonic() + self.pool.timeout
+        for plan in plans.values():
+            try:
+                ok = self._run_node(plan, deadline)
+            finally:
+                if plan.pins and self._mrs is not None:
+                    self._mrs.end_batch(plan.pins)
+                if plan.session is not None:
+                    self._let_go(plan.node, plan.session)
+            (moved if ok else rest).extend(plan.items)
+        return moved, rest
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
         """Fill what RDMA can serve; returns the items left for TCP."""
-        rest: list[ReadItem] = []
-        with self._lock:
-            plans: dict[str, tuple[_Session, list[rdma.RdmaOp], list[Any]]] = {}
-            for item in items:
-                try:
-                    planned = self._plan(item.location, item.dest, grants.OP_READ, item.ranges)
-                except KVStoreError as err:
-                    if isinstance(err, TransportUnavailableError):
-                        rest.append(item)
-                    else:
-                        item.result = err
-                    continue
-                if planned is None:
-                    rest.append(item)
-                    continue
-                s, ops = planned
-                entry = plans.setdefault(item.location.node_id, (s, [], []))
-                entry[1].extend(ops)
-                entry[2].append(item)
-            failed = self._run(plans)
-        failed_ids = {id(i) for i in failed}
-        for _, (_, _, done) in plans.items():
-            for item in done:
-                if id(item) not in failed_ids:
-                    item.filled = item.dest.nbytes
-        return rest + failed
+        moved, rest = self._batch(items, grants.OP_READ)
+        for item in moved:
+            item.filled = item.dest.nbytes
+        return rest
 
     def write(self, items: Sequence[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
         """Write what RDMA can take into node arenas.
@@ -417,25 +672,7 @@ class RdmaTransport:
             ``(written, rest)``: items placed (still to be committed with ``rdma_commit``), and
             items left for TCP.
         """
-        rest: list[WriteItem] = []
-        with self._lock:
-            plans: dict[str, tuple[_Session, list[rdma.RdmaOp], list[Any]]] = {}
-            for item in items:
-                try:
-                    planned = self._plan(item.location, item.data, grants.OP_WRITE, None)
-                except KVStoreError:
-                    planned = None
-                if planned is None:
-                    rest.append(item)
-                    continue
-                s, ops = planned
-                entry = plans.setdefault(item.location.node_id, (s, [], []))
-                entry[1].extend(ops)
-                entry[2].append(item)
-            failed = self._run(plans)
-        failed_ids = {id(i) for i in failed}
-        written = [i for _, (_, _, done) in plans.items() for i in done if id(i) not in failed_ids]
-        return written, rest + failed
+        return self._batch(items, grants.OP_WRITE)
 
 
 def _alive(conn: protocol.FramedSocket) -> bool:

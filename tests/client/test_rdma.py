@@ -20,6 +20,7 @@ import xxhash
 
 from kvstore import grants, protocol, rdma
 from kvstore.client import Client
+from kvstore.client import rdma as client_rdma
 from kvstore.client.rdma import MrCache, RdmaTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 from kvstore.errors import (
@@ -483,3 +484,200 @@ def test_loopback_splits_large_ranges(loopback, monkeypatch) -> None:
     dest = np.zeros(4500, dtype=np.uint8)
     r = ReadItem(loopback.loc(grants.OP_READ, 8192, 4500), memoryview(dest))
     assert t.read([r]) == [] and np.array_equal(dest, value)
+
+
+# ------------------------------------------------------------------ one slow node, many threads
+def _read_item(node: LoopNode | SimpleNamespace, offset: int, size: int) -> ReadItem:
+    return ReadItem(node.loc(grants.OP_READ, offset, size), memoryview(bytearray(size)))
+
+
+def _fill(node: LoopNode, seed: int) -> bytes:
+    """Put known bytes at the start of a node's arena (as an earlier write would have)."""
+    data = np.random.default_rng(seed).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    node.arena.view[: len(data)] = data
+    return data
+
+
+def _in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``target`` in a thread; the list gets its result."""
+    out: list[object] = []
+    th = threading.Thread(target=lambda: out.append(target()), daemon=True)
+    th.start()
+    return th, out
+
+
+def test_a_stalled_connect_does_not_hold_up_other_nodes(loopback) -> None:
+    """Node a's rdma_connect reaches the node and gets no answer (until the test says so); a read
+    from node b, in another thread, completes meanwhile, connect to b included."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_a, data_b = _fill(a, 1), _fill(b, 2)
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    t = loopback.client(timeout=60.0)  # a's connect ends when the test opens it, not by timeout
+    item_a, item_b = _read_item(a, 0, 4096), _read_item(b, 4096, 4096)
+    th_a, rest_a = _in_thread(lambda: t.read([item_a]))
+    try:
+        assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+        th_b, rest_b = _in_thread(lambda: t.read([item_b]))
+        th_b.join(BOUND_S)
+        b_done_while_a_connects = not th_b.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert b_done_while_a_connects, "the read from b waited for a's connect"
+    assert rest_b == [[]] and bytes(item_b.dest) == data_b[4096:8192]  # over RDMA
+    assert not th_a.is_alive() and rest_a == [[]] and bytes(item_a.dest) == data_a[:4096]
+    assert stall.num_calls == 1 and t.serves("a") and t.serves("b")
+
+
+def test_a_silent_node_times_out_and_falls_back_with_one_line(loopback, caplog) -> None:
+    """Node a never answers rdma_connect: the connect ends at the client's timeout, a second
+    reader of a waits for that one connect (no second one), both leave their items for TCP, one
+    line says so, and node b's reads go on meanwhile."""
+    rdma._logged.clear()
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_b = _fill(b, 3)
+    t = loopback.client(timeout=2.0)
+    assert t.read([_read_item(b, 0, 8)]) == []  # b connected before a goes silent
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    b_done = threading.Event()
+    b_done_at_fallback: list[bool] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "RDMA off" in record.getMessage():
+                b_done_at_fallback.append(b_done.is_set())
+
+    watch = Watch()
+    logging.getLogger("kvstore").addHandler(watch)
+    first, second = _read_item(a, 0, 8), _read_item(a, 8, 8)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvstore"):
+            th1, rest1 = _in_thread(lambda: t.read([first]))
+            assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+            th2, rest2 = _in_thread(lambda: t.read([second]))
+            item_b = _read_item(b, 64, 4096)
+            assert t.read([item_b]) == [] and bytes(item_b.dest) == data_b[64 : 64 + 4096]
+            b_done.set()
+            th1.join(2.0 + BOUND_S)
+            th2.join(2.0 + BOUND_S)
+            assert not th1.is_alive() and not th2.is_alive(), "a's connect outlived its timeout"
+    finally:
+        logging.getLogger("kvstore").removeHandler(watch)
+        stall.open()
+    assert rest1 == [[first]] and rest2 == [[second]]  # left for TCP, no error
+    assert first.result is None and second.result is None and not first.filled
+    lines = [r.getMessage() for r in caplog.records if "RDMA off" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("client, node a: RDMA off (rdma_connect"), lines
+    assert b_done_at_fallback == [True], "b's read waited for a's connect to time out"
+    assert stall.num_calls == 1  # the second reader waited for the first one's connect
+    assert not t.serves("a") and t.serves("b") and t.dropped == {"a"}
+
+
+def test_a_stalled_completion_holds_up_neither_other_nodes_nor_its_timeout(loopback) -> None:
+    """Operations towards node a do not complete (until the test says so): a read from node b
+    completes meanwhile, and a second read from a gives up at its own timeout (its item left
+    for TCP) while a's queue pair is still busy; a keeps RDMA."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_a, data_b = _fill(a, 4), _fill(b, 5)
+    t = loopback.client(timeout=1.0)
+    assert t.read([_read_item(a, 0, 8)]) == [] and t.read([_read_item(b, 0, 8)]) == []
+    stall = Stall()
+    loopback.fabric.run_hooks[a.device] = stall
+    item_a, waiting_a, item_b = _read_item(a, 0, 4096), _read_item(a, 8, 8), _read_item(b, 8, 8)
+    th_a, rest_a = _in_thread(lambda: t.read([item_a]))
+    try:
+        assert stall.entered.wait(BOUND_S), "the read from a never reached its queue pair"
+        th_b, rest_b = _in_thread(lambda: t.read([item_b]))
+        th_w, rest_w = _in_thread(lambda: t.read([waiting_a]))
+        th_b.join(BOUND_S)
+        th_w.join(1.0 + BOUND_S)
+        done_while_a_runs = not th_b.is_alive() and not th_w.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert done_while_a_runs, "a read waited for a's queue pair past its timeout or across nodes"
+    assert rest_b == [[]] and bytes(item_b.dest) == data_b[8:16]
+    assert rest_w == [[waiting_a]] and waiting_a.result is None  # TCP this once
+    assert rest_a == [[]] and bytes(item_a.dest) == data_a[:4096]
+    assert t.serves("a") and t.serves("b") and not t.dropped
+
+
+def test_many_threads_many_nodes_no_deadlock(loopback) -> None:
+    """Eight threads read from two nodes, registering fresh buffers all the time (a cache of two
+    registrations, so they are evicted while other threads' operations run). While node a's
+    connect is held, node b's readers all finish and a's readers wait for that one connect;
+    then everything finishes, all of it over RDMA. Every join is bounded."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data = {"a": _fill(a, 6), "b": _fill(b, 7)}
+    nodes = {"a": a, "b": b}
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    t = loopback.client(timeout=60.0)
+    assert t.read([_read_item(b, 0, 8)]) == []  # opens the device: the cache now exists
+    assert t._mrs is not None
+    t._mrs.capacity = 2
+    errors: list[str] = []
+
+    def reader(i: int, names: str, rounds: int) -> None:
+        for r in range(rounds):
+            name = names[(i + r) % len(names)]
+            offset, size = (i * 997 + r * 131) % 60_000, 1 + (i * 37 + r) % 4000
+            item = _read_item(nodes[name], offset, size)
+            rest = t.read([item])
+            if rest or bytes(item.dest) != data[name][offset : offset + size]:
+                errors.append(f"thread {i} round {r} node {name}: rest={rest}")
+
+    def start(names: str, rounds: int, ids: range) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=reader, args=(i, names, rounds), daemon=True) for i in ids
+        ]
+        for th in threads:
+            th.start()
+        return threads
+
+    a_readers = start("a", 1, range(4))
+    try:
+        assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+        b_readers = start("b", 20, range(4, 8))
+        for th in b_readers:
+            th.join(BOUND_S)
+        b_done_while_a_connects = not any(th.is_alive() for th in b_readers) and all(
+            th.is_alive() for th in a_readers
+        )
+    finally:
+        stall.open()
+        for th in a_readers:
+            th.join(BOUND_S)
+    assert b_done_while_a_connects, "b's readers waited for a's connect"
+    assert not any(th.is_alive() for th in a_readers)
+    mixed = start("ab", 20, range(8))
+    for th in mixed:
+        th.join(BOUND_S)
+    assert not any(th.is_alive() for th in mixed), "deadlock: a reader never finished"
+    assert errors == []
+    assert stall.num_calls == 1 and len(a.service.book) == 1 and len(b.service.book) == 1
+    assert t.serves("a") and t.serves("b") and not t.dropped
+
+
+def test_an_idle_session_is_pinged_then_kept_or_replaced(loopback, monkeypatch) -> None:
+    """A session idle past KEEPALIVE_S is pinged first (by one thread, with no lock held): kept
+    if the node answers, replaced by a fresh connect if its connection is gone."""
+    t = loopback.client()
+    node_ctx = loopback.service.ctx
+
+    def client_qps() -> list[LoopbackQp]:
+        return [qp for qp in loopback.fabric.qps.values() if qp.ctx is not node_ctx]
+
+    assert t.read([_read_item(loopback, 0, 8)]) == []
+    monkeypatch.setattr(client_rdma, "KEEPALIVE_S", 0.0)  # every use now finds it idle
+    assert t.read([_read_item(loopback, 8, 8)]) == []  # pinged: the same queue pair
+    assert len(client_qps()) == 1 and len(loopback.service.book) == 1
+    session = t._nodes["n0"].session
+    assert session is not None
+    session.conn.close()  # as if the node had closed the idle connection
+    assert t.read([_read_item(loopback, 16, 8)]) == []  # the ping fails: connected afresh
+    old, new = client_qps()
+    assert old.closed and not new.closed and t.serves("n0") and not t.dropped
+    wait_until(lambda: len(loopback.service.book) == 1, what="the node's old queue pair gone")
