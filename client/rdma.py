@@ -39,7 +39,7 @@ from typing import Any
 from kvstore import grants, protocol, rdma
 from kvstore.client.shm import SHM_WRITE_MARGIN_MS
 from kvstore.client.transport import Endpoint, NodePool, ReadItem, WriteItem
-from kvstore.errors import KVStoreError, TransportUnavailableError
+from kvstore.errors import KVStoreError, ProtocolError, TransportUnavailableError
 from kvstore.types import Location
 
 log = logging.getLogger(__name__)
@@ -411,10 +411,10 @@ class RdmaTransport:
         """The node's session, held for this thread (give it back with :meth:`_let_go`), or None
         where RDMA does not serve this batch.
 
-        Connects (or pings an idle session) with no lock held when no other thread is doing so;
-        else waits for that thread until ``deadline`` (a ``time.monotonic()``), then gives up
-        for this batch only (its items go over TCP; the connecting thread decides the node's
-        fate).
+        Connects (or pings an idle session) with no lock held when no other thread is doing so,
+        waiting for the node's reply one client timeout at most; else waits for that thread
+        until ``deadline`` (a ``time.monotonic()``), then gives up for this batch only (its items
+        go over TCP; the connecting thread decides the node's fate).
         """
         while True:
             with node.lock:
@@ -436,7 +436,10 @@ class RdmaTransport:
             if left <= 0 or not event.wait(left):
                 return None
         try:
-            return self._establish(node, endpoint, generation, offer, stale)
+            # Its own round trip gets a whole timeout: a batch that spent its deadline waiting
+            # for another node must not fail this one by giving it no time to answer.
+            own_deadline = time.monotonic() + self.pool.timeout
+            return self._establish(node, endpoint, generation, offer, stale, own_deadline)
         finally:
             with node.lock:  # settled by _establish; cleared here too if it raised
                 if node.connecting is event:
@@ -450,13 +453,15 @@ class RdmaTransport:
         generation: int,
         offer: rdma.RdmaOffer,
         stale: _Session | None,
+        deadline: float,
     ) -> _Session | None:
         """Reuse ``stale`` if it answers a ping, else connect; publish the result if the node's
-        state is still the one it began from (``generation``). Runs with no lock held."""
+        state is still the one it began from (``generation``). Runs with no lock held; the
+        replies are awaited until ``deadline`` at most."""
         s: _Session | None = None
         err: TransportUnavailableError | None = None
         if stale is not None:
-            if _alive(stale.conn):
+            if _alive(stale.conn, deadline):
                 s = stale
                 s.last_used = time.monotonic()
             else:  # the node closed the idle connection: reconnect once
@@ -470,7 +475,7 @@ class RdmaTransport:
                         node.connecting = None
                 return None
             try:
-                s = self._connect(ctx, endpoint, offer)
+                s = self._connect(ctx, endpoint, offer, deadline)
                 s.users += 1  # this thread's, before anyone else can see it
             except TransportUnavailableError as exc:
                 err = exc
@@ -499,7 +504,16 @@ class RdmaTransport:
             log.info("node %s: using RDMA (%s)", node.node_id, self.device.name)
         return s
 
-    def _connect(self, ctx: Any, endpoint: Endpoint, offer: rdma.RdmaOffer) -> _Session:
+    def _connect(
+        self, ctx: Any, endpoint: Endpoint, offer: rdma.RdmaOffer, deadline: float
+    ) -> _Session:
+        """A queue pair connected to the node's through ``rdma_connect`` (its reply awaited until
+        ``deadline``, a ``time.monotonic()``).
+
+        Raises:
+            TransportUnavailableError: the node refused, did not answer in time, or went away.
+            KVStoreError: the node could not be reached (the caller falls back to TCP).
+        """
         qp = self._make_qp(ctx)
         try:
             conn, _ = self.pool.acquire(endpoint)  # kept by the session, never pooled
@@ -509,7 +523,7 @@ class RdmaTransport:
         try:
             psn = secrets.randbelow(1 << 24)
             req_id = conn.send_request("rdma_connect", {"endpoint": qp.endpoint(psn).to_wire()}, ())
-            response, payload_len = conn.read_response()
+            response, payload_len = _read_response(conn, deadline)
             if response.req_id != req_id or payload_len:
                 raise TransportUnavailableError("rdma_connect: unexpected reply")
             result = response.unwrap()
@@ -675,11 +689,24 @@ class RdmaTransport:
         return self._batch(items, grants.OP_WRITE)
 
 
-def _alive(conn: protocol.FramedSocket) -> bool:
-    """Ping a session's idle connection (the node closes connections idle past its timeout)."""
+def _read_response(conn: protocol.FramedSocket, deadline: float) -> tuple[protocol.Response, int]:
+    """One response (and its payload's length), arriving by ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        TimeoutError: past ``deadline``. ProtocolError: not a response frame.
+    """
+    header = conn.read_header(deadline)
+    if header.kind != protocol.KIND_RESPONSE:
+        raise ProtocolError("expected a response frame")
+    return protocol.decode_response(conn.read_body(header, deadline)), header.payload_len
+
+
+def _alive(conn: protocol.FramedSocket, deadline: float) -> bool:
+    """Ping a session's idle connection (the node closes connections idle past its timeout);
+    the answer must come by ``deadline``."""
     try:
         req_id = conn.send_request("ping", {}, ())
-        response, payload_len = conn.read_response()
+        response, payload_len = _read_response(conn, deadline)
         response.unwrap()
         return response.req_id == req_id and not payload_len
     except (KVStoreError, OSError, ConnectionError):

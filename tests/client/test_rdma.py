@@ -681,3 +681,27 @@ def test_an_idle_session_is_pinged_then_kept_or_replaced(loopback, monkeypatch) 
     old, new = client_qps()
     assert old.closed and not new.closed and t.serves("n0") and not t.dropped
     wait_until(lambda: len(loopback.service.book) == 1, what="the node's old queue pair gone")
+
+
+def test_a_batch_that_waited_out_its_timeout_still_connects_the_next_node(loopback) -> None:
+    """One batch for nodes a and b: a's queue pair is busy past the batch's timeout (its item
+    goes over TCP), and b, never connected yet, still gets a whole timeout for its connect."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_b = _fill(b, 8)
+    t = loopback.client(timeout=1.0)
+    assert t.read([_read_item(a, 0, 8)]) == []
+    stall = Stall()
+    loopback.fabric.run_hooks[a.device] = stall
+    th_a, _ = _in_thread(lambda: t.read([_read_item(a, 0, 8)]))
+    try:
+        assert stall.entered.wait(BOUND_S), "the read from a never reached its queue pair"
+        item_a, item_b = _read_item(a, 8, 8), _read_item(b, 64, 64)
+        th, rest = _in_thread(lambda: t.read([item_a, item_b]))
+        th.join(1.0 + BOUND_S)
+        done_while_a_runs = not th.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert done_while_a_runs, "the batch waited for a's queue pair past its timeout"
+    assert rest == [[item_a]] and bytes(item_b.dest) == data_b[64:128]  # b over RDMA
+    assert t.serves("a") and t.serves("b") and not t.dropped
