@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import logging
+import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +20,7 @@ import xxhash
 
 from kvstore import grants, protocol, rdma
 from kvstore.client import Client
+from kvstore.client import rdma as client_rdma
 from kvstore.client.rdma import MrCache, RdmaTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 from kvstore.errors import (
@@ -49,8 +54,8 @@ class Registrar:
         del self.live[name]
 
 
-def _lkey(cache: MrCache, view: memoryview) -> int:
-    return cache.lkey(view, rdma.address_of(view))
+def _lkey(cache: MrCache, view: memoryview, pins: list[str]) -> int:
+    return cache.lkey(view, rdma.address_of(view), pins)
 
 
 def test_slices_of_one_buffer_share_one_registration() -> None:
@@ -58,12 +63,15 @@ def test_slices_of_one_buffer_share_one_registration() -> None:
     cache = MrCache(reg.register, reg.deregister, capacity=4)
     staging = np.zeros(1 << 16, dtype=np.uint8)
     views = [memoryview(staging)[i : i + 4096] for i in range(0, 1 << 16, 4096)]
-    keys = {_lkey(cache, v) for v in views}
+    pins: list[str] = []
+    keys = {_lkey(cache, v, pins) for v in views}
     assert len(keys) == 1 and reg.num_registered == 1 and len(cache) == 1
     (region,) = reg.live.values()
     assert region.length == staging.nbytes  # the whole array, not the first slice
-    _lkey(cache, memoryview(b"read-only value"))  # a read-only source registers too
+    _lkey(cache, memoryview(b"read-only value"), pins)  # a read-only source registers too
     assert reg.num_registered == 2
+    cache.end_batch(pins)
+    assert pins == [] and len(cache) == 2
 
 
 def test_cache_is_bounded_and_releases_least_recently_used() -> None:
@@ -71,8 +79,9 @@ def test_cache_is_bounded_and_releases_least_recently_used() -> None:
     cache = MrCache(reg.register, reg.deregister, capacity=2)
     bufs = [bytearray(4096) for _ in range(3)]
     for i in (0, 1, 0, 2):  # one batch each; touching 0 again makes 1 the least recently used
-        _lkey(cache, memoryview(bufs[i]))
-        cache.end_batch()
+        pins: list[str] = []
+        _lkey(cache, memoryview(bufs[i]), pins)
+        cache.end_batch(pins)
     assert len(cache) == 2 and len(reg.live) == 2
     addrs = {r.addr for r in reg.live.values()}
     assert rdma.address_of(memoryview(bufs[1])) not in addrs
@@ -84,19 +93,37 @@ def test_a_batch_never_evicts_its_own_buffers() -> None:
     reg = Registrar()
     cache = MrCache(reg.register, reg.deregister, capacity=2)
     bufs = [bytearray(4096) for _ in range(3)]
-    keys = [_lkey(cache, memoryview(b)) for b in bufs]  # one batch over three buffers
+    pins: list[str] = []
+    keys = [_lkey(cache, memoryview(b), pins) for b in bufs]  # one batch over three buffers
     assert len(reg.live) == 3 and {r.lkey for r in reg.live.values()} == set(keys)
-    cache.end_batch()  # its operations completed: back to the capacity, oldest out
+    cache.end_batch(pins)  # its operations completed: back to the capacity, oldest out
     assert len(cache) == 2 and rdma.address_of(memoryview(bufs[0])) not in {
         r.addr for r in reg.live.values()
     }
+
+
+def test_a_batch_never_evicts_another_threads_buffers() -> None:
+    """Two batches in flight at once (two threads): one ending trims only what neither uses."""
+    reg = Registrar()
+    cache = MrCache(reg.register, reg.deregister, capacity=1)
+    mine, theirs = bytearray(4096), bytearray(4096)
+    my_pins: list[str] = []
+    their_pins: list[str] = []
+    _lkey(cache, memoryview(mine), my_pins)
+    _lkey(cache, memoryview(theirs), their_pins)
+    cache.end_batch(their_pins)  # the other batch is done first: mine is still in flight
+    assert rdma.address_of(memoryview(mine)) in {r.addr for r in reg.live.values()}
+    cache.end_batch(my_pins)
+    assert len(cache) == 1
 
 
 def test_registered_buffers_stay_alive_while_cached() -> None:
     reg = Registrar()
     cache = MrCache(reg.register, reg.deregister)
     buf = bytearray(4096)
-    _lkey(cache, memoryview(buf))
+    pins: list[str] = []
+    _lkey(cache, memoryview(buf), pins)
+    cache.end_batch(pins)
     with pytest.raises(BufferError):  # the cache holds an export: the memory cannot move
         buf.extend(b"x")
     cache.close()
@@ -170,16 +197,45 @@ def test_put_and_get_go_through_rdma(cluster_factory) -> None:  # pragma: no cov
 # ------------------------------------------------------------------ software loopback
 # No device exists where these tests run. The stand-ins below do what an RC queue pair does in
 # one process: one-sided copies between registered addresses, refused (like a NIC's
-# IBV_WC_REM_ACCESS_ERR) unless the remote range lies inside the region its rkey names. Node
-# and client run in this process around a real DataServer and real sockets, so the client's
-# planning (addresses, ranges, grant checks), the node's rdma_connect/rdma_commit and the
-# queue-pair teardown on disconnect all run.
+# IBV_WC_REM_ACCESS_ERR) unless the remote range lies inside the region its rkey names, and
+# (like IBV_WC_LOC_PROT_ERR) unless the local range lies inside a live registration of the
+# lkey's. Nodes and clients run in this process around real DataServers and real sockets, so
+# the client's planning (addresses, ranges, grant checks), the node's rdma_connect/rdma_commit
+# and the queue-pair teardown on disconnect all run. Hooks per node device (``Stall``) hold a
+# node's rdma_connect, or the completion of operations towards it, until the test lets go.
+#: Longest a test waits for something that should happen at once (a bound, so a failing test
+#: ends; passing runs never wait it out).
+BOUND_S = 10.0
+
+
 class Fabric:
     def __init__(self) -> None:
         self.regions: dict[int, rdma.MemoryRegion] = {}  # rkey -> remotely accessible region
         self.qps: dict[int, LoopbackQp] = {}
-        self.next_key = 1
+        self.keys = itertools.count(1)  # (next() is atomic: contexts register from any thread)
+        self.qpns = itertools.count(1)
         self.fail_ops = False
+        #: node device name -> called (in the node's thread) as the node connects a queue pair
+        self.connect_hooks: dict[str, Callable[[], None]] = {}
+        #: node device name -> called (in the client's thread) before operations towards it run
+        self.run_hooks: dict[str, Callable[[], None]] = {}
+
+
+class Stall:
+    """A hook that holds whoever calls it until the test opens it (or BOUND_S passes)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+        self.num_calls = 0
+
+    def __call__(self) -> None:
+        self.num_calls += 1
+        self.entered.set()
+        self.opened.wait(BOUND_S)
+
+    def open(self) -> None:
+        self.opened.set()
 
 
 class LoopbackContext:
@@ -189,21 +245,31 @@ class LoopbackContext:
         self.port, self.gid, self.lid, self.mtu = 1, bytes(range(16)), 0, 4096
         self.mrs = rdma.MemoryRegionTable()
         self._keep: dict[str, memoryview] = {}
+        self._lock = threading.Lock()  # registrations change while other threads' ops run
 
     def register(self, name: str, buf: memoryview, remote: bool) -> rdma.MemoryRegion:
-        key = self.fabric.next_key
-        self.fabric.next_key += 1
+        key = next(self.fabric.keys)
         region = rdma.MemoryRegion(name, rdma.address_of(buf), buf.nbytes, key, key)
-        self.mrs.add(region)
-        self._keep[name] = buf
+        with self._lock:
+            self.mrs.add(region)
+            self._keep[name] = buf
         if remote:
             self.fabric.regions[key] = region
         return region
 
     def deregister(self, name: str) -> None:
-        region = self.mrs.remove(name)
+        with self._lock:
+            region = self.mrs.remove(name)
+            del self._keep[name]
         self.fabric.regions.pop(region.rkey, None)
-        del self._keep[name]
+
+    def local_ok(self, op: rdma.RdmaOp) -> bool:
+        """Whether ``op``'s local range lies inside a live registration with its lkey."""
+        with self._lock:
+            try:
+                return self.mrs.locate(op.laddr, op.length).lkey == op.lkey
+            except OutOfRangeError:
+                return False
 
     def close(self) -> None:
         pass
@@ -212,48 +278,81 @@ class LoopbackContext:
 class LoopbackQp:
     def __init__(self, ctx: LoopbackContext) -> None:
         self.ctx = ctx
-        self.qpn = len(ctx.fabric.qps) + 1
+        self.qpn = next(ctx.fabric.qpns)
         ctx.fabric.qps[self.qpn] = self
         self.remote: rdma.QpEndpoint | None = None
         self.closed = False
+        self.running = 0  # threads inside run() at once (an RC queue pair allows one)
 
     def endpoint(self, psn: int) -> rdma.QpEndpoint:
         return rdma.QpEndpoint(self.ctx.gid, self.ctx.lid, self.qpn, psn, self.ctx.mtu)
 
     def connect(self, remote: rdma.QpEndpoint, psn: int) -> None:
+        hook = self.ctx.fabric.connect_hooks.get(self.ctx.device.name)
+        if hook is not None:
+            hook()
         self.remote = remote
 
     def run(self, ops: list[rdma.RdmaOp]) -> None:
         assert self.remote is not None
-        peer = self.ctx.fabric.qps.get(self.remote.qpn)
-        if self.closed or peer is None or peer.closed or self.ctx.fabric.fail_ops:
-            raise TransportUnavailableError("RDMA completion status 12 (retry exceeded)")
-        for op in ops:
-            region = self.ctx.fabric.regions.get(op.rkey)
-            if region is None or not (region.addr <= op.raddr <= region.end - op.length):
-                raise TransportUnavailableError("RDMA completion status 10 (remote access)")
-            src, dst = (op.laddr, op.raddr) if op.write else (op.raddr, op.laddr)
-            ctypes.memmove(dst, src, op.length)
+        self.running += 1
+        try:
+            assert self.running == 1, "two threads drive one queue pair"
+            peer = self.ctx.fabric.qps.get(self.remote.qpn)
+            if peer is not None and (hook := self.ctx.fabric.run_hooks.get(peer.ctx.device.name)):
+                hook()
+            if self.closed or peer is None or peer.closed or self.ctx.fabric.fail_ops:
+                raise TransportUnavailableError("RDMA completion status 12 (retry exceeded)")
+            for op in ops:
+                region = self.ctx.fabric.regions.get(op.rkey)
+                if region is None or not (region.addr <= op.raddr <= region.end - op.length):
+                    raise TransportUnavailableError("RDMA completion status 10 (remote access)")
+                if not self.ctx.local_ok(op):
+                    raise TransportUnavailableError("RDMA completion status 4 (local protection)")
+                src, dst = (op.laddr, op.raddr) if op.write else (op.raddr, op.laddr)
+                ctypes.memmove(dst, src, op.length)
+        finally:
+            self.running -= 1
 
     def close(self) -> None:
         self.closed = True
 
 
+class LoopNode:
+    """A real DataServer (in this process) serving RDMA through the loopback fabric."""
+
+    def __init__(self, fabric: Fabric, tmp_path: Path, node_id: str, device: str) -> None:
+        self.node_id = node_id
+        self.device = device
+        self.arena = ShmArena(tmp_path / f"arena-{node_id}.dram", 1 << 20)
+        self.server = DataServer({"dram": self.arena}, grants.new_secret())
+        self.ctx = LoopbackContext(fabric, device)
+        self.ctx.register("dram", self.arena.view, remote=True)
+        self.service = NodeRdma(self.ctx, max_qps=2, make_qp=LoopbackQp)
+        rdma_verbs.serve(self.server, self.service)
+        self.server.start()
+
+    def loc(self, op: str, offset: int, size: int, ttl_ms: int = 60_000) -> Location:
+        g = grants.sign(
+            self.server.secret, op, b"k", "dram", offset, size, int(time.time() * 1000) + ttl_ms
+        )
+        return Location(self.node_id, self.server.host, self.server.port, g)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.arena.close()
+
+
 @pytest.fixture
 def loopback(tmp_path):
-    """A real DataServer (in this process) serving RDMA through the loopback fabric."""
+    """Node ``n0`` (more with ``add_node``) and clients, all on one loopback fabric."""
     fabric = Fabric()
-    arena = ShmArena(tmp_path / "arena.dram", 1 << 20)
-    server = DataServer({"dram": arena}, grants.new_secret())
-    node_ctx = LoopbackContext(fabric, "loop0")
-    node_ctx.register("dram", arena.view, remote=True)
-    service = NodeRdma(node_ctx, max_qps=2, make_qp=LoopbackQp)
-    rdma_verbs.serve(server, service)
-    server.start()
+    nodes = [LoopNode(fabric, tmp_path, "n0", "loop0")]
     made: list[tuple[RdmaTransport, TcpTransport]] = []
 
-    def client() -> RdmaTransport:
-        tcp = TcpTransport(5.0)
+    def client(timeout: float = 5.0) -> RdmaTransport:
+        """A client transport that knows every node started so far."""
+        tcp = TcpTransport(timeout)
         t = RdmaTransport(
             rdma.RdmaDevice("loop0"),
             tcp.pool,
@@ -261,30 +360,32 @@ def loopback(tmp_path):
             open_context=lambda: LoopbackContext(fabric, "loop0"),
             make_qp=LoopbackQp,
         )
-        t.learn("n0", service.offer())
+        for node in nodes:
+            t.learn(node.node_id, node.service.offer())
         made.append((t, tcp))
         return t
 
-    def loc(op: str, offset: int, size: int, ttl_ms: int = 60_000) -> Location:
-        g = grants.sign(
-            server.secret, op, b"k", "dram", offset, size, int(time.time() * 1000) + ttl_ms
-        )
-        return Location("n0", server.host, server.port, g)
+    def add_node(node_id: str) -> LoopNode:
+        node = LoopNode(fabric, tmp_path, node_id, f"loop-{node_id}")
+        nodes.append(node)
+        return node
 
+    n0 = nodes[0]
     yield SimpleNamespace(
-        server=server,
-        service=service,
+        server=n0.server,
+        service=n0.service,
         fabric=fabric,
         client=client,
-        loc=loc,
-        arena=arena,
+        loc=n0.loc,
+        arena=n0.arena,
         tcp=lambda: made[-1][1],
+        add_node=add_node,
     )
     for t, tcp in made:
         t.close()
         tcp.close()
-    server.stop()
-    arena.close()
+    for node in nodes:
+        node.stop()
 
 
 def test_loopback_write_commit_and_read(loopback) -> None:
@@ -383,3 +484,224 @@ def test_loopback_splits_large_ranges(loopback, monkeypatch) -> None:
     dest = np.zeros(4500, dtype=np.uint8)
     r = ReadItem(loopback.loc(grants.OP_READ, 8192, 4500), memoryview(dest))
     assert t.read([r]) == [] and np.array_equal(dest, value)
+
+
+# ------------------------------------------------------------------ one slow node, many threads
+def _read_item(node: LoopNode | SimpleNamespace, offset: int, size: int) -> ReadItem:
+    return ReadItem(node.loc(grants.OP_READ, offset, size), memoryview(bytearray(size)))
+
+
+def _fill(node: LoopNode, seed: int) -> bytes:
+    """Put known bytes at the start of a node's arena (as an earlier write would have)."""
+    data = np.random.default_rng(seed).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    node.arena.view[: len(data)] = data
+    return data
+
+
+def _in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    """Run ``target`` in a thread; the list gets its result."""
+    out: list[object] = []
+    th = threading.Thread(target=lambda: out.append(target()), daemon=True)
+    th.start()
+    return th, out
+
+
+def test_a_stalled_connect_does_not_hold_up_other_nodes(loopback) -> None:
+    """Node a's rdma_connect reaches the node and gets no answer (until the test says so); a read
+    from node b, in another thread, completes meanwhile, connect to b included."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_a, data_b = _fill(a, 1), _fill(b, 2)
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    t = loopback.client(timeout=60.0)  # a's connect ends when the test opens it, not by timeout
+    item_a, item_b = _read_item(a, 0, 4096), _read_item(b, 4096, 4096)
+    th_a, rest_a = _in_thread(lambda: t.read([item_a]))
+    try:
+        assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+        th_b, rest_b = _in_thread(lambda: t.read([item_b]))
+        th_b.join(BOUND_S)
+        b_done_while_a_connects = not th_b.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert b_done_while_a_connects, "the read from b waited for a's connect"
+    assert rest_b == [[]] and bytes(item_b.dest) == data_b[4096:8192]  # over RDMA
+    assert not th_a.is_alive() and rest_a == [[]] and bytes(item_a.dest) == data_a[:4096]
+    assert stall.num_calls == 1 and t.serves("a") and t.serves("b")
+
+
+def test_a_silent_node_times_out_and_falls_back_with_one_line(loopback, caplog) -> None:
+    """Node a never answers rdma_connect: the connect ends at the client's timeout, a second
+    reader of a waits for that one connect (no second one), both leave their items for TCP, one
+    line says so, and node b's reads go on meanwhile."""
+    rdma._logged.clear()
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_b = _fill(b, 3)
+    t = loopback.client(timeout=2.0)
+    assert t.read([_read_item(b, 0, 8)]) == []  # b connected before a goes silent
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    b_done = threading.Event()
+    b_done_at_fallback: list[bool] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "RDMA off" in record.getMessage():
+                b_done_at_fallback.append(b_done.is_set())
+
+    watch = Watch()
+    logging.getLogger("kvstore").addHandler(watch)
+    first, second = _read_item(a, 0, 8), _read_item(a, 8, 8)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvstore"):
+            th1, rest1 = _in_thread(lambda: t.read([first]))
+            assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+            th2, rest2 = _in_thread(lambda: t.read([second]))
+            item_b = _read_item(b, 64, 4096)
+            assert t.read([item_b]) == [] and bytes(item_b.dest) == data_b[64 : 64 + 4096]
+            b_done.set()
+            th1.join(2.0 + BOUND_S)
+            th2.join(2.0 + BOUND_S)
+            assert not th1.is_alive() and not th2.is_alive(), "a's connect outlived its timeout"
+    finally:
+        logging.getLogger("kvstore").removeHandler(watch)
+        stall.open()
+    assert rest1 == [[first]] and rest2 == [[second]]  # left for TCP, no error
+    assert first.result is None and second.result is None and not first.filled
+    lines = [r.getMessage() for r in caplog.records if "RDMA off" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("client, node a: RDMA off (rdma_connect"), lines
+    assert b_done_at_fallback == [True], "b's read waited for a's connect to time out"
+    assert stall.num_calls == 1  # the second reader waited for the first one's connect
+    assert not t.serves("a") and t.serves("b") and t.dropped == {"a"}
+
+
+def test_a_stalled_completion_holds_up_neither_other_nodes_nor_its_timeout(loopback) -> None:
+    """Operations towards node a do not complete (until the test says so): a read from node b
+    completes meanwhile, and a second read from a gives up at its own timeout (its item left
+    for TCP) while a's queue pair is still busy; a keeps RDMA."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_a, data_b = _fill(a, 4), _fill(b, 5)
+    t = loopback.client(timeout=1.0)
+    assert t.read([_read_item(a, 0, 8)]) == [] and t.read([_read_item(b, 0, 8)]) == []
+    stall = Stall()
+    loopback.fabric.run_hooks[a.device] = stall
+    item_a, waiting_a, item_b = _read_item(a, 0, 4096), _read_item(a, 8, 8), _read_item(b, 8, 8)
+    th_a, rest_a = _in_thread(lambda: t.read([item_a]))
+    try:
+        assert stall.entered.wait(BOUND_S), "the read from a never reached its queue pair"
+        th_b, rest_b = _in_thread(lambda: t.read([item_b]))
+        th_w, rest_w = _in_thread(lambda: t.read([waiting_a]))
+        th_b.join(BOUND_S)
+        th_w.join(1.0 + BOUND_S)
+        done_while_a_runs = not th_b.is_alive() and not th_w.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert done_while_a_runs, "a read waited for a's queue pair past its timeout or across nodes"
+    assert rest_b == [[]] and bytes(item_b.dest) == data_b[8:16]
+    assert rest_w == [[waiting_a]] and waiting_a.result is None  # TCP this once
+    assert rest_a == [[]] and bytes(item_a.dest) == data_a[:4096]
+    assert t.serves("a") and t.serves("b") and not t.dropped
+
+
+def test_many_threads_many_nodes_no_deadlock(loopback) -> None:
+    """Eight threads read from two nodes, registering fresh buffers all the time (a cache of two
+    registrations, so they are evicted while other threads' operations run). While node a's
+    connect is held, node b's readers all finish and a's readers wait for that one connect;
+    then everything finishes, all of it over RDMA. Every join is bounded."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data = {"a": _fill(a, 6), "b": _fill(b, 7)}
+    nodes = {"a": a, "b": b}
+    stall = Stall()
+    loopback.fabric.connect_hooks[a.device] = stall
+    t = loopback.client(timeout=60.0)
+    assert t.read([_read_item(b, 0, 8)]) == []  # opens the device: the cache now exists
+    assert t._mrs is not None
+    t._mrs.capacity = 2
+    errors: list[str] = []
+
+    def reader(i: int, names: str, rounds: int) -> None:
+        for r in range(rounds):
+            name = names[(i + r) % len(names)]
+            offset, size = (i * 997 + r * 131) % 60_000, 1 + (i * 37 + r) % 4000
+            item = _read_item(nodes[name], offset, size)
+            rest = t.read([item])
+            if rest or bytes(item.dest) != data[name][offset : offset + size]:
+                errors.append(f"thread {i} round {r} node {name}: rest={rest}")
+
+    def start(names: str, rounds: int, ids: range) -> list[threading.Thread]:
+        threads = [
+            threading.Thread(target=reader, args=(i, names, rounds), daemon=True) for i in ids
+        ]
+        for th in threads:
+            th.start()
+        return threads
+
+    a_readers = start("a", 1, range(4))
+    try:
+        assert stall.entered.wait(BOUND_S), "a's rdma_connect never reached node a"
+        b_readers = start("b", 20, range(4, 8))
+        for th in b_readers:
+            th.join(BOUND_S)
+        b_done_while_a_connects = not any(th.is_alive() for th in b_readers) and all(
+            th.is_alive() for th in a_readers
+        )
+    finally:
+        stall.open()
+        for th in a_readers:
+            th.join(BOUND_S)
+    assert b_done_while_a_connects, "b's readers waited for a's connect"
+    assert not any(th.is_alive() for th in a_readers)
+    mixed = start("ab", 20, range(8))
+    for th in mixed:
+        th.join(BOUND_S)
+    assert not any(th.is_alive() for th in mixed), "deadlock: a reader never finished"
+    assert errors == []
+    assert stall.num_calls == 1 and len(a.service.book) == 1 and len(b.service.book) == 1
+    assert t.serves("a") and t.serves("b") and not t.dropped
+
+
+def test_an_idle_session_is_pinged_then_kept_or_replaced(loopback, monkeypatch) -> None:
+    """A session idle past KEEPALIVE_S is pinged first (by one thread, with no lock held): kept
+    if the node answers, replaced by a fresh connect if its connection is gone."""
+    t = loopback.client()
+    node_ctx = loopback.service.ctx
+
+    def client_qps() -> list[LoopbackQp]:
+        return [qp for qp in loopback.fabric.qps.values() if qp.ctx is not node_ctx]
+
+    assert t.read([_read_item(loopback, 0, 8)]) == []
+    monkeypatch.setattr(client_rdma, "KEEPALIVE_S", 0.0)  # every use now finds it idle
+    assert t.read([_read_item(loopback, 8, 8)]) == []  # pinged: the same queue pair
+    assert len(client_qps()) == 1 and len(loopback.service.book) == 1
+    session = t._nodes["n0"].session
+    assert session is not None
+    session.conn.close()  # as if the node had closed the idle connection
+    assert t.read([_read_item(loopback, 16, 8)]) == []  # the ping fails: connected afresh
+    old, new = client_qps()
+    assert old.closed and not new.closed and t.serves("n0") and not t.dropped
+    wait_until(lambda: len(loopback.service.book) == 1, what="the node's old queue pair gone")
+
+
+def test_a_batch_that_waited_out_its_timeout_still_connects_the_next_node(loopback) -> None:
+    """One batch for nodes a and b: a's queue pair is busy past the batch's timeout (its item
+    goes over TCP), and b, never connected yet, still gets a whole timeout for its connect."""
+    a, b = loopback.add_node("a"), loopback.add_node("b")
+    data_b = _fill(b, 8)
+    t = loopback.client(timeout=1.0)
+    assert t.read([_read_item(a, 0, 8)]) == []
+    stall = Stall()
+    loopback.fabric.run_hooks[a.device] = stall
+    th_a, _ = _in_thread(lambda: t.read([_read_item(a, 0, 8)]))
+    try:
+        assert stall.entered.wait(BOUND_S), "the read from a never reached its queue pair"
+        item_a, item_b = _read_item(a, 8, 8), _read_item(b, 64, 64)
+        th, rest = _in_thread(lambda: t.read([item_a, item_b]))
+        th.join(1.0 + BOUND_S)
+        done_while_a_runs = not th.is_alive() and th_a.is_alive()
+    finally:
+        stall.open()
+        th_a.join(BOUND_S)
+    assert done_while_a_runs, "the batch waited for a's queue pair past its timeout"
+    assert rest == [[item_a]] and bytes(item_b.dest) == data_b[64:128]  # b over RDMA
+    assert t.serves("a") and t.serves("b") and not t.dropped
