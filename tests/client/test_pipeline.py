@@ -274,3 +274,22 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
     except KVStoreError as err:
         result = err
     return result, t0, time.monotonic()
+
+
+def test_data_connections_are_kept_for_as_many_threads_as_share_the_client(
+    cluster_factory,
+) -> None:
+    cluster = cluster_factory(dram="64MiB")
+    num_threads = 16  # more than the pool's base size (8)
+    value = b"v" * 65536
+    with Client.connect(cluster.address, timeout=CALL_TIMEOUT_S, shm=False) as c:
+        keys = [f"k{t}" for t in range(num_threads)]
+        assert c.batch_put(keys, [value] * num_threads) == [None] * num_threads
+
+        def work(t: int) -> bool:
+            return all(c.get(keys[t]) == value for _ in range(20))
+
+        assert _in_threads(num_threads, work) == [True] * num_threads
+        # One connection per thread at most (opened when first needed), not one per call
+        # beyond the base size.
+        assert c._data.tcp.pool.num_connects <= num_threads + 1
