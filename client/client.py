@@ -21,7 +21,7 @@ from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
-from kvstore.client.pipeline import Pipeline
+from kvstore.client.pipeline import Pipeline, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import ReadItem, WriteItem
@@ -64,8 +64,9 @@ class _ControlChannel:
     Every call goes on one shared :class:`~kvstore.client.pipeline.Pipeline`: many threads'
     requests in flight on one connection, replies matched by request id, each call waiting
     only for its own reply and at most ``timeout`` seconds. Verbs that may keep the master busy
-    on a connection for long (``EXCLUSIVE``: a long poll, a large listing) take a connection of
-    their own from a small pool instead, so that they hold up nobody else's answers.
+    on a connection for long (a long poll, a large listing, a large batch) take a connection of
+    their own from a small pool instead, so that they hold up nobody else's answers (see
+    :func:`~kvstore.client.pipeline.pipelined`).
 
     NOTE: ``_lock`` guards only which pipeline is current and the idle exclusive connections,
     never a network round trip: connecting (and the hello) happens outside it, and a call
@@ -79,9 +80,6 @@ class _ControlChannel:
     releases: LeaseReturns | None = None
     #: Idle exclusive connections kept for reuse.
     MAX_IDLE = 4
-    #: Verbs served on a connection of their own (the master answers a connection's requests
-    #: in order: a long poll there would hold every answer behind it).
-    EXCLUSIVE = frozenset({"events", "events_snapshot", "list_keys"})
 
     def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
@@ -158,7 +156,7 @@ class _ControlChannel:
         deadline = time.monotonic() + self.timeout
         if self.releases is not None:
             args = self.releases.attach(args)
-        if verb in self.EXCLUSIVE:
+        if not pipelined(verb, args):
             return self._call_exclusive(verb, args, deadline)
         while True:
             pipe, reused = self._pipe(deadline)
@@ -184,6 +182,8 @@ class _ControlChannel:
         if self.releases is not None:
             args = self.releases.attach(args)
         sent: tuple[Pipeline, int, Any] | None = None
+        if not pipelined(verb, args):
+            return self._call_exclusive(verb, args, deadline, work)
         try:
             pipe, _ = self._pipe(deadline)
             sent = (pipe, *pipe.send(verb, args, deadline))
@@ -223,18 +223,39 @@ class _ControlChannel:
                 return
         conn.close()
 
-    def _call_exclusive(self, verb: str, args: dict[str, Any], deadline: float) -> Any:
-        """One request on a connection of its own (see ``EXCLUSIVE``)."""
+    def _call_exclusive(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        deadline: float,
+        work: Callable[[], None] | None = None,
+    ) -> Any:
+        """One request on a connection of its own (see :func:`pipeline.pipelined`); ``work``,
+        if given, runs once while the master answers (its error is raised after the answer)."""
+        work_error: BaseException | None = None
         while True:
             conn, reused = self._acquire(deadline)
             try:
                 conn.sock.settimeout(_left(deadline))
-                result = conn.call(verb, args)
+                req_id = conn.send_request(verb, args)
+                if work is not None:
+                    run, work = work, None
+                    try:
+                        run()
+                    except BaseException as exc:  # noqa: BLE001 - raised after the answer
+                        work_error = exc
+                    conn.sock.settimeout(_left(deadline))
+                response, payload_len = conn.read_response()
+                if response.req_id != req_id or payload_len:
+                    raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
+                result = response.unwrap()
             except (ProtocolError, UnauthenticatedError):
                 conn.close()  # the master hangs up after either
                 raise
             except KVStoreError:
                 self._release(conn)
+                if work_error is not None:
+                    raise work_error from None
                 raise
             except (TimeoutError, OSError) as exc:
                 conn.close()
@@ -244,6 +265,8 @@ class _ControlChannel:
                     continue
                 raise self._failure(verb, exc) from None
             self._release(conn)
+            if work_error is not None:
+                raise work_error
             return result
 
     def _failure(self, verb: str, exc: BaseException) -> KVStoreError:

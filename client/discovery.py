@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from kvstore import auth, protocol
-from kvstore.client.pipeline import Pipeline
+from kvstore.client.pipeline import Pipeline, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
@@ -40,7 +40,8 @@ HA_CALL_TIMEOUT_S = 3.0
 class LeaderChannel:
     """Thread-safe. Like the plain control channel, every thread's calls to the leader go on
     one :class:`~kvstore.client.pipeline.Pipeline` (replies matched by request id), except the
-    ``EXCLUSIVE`` verbs, which take a connection of their own. A new leader gets a new
+    requests :func:`~kvstore.client.pipeline.pipelined` keeps off it, which take a connection of
+    their own. A new leader gets a new
     pipeline; the old one is closed (its waiters fail and retry, pinned ones fail).
 
     NOTE: the lock guards only the leader's address, epoch, pipeline and idle connections,
@@ -55,8 +56,6 @@ class LeaderChannel:
     """
 
     MAX_IDLE = 4
-    #: Verbs served on a connection of their own (see kvstore.client.client._ControlChannel).
-    EXCLUSIVE = frozenset({"events", "events_snapshot", "list_keys"})
     #: Finished reads' leases, carried back on every request (see kvstore.client.releases).
     releases: LeaseReturns | None = None
 
@@ -177,7 +176,7 @@ class LeaderChannel:
         backoff = 0.02
         if self.releases is not None:
             args = self.releases.attach(args)  # (a retry carries them again: harmless)
-        exclusive = verb in self.EXCLUSIVE
+        exclusive = not pipelined(verb, args)
         while True:
             conn: protocol.FramedSocket | None = None
             known: int | None = self.epoch

@@ -43,6 +43,30 @@ from kvstore.errors import (
 HANDOVER_S = 1.0
 
 
+#: Verbs served on a connection of their own, never on a pipeline: a long poll, or answers that
+#: may be large.
+EXCLUSIVE_VERBS = frozenset({"events", "events_snapshot", "list_keys"})
+#: A batch with more items than this goes on a connection of its own too. The master serves
+#: a connection's requests one after another but a large batch in chunks, with other
+#: connections' requests between two chunks (master/server.py, CHUNK_ITEMS): on a connection of
+#: its own a large batch holds up nobody else's small calls.
+PIPELINE_MAX_ITEMS = 256
+#: Likewise a request with a bytes argument longer than this (a long prompt's tokens).
+PIPELINE_MAX_BYTES = 4 * PIPELINE_MAX_ITEMS
+
+
+def pipelined(verb: str, args: dict[str, Any]) -> bool:
+    """Whether a request goes on the shared pipeline (else on a connection of its own)."""
+    if verb in EXCLUSIVE_VERBS:
+        return False
+    for value in args.values():
+        if isinstance(value, list) and len(value) > PIPELINE_MAX_ITEMS:
+            return False
+        if isinstance(value, bytes) and len(value) > PIPELINE_MAX_BYTES:
+            return False
+    return True
+
+
 #: A connection with nothing to read for this long is closed (the next call opens a new one).
 READER_IDLE_S = 3600.0
 

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvstore.client import Client
+from kvstore.client.pipeline import pipelined
 from kvstore.errors import (
     KeyNotFoundError,
     KVStoreError,
@@ -293,3 +295,36 @@ def test_data_connections_are_kept_for_as_many_threads_as_share_the_client(
         # One connection per thread at most (opened when first needed), not one per call
         # beyond the base size.
         assert c._data.tcp.pool.num_connects <= num_threads + 1
+
+
+@pytest.mark.parametrize(
+    ("verb", "args", "expected"),
+    [
+        ("get_locations", {"keys": [b"k"] * 256}, True),
+        ("get_locations", {"keys": [b"k"] * 257}, False),  # large: served in chunks, alone
+        ("put_end", {"put_ids": [1] * 300, "checksums": [1] * 300}, False),
+        ("kv_match", {"tokens": b"t" * 1024}, True),
+        ("kv_match", {"tokens": b"t" * 1025}, False),
+        ("events", {"wait_s": 1.0}, False),  # a long poll
+        ("list_keys", {"prefix": b""}, False),
+        ("exists", {"keys": [b"k"]}, True),
+    ],
+)
+def test_what_goes_on_the_shared_pipeline(verb: str, args: dict[str, Any], expected: bool) -> None:
+    assert pipelined(verb, args) is expected
+
+
+def test_large_batches_and_small_calls_from_many_threads(cluster_factory) -> None:
+    cluster = cluster_factory(dram="64MiB")
+    with Client.connect(cluster.address, timeout=CALL_TIMEOUT_S, shm=False) as c:
+        big = [f"big/{i}" for i in range(1000)]
+        assert c.batch_put(big, [b"b" * 100] * len(big)) == [None] * len(big)
+
+        def work(t: int) -> bool:
+            if t % 2:
+                return c.batch_get(big) == [b"b" * 100] * len(big) and all(c.batch_exists(big))
+            c.put(f"small/{t}", b"s")
+            return c.get(f"small/{t}") == b"s" and c.exists(f"small/{t}")
+
+        assert _in_threads(NUM_THREADS, work) == [True] * NUM_THREADS
+        assert c._control.num_connects == 1
