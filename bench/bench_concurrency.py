@@ -1,6 +1,13 @@
-"""Aggregate small-get throughput with several client processes at once, polling on and off.
+"""Aggregate small-get throughput with several client processes at once, polling on and off;
+or (``--threads N``) one client shared by N threads against N clients.
 
 Run:  .venv/bin/python bench/bench_concurrency.py [--clients 4] [--seconds 4]
+      .venv/bin/python bench/bench_concurrency.py --threads 8 [--keys 4000] [--rounds 3]
+
+``--threads``: one embedded cluster (node warm: ``arenas_warm``), then three setups, each
+putting ``--keys`` distinct 64 KiB keys (split among the threads) and reading each once over
+TCP: 1 thread on 1 client; N threads on one shared client; N threads on N clients. Prints one
+table of puts/s and gets/s (best of ``--rounds``).
 
 For each polling window (``KVSTORE_POLL_US`` = 0 and the default) it starts an embedded cluster
 (``kvstore up``: master and node processes), then ``--clients`` client processes that each
@@ -15,7 +22,9 @@ import argparse
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -61,11 +70,106 @@ def run(poll_us: str, clients: int, seconds: float) -> dict[str, float]:
         return out
 
 
+VALUE_BYTES = 64 << 10
+
+
+def _in_threads(num_threads: int, work: Callable[[int], None]) -> float:
+    """Run ``work(t)`` in ``num_threads`` threads started together; returns the wall seconds
+    from the common start to the last one's end."""
+    start = threading.Barrier(num_threads + 1)
+    errors: list[BaseException] = []
+
+    def body(t: int) -> None:
+        start.wait(timeout=60)
+        try:
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(t,)) for t in range(num_threads)]
+    for th in threads:
+        th.start()
+    start.wait(timeout=60)
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join(timeout=600)
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+def _shared_vs_separate(
+    address: str, num_threads: int, shared: bool, num_keys: int, tag: str
+) -> tuple[float, float]:
+    """Put then get ``num_keys`` distinct keys with ``num_threads`` threads on one shared
+    client (``shared``) or one client each. Returns (puts/s, gets/s)."""
+    num_clients = 1 if shared else num_threads
+    clients = [Client.connect(address, shm=False) for _ in range(num_clients)]
+    per = num_keys // num_threads
+    keys = [[f"{tag}/{t}/{i}" for i in range(per)] for t in range(num_threads)]
+    values = [np.full(VALUE_BYTES, t % 251, np.uint8) for t in range(num_threads)]
+    try:
+        for c in clients:  # connections up and locations of transports known: not measured
+            c.put(f"{tag}/warm", values[0])
+            c.get(f"{tag}/warm")
+
+        def put(t: int) -> None:
+            c = clients[0 if shared else t]
+            for k in keys[t]:
+                c.put(k, values[t])
+
+        def get(t: int) -> None:
+            c = clients[0 if shared else t]
+            buf = np.empty(VALUE_BYTES, np.uint8)
+            for k in keys[t]:
+                c.get_into(k, buf)
+            assert buf[0] == t % 251
+
+        put_s = _in_threads(num_threads, put)
+        get_s = _in_threads(num_threads, get)
+        for t in range(num_threads):
+            clients[0].batch_remove(keys[t])
+        return per * num_threads / put_s, per * num_threads / get_s
+    finally:
+        for c in clients:
+            c.close()
+
+
+def run_threads(num_threads: int, num_keys: int, rounds: int) -> None:
+    """Print puts/s and gets/s: 1 thread, ``num_threads`` on one client, on their own."""
+    setups = [
+        ("1 thread, 1 client", 1, True),
+        (f"{num_threads} threads, 1 shared client", num_threads, True),
+        (f"{num_threads} threads, {num_threads} clients", num_threads, False),
+    ]
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedCluster(tmp, "1GiB") as cluster:
+        cluster.wait_warm()
+        best: dict[str, tuple[float, float]] = {}
+        for r in range(rounds):
+            for name, n, shared in setups:
+                got = _shared_vs_separate(cluster.address, n, shared, num_keys, f"r{r}{n}{shared}")
+                old = best.get(name, (0.0, 0.0))
+                best[name] = (max(old[0], got[0]), max(old[1], got[1]))
+    print(f"| {num_keys} distinct 64 KiB keys, TCP, {os.cpu_count()} cores | puts/s | gets/s |")
+    print("|---|---|---|")
+    base = best[setups[0][0]]
+    for name, _, _ in setups:
+        p, g = best[name]
+        print(f"| {name} | {p:.0f} ({p / base[0]:.2f}x) | {g:.0f} ({g / base[1]:.2f}x) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=0, help="shared-client mode (see above)")
+    ap.add_argument("--keys", type=int, default=4000)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.threads:
+        run_threads(args.threads, args.keys, args.rounds)
+        return
     rows = {p: run(p, args.clients, args.seconds) for p in ("0", "100")}
     print(f"| KVSTORE_POLL_US | {args.clients} clients, ask the master | lease reads |")
     print("|---|---|---|")

@@ -7,6 +7,7 @@ every full read verifies it, so a read returns the exact bytes or raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -20,6 +21,7 @@ from kvstore.buffers import as_bytes_view
 from kvstore.client.datapath import DataPath
 from kvstore.client.discovery import LeaderChannel
 from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.pipeline import Pipeline, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import ReadItem, WriteItem
@@ -59,26 +61,36 @@ def checksum(view: memoryview) -> int:
 class _ControlChannel:
     """The connections to the master. Thread-safe.
 
-    NOTE: the lock guards only the list of idle connections, never a network round trip: a
-    call takes a connection of its own (an idle one, or a new one), uses it without any lock
-    and gives it back. So one call that waits (a slow answer, or work overlapped with it that
-    itself asks the master) never blocks another thread's call, and no call can wait on a lock
-    held by its own thread. Every call ends within ``timeout`` seconds.
+    Every call goes on one shared :class:`~kvstore.client.pipeline.Pipeline`: many threads'
+    requests in flight on one connection, replies matched by request id, each call waiting
+    only for its own reply and at most ``timeout`` seconds. Verbs that may keep the master busy
+    on a connection for long (a long poll, a large listing, a large batch) take a connection of
+    their own from a small pool instead, so that they hold up nobody else's answers (see
+    :func:`~kvstore.client.pipeline.pipelined`).
+
+    NOTE: ``_lock`` guards only which pipeline is current and the idle exclusive connections,
+    never a network round trip: connecting (and the hello) happens outside it, and a call
+    waits for its reply holding no lock. So one call that waits (a slow answer, or work
+    overlapped with it that itself asks the master) never blocks another thread's call, and no
+    call can wait on a lock held by its own thread.
     """
 
     epoch: int | None = None  # a fixed master has no epoch (see discovery.LeaderChannel)
     #: Finished reads' leases, carried back on every request (see kvstore.client.releases).
     releases: LeaseReturns | None = None
-    #: Idle connections kept for reuse (more are opened while more threads call at once).
+    #: Idle exclusive connections kept for reuse.
     MAX_IDLE = 4
 
     def __init__(self, address: Address, timeout: float, token: auth.Token | None = None) -> None:
         self.address = address
         self.timeout = timeout
         self.token = token
+        self._pipeline: Pipeline | None = None
         self._idle: list[protocol.FramedSocket] = []
         self._lock = threading.Lock()
         self._closed = False
+        #: Pipelines opened (the first, and one after each broken or retired one).
+        self.num_connects = 0
 
     def _connect(self, deadline: float) -> protocol.FramedSocket:
         try:
@@ -105,21 +117,29 @@ class _ControlChannel:
             raise
         return conn
 
-    def _acquire(self, deadline: float) -> tuple[protocol.FramedSocket, bool]:
-        """A connection of this call's own and whether it was idle (it may have gone stale)."""
+    def _pipe(self, deadline: float) -> tuple[Pipeline, bool]:
+        """The current pipeline (a new one if there is none that works) and whether it was
+        there before this call."""
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is not None:
-            conn.sock.settimeout(_left(deadline))
-            return conn, True
-        return self._connect(deadline), False
-
-    def _release(self, conn: protocol.FramedSocket) -> None:
+            pipe = self._pipeline
+            if pipe is not None and pipe.usable:
+                return pipe, True
+            if self._closed:
+                raise MasterUnavailableError("the client is closed")
+        fresh = Pipeline(self._connect(deadline), self.address)  # (no lock held)
         with self._lock:
-            if not self._closed and len(self._idle) < self.MAX_IDLE:
-                self._idle.append(conn)
-                return
-        conn.close()
+            pipe = self._pipeline
+            if self._closed or (pipe is not None and pipe.usable):
+                loser = fresh  # another thread connected meanwhile: use its pipeline
+            else:
+                loser, pipe = None, fresh
+                self._pipeline = fresh
+                self.num_connects += 1
+        if loser is not None:
+            loser.close()
+            if pipe is None or not pipe.usable:
+                raise MasterUnavailableError("the client is closed")
+        return pipe, False
 
     def call_epoch(
         self, verb: str, args: dict[str, Any], pin_epoch: int | None = None
@@ -136,15 +156,106 @@ class _ControlChannel:
         deadline = time.monotonic() + self.timeout
         if self.releases is not None:
             args = self.releases.attach(args)
+        if not pipelined(verb, args):
+            return self._call_exclusive(verb, args, deadline)
+        while True:
+            pipe, reused = self._pipe(deadline)
+            try:
+                return pipe.call(verb, args, deadline)
+            except MasterUnavailableError:
+                # A pipeline the master closed meanwhile fails at once: try a fresh one
+                # (idempotent verbs only: another may have been served already).
+                if reused and verb in _IDEMPOTENT and time.monotonic() < deadline:
+                    continue
+                raise
+
+    def call_overlapped(self, verb: str, args: dict[str, Any], work: Callable[[], None]) -> Any:
+        """Send ``verb``, run ``work()`` while the master answers, then read the answer.
+
+        ``work`` runs holding no lock (it may itself call the master: its request goes on the
+        same pipeline, its reply is matched by id).
+
+        Raises:
+            Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
+        """
+        deadline = time.monotonic() + self.timeout
+        if self.releases is not None:
+            args = self.releases.attach(args)
+        sent: tuple[Pipeline, int, Any] | None = None
+        if not pipelined(verb, args):
+            return self._call_exclusive(verb, args, deadline, work)
+        try:
+            pipe, _ = self._pipe(deadline)
+            sent = (pipe, *pipe.send(verb, args, deadline))
+        except (MasterUnavailableError, KVTimeoutError):
+            sent = None  # call() below tries again, and raises the right error
+        try:
+            work()
+        except BaseException:
+            if sent is not None:  # the answer is read and dropped: the work's error wins
+                with contextlib.suppress(KVStoreError):
+                    sent[0].wait(sent[1], sent[2], deadline, verb)
+            raise
+        if sent is None:
+            return self.call(verb, args)
+        pipe, req_id, slot = sent
+        try:
+            return pipe.wait(req_id, slot, deadline, verb)
+        except MasterUnavailableError:
+            if verb not in _IDEMPOTENT or time.monotonic() >= deadline:
+                raise
+        return self.call(verb, args)
+
+    # ---------------------------------------------------------------- exclusive verbs
+    def _acquire(self, deadline: float) -> tuple[protocol.FramedSocket, bool]:
+        """A connection of this call's own and whether it was idle (it may have gone stale)."""
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            conn.sock.settimeout(_left(deadline))
+            return conn, True
+        return self._connect(deadline), False
+
+    def _release(self, conn: protocol.FramedSocket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def _call_exclusive(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        deadline: float,
+        work: Callable[[], None] | None = None,
+    ) -> Any:
+        """One request on a connection of its own (see :func:`pipeline.pipelined`); ``work``,
+        if given, runs once while the master answers (its error is raised after the answer)."""
+        work_error: BaseException | None = None
         while True:
             conn, reused = self._acquire(deadline)
             try:
-                result = conn.call(verb, args)
+                conn.sock.settimeout(_left(deadline))
+                req_id = conn.send_request(verb, args)
+                if work is not None:
+                    run, work = work, None
+                    try:
+                        run()
+                    except BaseException as exc:  # noqa: BLE001 - raised after the answer
+                        work_error = exc
+                    conn.sock.settimeout(_left(deadline))
+                response, payload_len = conn.read_response()
+                if response.req_id != req_id or payload_len:
+                    raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
+                result = response.unwrap()
             except (ProtocolError, UnauthenticatedError):
                 conn.close()  # the master hangs up after either
                 raise
             except KVStoreError:
                 self._release(conn)
+                if work_error is not None:
+                    raise work_error from None
                 raise
             except (TimeoutError, OSError) as exc:
                 conn.close()
@@ -154,6 +265,8 @@ class _ControlChannel:
                     continue
                 raise self._failure(verb, exc) from None
             self._release(conn)
+            if work_error is not None:
+                raise work_error
             return result
 
     def _failure(self, verb: str, exc: BaseException) -> KVStoreError:
@@ -161,69 +274,15 @@ class _ControlChannel:
             return KVTimeoutError(f"master {self.address} did not answer {verb} in time")
         return MasterUnavailableError(f"master {self.address} failed during {verb}: {exc}")
 
-    def call_overlapped(self, verb: str, args: dict[str, Any], work: Callable[[], None]) -> Any:
-        """Send ``verb``, run ``work()`` while the master answers, then read the answer.
-
-        ``work`` runs holding no lock (it may itself call the master, on another connection).
-
-        Raises:
-            Whatever ``work`` raises (after the answer was read), or what :meth:`call` raises.
-        """
-        deadline = time.monotonic() + self.timeout
-        if self.releases is not None:
-            args = self.releases.attach(args)
-        conn: protocol.FramedSocket | None = None
-        try:
-            conn, _ = self._acquire(deadline)
-            req_id = conn.send_request(verb, args)
-        except (TimeoutError, OSError):
-            if conn is not None:
-                conn.close()
-            conn = None
-        except KVStoreError:
-            conn = None  # unreachable master: call() below raises the right error
-        work_error: BaseException | None = None
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - re-raised once the answer is read
-            work_error = exc
-        if conn is not None:
-            try:
-                conn.sock.settimeout(_left(deadline))
-                response, payload_len = conn.read_response()
-                if response.req_id != req_id or payload_len:
-                    raise ProtocolError(f"response {response.req_id} does not answer {req_id}")
-            except ProtocolError:
-                conn.close()
-                raise
-            except (TimeoutError, OSError) as exc:
-                conn.close()
-                if verb not in _IDEMPOTENT or isinstance(exc, TimeoutError):
-                    raise self._failure(verb, exc) from None
-                conn = None
-        if work_error is not None:
-            if conn is not None:
-                self._release(conn)
-            raise work_error
-        if conn is not None:
-            try:
-                result = response.unwrap()
-            except UnauthenticatedError:
-                conn.close()  # the master hangs up after it
-                raise
-            except KVStoreError:
-                self._release(conn)
-                raise
-            self._release(conn)
-            return result
-        return self.call(verb, args)
-
     def close(self) -> None:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            pipe, self._pipeline = self._pipeline, None
         for conn in idle:
             conn.close()
+        if pipe is not None:
+            pipe.close()
 
 
 def _left(deadline: float) -> float:

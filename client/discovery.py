@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvstore import auth, protocol
+from kvstore.client.pipeline import Pipeline, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
@@ -37,9 +38,15 @@ HA_CALL_TIMEOUT_S = 3.0
 
 
 class LeaderChannel:
-    """Thread-safe. NOTE: like the plain control channel, the lock guards only the leader's
-    address, epoch and idle connections, never a round trip (to etcd or to the master): each
-    call uses a connection of its own.
+    """Thread-safe. Like the plain control channel, every thread's calls to the leader go on
+    one :class:`~kvstore.client.pipeline.Pipeline` (replies matched by request id), except the
+    requests :func:`~kvstore.client.pipeline.pipelined` keeps off it, which take a connection of
+    their own. A new leader gets a new
+    pipeline; the old one is closed (its waiters fail and retry, pinned ones fail).
+
+    NOTE: the lock guards only the leader's address, epoch, pipeline and idle connections,
+    never a round trip (to etcd or to the master): resolving, connecting and waiting for a
+    reply all happen without it.
 
     Args:
         etcd_url: ``etcd://HOST:PORT[,HOST:PORT]``.
@@ -69,8 +76,11 @@ class LeaderChannel:
         self.address: Address | None = None
         self.epoch: int | None = None
         self.num_failovers = 0
-        # Idle connections to the leader of ``epoch`` (dropped, all, when it changes).
+        # Idle connections to the leader of ``epoch`` (dropped, all, when it changes), and the
+        # pipeline to it (closed when it changes).
         self._idle: list[protocol.FramedSocket] = []
+        self._pipeline: Pipeline | None = None
+        self._pipeline_epoch: int | None = None
         self._lock = threading.Lock()
         self._closed = False
 
@@ -112,8 +122,41 @@ class LeaderChannel:
                 return  # another thread has already moved on
             self.address = None
             idle, self._idle = self._idle, []
+            pipe, self._pipeline = self._pipeline, None
         for conn in idle:
             conn.close()
+        if pipe is not None:
+            pipe.close()
+
+    def _pipe(self, address: Address, epoch: int | None) -> Pipeline:
+        """The pipeline to the leader of ``epoch`` at ``address`` (opened if there is none).
+
+        Raises:
+            MasterUnavailableError, KVTimeoutError, OSError: no connection (or hello).
+        """
+        with self._lock:
+            pipe = self._pipeline
+            if pipe is not None and pipe.usable and self._pipeline_epoch == epoch:
+                return pipe
+        fresh = Pipeline(self._connect(address), address)  # (no lock held)
+        with self._lock:
+            pipe, old = self._pipeline, None
+            if (
+                self._closed
+                or epoch != self.epoch
+                or (pipe is not None and pipe.usable and self._pipeline_epoch == epoch)
+            ):
+                loser = fresh  # closed, moved on, or another thread connected meanwhile
+            else:
+                loser, old, pipe = None, pipe, fresh
+                self._pipeline, self._pipeline_epoch = fresh, epoch
+        if old is not None:
+            old.close()
+        if loser is not None:
+            loser.close()
+            if pipe is None or not pipe.usable or self._closed:
+                raise MasterUnavailableError(f"the leader changed while connecting to {address}")
+        return pipe
 
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         """Send one request to the leader; see :meth:`call_epoch`."""
@@ -133,18 +176,27 @@ class LeaderChannel:
         backoff = 0.02
         if self.releases is not None:
             args = self.releases.attach(args)  # (a retry carries them again: harmless)
+        exclusive = not pipelined(verb, args)
         while True:
             conn: protocol.FramedSocket | None = None
             known: int | None = self.epoch
             try:
                 conn, address, known = self._leader(deadline)
-                if conn is None:
-                    conn = self._connect(address)
                 epoch = known if pin_epoch is None else pin_epoch
                 if pin_epoch is not None and pin_epoch != known:
                     raise StaleEpochError(
                         f"the leader changed (epoch {pin_epoch} -> {known}) during {verb}"
                     )
+                if not exclusive:
+                    if conn is not None:
+                        self._release(conn, known)
+                        conn = None
+                    pipe = self._pipe(address, known)
+                    try_deadline = time.monotonic() + self.timeout
+                    return pipe.call(verb, {**args, "epoch": epoch}, try_deadline), epoch
+                if conn is None:
+                    conn = self._connect(address)
+                conn.sock.settimeout(self.timeout)
                 result = conn.call(verb, {**args, "epoch": epoch})
                 self._release(conn, known)
                 return result, epoch
@@ -158,6 +210,15 @@ class LeaderChannel:
                 if conn is not None:
                     conn.close()  # the master hangs up after either
                 raise
+            except KVTimeoutError:
+                # The leader did not answer in time (paused, partitioned): look again.
+                if conn is not None:
+                    conn.close()
+                self._forget_leader(known)
+                if pin_epoch is not None or time.monotonic() >= deadline:
+                    raise KVTimeoutError(
+                        f"the leading master did not answer {verb} in time"
+                    ) from None
             except KVStoreError as err:
                 if not isinstance(err, MasterUnavailableError | NodeUnavailableError):
                     if conn is not None:
@@ -189,6 +250,9 @@ class LeaderChannel:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            pipe, self._pipeline = self._pipeline, None
         for conn in idle:
             conn.close()
+        if pipe is not None:
+            pipe.close()
         self.resolver.close()

@@ -80,8 +80,22 @@ def _by_node(items: Sequence[Any]) -> dict[Endpoint, _Exchange]:
     return exchanges
 
 
+#: Most idle connections a pool keeps per node, however many threads share it.
+MAX_POOL_PER_NODE = 64
+
+
 class NodePool:
-    """Idle connections per node. Thread-safe; a connection is used by one thread at a time."""
+    """Idle connections per node. Thread-safe; a connection is used by one thread at a time.
+
+    Sized to the threads that share it: per node it keeps as many idle connections as it ever
+    had to open (at least ``max_idle_per_node``, at most ``MAX_POOL_PER_NODE``): a call that
+    finds none idle opens one because that many threads use the node at once. So each of them
+    finds a connection waiting next time, instead of a connection (and a hello) per call
+    beyond a fixed size.
+
+    NOTE: ``_lock`` guards the idle lists and their sizes only; connecting (and the hello)
+    happens without it.
+    """
 
     def __init__(
         self, timeout: float, max_idle_per_node: int = 8, token: auth.Token | None = None
@@ -90,14 +104,23 @@ class NodePool:
         self.token = token
         self.max_idle_per_node = max_idle_per_node
         self._idle: dict[Endpoint, list[protocol.FramedSocket]] = defaultdict(list)
+        #: Connections opened per node (each because none was idle): how many to keep idle.
+        self._opened: dict[Endpoint, int] = defaultdict(int)
+        self.num_connects = 0
         self._lock = threading.Lock()
 
     def acquire(self, endpoint: Endpoint) -> tuple[protocol.FramedSocket, bool]:
-        """A connection to ``endpoint`` and whether it was reused from the pool."""
+        """A connection to ``endpoint`` and whether it was reused from the pool.
+
+        Raises:
+            NodeUnavailableError, KVTimeoutError: no connection (or hello) within the timeout.
+        """
         with self._lock:
             idle = self._idle.get(endpoint)
             if idle:
                 return idle.pop(), True
+            self._opened[endpoint] += 1
+            self.num_connects += 1
         conn = protocol.FramedSocket.connect(endpoint[0], endpoint[1], timeout=self.timeout)
         try:
             auth.hello(conn, self.token)
@@ -109,10 +132,14 @@ class NodePool:
             raise
         return conn, False
 
+    def _keep(self, endpoint: Endpoint) -> int:
+        """How many idle connections to keep for ``endpoint`` (call under ``_lock``)."""
+        return max(self.max_idle_per_node, min(self._opened[endpoint], MAX_POOL_PER_NODE))
+
     def release(self, endpoint: Endpoint, conn: protocol.FramedSocket) -> None:
         with self._lock:
             idle = self._idle[endpoint]
-            if len(idle) < self.max_idle_per_node:
+            if len(idle) < self._keep(endpoint):
                 idle.append(conn)
                 return
         conn.close()

@@ -10,6 +10,9 @@ in the kernel:
   goes first) for up to the window before each wait for a frame; after a poll that found
   nothing, the next waits sleep straight away: ``POLL_BACKOFF`` of them for a node waiting for
   a client's next request, ``REPLY_BACKOFF`` for a client waiting for a reply;
+- of the threads of one process that wait for replies, one at a time polls (the others sleep
+  in the kernel at once): eight threads of one shared client polling side by side fought over
+  the GIL and the CPU the master and node needed (``bench/bench_concurrency.py --threads 8``);
 - neither side polls around a large payload (over ``POLL_MAX_BYTES``) moving: measured here, a
   vCPU polling slows a copy on the other vCPU by a quarter (they share a physical core), and the
   peer is busy with the payload anyway;

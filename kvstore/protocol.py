@@ -25,6 +25,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -273,6 +274,10 @@ def _set_timeout_until(sock: socket.socket, deadline: float) -> None:
 
 
 _IOV_MAX = 512
+#: Held by the one thread of this process that polls for a reply (see kvstore.polling): the
+#: others sleep in the kernel. Threads that polled side by side (a client shared by an
+#: engine's workers) took the GIL from each other, and the CPU from the peers they waited for.
+_REPLY_POLLER = threading.Lock()
 #: Bytes a FramedSocket reads ahead in one ``recv``: a small frame and its payload in one syscall.
 READ_AHEAD = 32 << 10
 
@@ -391,8 +396,16 @@ class FramedSocket:
         if poll and self.poll_window:
             if self._poll_skip:
                 self._poll_skip -= 1
-            elif not self._poll():
-                self._poll_skip = REPLY_BACKOFF if self.awaits_replies else POLL_BACKOFF
+            elif self.awaits_replies and not _REPLY_POLLER.acquire(blocking=False):
+                pass  # another thread of this process polls for its reply: sleep in the kernel
+            else:
+                try:
+                    found = self._poll()
+                finally:
+                    if self.awaits_replies:
+                        _REPLY_POLLER.release()
+                if not found:
+                    self._poll_skip = REPLY_BACKOFF if self.awaits_replies else POLL_BACKOFF
         if deadline is not None:
             with _until(self.sock, deadline):
                 self._fill_blocking(need, deadline)

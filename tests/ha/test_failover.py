@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from kvstore import protocol
@@ -119,6 +120,60 @@ def test_sigstop_leader_steps_down_without_serving_a_write(ha_factory) -> None: 
             again.close()
         c.put("later", b"l")
         assert c.get("later") == b"l"
+
+
+def test_threads_sharing_one_client_follow_the_new_leader(ha_factory) -> None:  # noqa: F811
+    cluster = ha_factory(num_masters=2, num_nodes=1, master_args=FAST)
+    old = cluster.leader()
+    num_threads = 8
+    with Client.connect(cluster.url, timeout=10) as c:
+        c.put("before", b"b" * 1000)
+        bound = c._control.failover_timeout + c._control.timeout + 1.0
+        killed = threading.Event()
+        out: list[tuple[int, list[str], float] | BaseException | None] = [None] * num_threads
+
+        def work(t: int) -> None:
+            # Calls until five answers came after the kill (bounded); every call ends within
+            # its failover bound, answered or with a typed error.
+            errors: list[str] = []
+            slowest, num_after = 0.0, 0
+            deadline = time.monotonic() + 90
+            try:
+                while num_after < 5 and time.monotonic() < deadline:
+                    t0 = time.monotonic()
+                    after = killed.is_set()
+                    try:
+                        assert isinstance(c.exists("before"), bool)
+                        num_after += after
+                    except KVStoreError as err:
+                        errors.append(type(err).__name__)
+                    slowest = max(slowest, time.monotonic() - t0)
+                out[t] = (num_after, errors, slowest)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                out[t] = exc
+
+        threads = [
+            threading.Thread(target=work, args=(t,), daemon=True) for t in range(num_threads)
+        ]
+        for th in threads:
+            th.start()
+        wait_until(
+            lambda: c._control._pipeline is not None and c._control._pipeline.num_waiting > 0,
+            timeout=10,
+            what="calls in flight",
+        )
+        old.kill()
+        killed.set()
+        for th in threads:
+            th.join(120)
+        assert not any(th.is_alive() for th in threads), "a thread hung"
+        for got in out:
+            assert isinstance(got, tuple), got
+            num_after, _errors, slowest = got
+            assert num_after == 5 and slowest < bound, got
+        assert c._control.num_failovers >= 1
+        wait_until(lambda: c.stats()["num_nodes"] == 1, timeout=30, what="the node to follow")
+        assert c.exists("before") and c.get("before") == b"b" * 1000
 
 
 def test_etcd_restart_under_load(ha_factory, tmp_path) -> None:  # noqa: F811

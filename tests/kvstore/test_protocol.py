@@ -249,3 +249,29 @@ def test_tickets_and_infos_round_trip_through_their_wire_forms() -> None:
         info = ObjectInfo(16, 99, locs[:n])
         assert info.to_wire() == [16, 99, [loc.to_wire() for loc in locs[:n]]]
         assert ObjectInfo.from_wire(info.to_wire()) == info
+
+
+@pytest.mark.parametrize("awaits_replies", [True, False])
+def test_one_thread_per_process_polls_for_replies(awaits_replies: bool) -> None:
+    a, b = socket.socketpair()
+    conn = protocol.FramedSocket(a)
+    conn.awaits_replies = awaits_replies
+    conn.poll_window = 0.001
+    polls: list[int] = []
+    conn._poll = lambda: polls.append(1) or True  # type: ignore[method-assign]
+    try:
+        frame = protocol.encode_response(1, "ok")
+        # Another thread of this process is polling for its reply: a reply wait sleeps in the
+        # kernel instead (a request wait, on the serving side, polls as before).
+        with protocol._REPLY_POLLER:
+            b.sendall(frame)
+            assert conn.read_response()[0].result == "ok"
+        assert polls == ([] if awaits_replies else [1])
+        b.sendall(frame)
+        assert conn.read_response()[0].result == "ok"
+        assert len(polls) == (1 if awaits_replies else 2)
+        assert protocol._REPLY_POLLER.acquire(blocking=False)  # given back after polling
+        protocol._REPLY_POLLER.release()
+    finally:
+        a.close()
+        b.close()
