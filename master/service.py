@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -156,8 +156,14 @@ class Node:
         return sum(s.allocator.free_bytes for s in self.segments.values())
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
+class Replica(NamedTuple):
+    """One copy of an object: where it lives and which version of it the node holds.
+
+    A named tuple, not a dataclass: the object table keeps each replica as a plain tuple of
+    these fields (see :class:`ObjectMeta`), and turning one back into a ``Replica`` is one
+    ``tuple.__new__``.
+    """
+
     node_id: str
     segment: str
     offset: int
@@ -169,21 +175,130 @@ class Replica:
     claim: int = 0
 
 
-@dataclass(slots=True)
+#: A replica as the table stores it: the fields of a :class:`Replica`, in order.
+ReplicaFields = tuple[str, str, int, int, int, str, int]
+_as_replica = Replica._make
+
+
 class ObjectMeta:
-    key: bytes
-    size: int
-    checksum: int
-    replicas: list[Replica]
-    replicas_wanted: int = 1
-    last_access: float = 0.0
-    hits: int = 0
-    hits_since_move: int = 0
-    lease_until: float = 0.0  # monotonic; readers hold grants until then (0: all given back)
-    readers: int = 0  # leases outstanding (see leases.ReadLeases): leased while > 0
-    pin: int = PIN_NONE
-    pin_until: float = 0.0
-    busy: int = 0  # id of the move/copy task in flight, 0 when none
+    """One committed object of the table.
+
+    Why replicas are stored as plain tuples, not ``Replica`` records in a list: the master
+    holds millions of objects, and CPython's cyclic collector walks every container it tracks
+    on each full collection (seconds at a million objects, long enough to miss heartbeats). A
+    tuple that holds only strings and ints is untracked by the collector after its first
+    young collection, and a list and a record per object cost ~180 bytes more than one tuple.
+    So each object is one tracked record: ``_reps`` holds the fields of its only replica (the
+    common case), or a tuple of such field tuples when it has none or several. ``replicas``
+    builds ``Replica`` values on demand and is a tuple: change them with ``replicas = ...``,
+    :meth:`add_replica`, :meth:`remove_replica` or :meth:`swap_replica`, never in place.
+    """
+
+    __slots__ = (
+        "key",
+        "size",
+        "checksum",
+        "_reps",
+        "replicas_wanted",
+        "last_access",
+        "hits",
+        "hits_since_move",
+        "lease_until",
+        "readers",
+        "pin",
+        "pin_until",
+        "busy",
+    )
+
+    def __init__(
+        self,
+        key: bytes,
+        size: int,
+        checksum: int,
+        replicas: Iterable[Replica],
+        replicas_wanted: int = 1,
+        last_access: float = 0.0,
+        hits: int = 0,
+        hits_since_move: int = 0,
+        lease_until: float = 0.0,
+        readers: int = 0,
+        pin: int = PIN_NONE,
+        pin_until: float = 0.0,
+        busy: int = 0,
+    ) -> None:
+        self.key = key
+        self.size = size
+        self.checksum = checksum
+        self.replicas = replicas
+        self.replicas_wanted = replicas_wanted
+        self.last_access = last_access
+        self.hits = hits
+        self.hits_since_move = hits_since_move
+        # monotonic; readers hold grants until then (0: all given back)
+        self.lease_until = lease_until
+        self.readers = readers  # leases outstanding (see leases.ReadLeases): leased while > 0
+        self.pin = pin
+        self.pin_until = pin_until
+        self.busy = busy  # id of the move/copy task in flight, 0 when none
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        """The object's replicas, first the one readers try first."""
+        reps = self._reps
+        if not reps:
+            return ()
+        if type(reps[0]) is str:
+            return (_as_replica(reps),)
+        return tuple(map(_as_replica, reps))
+
+    @replicas.setter
+    def replicas(self, replicas: Iterable[Replica]) -> None:
+        reps = tuple(tuple(r) for r in replicas)
+        self._reps = reps[0] if len(reps) == 1 else reps
+
+    @property
+    def num_replicas(self) -> int:
+        """``len(self.replicas)``, without building them."""
+        reps = self._reps
+        return 1 if reps and type(reps[0]) is str else len(reps)
+
+    def add_replica(self, replica: Replica) -> None:
+        """Append ``replica`` (a copy made by re-replication or admitted from a manifest)."""
+        self.replicas = (*self.replicas, replica)
+
+    def remove_replica(self, replica: Replica) -> None:
+        """Drop ``replica``.
+
+        Raises:
+            ValueError: the object has no such replica.
+        """
+        reps = list(self.replicas)
+        reps.remove(replica)
+        self.replicas = reps
+
+    def swap_replica(self, old: Replica, new: Replica) -> bool:
+        """Put ``new`` where ``old`` is (a move or a drain finished). Returns False, changing
+        nothing, when the object has no replica ``old``."""
+        reps = list(self.replicas)
+        if old not in reps:
+            return False
+        reps[reps.index(old)] = new
+        self.replicas = reps
+        return True
+
+    def held_by(self, node_id: str) -> bool:
+        """Whether a replica lives on ``node_id`` (no ``Replica`` is built)."""
+        reps = self._reps
+        if reps and type(reps[0]) is str:
+            return reps[0] == node_id
+        return any(r[0] == node_id for r in reps)
+
+    def __repr__(self) -> str:
+        return (
+            f"ObjectMeta(key={self.key[:64]!r}, size={self.size}, checksum={self.checksum}, "
+            f"replicas={list(self.replicas)!r}, replicas_wanted={self.replicas_wanted}, "
+            f"readers={self.readers}, pin={self.pin}, busy={self.busy})"
+        )
 
 
 @dataclass(slots=True)
@@ -439,9 +554,7 @@ class MasterService:
         ]:
             self._settle(task.task_id, ok=False)
         self.tasks.outbox.pop(node_id, None)
-        for key in [
-            k for k, o in self.objects.items() if any(r.node_id == node_id for r in o.replicas)
-        ]:
+        for key in [k for k, o in self.objects.items() if o.held_by(node_id)]:
             obj = self.objects[key]
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
@@ -661,13 +774,13 @@ class MasterService:
         Args:
             kind: the KV event its blocks leave the prefix index with, if it goes.
         """
-        obj.replicas.remove(replica)
-        if not obj.replicas:
+        obj.remove_replica(replica)
+        if not obj.num_replicas:
             del self.objects[obj.key]
             self.prefix.forget(obj.key, kind)
-        elif len(obj.replicas) < obj.replicas_wanted:
+        elif obj.num_replicas < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
-            obj.replicas_wanted = len(obj.replicas)
+            obj.replicas_wanted = obj.num_replicas
         self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
 
     def node_transports(self) -> dict[str, dict[str, object]]:
@@ -698,11 +811,12 @@ class MasterService:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
                 continue
             self.num_hits += 1
-            if obj.replicas:
-                self.hits_by_tier[obj.replicas[0].tier] += 1
+            replicas = obj.replicas
+            if replicas:
+                self.hits_by_tier[replicas[0].tier] += 1
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
-            locs = [self._location(r, key, grants.OP_READ, expires) for r in obj.replicas]
+            locs = [self._location(r, key, grants.OP_READ, expires) for r in replicas]
             results.append(ObjectInfo(obj.size, obj.checksum, locs, first_token + i))
         return results
 

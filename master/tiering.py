@@ -409,8 +409,7 @@ class TierManager:
         same = obj is not None and obj.busy == task.task_id
         if same:
             obj.busy = 0
-        if ok and same and task.src in obj.replicas:
-            obj.replicas[obj.replicas.index(task.src)] = task.dst
+        if ok and same and obj.swap_replica(task.src, task.dst):
             self.svc.attach(obj.key, task.dst)
             self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now), lease_of=obj)
             self.svc.prefix.moved(obj.key, task.src.tier, task.dst.tier)
