@@ -30,7 +30,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -69,6 +69,7 @@ from kvstore.master.leases import (
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TIER_NVME, TIER_RANK, Candidates, TierConfig, TierManager
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
@@ -80,6 +81,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIER_DRAM = "dram"
+#: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
+#: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
+MAX_COOL_PER_TICK = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,151 +160,6 @@ class Node:
         return sum(s.allocator.free_bytes for s in self.segments.values())
 
 
-class Replica(NamedTuple):
-    """One copy of an object: where it lives and which version of it the node holds.
-
-    A named tuple, not a dataclass: the object table keeps each replica as a plain tuple of
-    these fields (see :class:`ObjectMeta`), and turning one back into a ``Replica`` is one
-    ``tuple.__new__``.
-    """
-
-    node_id: str
-    segment: str
-    offset: int
-    size: int
-    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
-    tier: str = TIER_DRAM
-    # The stamp the node's write claim on these bytes carries, when not ``stamp``: a move or
-    # copy keeps the object's version stamp but claims its new bytes as a new allocation.
-    claim: int = 0
-
-
-#: A replica as the table stores it: the fields of a :class:`Replica`, in order.
-ReplicaFields = tuple[str, str, int, int, int, str, int]
-_as_replica = Replica._make
-
-
-class ObjectMeta:
-    """One committed object of the table.
-
-    Why replicas are stored as plain tuples, not ``Replica`` records in a list: the master
-    holds millions of objects, and CPython's cyclic collector walks every container it tracks
-    on each full collection (seconds at a million objects, long enough to miss heartbeats). A
-    tuple that holds only strings and ints is untracked by the collector after its first
-    young collection, and a list and a record per object cost ~180 bytes more than one tuple.
-    So each object is one tracked record: ``_reps`` holds the fields of its only replica (the
-    common case), or a tuple of such field tuples when it has none or several. ``replicas``
-    builds ``Replica`` values on demand and is a tuple: change them with ``replicas = ...``,
-    :meth:`add_replica`, :meth:`remove_replica` or :meth:`swap_replica`, never in place.
-    """
-
-    __slots__ = (
-        "key",
-        "size",
-        "checksum",
-        "_reps",
-        "replicas_wanted",
-        "last_access",
-        "hits",
-        "hits_since_move",
-        "lease_until",
-        "readers",
-        "pin",
-        "pin_until",
-        "busy",
-    )
-
-    def __init__(
-        self,
-        key: bytes,
-        size: int,
-        checksum: int,
-        replicas: Iterable[Replica],
-        replicas_wanted: int = 1,
-        last_access: float = 0.0,
-        hits: int = 0,
-        hits_since_move: int = 0,
-        lease_until: float = 0.0,
-        readers: int = 0,
-        pin: int = PIN_NONE,
-        pin_until: float = 0.0,
-        busy: int = 0,
-    ) -> None:
-        self.key = key
-        self.size = size
-        self.checksum = checksum
-        self.replicas = replicas
-        self.replicas_wanted = replicas_wanted
-        self.last_access = last_access
-        self.hits = hits
-        self.hits_since_move = hits_since_move
-        # monotonic; readers hold grants until then (0: all given back)
-        self.lease_until = lease_until
-        self.readers = readers  # leases outstanding (see leases.ReadLeases): leased while > 0
-        self.pin = pin
-        self.pin_until = pin_until
-        self.busy = busy  # id of the move/copy task in flight, 0 when none
-
-    @property
-    def replicas(self) -> tuple[Replica, ...]:
-        """The object's replicas, first the one readers try first."""
-        reps = self._reps
-        if not reps:
-            return ()
-        if type(reps[0]) is str:
-            return (_as_replica(reps),)
-        return tuple(map(_as_replica, reps))
-
-    @replicas.setter
-    def replicas(self, replicas: Iterable[Replica]) -> None:
-        reps = tuple(tuple(r) for r in replicas)
-        self._reps = reps[0] if len(reps) == 1 else reps
-
-    @property
-    def num_replicas(self) -> int:
-        """``len(self.replicas)``, without building them."""
-        reps = self._reps
-        return 1 if reps and type(reps[0]) is str else len(reps)
-
-    def add_replica(self, replica: Replica) -> None:
-        """Append ``replica`` (a copy made by re-replication or admitted from a manifest)."""
-        self.replicas = (*self.replicas, replica)
-
-    def remove_replica(self, replica: Replica) -> None:
-        """Drop ``replica``.
-
-        Raises:
-            ValueError: the object has no such replica.
-        """
-        reps = list(self.replicas)
-        reps.remove(replica)
-        self.replicas = reps
-
-    def swap_replica(self, old: Replica, new: Replica) -> bool:
-        """Put ``new`` where ``old`` is (a move or a drain finished). Returns False, changing
-        nothing, when the object has no replica ``old``."""
-        reps = list(self.replicas)
-        if old not in reps:
-            return False
-        reps[reps.index(old)] = new
-        self.replicas = reps
-        return True
-
-    def held_by(self, node_id: str) -> bool:
-        """Whether a replica lives on ``node_id`` (no ``Replica`` is built)."""
-        reps = self._reps
-        if reps and type(reps[0]) is str:
-            return reps[0] == node_id
-        return any(r[0] == node_id for r in reps)
-
-    def __repr__(self) -> str:
-        return (
-            f"ObjectMeta(key={self.key[:64]!r}, size={self.size}, checksum={self.checksum}, "
-            f"replicas={list(self.replicas)!r}, replicas_wanted={self.replicas_wanted}, "
-            f"readers={self.readers}, pin={self.pin}, busy={self.busy})"
-        )
-
-
 @dataclass(slots=True)
 class PendingPut:
     put_id: int
@@ -333,7 +192,8 @@ class MasterService:
         self.nodes: dict[str, Node] = {}
         #: node id -> SHA-256 of the identity key it proved (see check_node_identity).
         self.identities: dict[str, bytes] = {}
-        self.objects: dict[bytes, ObjectMeta] = {}
+        #: Committed objects by key (see table.py: most of them are plain tuples inside).
+        self.objects = ObjectTable()
         self.pending: dict[int, PendingPut] = {}
         self.pending_by_key: dict[bytes, int] = {}
         self._put_ids = itertools.count(1)
@@ -554,7 +414,7 @@ class MasterService:
         ]:
             self._settle(task.task_id, ok=False)
         self.tasks.outbox.pop(node_id, None)
-        for key in [k for k, o in self.objects.items() if o.held_by(node_id)]:
+        for key in self.objects.keys_on(node_id):
             obj = self.objects[key]
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
@@ -676,16 +536,11 @@ class MasterService:
                 self._free_replicas(
                     old.replicas, hold_until=self.hold_until(old, now), lease_of=old
                 )
-            self.objects[put.key] = ObjectMeta(
-                put.key,
-                put.size,
-                checksum,
-                put.replicas,
-                replicas_wanted=put.replicas_wanted,
-                last_access=now,
-            )
-            if old is not None:  # a pin belongs to the key: it holds the new version too
-                self.objects[put.key].pin, self.objects[put.key].pin_until = old.pin, old.pin_until
+            self.objects.commit(put.key, put.size, checksum, put.replicas, put.replicas_wanted, now)
+            if old is not None and old.pin != PIN_NONE:
+                # A pin belongs to the key: it holds the new version too.
+                new = self.objects[put.key]
+                new.pin, new.pin_until = old.pin, old.pin_until
             for r in put.replicas:
                 self.attach(put.key, r)
             results.append(None)
@@ -985,6 +840,7 @@ class MasterService:
             self._settle(task.task_id, ok=False)
         self.tiering.tick(now)
         self.replication.tick(now)
+        self.objects.cool(now, MAX_COOL_PER_TICK)
 
     def tasks_done(self, node_id: str, done: Sequence[object]) -> None:
         """A node reports tasks it ran: ``[task_id, code, message]`` each."""
@@ -1110,14 +966,16 @@ class MasterService:
             "held_bytes": self.deferred.held_bytes(),
             "leases": self.leases.stats(),
             "num_pinned": sum(
-                1 for o in self.objects.values() if o.pin != PIN_NONE and o.pin_until > self.clock()
+                1
+                for o in self.objects.hot_values()
+                if o.pin != PIN_NONE and o.pin_until > self.clock()
             ),
             "num_nodes": len(self.nodes),
             "num_objects": len(self.objects),
             "num_pending": len(self.pending),
             "capacity_bytes": capacity,
             "used_bytes": used,
-            "object_bytes": sum(o.size for o in self.objects.values()),
+            "object_bytes": self.objects.total_bytes(),
             "num_reclaimed": self.num_reclaimed,
             "num_dead_nodes": self.num_dead_nodes,
             "num_corrupt_replicas": self.num_corrupt_replicas,
