@@ -6,9 +6,13 @@ Drives an in-process ``MasterService`` (fake clock, two registered nodes whose D
 hold every object) with ``put_start`` / ``put_end`` batches of 16-byte objects, as a client's
 ``batch_put`` would, and prints one table: bytes per committed object (``tracemalloc`` and RSS
 growth, each divided by the number of objects), the total put time, the worst batch, and how
-long one full ``gc.collect()`` over the final table takes. Run it once with the cyclic
-collector on (the default) and once with ``--gc-off`` to tell collection pauses apart from the
-master's own work. ``--tracemalloc`` traces allocations (slower; RSS is measured either way).
+long one full ``gc.collect()`` over the final table takes, and the collector's own pauses
+while the table grew (``gc.callbacks``: their total and the longest; these are CPU-bound and
+less disturbed by a busy machine than the batch times). Run it once with the cyclic collector
+on (the default) and once with ``--gc-off`` to tell collection pauses apart from the master's
+own work. ``--freeze`` freezes what is alive before the first put (``gc.freeze()``, as the
+master daemon does after start-up). ``--tracemalloc`` traces allocations (slower; RSS is
+measured either way).
 """
 
 from __future__ import annotations
@@ -35,13 +39,33 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(num_objects: int, batch: int, trace: bool) -> dict[str, float]:
+class GcPauses:
+    """The cyclic collector's pauses, timed through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self.longest_s = 0.0
+        self.num_full = 0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        took = time.perf_counter() - self._t0
+        self.total_s += took
+        self.longest_s = max(self.longest_s, took)
+        self.num_full += info.get("generation") == 2
+
+
+def run(num_objects: int, batch: int, trace: bool, freeze: bool = False) -> dict[str, float]:
     """Put ``num_objects`` objects in batches of ``batch``; return the figures.
 
     Args:
         num_objects: objects to commit.
         batch: keys per ``put_start`` / ``put_end`` call.
         trace: measure with ``tracemalloc`` as well as RSS.
+        freeze: ``gc.freeze()`` what is alive before the first put.
 
     Returns:
         The figures of the table this prints.
@@ -61,6 +85,10 @@ def run(num_objects: int, batch: int, trace: bool) -> dict[str, float]:
         )
     keys = [b"bench/obj/%012d" % i for i in range(num_objects)]
     gc.collect()
+    if freeze:
+        gc.freeze()
+    pauses = GcPauses()
+    gc.callbacks.append(pauses)
     rss0 = _rss_bytes()
     if trace:
         tracemalloc.start()
@@ -77,6 +105,7 @@ def run(num_objects: int, batch: int, trace: bool) -> dict[str, float]:
         assert not any(errors), errors[:3]
         now[0] += 0.001
     total = time.perf_counter() - t0
+    gc.callbacks.remove(pauses)
     traced = (tracemalloc.get_traced_memory()[0] - traced0) if trace else 0
     if trace:
         tracemalloc.stop()
@@ -93,6 +122,9 @@ def run(num_objects: int, batch: int, trace: bool) -> dict[str, float]:
         "worst_ms": worst * 1000,
         "full_gc_ms": full_gc * 1000,
         "tracked": len(gc.get_objects()),
+        "gc_total_s": pauses.total_s,
+        "gc_longest_ms": pauses.longest_s * 1000,
+        "gc_full": pauses.num_full,
     }
 
 
@@ -103,19 +135,23 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1000, help="keys per put_start/put_end")
     ap.add_argument("--gc-off", action="store_true", help="disable the cyclic collector")
     ap.add_argument("--tracemalloc", action="store_true", help="also trace allocations")
+    ap.add_argument("--freeze", action="store_true", help="gc.freeze() before the first put")
     args = ap.parse_args()
     if args.gc_off:
         gc.disable()
-    r = run(args.objects, args.batch, args.tracemalloc)
+    r = run(args.objects, args.batch, args.tracemalloc, args.freeze)
     traced = f"{r['traced_b']:.0f}" if args.tracemalloc else "-"
     print(
         "| objects | gc | bytes/object (tracemalloc) | bytes/object (RSS) | put time s "
-        "| worst batch ms | full gc.collect ms | gc-tracked objects |"
+        "| worst batch ms | gc pauses s (full ones) | longest gc pause ms "
+        "| full gc.collect ms | gc-tracked objects |"
     )
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    gc_mode = "off" if args.gc_off else "on, frozen" if args.freeze else "on"
     print(
-        f"| {r['objects']:,} | {'off' if args.gc_off else 'on'} | {traced} | {r['rss_b']:.0f} "
-        f"| {r['put_s']:.1f} | {r['worst_ms']:.0f} | {r['full_gc_ms']:.0f} | {r['tracked']:,} |"
+        f"| {r['objects']:,} | {gc_mode} | {traced} | {r['rss_b']:.0f} "
+        f"| {r['put_s']:.1f} | {r['worst_ms']:.0f} | {r['gc_total_s']:.2f} ({r['gc_full']:.0f}) "
+        f"| {r['gc_longest_ms']:.0f} | {r['full_gc_ms']:.0f} | {r['tracked']:,} |"
     )
 
 
