@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 
@@ -129,3 +131,37 @@ def test_mapping_verbs() -> None:
         table.pop(b"a")
     del table[b"b"]
     assert len(table) == 0 and table.num_hot == 0
+
+
+FREEZE_CHECK = """
+import gc, sys, weakref
+from kvstore.master.daemon import YOUNG_GC_THRESHOLD, tune_collector
+
+class Cycle:
+    pass
+
+dead = Cycle()
+dead.me = dead
+dead_ref = weakref.ref(dead)
+del dead  # garbage before the freeze: collected, not frozen
+frozen = tune_collector()
+assert gc.get_threshold()[0] == YOUNG_GC_THRESHOLD
+assert dead_ref() is None, "garbage alive at start-up was frozen"
+assert frozen > 1000, frozen
+later = Cycle()
+later.me = later
+later_ref = weakref.ref(later)
+del later  # garbage made after the freeze: the collector still finds it
+gc.collect()
+assert later_ref() is None, "a cycle made after the freeze was not collected"
+assert gc.get_freeze_count() == frozen, "the freeze took in nothing after start-up"
+print("ok")
+"""
+
+
+def test_freezing_start_up_objects_leaks_no_garbage() -> None:
+    # A process of its own: freezing the test process would keep its garbage forever.
+    out = subprocess.run(
+        [sys.executable, "-c", FREEZE_CHECK], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
