@@ -53,7 +53,7 @@ from kvstore.errors import (
     StaleEpochError,
 )
 from kvstore.etcd import EtcdStore, KeyValue, self_cancelled
-from kvstore.master.daemon import Master, install_stop_signals
+from kvstore.master.daemon import Master, install_stop_signals, tune_collector
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 
@@ -476,6 +476,7 @@ async def serve_master_ha(
     master.control.fence = fence
     master.admin_fence = fence
     endpoints = await master.start()
+    log.debug("froze %d start-up objects", tune_collector())
     advertise = ha.advertise_host or host
     control = f"{advertise}:{master.control.port}"
     admin = f"http://{advertise}:{master.admin_port}"

@@ -294,11 +294,12 @@ class _ServiceCollector(Collector):
         if "num_leases" not in stats:
             # Objects under a read lease (``lease_until`` in the future), where objects carry one.
             now = svc.clock()
+            # Only hot objects can be leased (master/table.py): no walk over the whole table.
+            objects = svc.objects
+            held = objects.hot_values() if hasattr(objects, "hot_values") else objects.values()
             stats = {
                 **stats,
-                "num_leases": sum(
-                    1 for o in list(svc.objects.values()) if getattr(o, "lease_until", 0.0) > now
-                ),
+                "num_leases": sum(1 for o in list(held) if getattr(o, "lease_until", 0.0) > now),
             }
         for name, kind, doc, paths in _STATS_FIGURES:
             make = _gauge if kind == "gauge" else _counter

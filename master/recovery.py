@@ -128,7 +128,7 @@ def admit_manifest(
             why = "the key was committed by this master since: the live table wins"
         elif cur is not None and cur.size == claim.size and cur.checksum == claim.checksum:
             if _reserve(node, claim):
-                cur.replicas.append(replica)
+                cur.add_replica(replica)
                 svc.attach(claim.key, replica)
                 report.num_replicas += 1
                 continue

@@ -205,15 +205,14 @@ class Replicator:
             obj.busy = 0
         holders = {r.node_id for r in obj.replicas} if obj is not None else set()
         if ok and same and task.dst.node_id not in holders:
-            if task.purpose == PURPOSE_DRAIN and task.src in obj.replicas:
-                obj.replicas[obj.replicas.index(task.src)] = task.dst
+            if task.purpose == PURPOSE_DRAIN and obj.swap_replica(task.src, task.dst):
                 svc.attach(obj.key, task.dst)
                 svc.release(task.src, hold_until=svc.hold_until(obj, now), lease_of=obj)
                 self.num_drained += 1
             else:
-                obj.replicas.append(task.dst)
+                obj.add_replica(task.dst)
                 svc.attach(obj.key, task.dst)
-                if len(obj.replicas) >= obj.replicas_wanted:
+                if obj.num_replicas >= obj.replicas_wanted:
                     self.under.discard(obj.key)
             self.num_copies_done += 1
             return

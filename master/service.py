@@ -69,6 +69,7 @@ from kvstore.master.leases import (
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.replication import Replicator
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TIER_NVME, TIER_RANK, Candidates, TierConfig, TierManager
 from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
@@ -80,6 +81,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TIER_DRAM = "dram"
+#: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
+#: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
+MAX_COOL_PER_TICK = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,36 +160,6 @@ class Node:
         return sum(s.allocator.free_bytes for s in self.segments.values())
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
-    node_id: str
-    segment: str
-    offset: int
-    size: int
-    stamp: int = 0  # the write grant's expiry (wall ms): which version the node holds there
-    tier: str = TIER_DRAM
-    # The stamp the node's write claim on these bytes carries, when not ``stamp``: a move or
-    # copy keeps the object's version stamp but claims its new bytes as a new allocation.
-    claim: int = 0
-
-
-@dataclass(slots=True)
-class ObjectMeta:
-    key: bytes
-    size: int
-    checksum: int
-    replicas: list[Replica]
-    replicas_wanted: int = 1
-    last_access: float = 0.0
-    hits: int = 0
-    hits_since_move: int = 0
-    lease_until: float = 0.0  # monotonic; readers hold grants until then (0: all given back)
-    readers: int = 0  # leases outstanding (see leases.ReadLeases): leased while > 0
-    pin: int = PIN_NONE
-    pin_until: float = 0.0
-    busy: int = 0  # id of the move/copy task in flight, 0 when none
-
-
 @dataclass(slots=True)
 class PendingPut:
     put_id: int
@@ -218,7 +192,8 @@ class MasterService:
         self.nodes: dict[str, Node] = {}
         #: node id -> SHA-256 of the identity key it proved (see check_node_identity).
         self.identities: dict[str, bytes] = {}
-        self.objects: dict[bytes, ObjectMeta] = {}
+        #: Committed objects by key (see table.py: most of them are plain tuples inside).
+        self.objects = ObjectTable()
         self.pending: dict[int, PendingPut] = {}
         self.pending_by_key: dict[bytes, int] = {}
         self._put_ids = itertools.count(1)
@@ -439,9 +414,7 @@ class MasterService:
         ]:
             self._settle(task.task_id, ok=False)
         self.tasks.outbox.pop(node_id, None)
-        for key in [
-            k for k, o in self.objects.items() if any(r.node_id == node_id for r in o.replicas)
-        ]:
+        for key in self.objects.keys_on(node_id):
             obj = self.objects[key]
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
@@ -563,16 +536,11 @@ class MasterService:
                 self._free_replicas(
                     old.replicas, hold_until=self.hold_until(old, now), lease_of=old
                 )
-            self.objects[put.key] = ObjectMeta(
-                put.key,
-                put.size,
-                checksum,
-                put.replicas,
-                replicas_wanted=put.replicas_wanted,
-                last_access=now,
-            )
-            if old is not None:  # a pin belongs to the key: it holds the new version too
-                self.objects[put.key].pin, self.objects[put.key].pin_until = old.pin, old.pin_until
+            self.objects.commit(put.key, put.size, checksum, put.replicas, put.replicas_wanted, now)
+            if old is not None and old.pin != PIN_NONE:
+                # A pin belongs to the key: it holds the new version too.
+                new = self.objects[put.key]
+                new.pin, new.pin_until = old.pin, old.pin_until
             for r in put.replicas:
                 self.attach(put.key, r)
             results.append(None)
@@ -661,13 +629,13 @@ class MasterService:
         Args:
             kind: the KV event its blocks leave the prefix index with, if it goes.
         """
-        obj.replicas.remove(replica)
-        if not obj.replicas:
+        obj.remove_replica(replica)
+        if not obj.num_replicas:
             del self.objects[obj.key]
             self.prefix.forget(obj.key, kind)
-        elif len(obj.replicas) < obj.replicas_wanted:
+        elif obj.num_replicas < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
-            obj.replicas_wanted = len(obj.replicas)
+            obj.replicas_wanted = obj.num_replicas
         self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
 
     def node_transports(self) -> dict[str, dict[str, object]]:
@@ -698,11 +666,12 @@ class MasterService:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
                 continue
             self.num_hits += 1
-            if obj.replicas:
-                self.hits_by_tier[obj.replicas[0].tier] += 1
+            replicas = obj.replicas
+            if replicas:
+                self.hits_by_tier[replicas[0].tier] += 1
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
-            locs = [self._location(r, key, grants.OP_READ, expires) for r in obj.replicas]
+            locs = [self._location(r, key, grants.OP_READ, expires) for r in replicas]
             results.append(ObjectInfo(obj.size, obj.checksum, locs, first_token + i))
         return results
 
@@ -871,6 +840,7 @@ class MasterService:
             self._settle(task.task_id, ok=False)
         self.tiering.tick(now)
         self.replication.tick(now)
+        self.objects.cool(now, MAX_COOL_PER_TICK)
 
     def tasks_done(self, node_id: str, done: Sequence[object]) -> None:
         """A node reports tasks it ran: ``[task_id, code, message]`` each."""
@@ -996,14 +966,16 @@ class MasterService:
             "held_bytes": self.deferred.held_bytes(),
             "leases": self.leases.stats(),
             "num_pinned": sum(
-                1 for o in self.objects.values() if o.pin != PIN_NONE and o.pin_until > self.clock()
+                1
+                for o in self.objects.hot_values()
+                if o.pin != PIN_NONE and o.pin_until > self.clock()
             ),
             "num_nodes": len(self.nodes),
             "num_objects": len(self.objects),
             "num_pending": len(self.pending),
             "capacity_bytes": capacity,
             "used_bytes": used,
-            "object_bytes": sum(o.size for o in self.objects.values()),
+            "object_bytes": self.objects.total_bytes(),
             "num_reclaimed": self.num_reclaimed,
             "num_dead_nodes": self.num_dead_nodes,
             "num_corrupt_replicas": self.num_corrupt_replicas,

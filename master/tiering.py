@@ -150,8 +150,10 @@ class TierManager:
         plain: list[ObjectMeta] = []
         soft: list[ObjectMeta] = []
         offset_of: dict[int, int] = {}
+        objects = self.svc.objects
         for off, key in seg.holding.items():
-            obj = self.svc.objects.get(key)
+            # Looked at, not taken: ranking a segment makes no ObjectMeta of its cold objects.
+            obj = objects.peek(key)
             if obj is None or obj.busy or obj.lease_until > now:
                 continue
             pin = self.pin_of(obj, now)
@@ -163,8 +165,9 @@ class TierManager:
         if len(ranked) < limit:
             ranked += self.policy.rank(soft, limit - len(ranked))
         out: list[tuple[ObjectMeta, Replica]] = []
-        for obj in ranked:
-            off = offset_of[id(obj)]
+        for seen in ranked:
+            off = offset_of[id(seen)]
+            obj = objects[seen.key]  # the table's own record of a victim
             for r in obj.replicas:
                 if r.node_id == node.node_id and r.segment == seg.name and r.offset == off:
                     out.append((obj, r))
@@ -271,7 +274,7 @@ class TierManager:
         for n in nodes:
             for seg in n.segments.values():
                 for key in seg.holding.values():
-                    obj = self.svc.objects.get(key)
+                    obj = self.svc.objects.peek(key)
                     if obj is None:
                         continue
                     if obj.busy:
@@ -409,8 +412,7 @@ class TierManager:
         same = obj is not None and obj.busy == task.task_id
         if same:
             obj.busy = 0
-        if ok and same and task.src in obj.replicas:
-            obj.replicas[obj.replicas.index(task.src)] = task.dst
+        if ok and same and obj.swap_replica(task.src, task.dst):
             self.svc.attach(obj.key, task.dst)
             self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now), lease_of=obj)
             self.svc.prefix.moved(obj.key, task.src.tier, task.dst.tier)
