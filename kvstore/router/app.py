@@ -63,6 +63,7 @@ from .policy import (
     DEFAULT_POLICY,
     POLICIES,
     Choice,
+    EngineView,
     RequestShape,
     choose,
     estimate_ttft,
@@ -508,24 +509,17 @@ class RouterState:
             The choice.
         """
         local = local or {}
+        decode: list[EngineView] | None = None
         if self.config.disaggregated:
             prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill")]
             decode = [e.view() for e in self.role_engines("decode")]
-            return choose(
-                shape,
-                slo,
-                prefill,
-                decode,
-                high=self.config.high_watermark,
-                early_rejection=self.config.early_rejection,
-                policy=self.policy,
-            )
-        views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
+        else:
+            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
             shape,
             slo,
-            views,
-            None,
+            prefill,
+            decode,
             high=self.config.high_watermark,
             early_rejection=self.config.early_rejection,
             policy=self.policy,
