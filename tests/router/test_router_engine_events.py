@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 from kvstore.client.adapters.vllm_server import free_port
 from kvstore.processes import terminate
 from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
+from tests.router.rig import metric, post, start_router
 from tests.support import Cluster, start_master, wait_until
 
 pytestmark = [
@@ -38,24 +37,6 @@ SYSTEM = (
     "October; tickets cost eight euros and children under six go free. The keeper's house is "
     "now a small museum about shipwrecks along this coast. "
 )
-
-
-def _metric(router: str, name: str, *labels: str) -> float:
-    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and all(label in line for label in labels)
-    )
-
-
-def _post(url: str, body: Any) -> tuple[Any, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return resp.headers, json.loads(resp.read())
 
 
 class Rig:
@@ -89,8 +70,7 @@ class Rig:
             )
         for server in self.servers:
             server.wait_ready()
-        args = [sys.executable, "-m", "kvstore", "router", "--port", "0"]
-        args += ["--master", self.cluster.address]
+        args: list[str] = []
         for server, port in zip(self.servers, self.ports, strict=True):
             args += [
                 "--engine",
@@ -98,11 +78,7 @@ class Rig:
                 "--engine-events",
                 f"{server.url}=tcp://127.0.0.1:{port}",
             ]
-        self.router_proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        assert self.router_proc.stdout is not None
-        line = self.router_proc.stdout.readline()
-        assert "ready" in line, f"the router did not start: {line!r}"
-        self.router = line.split("url=")[1].split()[0]
+        self.router_proc, self.router = start_router(self.cluster.address, *args)
 
     def close(self) -> None:
         if self.router_proc is not None:
@@ -127,7 +103,11 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
 
     def ask(question: str) -> tuple[Any, dict[str, Any]]:
         body = {"model": "smollm2", "temperature": 0, "max_tokens": 4}
-        return _post(rig.router + "/v1/chat/completions", {**body, "messages": messages(question)})
+        status, headers, answer = post(
+            rig.router + "/v1/chat/completions", {**body, "messages": messages(question)}
+        )
+        assert status == 200, answer
+        return headers, answer
 
     def tokens(question: str) -> list[int]:
         return rig.servers[0].post(
@@ -145,9 +125,9 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
     # the holder shows it idle again (a running request would weigh on its prediction).
     wait_until(
         lambda: (
-            _metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
+            metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
             >= len(tok_a) // BS
-            and _metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
+            and metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
         ),
         timeout=60,
         interval=0.1,
@@ -159,6 +139,6 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
     assert local == common // BS * BS
     # What vLLM itself took from its cache for B: the same whole blocks.
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == local
-    assert _metric(rig.router, "kvstore_router_local_cached_tokens_total", f'"{holder}"') == local
-    stored = _metric(rig.router, "kvstore_router_engine_events_total", 'kind="stored"')
+    assert metric(rig.router, "kvstore_router_local_cached_tokens_total", f'"{holder}"') == local
+    stored = metric(rig.router, "kvstore_router_engine_events_total", 'kind="stored"')
     assert stored >= 2
