@@ -1,4 +1,5 @@
-"""What the router's engine tests share: a router process, its metrics, JSON posts."""
+"""What the router's engine tests share: a pool with vLLM servers and routers, the routers'
+metrics, JSON posts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
+from types import TracebackType
 from typing import Any
+
+from kvstore.processes import terminate
+from tests.adapters.vllm_servers import VLLMServer, kv_config
+from tests.support import Cluster, start_master
 
 
 def start_router(master: str, *args: str) -> tuple[subprocess.Popen, str]:
@@ -54,3 +61,53 @@ def metric(router: str, name: str, *labels: str) -> float:
         for line in text.splitlines()
         if line.startswith(name) and all(label in line for label in labels)
     )
+
+
+class PoolRig:
+    """A pool (a master and one 1 GiB node), the vLLM servers a test module adds on it and the
+    routers it starts in front of them; closing it stops them all (a context manager).
+
+    Attributes:
+        tmp: the module's folder (logs, configs).
+        cluster: the pool.
+        kv: the kv_both connector config for a server on the pool.
+        servers: the vLLM servers, added by the subclass.
+        routers: the router processes :meth:`start_router` started.
+    """
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.cluster = Cluster(tmp, start_master())
+        self.cluster.add_node("1GiB")
+        self.kv = kv_config("kv_both", self.cluster.address)
+        self.servers: list[VLLMServer] = []
+        self.routers: list[subprocess.Popen] = []
+
+    def wait_ready(self) -> None:
+        """Wait for every server to answer."""
+        for server in self.servers:
+            server.wait_ready()
+
+    def start_router(self, *args: str) -> str:
+        """Start a router on the pool (see :func:`start_router`); returns its URL."""
+        proc, url = start_router(self.cluster.address, *args)
+        self.routers.append(proc)
+        return url
+
+    def close(self) -> None:
+        for proc in self.routers:
+            terminate(proc)
+        for server in self.servers:
+            server.stop()
+        self.cluster.stop()
+
+    def __enter__(self) -> PoolRig:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -11,7 +11,6 @@ virtualenv or the model.
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,9 @@ from typing import Any
 import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
-from kvstore.processes import terminate
-from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
-from tests.router.rig import metric, post, start_router
-from tests.support import Cluster, start_master, wait_until
+from tests.adapters.vllm_servers import VLLMServer, missing_engine
+from tests.router.rig import PoolRig, metric, post
+from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -39,15 +37,11 @@ SYSTEM = (
 )
 
 
-class Rig:
+class Rig(PoolRig):
     """A pool, two engines publishing KV events, a router subscribed to both."""
 
     def __init__(self, tmp: Path) -> None:
-        self.cluster = Cluster(tmp, start_master())
-        self.cluster.add_node("1GiB")
-        self.servers: list[VLLMServer] = []
-        self.router_proc: subprocess.Popen | None = None
-        kv = kv_config("kv_both", self.cluster.address)
+        super().__init__(tmp)
         self.ports = [free_port(), free_port()]
         for i, port in enumerate(self.ports):
             events = {
@@ -58,7 +52,7 @@ class Rig:
             self.servers.append(
                 VLLMServer(
                     tmp / f"e{i}.log",
-                    kv,
+                    self.kv,
                     cpu=i,
                     prefix_caching=True,
                     extra_args=[
@@ -68,8 +62,7 @@ class Rig:
                     ],
                 )
             )
-        for server in self.servers:
-            server.wait_ready()
+        self.wait_ready()
         args: list[str] = []
         for server, port in zip(self.servers, self.ports, strict=True):
             args += [
@@ -78,23 +71,13 @@ class Rig:
                 "--engine-events",
                 f"{server.url}=tcp://127.0.0.1:{port}",
             ]
-        self.router_proc, self.router = start_router(self.cluster.address, *args)
-
-    def close(self) -> None:
-        if self.router_proc is not None:
-            terminate(self.router_proc)
-        for server in self.servers:
-            server.stop()
-        self.cluster.stop()
+        self.router = self.start_router(*args)
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    r = Rig(Path(tmp_path_factory.mktemp("router_events")))
-    try:
+    with Rig(Path(tmp_path_factory.mktemp("router_events"))) as r:
         yield r
-    finally:
-        r.close()
 
 
 def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> None:

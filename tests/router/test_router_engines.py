@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,11 +24,10 @@ import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
 from kvstore.client.events import EventStream
-from kvstore.processes import terminate
 from kvstore.router.engines import EngineLoad
-from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
-from tests.router.rig import metric, post, start_router
-from tests.support import Cluster, start_master, wait_until
+from tests.adapters.vllm_servers import VLLMServer, missing_engine
+from tests.router.rig import PoolRig, metric, post
+from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -58,46 +56,29 @@ SLO_CONFIG = {
 }
 
 
-class Rig:
+class Rig(PoolRig):
     """The module's pool, two engines and routers in front of them."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.cluster = Cluster(tmp, start_master())
-        self.cluster.add_node("1GiB")
-        self.routers: list[subprocess.Popen] = []
-        self.servers: list[VLLMServer] = []
-        kv = kv_config("kv_both", self.cluster.address)
+        super().__init__(tmp)
         # Prefix caching off: every call computes (or loads) its prompt the same way.
         for name, cpu in (("p", 0), ("d", 1)):
-            self.servers.append(VLLMServer(tmp / f"{name}.log", kv, cpu=cpu, prefix_caching=False))
-        for server in self.servers:
-            server.wait_ready()
+            self.servers.append(
+                VLLMServer(tmp / f"{name}.log", self.kv, cpu=cpu, prefix_caching=False)
+            )
+        self.wait_ready()
         self.p, self.d = self.servers
         (tmp / "slo.json").write_text(json.dumps(SLO_CONFIG))
 
     def router(self, *engine_args: str) -> str:
         """Start a router; returns its URL (stopped with the rig)."""
-        slo = str(self.tmp / "slo.json")
-        proc, url = start_router(self.cluster.address, "--slo-config", slo, *engine_args)
-        self.routers.append(proc)
-        return url
-
-    def close(self) -> None:
-        for proc in self.routers:
-            terminate(proc)
-        for server in self.servers:
-            server.stop()
-        self.cluster.stop()
+        return self.start_router("--slo-config", str(self.tmp / "slo.json"), *engine_args)
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    r = Rig(Path(tmp_path_factory.mktemp("router")))
-    try:
+    with Rig(Path(tmp_path_factory.mktemp("router"))) as r:
         yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")
