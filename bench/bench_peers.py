@@ -330,6 +330,22 @@ def _short(name: str) -> str:
     return name.replace("kvstore", "kv")
 
 
+def _cells(
+    rows: dict[str, dict | None],
+    present: list[str],
+    ratios: list[tuple[str, str]],
+    key: str,
+    fmt: str,
+) -> list[str]:
+    """One table row's cells: ``rows[s][key]`` per system present (``-`` where missing), then
+    one ``a/b`` ratio per pair (``-`` where either is missing or ``b``'s is 0)."""
+    cells = [format(rows[s][key], fmt) if rows.get(s) else "-" for s in present]
+    for a, b in ratios:
+        ra, rb = rows.get(a), rows.get(b)
+        cells.append(f"{ra[key] / rb[key]:.2f}x" if ra and rb and rb[key] else "-")
+    return cells
+
+
 def table(results: dict[str, dict], hot: bool) -> str:
     """GB/s per system of the distinct-key rows (``hot=False``) or the hot-key rows."""
     present = [s for s in SYSTEMS if s in results]
@@ -341,13 +357,8 @@ def table(results: dict[str, dict], hot: bool) -> str:
     head += [f"{_short(a)}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
-        cells = [k[0], k[1]]
-        for s in present:
-            r = results[s].get(k)
-            cells.append(f"{r['gbps']:.3f}" if r else "-")
-        for a, b in ratios:
-            ra, rb = results[a].get(k), results[b].get(k)
-            cells.append(f"{ra['gbps'] / rb['gbps']:.2f}x" if ra and rb and rb["gbps"] else "-")
+        rows = {s: results[s].get(k) for s in results}
+        cells = [k[0], k[1], *_cells(rows, present, ratios, "gbps", ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     suffix = " [hot key]" if hot else ""
@@ -369,20 +380,13 @@ def metadata_table(results: dict[str, dict], memory: dict[str, dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for op in METADATA:
         rows = {s: results.get(s, {}).get((op, "1000x16B")) for s in present}
-        cells = [f"{op} 1000x16B (keys/s)"]
-        cells += [f"{rows[s]['keys_s']:,.0f}" if rows[s] else "-" for s in present]
-        for a, b in ratios:
-            ra, rb = rows.get(a), rows.get(b)
-            cells.append(f"{ra['keys_s'] / rb['keys_s']:.2f}x" if ra and rb else "-")
+        cells = [f"{op} 1000x16B (keys/s)", *_cells(rows, present, ratios, "keys_s", ",.0f")]
         lines.append("| " + " | ".join(cells) + " |")
     if memory:
         n = next(iter(memory.values()))["objects"]
         per = {s: memory.get("kvstore" if s.startswith("kvstore") else s) for s in present}
         cells = [f"master bytes/object at {n:,} objects"]
-        cells += [f"{per[s]['per_object']:.0f}" if per[s] else "-" for s in present]
-        for a, b in ratios:
-            pa, pb = per.get(a), per.get(b)
-            cells.append(f"{pa['per_object'] / pb['per_object']:.2f}x" if pa and pb else "-")
+        cells += _cells(per, present, ratios, "per_object", ".0f")
         lines.append("| " + " | ".join(cells) + " |")
         for s, m in memory.items():
             if m["present"] is not None and m["present"] != m["objects"]:

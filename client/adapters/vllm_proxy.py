@@ -70,7 +70,9 @@ def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _forward_headers(request: web.Request) -> dict[str, str]:
+def forward_headers(request: web.Request) -> dict[str, str]:
+    """The headers an engine gets: JSON, and the caller's ``Authorization`` (vLLM's
+    ``--api-key``) if any."""
     headers = {"Content-Type": "application/json"}
     if "Authorization" in request.headers:  # vLLM's --api-key
         headers["Authorization"] = request.headers["Authorization"]
@@ -86,7 +88,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(400, "the request body is not JSON", "BadRequestError")
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object", "BadRequestError")
-    headers = _forward_headers(request)
+    headers = forward_headers(request)
     path = request.path
     try:
         async with session.post(
@@ -129,7 +131,7 @@ async def _models(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     try:
         async with request.app[SESSION].get(
-            config.decode + "/v1/models", headers=_forward_headers(request)
+            config.decode + "/v1/models", headers=forward_headers(request)
         ) as resp:
             return web.Response(
                 body=await resp.read(), status=resp.status, content_type=resp.content_type
@@ -186,6 +188,16 @@ async def serve_proxy(config: ProxyConfig, host: str, port: int) -> None:
         f"kvstore proxy: ready url={url} prefill={config.prefill} decode={config.decode}",
         flush=True,
     )
+    await serve_until_signal(runner, "proxy")
+
+
+async def serve_until_signal(runner: web.AppRunner, name: str) -> None:
+    """Wait for SIGINT or SIGTERM, clean ``runner`` up and print ``kvstore <name>: stopped``.
+
+    Args:
+        runner: a started runner.
+        name: the daemon's name in the stopped line.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -194,4 +206,4 @@ async def serve_proxy(config: ProxyConfig, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-    print("kvstore proxy: stopped", file=sys.stderr, flush=True)
+    print(f"kvstore {name}: stopped", file=sys.stderr, flush=True)

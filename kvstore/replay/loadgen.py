@@ -305,17 +305,7 @@ def run_replay(
     load: LoadConfig,
     ideal_cached: Sequence[int] | None = None,
 ) -> list[RequestResult]:
-    """:func:`replay_async` on a fresh event loop.
-
-    Args:
-        requests: the scaled requests, in arrival order.
-        scale: the scaling (for the prompt contents).
-        load: targets, model, concurrency.
-        ideal_cached: per request, tokens the trace structure allows to reuse.
-
-    Returns:
-        One result per request, in the same order.
-    """
+    """:func:`replay_async` on a fresh event loop (same arguments, same results)."""
     return asyncio.run(replay_async(requests, scale, load, ideal_cached))
 
 

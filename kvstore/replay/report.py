@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvstore.master.scheduler.report import format_table
+from kvstore.master.scheduler.report import format_table, pyplot, save_figure
 from kvstore.master.scheduler.slo import SLOClass
 
 from .fit import CostFit, Prediction, queue_ahead, relative_error
@@ -162,15 +162,6 @@ def write_json(
     return path
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_latencies(results: Sequence[RequestResult], slo: SLOClass, path: Path) -> Path:
     """CDFs of TTFT and of inter-token latency, with the SLO targets.
 
@@ -182,7 +173,7 @@ def plot_latencies(results: Sequence[RequestResult], slo: SLOClass, path: Path) 
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     ok = [r for r in results if r.outcome == "ok"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, values, target, title in (
@@ -197,10 +188,7 @@ def plot_latencies(results: Sequence[RequestResult], slo: SLOClass, path: Path) 
         ax.set_ylabel("fraction of requests" if title == "TTFT" else "fraction of gaps")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_timeline(results: Sequence[RequestResult], path: Path) -> Path:
@@ -213,7 +201,7 @@ def plot_timeline(results: Sequence[RequestResult], path: Path) -> Path:
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, max(3, 0.25 * len(results))))
     for i, r in enumerate(results):
         color = {"ok": "tab:blue", "rejected": "tab:orange"}.get(r.outcome, "tab:red")
@@ -223,10 +211,7 @@ def plot_timeline(results: Sequence[RequestResult], path: Path) -> Path:
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("request")
     ax.set_title("requests: send to last byte (| first token)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path:
@@ -241,7 +226,7 @@ def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     ok = [r for r in results if r.outcome == "ok"]
     cost = fit.cost
     predicted = [
@@ -256,10 +241,7 @@ def plot_fit(results: Sequence[RequestResult], fit: CostFit, path: Path) -> Path
     ax.set_xlabel("fitted TTFT (ms)")
     ax.set_ylabel("measured TTFT (ms)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)
 
 
 def plot_engine_load(summary: ReplaySummary, path: Path) -> Path:
@@ -272,14 +254,11 @@ def plot_engine_load(summary: ReplaySummary, path: Path) -> Path:
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(summary.engine_load) or ["(unknown)"]
     counts = list(summary.engine_load.values()) or [summary.num_ok]
     ax.bar(range(len(names)), counts)
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_ylabel("requests served")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

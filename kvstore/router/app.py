@@ -28,8 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -42,7 +40,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
 from kvstore.client import Client
-from kvstore.client.adapters.vllm_proxy import prefill_request
+from kvstore.client.adapters.vllm_proxy import (
+    forward_headers,
+    prefill_request,
+    serve_until_signal,
+)
 from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
@@ -61,6 +63,7 @@ from .policy import (
     DEFAULT_POLICY,
     POLICIES,
     Choice,
+    EngineView,
     RequestShape,
     choose,
     estimate_ttft,
@@ -506,24 +509,17 @@ class RouterState:
             The choice.
         """
         local = local or {}
+        decode: list[EngineView] | None = None
         if self.config.disaggregated:
             prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill")]
             decode = [e.view() for e in self.role_engines("decode")]
-            return choose(
-                shape,
-                slo,
-                prefill,
-                decode,
-                high=self.config.high_watermark,
-                early_rejection=self.config.early_rejection,
-                policy=self.policy,
-            )
-        views = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
+        else:
+            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
             shape,
             slo,
-            views,
-            None,
+            prefill,
+            decode,
             high=self.config.high_watermark,
             early_rejection=self.config.early_rejection,
             policy=self.policy,
@@ -534,13 +530,6 @@ STATE = web.AppKey("state", RouterState)
 
 
 # ====================================================================== steps
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    if "Authorization" in request.headers:  # vLLM's --api-key
-        headers["Authorization"] = request.headers["Authorization"]
-    return headers
-
-
 def _engine_failed(state: RouterState, engine: Engine, step: str, why: str) -> None:
     log.warning("router: %s step on %s failed (%s); falling back", step, engine.url, why)
     engine.healthy = False  # until its next poll answers
@@ -615,7 +604,7 @@ async def _prefill_step(
             async with state.session.post(
                 engine.url + request.path,
                 json=prefill_request(body),
-                headers=_forward_headers(request),
+                headers=forward_headers(request),
             ) as resp:
                 answer = await resp.read()
                 status, content_type = resp.status, resp.content_type
@@ -692,7 +681,7 @@ async def _answer_step(
         async with _Slot(engine, priority, budget_s):
             try:
                 async with state.session.post(
-                    engine.url + request.path, json=body, headers=_forward_headers(request)
+                    engine.url + request.path, json=body, headers=forward_headers(request)
                 ) as resp:
                     if resp.status >= 500 or resp.status == 429:
                         failures.append(f"{engine.url}: HTTP {resp.status}")
@@ -987,12 +976,4 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
         f"healthy={healthy} master={config.master}",
         flush=True,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-    print("kvstore router: stopped", file=sys.stderr, flush=True)
+    await serve_until_signal(runner, "router")

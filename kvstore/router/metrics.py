@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -47,136 +49,133 @@ class RouterMetrics:
     def create() -> RouterMetrics:
         """A fresh registry with the router's metrics."""
         r = CollectorRegistry()
-        p = "kvstore_router_"
+
+        def metric(kind: Any, name: str, doc: str, labels: Sequence[str] = (), **kw: Any) -> Any:
+            return kind("kvstore_router_" + name, doc, labels, registry=r, **kw)
+
         return RouterMetrics(
             registry=r,
-            requests=Counter(
-                p + "requests",
+            requests=metric(
+                Counter,
+                "requests",
                 "Requests by route, outcome and SLO class",
                 ["route", "outcome", "slo_class"],
-                registry=r,
             ),
-            chosen=Counter(
-                p + "chosen", "Steps sent to each engine", ["role", "instance"], registry=r
-            ),
-            ttft_predicted=Histogram(
-                p + "ttft_predicted_seconds",
+            chosen=metric(Counter, "chosen", "Steps sent to each engine", ["role", "instance"]),
+            ttft_predicted=metric(
+                Histogram,
+                "ttft_predicted_seconds",
                 "Predicted TTFT of admitted requests",
                 ["instance"],
                 buckets=_TTFT_BUCKETS,
-                registry=r,
             ),
-            ttft_measured=Histogram(
-                p + "ttft_measured_seconds",
+            ttft_measured=metric(
+                Histogram,
+                "ttft_measured_seconds",
                 "Measured TTFT (first streamed chunk)",
                 ["instance"],
                 buckets=_TTFT_BUCKETS,
-                registry=r,
             ),
-            prefill_measured=Histogram(
-                p + "prefill_measured_seconds",
+            prefill_measured=metric(
+                Histogram,
+                "prefill_measured_seconds",
                 "Measured prefill step (P/D, max_tokens=1)",
                 ["instance"],
                 buckets=_TTFT_BUCKETS,
-                registry=r,
             ),
-            rejections=Counter(
-                p + "rejections", "Requests rejected early", ["slo_class", "reason"], registry=r
+            rejections=metric(
+                Counter, "rejections", "Requests rejected early", ["slo_class", "reason"]
             ),
-            fallbacks=Counter(
-                p + "fallbacks",
+            fallbacks=metric(
+                Counter,
+                "fallbacks",
                 "Steps retried elsewhere after an engine failed",
                 ["step", "instance"],
-                registry=r,
             ),
-            prompt_tokens=Counter(p + "prompt_tokens", "Prompt tokens routed", registry=r),
-            cached_tokens=Counter(
-                p + "cached_tokens", "Prompt tokens the prefix index reported cached", registry=r
+            prompt_tokens=metric(Counter, "prompt_tokens", "Prompt tokens routed"),
+            cached_tokens=metric(
+                Counter, "cached_tokens", "Prompt tokens the prefix index reported cached"
             ),
-            lookup_errors=Counter(
-                p + "lookup_errors",
-                "Prefix-index lookups that failed (counted as misses)",
-                registry=r,
+            lookup_errors=metric(
+                Counter, "lookup_errors", "Prefix-index lookups that failed (counted as misses)"
             ),
-            promoted=Gauge(p + "promoted", "Queued requests promoted so far", registry=r),
-            engine_healthy=Gauge(p + "engine_healthy", "Engine answers", ["instance"], registry=r),
-            engine_running=Gauge(
-                p + "engine_running", "vllm:num_requests_running", ["instance"], registry=r
+            promoted=metric(Gauge, "promoted", "Queued requests promoted so far"),
+            engine_healthy=metric(Gauge, "engine_healthy", "Engine answers", ["instance"]),
+            engine_running=metric(
+                Gauge, "engine_running", "vllm:num_requests_running", ["instance"]
             ),
-            engine_waiting=Gauge(
-                p + "engine_waiting", "vllm:num_requests_waiting", ["instance"], registry=r
+            engine_waiting=metric(
+                Gauge, "engine_waiting", "vllm:num_requests_waiting", ["instance"]
             ),
-            engine_kv_usage=Gauge(
-                p + "engine_kv_usage", "vllm:kv_cache_usage_perc", ["instance"], registry=r
+            engine_kv_usage=metric(
+                Gauge, "engine_kv_usage", "vllm:kv_cache_usage_perc", ["instance"]
             ),
-            cost_term=Gauge(
-                p + "cost_term",
+            cost_term=metric(
+                Gauge,
+                "cost_term",
                 "Cost-model terms in use per engine (prior, or least-squares fit of measurements)",
                 ["instance", "term"],
-                registry=r,
             ),
-            pool_view_state=Gauge(
-                p + "pool_view_state",
+            pool_view_state=metric(
+                Gauge,
+                "pool_view_state",
                 "State of the router's view of the pool from the KV events (1: current)",
                 ["state"],
-                registry=r,
             ),
-            pool_view_events=Counter(
-                p + "pool_view_events",
+            pool_view_events=metric(
+                Counter,
+                "pool_view_events",
                 "KV events applied to the router's view of the pool",
                 ["kind"],
-                registry=r,
             ),
-            pool_view_resyncs=Counter(
-                p + "pool_view_resyncs",
+            pool_view_resyncs=metric(
+                Counter,
+                "pool_view_resyncs",
                 "Resyncs of the KV event stream (a snapshot was read)",
                 ["reason"],
-                registry=r,
             ),
-            pool_view_fallbacks=Counter(
-                p + "pool_view_fallbacks",
+            pool_view_fallbacks=metric(
+                Counter,
+                "pool_view_fallbacks",
                 "Requests looked up in the prefix index because the view was not synced",
-                registry=r,
             ),
-            pool_view_blocks=Gauge(
-                p + "pool_view_blocks", "Blocks in the router's view of the pool", registry=r
+            pool_view_blocks=metric(
+                Gauge, "pool_view_blocks", "Blocks in the router's view of the pool"
             ),
-            pool_view_seq=Gauge(
-                p + "pool_view_seq",
+            pool_view_seq=metric(
+                Gauge,
+                "pool_view_seq",
                 "Sequence number of the last KV event the view reflects (in the master's epoch)",
-                registry=r,
             ),
-            pool_answers=Counter(
-                p + "pool_answers",
+            pool_answers=metric(
+                Counter,
+                "pool_answers",
                 "Where each request's pool hit came from (events: the view; lookup: kv_match)",
                 ["source"],
-                registry=r,
             ),
-            engine_events=Counter(
-                p + "engine_events",
+            engine_events=metric(
+                Counter,
+                "engine_events",
                 "vLLM KV events applied to each engine's prefix-cache view (malformed: dropped)",
                 ["instance", "kind"],
-                registry=r,
             ),
-            engine_event_gaps=Counter(
-                p + "engine_event_gaps",
+            engine_event_gaps=metric(
+                Counter,
+                "engine_event_gaps",
                 "Gaps in an engine's KV event sequence (its view was cleared)",
                 ["instance"],
-                registry=r,
             ),
-            engine_cached_blocks=Gauge(
-                p + "engine_cached_blocks",
+            engine_cached_blocks=metric(
+                Gauge,
+                "engine_cached_blocks",
                 "Blocks of each engine's own prefix cache the router can match",
                 ["instance"],
-                registry=r,
             ),
-            local_cached_tokens=Counter(
-                p + "local_cached_tokens",
+            local_cached_tokens=metric(
+                Counter,
+                "local_cached_tokens",
                 "Prompt tokens found in the chosen engine's own prefix cache",
                 ["instance"],
-                registry=r,
             ),
-            policy=Info(
-                p + "policy", "The routing policy (--policy) choosing the engines", registry=r
-            ),
+            policy=metric(Info, "policy", "The routing policy (--policy) choosing the engines"),
         )

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.master.scheduler.cost import CostModel
+from kvstore.master.scheduler.kvboth import least_loaded
 from kvstore.master.scheduler.slo import SLOClass
 
 #: Watermarks on a decode engine's KV use (fraction of its KV blocks). The high one is the
@@ -284,14 +285,7 @@ class LeastLoaded:
 
     def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
         """See :class:`RoutingPolicy`."""
-        return min(
-            range(len(candidates)),
-            key=lambda i: (
-                candidates[i].num_running + candidates[i].num_waiting,
-                candidates[i].router_inflight,
-                candidates[i].name,
-            ),
-        )
+        return least_loaded(candidates, [c.name for c in candidates])
 
 
 #: Routing policies by name (``kvstore router --policy``); each call makes a fresh one.

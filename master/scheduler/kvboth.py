@@ -125,6 +125,40 @@ def estimate_ttft(
     return max(queue, transfer) + prefill + step, prefill
 
 
+class EngineLoadView(Protocol):
+    """What :func:`least_loaded` reads of an engine (the router's ``EngineView`` and
+    :class:`EngineSnapshot` both have it)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def router_inflight(self) -> int: ...
+
+
+def least_loaded(views: SequenceOf[EngineLoadView], tiebreak: SequenceOf[int | str]) -> int:
+    """The ``least-loaded`` rule, shared by the live router and this simulator: the fewest
+    polled running + waiting, ties by fewer of the router's requests in flight, then by
+    ``tiebreak``.
+
+    Args:
+        views: the engines (never empty).
+        tiebreak: per engine, the last key (the router: its name; here: its index).
+
+    Returns:
+        An index into ``views``.
+    """
+    return min(
+        range(len(views)),
+        key=lambda i: (
+            views[i].num_running + views[i].num_waiting,
+            views[i].router_inflight,
+            tiebreak[i],
+        ),
+    )
+
+
 class LivePolicy(Protocol):
     """Picks the engine for a request from snapshots (``kvstore.router.policy.RoutingPolicy``).
 
@@ -170,14 +204,7 @@ class LeastLoadedPolicy:
 
     def pick(self, views: list[EngineSnapshot]) -> int:
         """See :class:`LivePolicy`."""
-        return min(
-            range(len(views)),
-            key=lambda i: (
-                views[i].num_running + views[i].num_waiting,
-                views[i].router_inflight,
-                views[i].engine_id,
-            ),
-        )
+        return least_loaded(views, [v.engine_id for v in views])
 
 
 #: The live router's policies by name; each call makes a fresh one.

@@ -145,7 +145,7 @@ def load_table(result: SimResult) -> str:
     return format_table(["instance", "requests", "busy fraction"], rows)
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """matplotlib.pyplot on the non-interactive Agg backend (imported on first use)."""
     import matplotlib
 
@@ -153,6 +153,23 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """Lay ``fig`` out, write it to ``path`` as a PNG and close it.
+
+    Args:
+        fig: a matplotlib figure (from :func:`pyplot`).
+        path: PNG to write.
+        dpi: its resolution.
+
+    Returns:
+        ``path``.
+    """
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
 
 
 def plot_hit_rates(
@@ -174,7 +191,7 @@ def plot_hit_rates(
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [c * block_size for c in capacities]
     for policy in policies:
@@ -188,10 +205,7 @@ def plot_hit_rates(
     ax.set_title("Prefix hit rate vs capacity (dashed: unlimited)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_ttft_cdf(results: Sequence[tuple[str, SimResult]], slo: SLOClass, path: Path) -> Path:
@@ -205,7 +219,7 @@ def plot_ttft_cdf(results: Sequence[tuple[str, SimResult]], slo: SLOClass, path:
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, result in results:
         values = np.sort(result.ttft_s[result.accepted])
@@ -218,10 +232,7 @@ def plot_ttft_cdf(results: Sequence[tuple[str, SimResult]], slo: SLOClass, path:
     ax.set_title("TTFT (rejected requests never reach 1.0)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_goodput(labels: Sequence[str], goodputs: Sequence[float], path: Path) -> Path:
@@ -235,16 +246,13 @@ def plot_goodput(labels: Sequence[str], goodputs: Sequence[float], path: Path) -
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar(range(len(labels)), goodputs)
     ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
     ax.set_ylabel("goodput (req/s meeting TTFT and TBT SLO)")
     ax.set_title("Goodput under SLO")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def plot_instance_load(results: Sequence[tuple[str, SimResult]], path: Path) -> Path:
@@ -257,7 +265,7 @@ def plot_instance_load(results: Sequence[tuple[str, SimResult]], path: Path) -> 
     Returns:
         ``path``.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / max(len(results), 1)
     for k, (label, result) in enumerate(results):
@@ -267,7 +275,4 @@ def plot_instance_load(results: Sequence[tuple[str, SimResult]], path: Path) -> 
     ax.set_ylabel("requests")
     ax.set_title("Per-instance prefill load")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)

@@ -31,6 +31,7 @@ from kvstore.master.server import dispatch
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 from kvstore.types import PutTicket, SegmentSpec
+from tests.master.fakes import FakeClock
 
 NS = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
 NS2 = Namespace(model="m2", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
@@ -146,17 +147,6 @@ def test_epochs_of_plain_masters_differ_and_fit_json_numbers() -> None:
 
 
 # ---------------------------------------------------------------- what the service records
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wall_ms(self) -> int:
-        return int(self.now * 1000)
-
-
 def make_service(clock: FakeClock, ring: int = 1024, **tier_kw: object) -> MasterService:
     svc = MasterService(
         MasterConfig(

@@ -15,17 +15,7 @@ from kvstore.errors import (
 )
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import PutTicket, SegmentSpec
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wall_ms(self) -> int:
-        return int(self.now * 1000)
+from tests.master.fakes import FakeClock
 
 
 @pytest.fixture

@@ -11,20 +11,10 @@ from kvstore.master.eviction import EVICTION_POLICIES, make_policy
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
+from tests.master.fakes import FakeClock
 
 KIB = 1024
 MIB = 1 << 20
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wall_ms(self) -> int:
-        return int(self.now * 1000)
 
 
 def make(

@@ -88,14 +88,21 @@ def test_the_console_script_exits_2_on_a_missing_trace(tmp_path: Path) -> None:
     assert proc.stderr.strip().startswith("kvstore replay: cannot read trace")
 
 
-def test_a_run_prints_tables_and_writes_results(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _replay_three(tmp_path: Path, *extra: str) -> tuple[int, Path]:
+    """``kvstore replay`` of three good requests against a fake endpoint, at full speed;
+    returns the exit status and the ``--out`` folder."""
     trace = _trace(tmp_path, GOOD + GOOD2 + GOOD3)
     out = tmp_path / "out"
     with FakeOpenAI() as server:
         argv = ["replay", trace, "--router", server.url, "--requests", "3", "--time-scale", "0"]
-        status = main([*argv, "--concurrency", "1", "--simulate", "--out", str(out)])
+        status = main([*argv, *extra, "--out", str(out)])
+    return status, out
+
+
+def test_a_run_prints_tables_and_writes_results(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out = _replay_three(tmp_path, "--concurrency", "1", "--simulate")
     printed = capsys.readouterr().out
     assert status == 0
     assert "TTFT p50/p90/p99 ms" in printed and "hit rate (router)" in printed
@@ -110,12 +117,8 @@ def test_a_run_prints_tables_and_writes_results(
 def test_a_kv_both_simulation_fits_the_step_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = _trace(tmp_path, GOOD + GOOD2 + GOOD3)
-    out = tmp_path / "out"
-    with FakeOpenAI() as server:
-        argv = ["replay", trace, "--router", server.url, "--requests", "3", "--time-scale", "0"]
-        sim = ["--simulate", "--engine-model", "kv_both", "--instances", "1"]
-        status = main([*argv, "--policy", "least-loaded", *sim, "--out", str(out)])
+    sim = ["--simulate", "--engine-model", "kv_both", "--instances", "1"]
+    status, out = _replay_three(tmp_path, "--policy", "least-loaded", *sim)
     printed = capsys.readouterr().out
     assert status == 0
     assert "1 kv_both engines, policy least-loaded" in printed

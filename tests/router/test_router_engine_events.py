@@ -11,9 +11,6 @@ virtualenv or the model.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
-from kvstore.processes import terminate
-from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
-from tests.support import Cluster, start_master, wait_until
+from tests.adapters.vllm_servers import VLLMServer, missing_engine
+from tests.router.rig import PoolRig, metric, post
+from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -40,33 +37,11 @@ SYSTEM = (
 )
 
 
-def _metric(router: str, name: str, *labels: str) -> float:
-    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and all(label in line for label in labels)
-    )
-
-
-def _post(url: str, body: Any) -> tuple[Any, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        return resp.headers, json.loads(resp.read())
-
-
-class Rig:
+class Rig(PoolRig):
     """A pool, two engines publishing KV events, a router subscribed to both."""
 
     def __init__(self, tmp: Path) -> None:
-        self.cluster = Cluster(tmp, start_master())
-        self.cluster.add_node("1GiB")
-        self.servers: list[VLLMServer] = []
-        self.router_proc: subprocess.Popen | None = None
-        kv = kv_config("kv_both", self.cluster.address)
+        super().__init__(tmp)
         self.ports = [free_port(), free_port()]
         for i, port in enumerate(self.ports):
             events = {
@@ -77,7 +52,7 @@ class Rig:
             self.servers.append(
                 VLLMServer(
                     tmp / f"e{i}.log",
-                    kv,
+                    self.kv,
                     cpu=i,
                     prefix_caching=True,
                     extra_args=[
@@ -87,10 +62,8 @@ class Rig:
                     ],
                 )
             )
-        for server in self.servers:
-            server.wait_ready()
-        args = [sys.executable, "-m", "kvstore", "router", "--port", "0"]
-        args += ["--master", self.cluster.address]
+        self.wait_ready()
+        args: list[str] = []
         for server, port in zip(self.servers, self.ports, strict=True):
             args += [
                 "--engine",
@@ -98,27 +71,13 @@ class Rig:
                 "--engine-events",
                 f"{server.url}=tcp://127.0.0.1:{port}",
             ]
-        self.router_proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        assert self.router_proc.stdout is not None
-        line = self.router_proc.stdout.readline()
-        assert "ready" in line, f"the router did not start: {line!r}"
-        self.router = line.split("url=")[1].split()[0]
-
-    def close(self) -> None:
-        if self.router_proc is not None:
-            terminate(self.router_proc)
-        for server in self.servers:
-            server.stop()
-        self.cluster.stop()
+        self.router = self.start_router(*args)
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    r = Rig(Path(tmp_path_factory.mktemp("router_events")))
-    try:
+    with Rig(Path(tmp_path_factory.mktemp("router_events"))) as r:
         yield r
-    finally:
-        r.close()
 
 
 def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> None:
@@ -127,7 +86,11 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
 
     def ask(question: str) -> tuple[Any, dict[str, Any]]:
         body = {"model": "smollm2", "temperature": 0, "max_tokens": 4}
-        return _post(rig.router + "/v1/chat/completions", {**body, "messages": messages(question)})
+        status, headers, answer = post(
+            rig.router + "/v1/chat/completions", {**body, "messages": messages(question)}
+        )
+        assert status == 200, answer
+        return headers, answer
 
     def tokens(question: str) -> list[int]:
         return rig.servers[0].post(
@@ -145,9 +108,9 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
     # the holder shows it idle again (a running request would weigh on its prediction).
     wait_until(
         lambda: (
-            _metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
+            metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
             >= len(tok_a) // BS
-            and _metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
+            and metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
         ),
         timeout=60,
         interval=0.1,
@@ -159,6 +122,6 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
     assert local == common // BS * BS
     # What vLLM itself took from its cache for B: the same whole blocks.
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == local
-    assert _metric(rig.router, "kvstore_router_local_cached_tokens_total", f'"{holder}"') == local
-    stored = _metric(rig.router, "kvstore_router_engine_events_total", 'kind="stored"')
+    assert metric(rig.router, "kvstore_router_local_cached_tokens_total", f'"{holder}"') == local
+    stored = metric(rig.router, "kvstore_router_engine_events_total", 'kind="stored"')
     assert stored >= 2

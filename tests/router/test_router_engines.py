@@ -13,8 +13,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,10 +24,10 @@ import pytest
 
 from kvstore.client.adapters.vllm_server import free_port
 from kvstore.client.events import EventStream
-from kvstore.processes import terminate
 from kvstore.router.engines import EngineLoad
-from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
-from tests.support import Cluster, start_master, wait_until
+from tests.adapters.vllm_servers import VLLMServer, missing_engine
+from tests.router.rig import PoolRig, metric, post
+from tests.support import wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -58,54 +56,29 @@ SLO_CONFIG = {
 }
 
 
-class Rig:
+class Rig(PoolRig):
     """The module's pool, two engines and routers in front of them."""
 
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.cluster = Cluster(tmp, start_master())
-        self.cluster.add_node("1GiB")
-        self.routers: list[subprocess.Popen] = []
-        self.servers: list[VLLMServer] = []
-        kv = kv_config("kv_both", self.cluster.address)
+        super().__init__(tmp)
         # Prefix caching off: every call computes (or loads) its prompt the same way.
         for name, cpu in (("p", 0), ("d", 1)):
-            self.servers.append(VLLMServer(tmp / f"{name}.log", kv, cpu=cpu, prefix_caching=False))
-        for server in self.servers:
-            server.wait_ready()
+            self.servers.append(
+                VLLMServer(tmp / f"{name}.log", self.kv, cpu=cpu, prefix_caching=False)
+            )
+        self.wait_ready()
         self.p, self.d = self.servers
         (tmp / "slo.json").write_text(json.dumps(SLO_CONFIG))
 
     def router(self, *engine_args: str) -> str:
         """Start a router; returns its URL (stopped with the rig)."""
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "router", "--port", "0"]
-            + ["--master", self.cluster.address, "--slo-config", str(self.tmp / "slo.json")]
-            + list(engine_args),
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.routers.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the ready line, or EOF if it died
-        assert "ready" in line, f"the router did not start: {line!r}"
-        return line.split("url=")[1].split()[0]
-
-    def close(self) -> None:
-        for proc in self.routers:
-            terminate(proc)
-        for server in self.servers:
-            server.stop()
-        self.cluster.stop()
+        return self.start_router("--slo-config", str(self.tmp / "slo.json"), *engine_args)
 
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    r = Rig(Path(tmp_path_factory.mktemp("router")))
-    try:
+    with Rig(Path(tmp_path_factory.mktemp("router"))) as r:
         yield r
-    finally:
-        r.close()
 
 
 @pytest.fixture(scope="module")
@@ -140,29 +113,6 @@ def _ask(client: openai.OpenAI, kind: str, stream: bool, **extra: Any) -> str:
     return client.chat.completions.create(messages=CHAT, **common).choices[0].message.content or ""
 
 
-def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            return resp.status, resp.headers, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, err.headers, json.loads(err.read())
-
-
-def _metric(router: str, name: str, *labels: str) -> float:
-    """The sum of a router metric's samples whose labels include every one of ``labels``."""
-    with urllib.request.urlopen(router + "/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and all(label in line for label in labels)
-    )
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 @pytest.mark.parametrize("kind", ["completions", "chat"])
 def test_openai_client_through_the_router_equals_a_direct_call(
@@ -191,8 +141,8 @@ def _caught_up(rig: Rig, router: str) -> None:
         seq = stream.snapshot().seq
     wait_until(
         lambda: (
-            _metric(router, "kvstore_router_pool_view_state", 'state="synced"') == 1
-            and _metric(router, "kvstore_router_pool_view_seq") >= seq
+            metric(router, "kvstore_router_pool_view_state", 'state="synced"') == 1
+            and metric(router, "kvstore_router_pool_view_seq") >= seq
         ),
         timeout=30,
         interval=0.1,
@@ -208,7 +158,7 @@ def test_a_shared_prefix_is_counted_from_the_kv_events_as_the_index_answers(
 
     def ask(router: str, question: str) -> tuple[int, int, int, str, dict[str, Any]]:
         body = {"model": "smollm2", "temperature": 0, "max_tokens": 4}
-        status, headers, answer = _post(
+        status, headers, answer = post(
             router + "/v1/chat/completions", {**body, "messages": messages(question)}
         )
         assert status == 200, answer
@@ -230,8 +180,8 @@ def test_a_shared_prefix_is_counted_from_the_kv_events_as_the_index_answers(
     common = next(i for i, (x, y) in enumerate(zip(tok_a, tok_b, strict=False)) if x != y)
     assert common > 4 * BS
     _caught_up(rig, pd)
-    before = _metric(pd, "kvstore_router_cached_tokens_total")
-    events_before = _metric(pd, "kvstore_router_pool_answers_total", 'source="events"')
+    before = metric(pd, "kvstore_router_cached_tokens_total")
+    events_before = metric(pd, "kvstore_router_pool_answers_total", 'source="events"')
     cached_a, loadable_a, len_a, source, answer_a = ask(pd, a)
     # Its system prompt is new to the pool: no whole block of it is there.
     assert source == "events" and cached_a == loadable_a == 0
@@ -243,8 +193,8 @@ def test_a_shared_prefix_is_counted_from_the_kv_events_as_the_index_answers(
     assert source == "events"
     assert cached_b == loadable_b == common // BS * BS
     assert len_b == answer_b["usage"]["prompt_tokens"] == len(tok_b)
-    assert _metric(pd, "kvstore_router_cached_tokens_total") - before == cached_a + cached_b
-    assert _metric(pd, "kvstore_router_pool_answers_total", 'source="events"') >= events_before + 2
+    assert metric(pd, "kvstore_router_cached_tokens_total") - before == cached_a + cached_b
+    assert metric(pd, "kvstore_router_pool_answers_total", 'source="events"') >= events_before + 2
     # B served: the view and the master's prefix index (a router that asks it per request)
     # count the same whole blocks of it.
     lookup = rig.router("--no-pool-events", "--prefill", rig.p.url, "--decode", rig.d.url)
@@ -267,8 +217,8 @@ def test_the_engines_export_the_metrics_the_router_reads(rig: Rig, pd: str) -> N
     assert 0.0 <= load.kv_usage <= 1.0 and "vllm:kv_cache_usage_perc{" in text
     assert load.itl_count > 0  # earlier tests generated tokens here
     # The router's own view: both engines up, cost terms exported per engine.
-    assert _metric(pd, "kvstore_router_engine_healthy") == 2
-    assert _metric(pd, "kvstore_router_cost_term", f'instance="{rig.p.url}"') > 0
+    assert metric(pd, "kvstore_router_engine_healthy") == 2
+    assert metric(pd, "kvstore_router_cost_term", f'instance="{rig.p.url}"') > 0
 
 
 def test_slo_rejection_and_bad_requests_are_openai_errors(rig: Rig, pd: str) -> None:
@@ -283,7 +233,7 @@ def test_slo_rejection_and_bad_requests_are_openai_errors(rig: Rig, pd: str) -> 
         assert int(err.value.response.headers["Retry-After"]) >= 1
         assert "impossible" in err.value.message
     assert (
-        _metric(
+        metric(
             pd, "kvstore_router_rejections_total", 'reason="predicted"', 'slo_class="impossible"'
         )
         >= 2
@@ -295,9 +245,9 @@ def test_slo_rejection_and_bad_requests_are_openai_errors(rig: Rig, pd: str) -> 
     with pytest.raises(openai.BadRequestError) as err:
         _client(pd).completions.create(model="smollm2", prompt="word " * 5000, max_tokens=2)
     assert "maximum context length" in err.value.message
-    status, _, answer = _post(pd + "/v1/completions", b"{not json")
+    status, _, answer = post(pd + "/v1/completions", b"{not json")
     assert status == 400 and "not JSON" in answer["error"]["message"]
-    status, _, answer = _post(
+    status, _, answer = post(
         pd + "/v1/completions", {"prompt": "x"}, headers={"X-SLO-Class": "gold"}
     )
     assert status == 400 and "gold" in answer["error"]["message"]
@@ -319,7 +269,7 @@ def test_a_dead_decode_or_prefill_engine_falls_back_to_the_other(rig: Rig) -> No
 def test_a_client_hanging_up_mid_stream_is_not_an_engine_failure(rig: Rig, pd: str) -> None:
     """The router's write to a client that left fails; that is the client's doing: the engine
     stays healthy and nothing falls back to another engine."""
-    fallbacks = _metric(pd, "kvstore_router_fallbacks_total")
+    fallbacks = metric(pd, "kvstore_router_fallbacks_total")
     host, port = pd.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     body = {
@@ -337,12 +287,12 @@ def test_a_client_hanging_up_mid_stream_is_not_an_engine_failure(rig: Rig, pd: s
     conn.sock.shutdown(socket.SHUT_RDWR)  # the client hangs up
     conn.close()
     wait_until(
-        lambda: _metric(pd, "kvstore_router_requests_total", 'outcome="client_gone"') >= 1,
+        lambda: metric(pd, "kvstore_router_requests_total", 'outcome="client_gone"') >= 1,
         timeout=120,
         interval=0.2,
         what="the router to see the client leave",
     )
-    assert _metric(pd, "kvstore_router_fallbacks_total") == fallbacks
+    assert metric(pd, "kvstore_router_fallbacks_total") == fallbacks
     with urllib.request.urlopen(pd + "/health", timeout=10) as r:
         assert json.loads(r.read())["engines"] == {rig.p.url: True, rig.d.url: True}
 
@@ -370,7 +320,7 @@ def test_an_engine_killed_mid_stream_ends_cleanly_and_the_router_keeps_serving(
                 killed = True
     assert killed and "failed mid-answer" in str(err.value)
     # The next request: the decode engine is gone, the prefill engine answers it whole.
-    status, headers, answer = _post(
+    status, headers, answer = post(
         pd + "/v1/completions",
         {
             "model": "smollm2",
@@ -392,4 +342,4 @@ def test_an_engine_killed_mid_stream_ends_cleanly_and_the_router_keeps_serving(
             return json.loads(resp.read())["engines"] == {rig.p.url: True, rig.d.url: False}
 
     wait_until(degraded, timeout=30, interval=0.2, what="router sees the decode engine down")
-    assert _metric(pd, "kvstore_router_requests_total", 'outcome="stream_error"') >= 1
+    assert metric(pd, "kvstore_router_requests_total", 'outcome="stream_error"') >= 1
