@@ -201,48 +201,37 @@ class LeaderChannel:
                 self._release(conn, known)
                 return result, epoch
             except (NotLeaderError, StaleEpochError) as err:
-                if conn is not None:
-                    conn.close()
-                self._forget_leader(known)
-                if pin_epoch is not None or time.monotonic() >= deadline:
-                    raise err from None
+                final: KVStoreError = err
             except (ProtocolError, UnauthenticatedError):
                 if conn is not None:
                     conn.close()  # the master hangs up after either
                 raise
             except KVTimeoutError:
                 # The leader did not answer in time (paused, partitioned): look again.
-                if conn is not None:
-                    conn.close()
-                self._forget_leader(known)
-                if pin_epoch is not None or time.monotonic() >= deadline:
-                    raise KVTimeoutError(
-                        f"the leading master did not answer {verb} in time"
-                    ) from None
+                final = KVTimeoutError(f"the leading master did not answer {verb} in time")
             except KVStoreError as err:
                 if not isinstance(err, MasterUnavailableError | NodeUnavailableError):
                     if conn is not None:
                         self._release(conn, known)
                     raise
-                if conn is not None:
-                    conn.close()
-                self._forget_leader(known)
-                if pin_epoch is not None or time.monotonic() >= deadline:
-                    raise MasterUnavailableError(
-                        f"no leading master answered {verb} via {self.url}: {err.message}"
-                    ) from None
+                final = MasterUnavailableError(
+                    f"no leading master answered {verb} via {self.url}: {err.message}"
+                )
             except OSError as exc:
-                if conn is not None:
-                    conn.close()
-                self._forget_leader(known)
-                if pin_epoch is not None or time.monotonic() >= deadline:
-                    if isinstance(exc, TimeoutError):
-                        raise KVTimeoutError(
-                            f"the leading master did not answer {verb} in time"
-                        ) from None
-                    raise MasterUnavailableError(
+                final = (
+                    KVTimeoutError(f"the leading master did not answer {verb} in time")
+                    if isinstance(exc, TimeoutError)
+                    else MasterUnavailableError(
                         f"no leading master answered {verb} via {self.url}: {exc}"
-                    ) from None
+                    )
+                )
+            # The leader is lost or did not answer: drop the connection and look again, until
+            # the call is pinned to that leader or out of time.
+            if conn is not None:
+                conn.close()
+            self._forget_leader(known)
+            if pin_epoch is not None or time.monotonic() >= deadline:
+                raise final from None
             time.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
 
