@@ -297,8 +297,8 @@ class KVCache:
         views = self._layer_views(layers, num_full * bs, writable=False)
         if num_full == 0:
             return 0
-        cached, matched = self._match(tok[: num_full * bs])
-        self._give_back(matched)  # only the length was wanted
+        # Only the cached length is wanted: ask without locations, so no read lease is taken.
+        cached = self._match(tok[: num_full * bs], locate=False)[0]
         first_new = cached // bs
         num_new = num_full - first_new
         if num_new == 0:
