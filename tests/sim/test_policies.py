@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.policies import POLICIES, BlockCache, make_policy
-from kvstore.master.scheduler.replay import replay_per_instance, replay_pool
-from kvstore.master.scheduler.trace import TraceRequest
+from kvstore.sim.policies import POLICIES, BlockCache, make_policy
+from kvstore.sim.replay import replay_per_instance, replay_pool
+from kvstore.sim.trace import TraceRequest
 
 from .factories import synthetic_trace
 

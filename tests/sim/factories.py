@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 
-from kvstore.master.scheduler.trace import TraceRequest, parse_trace_lines
+from kvstore.sim.trace import TraceRequest, parse_trace_lines
 
 #: The repository root is three folders above this one; shared/ is its sibling.
 TRACE_PATH = (
