@@ -1,8 +1,11 @@
 """Block caches with a pluggable eviction policy, and the policies by name.
 
-Mechanism vs policy: :class:`BlockCache` owns which blocks are present, prefix matching and
-the capacity; an :class:`EvictionPolicy` only ranks the present blocks and names the next
-victim. Policies are looked up by name in :data:`POLICIES`.
+Mechanism vs policy: :class:`BlockCache` owns which blocks are present, prefix matching, the
+capacity and what it records of each block (:class:`BlockStats`); a policy only ranks. The
+policies are the master's (:mod:`kvstore.eviction`: one vocabulary, so "lru" and "lfu" rank the
+same way in the simulator as in the store), plus ``length-aware``, which reads what only a block
+cache records: how deep a block sits in its prompt. Policies are looked up by name in
+:data:`POLICIES`.
 
 Prefix rules (the prefix index's): block keys are chained, so a request can reuse blocks
 ``0..k-1`` only if every one of them is present; the hit of a request is the longest such
@@ -14,142 +17,62 @@ capacity (for LRU this equals evicting one block per insert).
 
 from __future__ import annotations
 
-import abc
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
 from kvstore.errors import InvalidRequestError
+from kvstore.eviction import EVICTION_POLICIES, EvictionPolicy
 
 BlockKey = Hashable
 
 
-class EvictionPolicy(Protocol):
-    """Ranks the blocks of one cache. The cache tells it about every touch and removal."""
+@dataclass(slots=True)
+class BlockStats:
+    """What a :class:`BlockCache` records of one present block: a :class:`~kvstore.eviction.Candidate`.
 
-    def touch(self, key: BlockKey, depth: int) -> None:
-        """Record an insert or a use of ``key``, the ``depth``-th block (0-based) of its chain."""
-
-    def remove(self, key: BlockKey) -> None:
-        """Forget ``key`` (it was evicted)."""
-
-    def victim(self) -> BlockKey:
-        """The block to evict next. Only called while at least one block is present."""
-
-
-class LRUPolicy:
-    """Least recently used first.
-
-    NOTE: an ``OrderedDict`` is a hash map threaded on a doubly linked list, so touch, remove
-    and victim are all O(1); a heap would make touch O(log n) and leave stale entries.
+    ``last_access`` is the cache's touch counter (unique per touch, so keys never tie on it),
+    ``hits`` counts touches since the block entered (1 on entry, forgotten when it is evicted),
+    every block has ``size`` 1, and ``depth`` is its 0-based index in the chain that last
+    touched it.
     """
 
-    def __init__(self) -> None:
-        self._order: OrderedDict[BlockKey, None] = OrderedDict()
-
-    def touch(self, key: BlockKey, depth: int) -> None:
-        order = self._order
-        if key in order:
-            order.move_to_end(key)
-        else:
-            order[key] = None
-
-    def remove(self, key: BlockKey) -> None:
-        del self._order[key]
-
-    def victim(self) -> BlockKey:
-        return next(iter(self._order))
+    last_access: float
+    hits: int
+    size: int
+    depth: int
 
 
-class _HeapPolicy(abc.ABC):
-    """A min-heap of (priority, tick, key) with lazy deletion.
-
-    NOTE: a touch pushes a new entry and leaves the old one in the heap; ``_current[key]`` holds
-    the live entry, and ``victim`` pops entries that are no longer live. The heap is rebuilt
-    when stale entries outnumber live ones 3 to 1, so memory stays O(live blocks) and every
-    operation is O(log n) amortised. The unique tick breaks ties, so keys are never compared.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, BlockKey]] = []
-        self._current: dict[BlockKey, tuple[float, int]] = {}
-        self._tick = 0
-
-    @abc.abstractmethod
-    def _priority(self, key: BlockKey, depth: int, tick: int) -> float:
-        """Rank of ``key`` after this touch; the smallest is evicted first."""
-
-    def touch(self, key: BlockKey, depth: int) -> None:
-        self._tick += 1
-        priority = self._priority(key, depth, self._tick)
-        self._current[key] = (priority, self._tick)
-        heapq.heappush(self._heap, (priority, self._tick, key))
-        if len(self._heap) > 4 * len(self._current) + 1024:
-            self._heap = [(p, t, k) for k, (p, t) in self._current.items()]
-            heapq.heapify(self._heap)
-
-    def remove(self, key: BlockKey) -> None:
-        del self._current[key]
-
-    def victim(self) -> BlockKey:
-        heap = self._heap
-        while heap:
-            priority, tick, key = heap[0]
-            if self._current.get(key) == (priority, tick):
-                return key
-            heapq.heappop(heap)
-        raise AssertionError("victim() called on an empty cache")
-
-
-class LFUPolicy(_HeapPolicy):
-    """Least frequently used first; ties go to the least recently used.
-
-    A block's count starts at 1 when it enters and is forgotten when it is evicted.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._counts: dict[BlockKey, int] = {}
-
-    def _priority(self, key: BlockKey, depth: int, tick: int) -> float:
-        count = self._counts.get(key, 0) + 1
-        self._counts[key] = count
-        return float(count)
-
-    def remove(self, key: BlockKey) -> None:
-        super().remove(key)
-        del self._counts[key]
-
-
-class LengthAwarePolicy(_HeapPolicy):
-    """LRU in which deeper blocks age faster: priority = last touch - ``ticks_per_depth`` x depth.
+class LengthAwarePolicy(EvictionPolicy):
+    """LRU in which deeper blocks age faster: key = last touch - ``ticks_per_depth`` x depth.
 
     The head of a prompt is what later requests share (system prompts, earlier turns of a
     conversation); the tail of a long prompt is usually its own. So a block ``depth`` blocks
     into its chain is ranked as if it had been used ``ticks_per_depth * depth`` block touches
-    earlier, and long prompts give up their tails before short prompts lose anything.
+    earlier, and long prompts give up their tails before short prompts lose anything. It ranks
+    :class:`BlockStats` only (a master object has no depth), so only the simulator offers it.
 
     Args:
         ticks_per_depth: how much older one block of depth makes a block look (>= 0; 0 is LRU).
     """
 
+    name = "length-aware"
+
     def __init__(self, ticks_per_depth: float = 16.0) -> None:
         if ticks_per_depth < 0:
             raise InvalidRequestError(f"ticks_per_depth must be >= 0, got {ticks_per_depth}")
-        super().__init__()
         self._ticks_per_depth = ticks_per_depth
 
-    def _priority(self, key: BlockKey, depth: int, tick: int) -> float:
-        return tick - self._ticks_per_depth * depth
+    def key(self, candidate: BlockStats) -> tuple[float, ...]:  # type: ignore[override]
+        return (candidate.last_access - self._ticks_per_depth * candidate.depth,)
 
 
-#: Eviction policies by name.
+#: Eviction policies by name: the store's (:data:`kvstore.eviction.EVICTION_POLICIES`) and
+#: ``length-aware``.
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "length-aware": LengthAwarePolicy,
+    **EVICTION_POLICIES,
+    LengthAwarePolicy.name: LengthAwarePolicy,
 }
 
 
@@ -176,6 +99,13 @@ def make_policy(name: str) -> EvictionPolicy:
 class BlockCache:
     """A set of blocks with a capacity, prefix matching, and a policy that picks victims.
 
+    NOTE: victims come from a min-heap of ``(*policy key, touch, block)`` (flat: cheaper to compare) with lazy deletion: a
+    touch pushes a new entry and leaves the old one; an entry is live while its touch is the
+    block's ``last_access``, and eviction pops entries that are not. The heap is rebuilt when
+    stale entries outnumber live ones 3 to 1, so memory stays O(present blocks) and every
+    operation is O(log n) amortised, whatever the policy. The unique touch breaks ties, so
+    block keys are never compared. An unlimited cache never evicts and keeps no heap.
+
     Args:
         capacity_blocks: most blocks held; ``None`` for unlimited.
         policy: a name from :data:`POLICIES`.
@@ -190,14 +120,16 @@ class BlockCache:
         self.capacity_blocks = capacity_blocks
         self.policy_name = policy
         self._policy = make_policy(policy)
-        self._present: set[BlockKey] = set()
+        self._stats: dict[BlockKey, BlockStats] = {}
+        self._heap: list[tuple[Any, ...]] = []  # (*policy key, touch, block)
+        self._tick = 0
         self.num_evictions = 0
 
     def __len__(self) -> int:
-        return len(self._present)
+        return len(self._stats)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._present
+        return key in self._stats
 
     def match_prefix(self, keys: Sequence[BlockKey]) -> int:
         """Length of the longest prefix of ``keys`` held here. Changes nothing.
@@ -208,7 +140,7 @@ class BlockCache:
         Returns:
             How many leading blocks are present (0..len(keys)).
         """
-        present = self._present
+        present = self._stats
         for index, key in enumerate(keys):
             if key not in present:
                 return index
@@ -224,19 +156,37 @@ class BlockCache:
             The prefix hit before the access (as :meth:`match_prefix`).
         """
         hit = self.match_prefix(keys)
-        present = self._present
-        touch = self._policy.touch
+        stats = self._stats
+        capacity = self.capacity_blocks
+        if capacity is None:  # nothing is ever evicted: only presence matters
+            for key in keys:
+                if key not in stats:
+                    stats[key] = BlockStats(0, 0, 1, 0)
+            return hit
+        heap = self._heap
+        rank = self._policy.key
+        tick = self._tick
         for depth in range(len(keys) - 1, -1, -1):
             key = keys[depth]
-            present.add(key)
-            touch(key, depth)
-        capacity = self.capacity_blocks
-        if capacity is not None:
-            while len(present) > capacity:
-                victim = self._policy.victim()
-                self._policy.remove(victim)
-                present.remove(victim)
+            tick += 1
+            record = stats.get(key)
+            if record is None:
+                record = stats[key] = BlockStats(tick, 1, 1, depth)
+            else:
+                record.last_access = tick
+                record.hits += 1
+                record.depth = depth
+            heapq.heappush(heap, (*rank(record), tick, key))
+        self._tick = tick
+        while len(stats) > capacity:
+            *_, touched, victim = heapq.heappop(heap)
+            record = stats.get(victim)
+            if record is not None and record.last_access == touched:
+                del stats[victim]
                 self.num_evictions += 1
+        if len(heap) > 4 * len(stats) + 1024:
+            self._heap = [(*rank(r), int(r.last_access), k) for k, r in stats.items()]
+            heapq.heapify(self._heap)
         return hit
 
 
