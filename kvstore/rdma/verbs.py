@@ -5,6 +5,9 @@ Part of the experimental :mod:`kvstore.rdma` package. :class:`MemoryRegionTable`
 :class:`VerbsContext` (device + protection domain + registrations) and :class:`RcQueuePair`
 (RESET → INIT → RTR → RTS, post and poll) call pyverbs and run only where a device exists: a
 software one (``rdma_rxe``) where the kernel has the module, never a real NIC so far.
+
+pyverbs is imported inside the methods that use it, on purpose: it is an optional system package
+(see :mod:`kvstore.rdma.devices`), and a host without it must still import this module.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvstore.errors import InvalidRequestError, OutOfRangeError, TransportUnavailableError
 from kvstore.rdma.devices import RdmaDevice, RdmaSettings, import_pyverbs
@@ -115,8 +120,6 @@ def address_of(buffer: memoryview) -> int:
     Raises:
         InvalidRequestError: the buffer is not contiguous.
     """
-    import numpy as np
-
     if not buffer.contiguous:
         raise InvalidRequestError("RDMA buffers must be contiguous")
     if buffer.nbytes == 0:
