@@ -45,9 +45,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvstore.client.adapters.vllm_server import VLLMServer, free_port  # noqa: E402
 from kvstore.embedded import EmbeddedCluster  # noqa: E402
-from kvstore.master.scheduler.report import format_table  # noqa: E402
-from kvstore.master.scheduler.slo import SLOClass  # noqa: E402
-from kvstore.master.scheduler.trace import TraceRequest  # noqa: E402
 from kvstore.replay.cli import (  # noqa: E402
     ReplayRun,
     load_slice,
@@ -66,6 +63,9 @@ from kvstore.replay.metrics import SLO_CLASSES  # noqa: E402
 from kvstore.replay.workload import ScaleConfig  # noqa: E402
 from kvstore.router.app import RouterConfig  # noqa: E402
 from kvstore.router.slo import DEFAULT_CLASSES  # noqa: E402
+from kvstore.sim.report import format_table  # noqa: E402
+from kvstore.sim.slo import SLOClass  # noqa: E402
+from kvstore.sim.trace import TraceRequest  # noqa: E402
 from tests.adapters.vllm_servers import (  # noqa: E402
     kv_config,
     missing_engine,

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
-from kvstore.master.scheduler import report
-from kvstore.master.scheduler.cluster import ClusterConfig
-from kvstore.master.scheduler.experiments import (
+from kvstore.sim import report
+from kvstore.sim.cluster import ClusterConfig
+from kvstore.sim.experiments import (
     BASELINES,
     CAPACITIES,
     MOONCAKE_NODE_BLOCKS,
@@ -29,9 +29,9 @@ from kvstore.master.scheduler.experiments import (
     pool_vs_local_rows,
     run_routers,
 )
-from kvstore.master.scheduler.policies import POLICIES
-from kvstore.master.scheduler.scheduler import SchedulerConfig
-from kvstore.master.scheduler.trace import load_trace
+from kvstore.sim.policies import POLICIES
+from kvstore.sim.scheduler import SchedulerConfig
+from kvstore.sim.trace import load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO / ".." / "shared" / "data" / "traces" / "conversation_trace.jsonl"

@@ -372,7 +372,6 @@ class Client:
         self._scratch = _Scratch()
         self._staging: CudaStaging | None = None  # made when a CUDA tensor first comes by
         self._staging_lock = threading.Lock()
-        self._tcp = self._data  # the name older callers used: same read/write interface
 
     @classmethod
     def connect(

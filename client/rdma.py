@@ -1,7 +1,10 @@
-"""RDMA transport: one-sided READ/WRITE straight between the caller's buffers and node arenas.
+"""EXPERIMENTAL RDMA transport: one-sided READ/WRITE between the caller's buffers and node arenas.
 
-Untested on real hardware (see :mod:`kvstore.rdma`, which also states the trust model: the rkey
-is the capability, as the arena file is for shm). Used by :class:`~kvstore.client.datapath.DataPath`
+The client's half of the experimental RDMA package: untested on real hardware; what is and is
+not tested, the package's shape and the trust model (the rkey is the capability, as the arena file
+is for shm) are in :mod:`kvstore.rdma`. It lives in the client layer, not under
+:mod:`kvstore.rdma`, because it is a client transport built on :mod:`kvstore.client.transport`'s
+pool and items, and the core must not import the client. Used by :class:`~kvstore.client.datapath.DataPath`
 for nodes that offer RDMA when this host has a device too.
 
 Per node, on first use, the client opens a TCP connection that it keeps for the session, makes
@@ -36,10 +39,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore import grants, protocol, rdma
+from kvstore import grants, protocol
 from kvstore.client.shm import SHM_WRITE_MARGIN_MS
 from kvstore.client.transport import Endpoint, NodePool, ReadItem, WriteItem
 from kvstore.errors import KVStoreError, ProtocolError, TransportUnavailableError
+from kvstore.rdma import devices, verbs, wire
 from kvstore.types import Location
 
 log = logging.getLogger(__name__)
@@ -75,14 +79,14 @@ class MrCache:
 
     def __init__(
         self,
-        register: Callable[[str, memoryview], rdma.MemoryRegion],
+        register: Callable[[str, memoryview], verbs.MemoryRegion],
         deregister: Callable[[str], None],
         capacity: int = MR_CACHE_SIZE,
     ) -> None:
         self._register = register
         self._deregister = deregister
         self.capacity = capacity
-        self.table = rdma.MemoryRegionTable()
+        self.table = verbs.MemoryRegionTable()
         self._keep: OrderedDict[str, memoryview] = OrderedDict()
         # name -> how many batches in flight use it (pinned: never evicted while counted)
         self._in_use: Counter[str] = Counter()
@@ -130,7 +134,7 @@ class MrCache:
                 return
             self._drop(name)
 
-    def _add(self, view: memoryview, addr: int) -> rdma.MemoryRegion:
+    def _add(self, view: memoryview, addr: int) -> verbs.MemoryRegion:
         whole = _whole_buffer(view, addr)
         self._trim(self.capacity - 1)  # batches may exceed the capacity until end_batch()
         overlapping = [
@@ -171,7 +175,7 @@ def _whole_buffer(view: memoryview, addr: int) -> tuple[memoryview, int]:
         with contextlib.suppress(TypeError, ValueError, KVStoreError):
             whole = memoryview(obj)
             if whole.contiguous and whole.nbytes >= view.nbytes:
-                start = rdma.address_of(whole)
+                start = verbs.address_of(whole)
                 if start <= addr and addr + view.nbytes <= start + whole.nbytes:
                     return whole, start
     return view, addr
@@ -187,7 +191,7 @@ class _Session:
 
     qp: Any
     conn: protocol.FramedSocket
-    offer: rdma.RdmaOffer
+    offer: wire.RdmaOffer
     last_used: float = field(default_factory=time.monotonic)  # a hint: written unlocked
     qp_lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0  # threads holding this session (planning, waiting for or running the QP)
@@ -206,7 +210,7 @@ class _Node:
     """
 
     node_id: str
-    offer: rdma.RdmaOffer
+    offer: wire.RdmaOffer
     lock: threading.Lock = field(default_factory=threading.Lock)
     session: _Session | None = None
     #: Set when the connect (or the keepalive ping) in flight ends, however it ends.
@@ -224,7 +228,7 @@ class _Plan:
     items: list[Any] = field(default_factory=list)
     todo: list[tuple[Any, memoryview, int, list[list[int]]]] = field(default_factory=list)
     session: _Session | None = None
-    ops: list[rdma.RdmaOp] = field(default_factory=list)
+    ops: list[verbs.RdmaOp] = field(default_factory=list)
     pins: list[str] = field(default_factory=list)
 
 
@@ -252,7 +256,7 @@ class RdmaTransport:
       thread at a time (completions would otherwise be counted by the wrong poller). Holding a
       lock there is acceptable because the lock belongs to one node's queue pair (never shared
       across nodes, so another node's users never wait on it), ``run`` calls nothing of ours and
-      is bounded by :data:`~kvstore.rdma.COMPLETION_TIMEOUT_S`, and a waiter waits for it with
+      is bounded by :data:`~kvstore.rdma.verbs.COMPLETION_TIMEOUT_S`, and a waiter waits for it with
       its own deadline, then uses TCP for that batch. Under it, ``_Node.lock`` is taken only to
       read whether the session was retired meanwhile.
     - The device context (opened once, ``ibv_open_device``) and memory registrations are local
@@ -263,24 +267,24 @@ class RdmaTransport:
         pool: where TCP connections to nodes come from (for ``rdma_connect``); its timeout is
             also the longest a batch waits for another thread's connect or queue pair.
         settings: port and GID index.
-        open_context: opens the device (:class:`~kvstore.rdma.VerbsContext`) and
-        make_qp: makes a queue pair on it (:class:`~kvstore.rdma.RcQueuePair`); tests pass
+        open_context: opens the device (:class:`~kvstore.rdma.verbs.VerbsContext`) and
+        make_qp: makes a queue pair on it (:class:`~kvstore.rdma.verbs.RcQueuePair`); tests pass
             software stand-ins, as no device exists where they run.
     """
 
     def __init__(
         self,
-        device: rdma.RdmaDevice,
+        device: devices.RdmaDevice,
         pool: NodePool,
-        settings: rdma.RdmaSettings,
+        settings: devices.RdmaSettings,
         open_context: Callable[[], Any] | None = None,
         make_qp: Callable[[Any], Any] | None = None,
     ) -> None:
         self.device = device
         self.pool = pool
         self.settings = settings
-        self._open_context = open_context or (lambda: rdma.VerbsContext(device, settings))
-        self._make_qp = make_qp or rdma.RcQueuePair
+        self._open_context = open_context or (lambda: verbs.VerbsContext(device, settings))
+        self._make_qp = make_qp or verbs.RcQueuePair
         self._nodes: dict[str, _Node] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -292,7 +296,7 @@ class RdmaTransport:
         #: (a node that restarted publishes a new one, and :meth:`learn` then retries RDMA).
         self.dropped: set[str] = set()
 
-    def learn(self, node_id: str, offer: rdma.RdmaOffer) -> None:
+    def learn(self, node_id: str, offer: wire.RdmaOffer) -> None:
         """Record a node's offer; a changed one ends the node's session (the node restarted), or
         clears its recorded failure, so RDMA is tried again. In-memory only: never waits."""
         with self._lock:
@@ -385,7 +389,9 @@ class RdmaTransport:
         """The node now uses TCP (its failure is recorded): say so once, and have the data path
         ask the master for its offer again."""
         self.dropped.add(node.node_id)
-        rdma.log_fallback(f"rdma-node-{node.node_id}", f"client, node {node.node_id}", err.message)
+        devices.log_fallback(
+            f"rdma-node-{node.node_id}", f"client, node {node.node_id}", err.message
+        )
 
     def _context(self) -> Any:
         with self._ctx_lock:
@@ -400,7 +406,7 @@ class RdmaTransport:
                     self._ctx_error = err
             ctx, err = self._ctx, self._ctx_error
         if err is not None:
-            rdma.log_fallback("rdma-client-open", "client", err.message)
+            devices.log_fallback("rdma-client-open", "client", err.message)
         return ctx
 
     def _node(self, node_id: str) -> _Node | None:
@@ -451,7 +457,7 @@ class RdmaTransport:
         node: _Node,
         endpoint: Endpoint,
         generation: int,
-        offer: rdma.RdmaOffer,
+        offer: wire.RdmaOffer,
         stale: _Session | None,
         deadline: float,
     ) -> _Session | None:
@@ -505,7 +511,7 @@ class RdmaTransport:
         return s
 
     def _connect(
-        self, ctx: Any, endpoint: Endpoint, offer: rdma.RdmaOffer, deadline: float
+        self, ctx: Any, endpoint: Endpoint, offer: wire.RdmaOffer, deadline: float
     ) -> _Session:
         """A queue pair connected to the node's through ``rdma_connect`` (its reply awaited until
         ``deadline``, a ``time.monotonic()``).
@@ -529,7 +535,7 @@ class RdmaTransport:
             result = response.unwrap()
             if not isinstance(result, dict):
                 raise TransportUnavailableError("rdma_connect: malformed reply")
-            qp.connect(rdma.QpEndpoint.from_wire(result.get("endpoint")), psn)
+            qp.connect(wire.QpEndpoint.from_wire(result.get("endpoint")), psn)
         except (OSError, ConnectionError) as exc:
             conn.close()
             qp.close()
@@ -589,10 +595,10 @@ class RdmaTransport:
             pos = 0
             write = grant.op == grants.OP_WRITE
             for start, length in ranges:
-                for done in range(0, length, rdma.MAX_OP_BYTES):
-                    n = min(rdma.MAX_OP_BYTES, length - done)
+                for done in range(0, length, verbs.MAX_OP_BYTES):
+                    n = min(verbs.MAX_OP_BYTES, length - done)
                     remote = raddr + grant.offset + start + done
-                    plan.ops.append(rdma.RdmaOp(write, laddr + pos + done, lkey, n, remote, rkey))
+                    plan.ops.append(verbs.RdmaOp(write, laddr + pos + done, lkey, n, remote, rkey))
                 pos += length
 
     def _run_node(self, plan: _Plan, deadline: float) -> bool:
@@ -644,7 +650,7 @@ class RdmaTransport:
                 ranges = self._eligible(
                     node, loc, view, op, item.ranges if op == grants.OP_READ else None
                 )
-                laddr = rdma.address_of(view) if ranges is not None else 0
+                laddr = verbs.address_of(view) if ranges is not None else 0
             except KVStoreError as err:
                 if op == grants.OP_READ and not isinstance(err, TransportUnavailableError):
                     item.result = err

@@ -9,11 +9,14 @@ range      subsystem
 2xx        objects: missing, busy, corrupt
 3xx        space: allocation, tiers
 4xx        nodes and the data plane
-5xx        time: deadlines, leases
+5xx        time: deadlines
 6xx        control plane: leadership, epochs
 7xx        security
 9xx        internal invariants
 =========  ==========================================
+
+Every code is raised somewhere (``tests/kvstore/test_errors.py`` checks): a code nothing raises is
+removed and its number retired, never reused, since an older peer may still send it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class ErrorCode(enum.IntEnum):
     TRANSPORT_UNAVAILABLE = 404
 
     TIMEOUT = 500
-    LEASE_EXPIRED = 501
+    # NOTE: 501 was LEASE_EXPIRED, never raised and removed: do not reuse the number.
 
     NOT_LEADER = 600
     STALE_EPOCH = 601
@@ -194,10 +197,6 @@ class KVTimeoutError(KVStoreError, builtins.TimeoutError):
     code = ErrorCode.TIMEOUT
 
 
-class LeaseExpiredError(KVStoreError):
-    code = ErrorCode.LEASE_EXPIRED
-
-
 class NotLeaderError(KVStoreError):
     code = ErrorCode.NOT_LEADER
 
@@ -247,7 +246,6 @@ for _cls in (
     OutOfRangeError,
     TransportUnavailableError,
     KVTimeoutError,
-    LeaseExpiredError,
     NotLeaderError,
     StaleEpochError,
     MasterUnavailableError,
@@ -259,6 +257,3 @@ for _cls in (
     _BY_CODE.setdefault(_cls.code, _cls)
 _BY_CODE[ErrorCode.FRAME_TOO_LARGE] = ProtocolError
 _BY_CODE[ErrorCode.VERSION_MISMATCH] = ProtocolError
-
-# Public alias: "TimeoutError-like" in the issue text.
-TimeoutError = KVTimeoutError  # noqa: A001

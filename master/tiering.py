@@ -1,6 +1,6 @@
 """The tier manager: placement across tiers, watermark eviction, demotion and promotion.
 
-Mechanism here, policy in ``eviction.py`` (which only ranks candidates).
+Mechanism here, policy in :mod:`kvstore.eviction` (which only ranks candidates).
 
 - **Placement**: a put goes to the fastest tier with room (HBM, then DRAM, then NVMe), on k
   distinct nodes. When no node has room, the put evicts synchronously: on a node, from its last
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import InvalidRequestError, NoSpaceError
-from kvstore.master.eviction import make_policy
+from kvstore.eviction import make_policy
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task
 

@@ -179,15 +179,15 @@ def node_transports(
     server: DataServer, arena_files: dict[str, Path], shm: bool
 ) -> dict[str, dict[str, object]]:
     """What this node offers beyond TCP: shm when asked for (``--shm``), RDMA where a device is."""
-    from kvstore.node import rdma_verbs
     from kvstore.node.shm_verbs import make_shm_commit
+    from kvstore.rdma import node as rdma_node
     from kvstore.transports import ShmOffer
 
     offered: dict[str, dict[str, object]] = {}
     if shm:
         server._verbs["shm_commit"] = make_shm_commit(server)
         offered["shm"] = ShmOffer.of_files(arena_files).to_wire()
-    rdma_offer = rdma_verbs.install(server)
+    rdma_offer = rdma_node.install(server)
     if rdma_offer is not None:
         offered["rdma"] = rdma_offer
     return offered

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.slo import SLOClass
-from kvstore.master.scheduler.trace import TraceRequest, load_trace
+from kvstore.sim.slo import SLOClass
+from kvstore.sim.trace import TraceRequest, load_trace
 
 from . import report
 from .fit import ENGINE_MODELS, CostFit, Prediction, SimShape, fit_cost_model, simulate_slice

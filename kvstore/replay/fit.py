@@ -17,12 +17,12 @@ Two least-squares fits over the served requests:
 In the TBT fit a slope that comes out negative (too few or too similar points) is dropped and
 the base refit as the mean. The attention (token-pair) and KV-size terms of the model are left at 0: the
 scaled prompts are short. Then :func:`simulate_slice` runs the slice through
-:func:`kvstore.master.scheduler.simulator.simulate` with the measured send times as arrivals (so
+:func:`kvstore.sim.simulator.simulate` with the measured send times as arrivals (so
 a ``--concurrency`` limit is in both), on a cluster shaped like the live one.
 
 That is the P/D model (FIFO prefill instances beside decode instances, the default). With
 ``SimShape(engine_model="kv_both")`` the slice runs instead on ``kv_both`` continuous-batching
-engines behind the live router's policy (:mod:`kvstore.master.scheduler.kvboth`), with step
+engines behind the live router's policy (:mod:`kvstore.sim.kvboth`), with step
 costs fitted by :func:`kvstore.replay.stepfit.fit_step_model`.
 """
 
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.cluster import ClusterConfig
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.engine import EngineConfig, StepCost
-from kvstore.master.scheduler.kvboth import LIVE_POLICIES, KvBothConfig, simulate_kv_both
-from kvstore.master.scheduler.scheduler import ROUTERS, SchedulerConfig
-from kvstore.master.scheduler.simulator import SimConfig, SimResult, simulate
-from kvstore.master.scheduler.slo import SLOClass
-from kvstore.master.scheduler.trace import TraceRequest
+from kvstore.sim.cluster import ClusterConfig
+from kvstore.sim.cost import CostModel
+from kvstore.sim.engine import EngineConfig, StepCost
+from kvstore.sim.kvboth import LIVE_POLICIES, KvBothConfig, simulate_kv_both
+from kvstore.sim.scheduler import ROUTERS, SchedulerConfig
+from kvstore.sim.simulator import SimConfig, SimResult, simulate
+from kvstore.sim.slo import SLOClass
+from kvstore.sim.trace import TraceRequest
 
 from .loadgen import RequestResult
 from .workload import ReplayRequest

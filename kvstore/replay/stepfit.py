@@ -1,6 +1,6 @@
 """Fit the ``kv_both`` engine model's step costs to a measured run.
 
-The engine model (:mod:`kvstore.master.scheduler.engine`) says a step takes ``step_base_s +
+The engine model (:mod:`kvstore.sim.engine`) says a step takes ``step_base_s +
 decode_s_per_seq * decoding + prefill_s_per_token * prefill tokens``, and that a request
 reaches its engine ``request_overhead_s`` after it was sent. A streamed run shows the steps
 from outside: each engine emits one token per running sequence per step, so on one engine
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.engine import StepCost
+from kvstore.sim.engine import StepCost
 
 from .fit import uncached_tokens
 from .loadgen import RequestResult

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
+from kvstore.sim.trace import MOONCAKE_BLOCK_SIZE, TraceRequest
 
 #: Token ids are drawn from this range: clear of SmolLM2's special tokens (ids below 17) and
 #: inside every vocabulary of 40k ids or more.

@@ -49,8 +49,8 @@ from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace, block_keys
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.slo import SLOClass
+from kvstore.sim.cost import CostModel
+from kvstore.sim.slo import SLOClass
 
 from .admission import EngineSlots
 from .engine_cache import EngineEvents, chain_keys

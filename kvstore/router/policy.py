@@ -7,7 +7,7 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
   ``c - l`` cached tokens beyond the engine's own hit, if any) + prefill of ``n`` tokens on top
   of ``max(c, l)`` + one decode step of the batch
   already running there; in P/D mode the decode engine then loads the whole prompt from the
-  pool (one more transfer). The terms are :class:`~kvstore.master.scheduler.cost.CostModel`'s,
+  pool (one more transfer). The terms are :class:`~kvstore.sim.cost.CostModel`'s,
   with parameters fitted per engine (:mod:`.fit`). The queue wait is what the router itself
   still has in flight there (its predicted prefill seconds) plus the engine's own waiting
   requests, each costed like this one.
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.kvboth import least_loaded
-from kvstore.master.scheduler.slo import SLOClass
+from kvstore.sim.cost import CostModel
+from kvstore.sim.kvboth import least_loaded
+from kvstore.sim.slo import SLOClass
 
 #: Watermarks on a decode engine's KV use (fraction of its KV blocks). The high one is the
 #: scheduler package's default (``SchedulerConfig.kv_high_watermark``).

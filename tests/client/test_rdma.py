@@ -29,10 +29,11 @@ from kvstore.errors import (
     OutOfRangeError,
     TransportUnavailableError,
 )
-from kvstore.node import rdma_verbs
 from kvstore.node.arena import ShmArena
-from kvstore.node.rdma_verbs import NodeRdma
 from kvstore.node.server import DataServer
+from kvstore.rdma import node as rdma_node
+from kvstore.rdma import verbs as rdma_verbs
+from kvstore.rdma.node import NodeRdma
 from kvstore.types import Location
 from tests.support import has_rdma_device, wait_until
 
@@ -136,7 +137,7 @@ def test_client_falls_back_to_tcp_once_when_rdma_cannot_be_used(
     """The node publishes an RDMA offer (test hook) but neither side can open a device."""
     monkeypatch.setenv(rdma.TEST_DEVICE_ENV, "pretend0")
     cluster = cluster_factory()  # the node process inherits the hook
-    rdma._logged.clear()
+    rdma.devices._logged.clear()
     rng = np.random.default_rng(5)
     values = {
         f"r{i}": rng.integers(0, 256, n, dtype=np.uint8) for i, n in enumerate([1, 4096, 1 << 20])
@@ -329,7 +330,7 @@ class LoopNode:
         self.ctx = LoopbackContext(fabric, device)
         self.ctx.register("dram", self.arena.view, remote=True)
         self.service = NodeRdma(self.ctx, max_qps=2, make_qp=LoopbackQp)
-        rdma_verbs.serve(self.server, self.service)
+        rdma_node.serve(self.server, self.service)
         self.server.start()
 
     def loc(self, op: str, offset: int, size: int, ttl_ms: int = 60_000) -> Location:
@@ -438,7 +439,7 @@ def test_loopback_keeps_to_the_grant(loopback) -> None:
 
 
 def test_loopback_queue_pair_bound_and_teardown(loopback, caplog) -> None:
-    rdma._logged.clear()
+    rdma.devices._logged.clear()
     clients = [loopback.client() for _ in range(3)]
     items = [
         ReadItem(loopback.loc(grants.OP_READ, 0, 8), memoryview(bytearray(8))) for _ in clients
@@ -455,7 +456,7 @@ def test_loopback_queue_pair_bound_and_teardown(loopback, caplog) -> None:
 
 
 def test_loopback_queue_pair_error_falls_back_for_that_node(loopback, caplog) -> None:
-    rdma._logged.clear()
+    rdma.devices._logged.clear()
     t = loopback.client()
     ok = ReadItem(loopback.loc(grants.OP_READ, 0, 8), memoryview(bytearray(8)))
     assert t.read([ok]) == []
@@ -477,7 +478,7 @@ def test_loopback_queue_pair_error_falls_back_for_that_node(loopback, caplog) ->
 
 
 def test_loopback_splits_large_ranges(loopback, monkeypatch) -> None:
-    monkeypatch.setattr(rdma, "MAX_OP_BYTES", 1000)
+    monkeypatch.setattr(rdma_verbs, "MAX_OP_BYTES", 1000)
     t = loopback.client()
     value = np.random.default_rng(7).integers(0, 256, 4500, dtype=np.uint8)
     loopback.arena.view[8192 : 8192 + 4500] = value.tobytes()
@@ -534,7 +535,7 @@ def test_a_silent_node_times_out_and_falls_back_with_one_line(loopback, caplog) 
     """Node a never answers rdma_connect: the connect ends at the client's timeout, a second
     reader of a waits for that one connect (no second one), both leave their items for TCP, one
     line says so, and node b's reads go on meanwhile."""
-    rdma._logged.clear()
+    rdma.devices._logged.clear()
     a, b = loopback.add_node("a"), loopback.add_node("b")
     data_b = _fill(b, 3)
     t = loopback.client(timeout=2.0)

@@ -6,8 +6,8 @@ import pytest
 
 from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
+from kvstore.eviction import EVICTION_POLICIES, make_policy
 from kvstore.manifest import ManifestClaim
-from kvstore.master.eviction import EVICTION_POLICIES, make_policy
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.tiering import TierConfig
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec

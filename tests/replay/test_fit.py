@@ -7,7 +7,6 @@ import math
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.slo import SLOClass
 from kvstore.replay.fit import (
     SimShape,
     decode_batch_sizes,
@@ -21,6 +20,7 @@ from kvstore.replay.fit import (
 from kvstore.replay.loadgen import RequestResult
 from kvstore.replay.stepfit import fit_step_model
 from kvstore.replay.workload import ReplayRequest
+from kvstore.sim.slo import SLOClass
 
 SLO = SLOClass("t", ttft_s=1.0, tbt_s=0.1)
 

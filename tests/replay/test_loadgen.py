@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.slo import SLOClass
-from kvstore.master.scheduler.trace import TraceRequest
 from kvstore.replay.loadgen import LoadConfig, request_body, resolve_model, run_replay
 from kvstore.replay.metrics import summarize
 from kvstore.replay.workload import ScaleConfig, build_requests, ideal_cached_tokens
+from kvstore.sim.slo import SLOClass
+from kvstore.sim.trace import TraceRequest
 from tests.replay.fake_openai import FakeOpenAI
 
 SCALE = ScaleConfig(block_tokens=32, max_output_tokens=4, time_scale=0.0)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.engine import EngineConfig, StepCost
-from kvstore.master.scheduler.kvboth import KvBothConfig, simulate_kv_both
-from kvstore.master.scheduler.trace import TraceRequest
 from kvstore.replay.loadgen import RequestResult
 from kvstore.replay.stepfit import fit_step_model, nonnegative_lstsq, step_rows
+from kvstore.sim.engine import EngineConfig, StepCost
+from kvstore.sim.kvboth import KvBothConfig, simulate_kv_both
+from kvstore.sim.trace import TraceRequest
 
 
 def synthetic_run(

@@ -8,7 +8,6 @@ import sys
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.trace import TraceRequest
 from kvstore.replay.workload import (
     ScaleConfig,
     block_tokens_for,
@@ -17,6 +16,7 @@ from kvstore.replay.workload import (
     scale_request,
     synthesize_prompt,
 )
+from kvstore.sim.trace import TraceRequest
 
 BT = 32
 

@@ -12,7 +12,6 @@ import pytest
 import xxhash
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.slo import SLOClass
 from kvstore.router.app import CPU_PRIOR, RouterConfig
 from kvstore.router.engine_cache import (
     EngineCacheEvent,
@@ -23,6 +22,7 @@ from kvstore.router.engine_cache import (
 )
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.policy import EngineView, RequestShape, choose, estimate_ttft
+from kvstore.sim.slo import SLOClass
 
 # ``msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.5, events=[...], data_parallel_rank=0))``
 # under vLLM 0.32 with: BlockStored(hashes [01*32, 02*32], parent None, tokens 0..7, block size

@@ -8,8 +8,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.slo import SLOClass
 from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.policy import (
     DEFAULT_POLICY,
@@ -22,6 +20,8 @@ from kvstore.router.policy import (
     predicted_tbt,
     watermark_state,
 )
+from kvstore.sim.cost import CostModel
+from kvstore.sim.slo import SLOClass
 
 COST = CostModel(
     block_size_tokens=32,

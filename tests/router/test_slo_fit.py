@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.cost import CostModel
 from kvstore.router.admission import EngineSlots
 from kvstore.router.engines import EngineLoad, make_engines
 from kvstore.router.fit import EngineFit, LineFit
 from kvstore.router.slo import SLOPolicy
+from kvstore.sim.cost import CostModel
 
 
 def _slots() -> EngineSlots:

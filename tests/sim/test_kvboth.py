@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.engine import EngineConfig, StepCost
-from kvstore.master.scheduler.kvboth import (
+from kvstore.sim.engine import EngineConfig, StepCost
+from kvstore.sim.kvboth import (
     KvBothConfig,
     estimate_ttft,
     last_poll_s,
     simulate_kv_both,
 )
-from kvstore.master.scheduler.trace import TraceRequest
+from kvstore.sim.trace import TraceRequest
 
 COST = StepCost(step_base_s=0.01, decode_s_per_seq=0.002, prefill_s_per_token=0.0001)
 

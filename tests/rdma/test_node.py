@@ -1,4 +1,4 @@
-"""The node's RDMA verbs: queue-pair bookkeeping (pure), and a node without a device refusing
+"""The node's RDMA side: queue-pair bookkeeping (pure), and a node without a device refusing
 ``rdma_connect`` with a typed error over a real socket, from a real node process."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from kvstore import protocol, rdma
 from kvstore.errors import ProtocolError, TransportUnavailableError
-from kvstore.node.rdma_verbs import QpBook
+from kvstore.rdma.node import QpBook
 
 
 def test_book_bounds_the_number_of_queue_pairs() -> None:

@@ -5,9 +5,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.policies import POLICIES, BlockCache, make_policy
-from kvstore.master.scheduler.replay import replay_per_instance, replay_pool
-from kvstore.master.scheduler.trace import TraceRequest
+from kvstore.eviction import EVICTION_POLICIES
+from kvstore.sim.policies import (
+    POLICIES,
+    BlockCache,
+    BlockStats,
+    LengthAwarePolicy,
+    make_policy,
+)
+from kvstore.sim.replay import replay_per_instance, replay_pool
+from kvstore.sim.trace import TraceRequest
 
 from .factories import synthetic_trace
 
@@ -147,3 +154,34 @@ def test_cache_aware_routing_keeps_conversations_together() -> None:
     rr = replay_per_instance(requests, 4, None, "lru", "round-robin").hit_rate
     aware = replay_per_instance(requests, 4, None, "lru", "cache-aware").hit_rate
     assert aware > rr
+
+
+def test_the_simulator_ranks_with_the_stores_policies() -> None:
+    """One vocabulary: "lru" and "lfu" are kvstore.eviction's, and every name makes a policy
+    that calls itself by it."""
+    for name, factory in EVICTION_POLICIES.items():
+        assert POLICIES[name] is factory
+    for name in POLICIES:
+        assert make_policy(name).name == name
+
+
+def test_block_records_are_candidates_the_store_can_rank() -> None:
+    old, new = BlockStats(1, 5, 1, 0), BlockStats(2, 1, 1, 3)
+    assert EVICTION_POLICIES["lru"]().rank([new, old], 1) == [old]
+    assert EVICTION_POLICIES["lfu"]().rank([old, new], 1) == [new]
+    assert LengthAwarePolicy(ticks_per_depth=1.0).rank([old, new], 1) == [new]  # 2 - 3 < 1
+
+
+def test_negative_depth_weight_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="ticks_per_depth must be >= 0"):
+        LengthAwarePolicy(ticks_per_depth=-1.0)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_the_victim_heap_stays_bounded(policy: str) -> None:
+    """Lazy deletion leaves stale heap entries; the cache rebuilds before they pile up."""
+    cache = BlockCache(8, policy)
+    for i in range(5_000):
+        cache.access((i % 10, 100 + i % 3))
+        assert len(cache) <= 8
+        assert len(cache._heap) <= 4 * len(cache) + 1024 + 2

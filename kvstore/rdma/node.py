@@ -1,9 +1,11 @@
-"""The node's side of the RDMA transport: queue pairs per client connection, and commits.
+"""EXPERIMENTAL: the node's side of the RDMA transport: queue pairs per client connection, commits.
 
-Untested on real hardware (see :mod:`kvstore.rdma`). Where this node has a device it opens it at
-start, registers every DRAM arena once as a memory region with remote READ/WRITE (kept in the
-context's :class:`~kvstore.rdma.MemoryRegionTable`) and publishes an
-:class:`~kvstore.rdma.RdmaOffer`. Clients then connect queue pairs over their TCP connection:
+Part of the experimental :mod:`kvstore.rdma` package (what is tested is said there; real hardware
+is not). Here rather than in :mod:`kvstore.node` so that all of RDMA's node code is one place that
+reads as experimental; the node daemon calls :func:`install` and nothing else. Where this node has
+a device it opens it at start, registers every DRAM arena once as a memory region with remote
+READ/WRITE (kept in the context's :class:`~kvstore.rdma.verbs.MemoryRegionTable`) and publishes an
+:class:`~kvstore.rdma.wire.RdmaOffer`. Clients then connect queue pairs over their TCP connection:
 
 ``rdma_connect``  ``{"endpoint": QpEndpoint}`` → ``{"endpoint": QpEndpoint}``: the node makes an
                   RC queue pair for *this TCP connection*, moves it to RTS towards the client's
@@ -23,8 +25,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from kvstore import protocol, rdma
+from kvstore import protocol
 from kvstore.errors import ProtocolError, TransportUnavailableError
+from kvstore.node.shm_verbs import make_shm_commit
+from kvstore.rdma import devices, verbs, wire
 
 if TYPE_CHECKING:
     from kvstore.node.arena import ShmArena
@@ -103,7 +107,7 @@ class NodeRdma:
     Args:
         ctx: the opened device with the arenas registered (see :meth:`open`).
         max_qps: the most queue pairs alive at once.
-        make_qp: makes a queue pair on ``ctx`` (:class:`~kvstore.rdma.RcQueuePair`; tests pass a
+        make_qp: makes a queue pair on ``ctx`` (:class:`~kvstore.rdma.verbs.RcQueuePair`; tests pass a
             software stand-in, as no device exists where they run).
     """
 
@@ -115,18 +119,18 @@ class NodeRdma:
     ) -> None:
         self.ctx = ctx
         self.book: QpBook[Any] = QpBook(max_qps)
-        self._make_qp = make_qp or rdma.RcQueuePair
+        self._make_qp = make_qp or verbs.RcQueuePair
 
     @staticmethod
     def open(
-        device: rdma.RdmaDevice, arenas: dict[str, ShmArena], settings: rdma.RdmaSettings
+        device: devices.RdmaDevice, arenas: dict[str, ShmArena], settings: devices.RdmaSettings
     ) -> NodeRdma:  # pragma: no cover - needs an RDMA device
         """Open ``device`` and register every arena once with remote READ/WRITE.
 
         Raises:
             TransportUnavailableError: the device cannot be opened or an arena registered.
         """
-        ctx = rdma.VerbsContext(device, settings)
+        ctx = verbs.VerbsContext(device, settings)
         try:
             for name, arena in arenas.items():
                 ctx.register(name, arena.view, remote=True)
@@ -135,14 +139,14 @@ class NodeRdma:
             raise
         return NodeRdma(ctx)
 
-    def offer(self) -> rdma.RdmaOffer:
+    def offer(self) -> wire.RdmaOffer:
         """What to publish: the device's address and each registered arena's region."""
         regions = {r.name: (r.addr, r.length, r.rkey) for r in self.ctx.mrs.regions()}
-        return rdma.RdmaOffer(
+        return wire.RdmaOffer(
             self.ctx.device.name, self.ctx.port, self.ctx.gid, self.ctx.lid, regions
         )
 
-    def accept(self, conn_id: int, remote: rdma.QpEndpoint) -> rdma.QpEndpoint:
+    def accept(self, conn_id: int, remote: wire.QpEndpoint) -> wire.QpEndpoint:
         """A new queue pair for ``conn_id``, in RTS towards ``remote``; returns its endpoint.
 
         Raises:
@@ -180,7 +184,7 @@ def make_rdma_connect(service: NodeRdma | None) -> Callable[..., None]:
     ) -> None:
         if payload_len:
             raise ProtocolError("rdma_connect takes no payload")
-        remote = rdma.QpEndpoint.from_wire(req.args.get("endpoint"))
+        remote = wire.QpEndpoint.from_wire(req.args.get("endpoint"))
         if service is None:
             raise TransportUnavailableError("this node has no usable RDMA device; use TCP")
         local = service.accept(id(fs), remote)
@@ -192,19 +196,19 @@ def make_rdma_connect(service: NodeRdma | None) -> Callable[..., None]:
 def serve(server: DataServer, service: NodeRdma | None) -> None:
     """Give ``server`` the RDMA verbs. ``rdma_connect`` is installed even without a device, so a
     client asking such a node gets a typed TransportUnavailableError, not an unknown verb."""
-    from kvstore.node.shm_verbs import make_shm_commit
-
     server._verbs["rdma_connect"] = make_rdma_connect(service)
     if service is not None:
         server._verbs["rdma_commit"] = make_shm_commit(server, via="RDMA")
         server.on_disconnect.append(lambda fs: service.disconnected(id(fs)))
 
 
-def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> dict[str, Any] | None:
+def install(
+    server: DataServer, settings: devices.RdmaSettings | None = None
+) -> dict[str, Any] | None:
     """Open this host's device (if any) and serve RDMA; returns the offer to publish, or None
     (logged once why)."""
-    settings = settings or rdma.RdmaSettings.from_env()
-    device = rdma.first_device("node", settings)
+    settings = settings or devices.RdmaSettings.from_env()
+    device = devices.first_device("node", settings)
     service: NodeRdma | None = None
     if device is not None and not settings.pretend_device:  # pragma: no cover - needs a device
         try:
@@ -214,12 +218,12 @@ def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> di
                 device.name,
             )
         except TransportUnavailableError as err:
-            rdma.log_fallback("rdma-node-open", "node", err.message)
+            devices.log_fallback("rdma-node-open", "node", err.message)
     serve(server, service)
     if service is not None:  # pragma: no cover - needs a device
         return service.offer().to_wire()
     if settings.pretend_device:
-        log.warning("node: %s is set: publishing a pretend RDMA offer", rdma.TEST_DEVICE_ENV)
+        log.warning("node: %s is set: publishing a pretend RDMA offer", devices.TEST_DEVICE_ENV)
         return pretend_offer(settings.pretend_device, server.segments)
     return None
 
@@ -227,4 +231,4 @@ def install(server: DataServer, settings: rdma.RdmaSettings | None = None) -> di
 def pretend_offer(device: str, arenas: dict[str, ShmArena]) -> dict[str, Any]:
     """The test hook's offer: the arenas' sizes, no real addresses or keys (rkey 0)."""
     regions = {name: (0, arena.size, 0) for name, arena in arenas.items()}
-    return rdma.RdmaOffer(device, 1, bytes(16), 0, regions).to_wire()
+    return wire.RdmaOffer(device, 1, bytes(16), 0, regions).to_wire()

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m kvstore.master.scheduler TRACE [--limit N] [--prefill 4] [--decode 4]
+    python -m kvstore.sim TRACE [--limit N] [--prefill 4] [--decode 4]
         [--local-blocks 5860] [--pool-blocks 23440|unlimited|0] [--policy lru]
         [--routers round-robin,least-loaded,cache-only,conductor] [--speedup 1.0]
         [--ttft-slo 30] [--tbt-slo 0.1] [--no-reject] [--ablation] [--hit-rates] [--out DIR]
@@ -41,7 +41,7 @@ def _blocks(text: str) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m kvstore.master.scheduler",
+        prog="python -m kvstore.sim",
         description="Replay a Mooncake-format trace through kvstore's scheduler simulator.",
     )
     parser.add_argument("trace", type=Path, help="JSONL trace (timestamp, lengths, hash_ids)")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.engine import (
+from kvstore.sim.engine import (
     EngineConfig,
     EngineRequest,
     KvBothEngine,
     StepCost,
     hit_tokens,
 )
-from kvstore.master.scheduler.policies import BlockCache
+from kvstore.sim.policies import BlockCache
 
 COST = StepCost(step_base_s=0.01, decode_s_per_seq=0.002, prefill_s_per_token=0.0001)
 

@@ -6,11 +6,11 @@ import json
 import random
 from pathlib import Path
 
-from kvstore.master.scheduler.trace import TraceRequest, parse_trace_lines
+from kvstore.sim.trace import TraceRequest, parse_trace_lines
 
-#: The repository root is three folders above this one; shared/ is its sibling.
+#: The repository root is two folders above this one; shared/ is its sibling.
 TRACE_PATH = (
-    Path(__file__).resolve().parents[3]
+    Path(__file__).resolve().parents[2]
     / ".."
     / "shared"
     / "data"

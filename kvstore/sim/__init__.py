@@ -1,4 +1,13 @@
-"""Cache-aware scheduling (Mooncake's Conductor) and a trace-driven simulator.
+"""The offline simulator: cache-aware scheduling (Mooncake's Conductor) replayed over traces.
+
+Why a package of its own, beside the router (:mod:`kvstore.router`) and the trace replayer
+(:mod:`kvstore.replay`) rather than inside the master: nothing here runs in a master or touches the
+data plane. It replays Mooncake-format traces through cost models, block caches and routers for
+what-ifs at scales one machine cannot run (``python -m kvstore.sim TRACE``,
+``bench/bench_scheduler.py``), and lends the live router and the replayer their shared vocabulary
+(:class:`CostModel`, :class:`SLOClass`, :class:`TraceRequest`). It imports only the core's errors:
+never :mod:`kvstore.master`, :mod:`kvstore.client` or the router, so the router and the replayer
+may import it, not the reverse.
 
 Modules, each owning one thing:
 

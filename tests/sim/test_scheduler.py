@@ -7,16 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.cluster import ClusterConfig, ClusterState
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.scheduler import (
+from kvstore.sim.cluster import ClusterConfig, ClusterState
+from kvstore.sim.cost import CostModel
+from kvstore.sim.scheduler import (
     ROUTERS,
     Router,
     SchedulerConfig,
     ScheduleRequest,
     make_router,
 )
-from kvstore.master.scheduler.slo import SLOClass
+from kvstore.sim.slo import SLOClass
 
 BS = 512
 COST = CostModel()

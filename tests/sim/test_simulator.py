@@ -8,13 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.cluster import ClusterConfig
-from kvstore.master.scheduler.cost import CostModel
-from kvstore.master.scheduler.experiments import BASELINES, best_baseline, run_routers
-from kvstore.master.scheduler.replay import replay_pool
-from kvstore.master.scheduler.scheduler import ROUTERS, SchedulerConfig
-from kvstore.master.scheduler.simulator import SimConfig, simulate
-from kvstore.master.scheduler.trace import parse_trace_lines
+from kvstore.sim.cluster import ClusterConfig
+from kvstore.sim.cost import CostModel
+from kvstore.sim.experiments import BASELINES, best_baseline, run_routers
+from kvstore.sim.replay import replay_pool
+from kvstore.sim.scheduler import ROUTERS, SchedulerConfig
+from kvstore.sim.simulator import SimConfig, simulate
+from kvstore.sim.trace import parse_trace_lines
 
 from .factories import synthetic_trace, trace_line
 

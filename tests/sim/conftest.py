@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.master.scheduler.trace import TraceRequest, load_trace
+from kvstore.sim.trace import TraceRequest, load_trace
 
 from .factories import TRACE_PATH
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.scheduler.trace import (
+from kvstore.sim.trace import (
     TraceFormatError,
     load_trace,
     num_blocks_for,

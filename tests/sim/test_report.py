@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.master.scheduler.__main__ import main
-from kvstore.master.scheduler.report import capacity_label, format_table
+from kvstore.sim.__main__ import main
+from kvstore.sim.report import capacity_label, format_table
 
 from .factories import synthetic_trace, trace_line
 

@@ -1,199 +1,29 @@
-"""RDMA through pyverbs: device discovery, memory regions, connection details, queue pairs.
+"""The verbs wrapper: memory regions, one-sided operations, RC queue pairs over pyverbs.
 
-NOTE: the verbs path (:class:`VerbsContext`, :class:`RcQueuePair`, the node's
-``kvstore.node.rdma_verbs`` and the client's ``kvstore.client.rdma``) has never run on real RDMA
-hardware: the machines it was written on have no InfiniBand/RoCE device (no
-``/sys/class/infiniband``). What is tested is everything that needs no device: discovery reporting
-"none", the memory-region table, the queue-pair bookkeeping, the wire forms, their exchange
-through the master, the node's typed refusal, and the client's fallback to TCP.
+Part of the experimental :mod:`kvstore.rdma` package. :class:`MemoryRegionTable`,
+:func:`address_of`, :class:`RdmaOp` and :func:`gid_text` are pure and tested everywhere;
+:class:`VerbsContext` (device + protection domain + registrations) and :class:`RcQueuePair`
+(RESET → INIT → RTR → RTS, post and poll) call pyverbs and run only where a device exists: a
+software one (``rdma_rxe``) where the kernel has the module, never a real NIC so far.
 
-How it fits together (Mooncake's transfer engine does the same with its metadata service):
-
-1. A node that finds a device opens it, registers each DRAM arena once as a memory region
-   (``ibv_reg_mr`` with LOCAL_WRITE | REMOTE_READ | REMOTE_WRITE) and publishes an
-   :class:`RdmaOffer` (device, port, GID, LID, and per segment the region's address, length and
-   rkey) through the master (``register`` → ``transports``).
-2. A client that also has a device reads the offer (``node_transports``), creates an RC queue
-   pair and sends its :class:`QpEndpoint` to the node over a TCP connection it keeps for that
-   purpose (node verb ``rdma_connect``); the node creates a queue pair for that connection, moves
-   it to RTS and answers with its own endpoint. The node tears the queue pair down when that TCP
-   connection closes, and serves a bounded number of them.
-3. Reads and writes are then one-sided RDMA READ/WRITE at ``region.addr + grant.offset``. The
-   node's CPU is not involved, so the *client* keeps to the ranges the master granted (segment,
-   offset, size, operation, expiry). A write is still committed by the node (``rdma_commit``:
-   grant and checksum checked, exactly like ``shm_commit``) before the client calls ``put_end``;
-   a read is checked against the object's checksum by the client, as over TCP.
-
-Trust: the rkey is the capability. Any process that holds a node's offer and can reach its device
-can read and write the node's whole arena, grant or not: the same trust as the shm transport
-(one cluster, one operator), and the same reason the cluster token guards ``node_transports``.
-
-Where either side has no device, pyverbs is missing, or anything on the RDMA path fails, the
-node and the client each log one line saying so and use TCP. Settings come from the environment
-(:class:`RdmaSettings`): ``KVSTORE_RDMA=off`` disables RDMA, ``KVSTORE_RDMA_DEVICE`` picks a
-device, ``KVSTORE_RDMA_PORT`` and ``KVSTORE_RDMA_GID_INDEX`` (RoCE v2: usually 1 or 3).
-
-pyverbs is a Debian system package (``python3-pyverbs``), not on PyPI. A virtual environment does
-not see system packages, so :func:`import_pyverbs` imports it from the system ``dist-packages``
-folder alone (that one package, the path removed again afterwards), and only when it was built
-for this interpreter's version.
+pyverbs is imported inside the methods that use it, on purpose: it is an optional system package
+(see :mod:`kvstore.rdma.devices`), and a host without it must still import this module.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
-import os
-import sys
 import threading
-from collections.abc import Mapping
+import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from kvstore.errors import (
-    InvalidRequestError,
-    OutOfRangeError,
-    ProtocolError,
-    TransportUnavailableError,
-)
+import numpy as np
 
-log = logging.getLogger(__name__)
-
-SYSTEM_DIST_PACKAGES = Path("/usr/lib/python3/dist-packages")
-_logged: set[str] = set()
-_logged_lock = threading.Lock()
+from kvstore.errors import InvalidRequestError, OutOfRangeError, TransportUnavailableError
+from kvstore.rdma.devices import RdmaDevice, RdmaSettings, import_pyverbs
+from kvstore.rdma.wire import QpEndpoint
 
 
-def log_once(what: str, message: str) -> None:
-    """Log ``message`` at INFO once per process per ``what`` (the fallback must not spam)."""
-    with _logged_lock:
-        if what in _logged:
-            return
-        _logged.add(what)
-    log.info(message)
-
-
-def log_fallback(what: str, role: str, why: str) -> None:
-    """Say once per ``what`` that ``role`` (client, node ...) uses TCP instead of RDMA, and why.
-
-    Every fallback line has one shape, ``"<role>: RDMA off (<why>); using TCP"``, so an operator
-    (or a test) finds it by "RDMA off" whatever the cause: no pyverbs, no device, a refused
-    connect, a bad offer.
-    """
-    log_once(what, f"{role}: RDMA off ({why}); using TCP")
-
-
-# ---------------------------------------------------------------- discovery
-def import_pyverbs() -> ModuleType:
-    """Import pyverbs, from the system dist-packages if the environment lacks it.
-
-    Raises:
-        TransportUnavailableError: pyverbs is not installed for this Python version.
-    """
-    try:
-        return importlib.import_module("pyverbs")
-    except ImportError:
-        pass
-    tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
-    pkg = SYSTEM_DIST_PACKAGES / "pyverbs"
-    if not pkg.is_dir() or not any(tag in p.name for p in pkg.glob("*.so")):
-        raise TransportUnavailableError(
-            "pyverbs is not installed for this Python (Debian: apt-get install python3-pyverbs)"
-        )
-    sys.path.append(str(SYSTEM_DIST_PACKAGES))
-    try:
-        return importlib.import_module("pyverbs")
-    except ImportError as exc:
-        raise TransportUnavailableError(f"pyverbs does not import: {exc}") from None
-    finally:
-        sys.path.remove(str(SYSTEM_DIST_PACKAGES))
-
-
-@dataclass(frozen=True, slots=True)
-class RdmaDevice:
-    name: str
-
-
-def discover() -> list[RdmaDevice]:
-    """The RDMA devices of this host.
-
-    Raises:
-        TransportUnavailableError: no pyverbs, or no device (with the reason).
-    """
-    import_pyverbs()
-    device = importlib.import_module("pyverbs.device")
-    try:
-        found = device.get_device_list()
-    except Exception as exc:  # noqa: BLE001 - pyverbs raises its own errors for "no devices"
-        raise TransportUnavailableError(f"no RDMA device ({exc})") from None
-    if not found:
-        raise TransportUnavailableError("no RDMA device")
-    return [
-        RdmaDevice(d.name.decode() if isinstance(d.name, bytes) else str(d.name)) for d in found
-    ]
-
-
-#: Test-only hook (no device here): pretend this host has the named device. A node that cannot
-#: open it still publishes an offer (so clients try RDMA, fail, and fall back), and answers
-#: ``rdma_connect`` with TransportUnavailableError. Never set it outside tests.
-TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"
-
-
-@dataclass(frozen=True, slots=True)
-class RdmaSettings:
-    """Where and whether to use RDMA, from the environment (see the module docstring)."""
-
-    enabled: bool = True
-    device: str | None = None
-    port: int = 1
-    gid_index: int = 0
-    pretend_device: str | None = None
-
-    @staticmethod
-    def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
-        """Raises InvalidRequestError for a port or GID index that is not a small integer."""
-        env = os.environ if env is None else env
-        try:
-            port = int(env.get("KVSTORE_RDMA_PORT", "1"))
-            gid_index = int(env.get("KVSTORE_RDMA_GID_INDEX", "0"))
-        except ValueError:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT/GID_INDEX must be integers") from None
-        if not 1 <= port <= 255 or not 0 <= gid_index <= 255:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT must be 1..255, GID_INDEX 0..255")
-        return RdmaSettings(
-            enabled=env.get("KVSTORE_RDMA", "on").lower() not in ("off", "0", "no", "false"),
-            device=env.get("KVSTORE_RDMA_DEVICE") or None,
-            port=port,
-            gid_index=gid_index,
-            pretend_device=env.get(TEST_DEVICE_ENV) or None,
-        )
-
-
-def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice | None:
-    """The device to use, or None after logging once why TCP is used instead."""
-    settings = settings or RdmaSettings.from_env()
-    if not settings.enabled:
-        log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off")
-        return None
-    if settings.pretend_device:
-        return RdmaDevice(settings.pretend_device)
-    try:
-        found = discover()
-    except TransportUnavailableError as err:
-        log_fallback("rdma-fallback", role, err.message)
-        return None
-    if settings.device is None:
-        return found[0]
-    for d in found:
-        if d.name == settings.device:
-            return d
-    log_fallback("rdma-fallback", role, f"no RDMA device named {settings.device!r}")
-    return None
-
-
-# ---------------------------------------------------------------- memory regions
 @dataclass(frozen=True, slots=True)
 class MemoryRegion:
     """A registered region: ``[addr, addr + length)`` with the keys the NIC gave it."""
@@ -273,89 +103,6 @@ class MemoryRegionTable:
         return len(self._by_name)
 
 
-# ---------------------------------------------------------------- connection details
-@dataclass(frozen=True, slots=True)
-class RdmaOffer:
-    """What a node publishes through the master: its device and its regions (per segment)."""
-
-    device: str
-    port: int
-    gid: bytes
-    lid: int
-    regions: dict[str, tuple[int, int, int]]  # segment -> (addr, length, rkey)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "port": self.port,
-            "gid": self.gid,
-            "lid": self.lid,
-            "regions": {k: list(v) for k, v in self.regions.items()},
-        }
-
-    @staticmethod
-    def from_wire(obj: Any) -> RdmaOffer:
-        """Raises ProtocolError when ``obj`` is malformed."""
-        try:
-            regions = {}
-            for name, v in obj["regions"].items():
-                addr, length, rkey = (int(x) for x in v)
-                if not isinstance(name, str) or addr < 0 or length <= 0 or rkey < 0:
-                    raise ValueError(name)
-                regions[name] = (addr, length, rkey)
-            gid = obj["gid"]
-            if not isinstance(gid, bytes) or len(gid) != 16:
-                raise ValueError("gid")
-            return RdmaOffer(str(obj["device"]), int(obj["port"]), gid, int(obj["lid"]), regions)
-        except (KeyError, TypeError, ValueError, AttributeError):
-            raise ProtocolError("malformed rdma offer") from None
-
-
-@dataclass(frozen=True, slots=True)
-class QpEndpoint:
-    """One end of an RC queue pair, as exchanged by ``rdma_connect``."""
-
-    gid: bytes
-    lid: int
-    qpn: int
-    psn: int
-    mtu: int = 4096
-
-    def to_wire(self) -> list[Any]:
-        return [self.gid, self.lid, self.qpn, self.psn, self.mtu]
-
-    @staticmethod
-    def from_wire(obj: Any) -> QpEndpoint:
-        """Raises ProtocolError when ``obj`` is malformed."""
-        if (
-            not isinstance(obj, list)
-            or len(obj) != 5
-            or not isinstance(obj[0], bytes)
-            or len(obj[0]) != 16
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in obj[1:])
-            or not 0 <= obj[2] < 1 << 24
-            or not 0 <= obj[3] < 1 << 24
-            or obj[4] not in (256, 512, 1024, 2048, 4096)
-        ):
-            raise ProtocolError("qp endpoint must be [gid(16 bytes), lid, qpn, psn, mtu]")
-        return QpEndpoint(obj[0], obj[1], obj[2], obj[3], obj[4])
-
-
-def choose(offer_wire: Any, local: RdmaDevice | None) -> RdmaOffer | None:
-    """The node's offer if both sides can use RDMA; else None (and one log line says why)."""
-    if offer_wire is None:
-        return None
-    if local is None:
-        log_fallback("rdma-client-none", "client", "node offers RDMA but this host has no device")
-        return None
-    try:
-        return RdmaOffer.from_wire(offer_wire)
-    except ProtocolError as err:
-        log_fallback("rdma-bad-offer", "client", f"ignoring the node's offer: {err.message}")
-        return None
-
-
-# ---------------------------------------------------------------- the verbs path (hardware only)
 #: ``QpEndpoint.mtu`` (bytes) -> ``ibv_mtu`` enum value (IBV_MTU_256 = 1 ... IBV_MTU_4096 = 5).
 MTU_ENUM = {256: 1, 512: 2, 1024: 3, 2048: 4, 4096: 5}
 MTU_BYTES = {v: k for k, v in MTU_ENUM.items()}
@@ -373,8 +120,6 @@ def address_of(buffer: memoryview) -> int:
     Raises:
         InvalidRequestError: the buffer is not contiguous.
     """
-    import numpy as np
-
     if not buffer.contiguous:
         raise InvalidRequestError("RDMA buffers must be contiguous")
     if buffer.nbytes == 0:
@@ -414,7 +159,7 @@ class RdmaOp:
 class VerbsContext:  # pragma: no cover - needs an RDMA device
     """An opened device with one protection domain: what memory regions and queue pairs share.
 
-    Untested on real hardware (see the module docstring).
+    Untested on real hardware (see :mod:`kvstore.rdma`).
 
     Args:
         device: the local device.
@@ -572,8 +317,6 @@ class RcQueuePair:  # pragma: no cover - needs an RDMA device
             TransportUnavailableError: a completion carries an error, posting failed, or the
                 operations did not complete in ``timeout_s`` (the QP is then unusable).
         """
-        import time
-
         from pyverbs.wr import SGE, SendWR
 
         e = self.ctx.e

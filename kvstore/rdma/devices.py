@@ -1,0 +1,160 @@
+"""Whether and where this host can do RDMA: pyverbs, devices, settings, the fallback line.
+
+Part of the experimental :mod:`kvstore.rdma` package (read its docstring first). This module
+opens nothing: it finds pyverbs (a Debian system package, not on PyPI), lists devices, reads the
+``KVSTORE_RDMA*`` settings, and says once per process, in one shape, why a role uses TCP instead
+(``"<role>: RDMA off (<why>); using TCP"``). The node and the client ask :func:`first_device`
+before they open anything, so a host without a device pays for nothing more than this.
+
+pyverbs is a Debian system package (``python3-pyverbs``), not on PyPI. A virtual environment does
+not see system packages, so :func:`import_pyverbs` imports it from the system ``dist-packages``
+folder alone (that one package, the path removed again afterwards), and only when it was built
+for this interpreter's version.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from kvstore.errors import InvalidRequestError, TransportUnavailableError
+
+log = logging.getLogger(__name__)
+
+SYSTEM_DIST_PACKAGES = Path("/usr/lib/python3/dist-packages")
+_logged: set[str] = set()
+_logged_lock = threading.Lock()
+
+
+def log_once(what: str, message: str) -> None:
+    """Log ``message`` at INFO once per process per ``what`` (the fallback must not spam)."""
+    with _logged_lock:
+        if what in _logged:
+            return
+        _logged.add(what)
+    log.info(message)
+
+
+def log_fallback(what: str, role: str, why: str) -> None:
+    """Say once per ``what`` that ``role`` (client, node ...) uses TCP instead of RDMA, and why.
+
+    Every fallback line has one shape, ``"<role>: RDMA off (<why>); using TCP"``, so an operator
+    (or a test) finds it by "RDMA off" whatever the cause: no pyverbs, no device, a refused
+    connect, a bad offer.
+    """
+    log_once(what, f"{role}: RDMA off ({why}); using TCP")
+
+
+# ---------------------------------------------------------------- discovery
+def import_pyverbs() -> ModuleType:
+    """Import pyverbs, from the system dist-packages if the environment lacks it.
+
+    Raises:
+        TransportUnavailableError: pyverbs is not installed for this Python version.
+    """
+    try:
+        return importlib.import_module("pyverbs")
+    except ImportError:
+        pass
+    tag = f"cpython-{sys.version_info.major}{sys.version_info.minor}"
+    pkg = SYSTEM_DIST_PACKAGES / "pyverbs"
+    if not pkg.is_dir() or not any(tag in p.name for p in pkg.glob("*.so")):
+        raise TransportUnavailableError(
+            "pyverbs is not installed for this Python (Debian: apt-get install python3-pyverbs)"
+        )
+    sys.path.append(str(SYSTEM_DIST_PACKAGES))
+    try:
+        return importlib.import_module("pyverbs")
+    except ImportError as exc:
+        raise TransportUnavailableError(f"pyverbs does not import: {exc}") from None
+    finally:
+        sys.path.remove(str(SYSTEM_DIST_PACKAGES))
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaDevice:
+    name: str
+
+
+def discover() -> list[RdmaDevice]:
+    """The RDMA devices of this host.
+
+    Raises:
+        TransportUnavailableError: no pyverbs, or no device (with the reason).
+    """
+    import_pyverbs()
+    device = importlib.import_module("pyverbs.device")
+    try:
+        found = device.get_device_list()
+    except Exception as exc:  # noqa: BLE001 - pyverbs raises its own errors for "no devices"
+        raise TransportUnavailableError(f"no RDMA device ({exc})") from None
+    if not found:
+        raise TransportUnavailableError("no RDMA device")
+    return [
+        RdmaDevice(d.name.decode() if isinstance(d.name, bytes) else str(d.name)) for d in found
+    ]
+
+
+#: Test-only hook (no device here): pretend this host has the named device. A node that cannot
+#: open it still publishes an offer (so clients try RDMA, fail, and fall back), and answers
+#: ``rdma_connect`` with TransportUnavailableError. Never set it outside tests.
+TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"
+
+
+@dataclass(frozen=True, slots=True)
+class RdmaSettings:
+    """Where and whether to use RDMA, from the environment (see :mod:`kvstore.rdma`)."""
+
+    enabled: bool = True
+    device: str | None = None
+    port: int = 1
+    gid_index: int = 0
+    pretend_device: str | None = None
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
+        """Raises InvalidRequestError for a port or GID index that is not a small integer."""
+        env = os.environ if env is None else env
+        try:
+            port = int(env.get("KVSTORE_RDMA_PORT", "1"))
+            gid_index = int(env.get("KVSTORE_RDMA_GID_INDEX", "0"))
+        except ValueError:
+            raise InvalidRequestError("KVSTORE_RDMA_PORT/GID_INDEX must be integers") from None
+        if not 1 <= port <= 255 or not 0 <= gid_index <= 255:
+            raise InvalidRequestError("KVSTORE_RDMA_PORT must be 1..255, GID_INDEX 0..255")
+        return RdmaSettings(
+            enabled=env.get("KVSTORE_RDMA", "on").lower() not in ("off", "0", "no", "false"),
+            device=env.get("KVSTORE_RDMA_DEVICE") or None,
+            port=port,
+            gid_index=gid_index,
+            pretend_device=env.get(TEST_DEVICE_ENV) or None,
+        )
+
+
+def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice | None:
+    """The device to use, or None after logging once why TCP is used instead."""
+    settings = settings or RdmaSettings.from_env()
+    if not settings.enabled:
+        log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off")
+        return None
+    if settings.pretend_device:
+        return RdmaDevice(settings.pretend_device)
+    try:
+        found = discover()
+    except TransportUnavailableError as err:
+        log_fallback("rdma-fallback", role, err.message)
+        return None
+    if settings.device is None:
+        return found[0]
+    for d in found:
+        if d.name == settings.device:
+            return d
+    log_fallback("rdma-fallback", role, f"no RDMA device named {settings.device!r}")
+    return None

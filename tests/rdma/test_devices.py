@@ -1,0 +1,63 @@
+"""Discovery, settings and fallback: what runs without a device (one log line, then TCP)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvstore import rdma
+from kvstore.errors import InvalidRequestError
+from tests.support import has_rdma_device
+
+
+@pytest.mark.skipif(has_rdma_device(), reason="this host has an RDMA device")
+def test_no_device_falls_back_with_one_log_line(caplog) -> None:
+    rdma.devices._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
+        assert rdma.first_device("client") is None
+        assert rdma.first_device("client") is None
+        offer = rdma.RdmaOffer("mlx5_0", 1, b"\x00" * 16, 3, {"dram": (0x1000, 4096, 77)})
+        assert rdma.choose(offer.to_wire(), None) is None
+        assert rdma.choose(offer.to_wire(), None) is None
+    lines = [r.getMessage() for r in caplog.records]
+    fallbacks = [m for m in lines if "RDMA off" in m and m.endswith("; using TCP")]
+    assert len(fallbacks) == 2, lines  # once for "no device", once for choose
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, rdma.RdmaSettings()),
+        ({"KVSTORE_RDMA": "off"}, rdma.RdmaSettings(enabled=False)),
+        (
+            {
+                "KVSTORE_RDMA_DEVICE": "mlx5_1",
+                "KVSTORE_RDMA_PORT": "2",
+                "KVSTORE_RDMA_GID_INDEX": "3",
+            },
+            rdma.RdmaSettings(device="mlx5_1", port=2, gid_index=3),
+        ),
+        ({rdma.TEST_DEVICE_ENV: "pretend0"}, rdma.RdmaSettings(pretend_device="pretend0")),
+    ],
+)
+def test_settings_from_env(env, expected) -> None:
+    assert rdma.RdmaSettings.from_env(env) == expected
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"KVSTORE_RDMA_PORT": "x"}, {"KVSTORE_RDMA_PORT": "0"}, {"KVSTORE_RDMA_GID_INDEX": "-1"}],
+)
+def test_bad_settings_are_refused(env) -> None:
+    with pytest.raises(InvalidRequestError):
+        rdma.RdmaSettings.from_env(env)
+
+
+def test_disabled_and_pretend_devices(caplog) -> None:
+    rdma.devices._logged.clear()
+    with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
+        assert rdma.first_device("client", rdma.RdmaSettings(enabled=False)) is None
+    assert any("KVSTORE_RDMA=off" in r.getMessage() for r in caplog.records)
+    pretend = rdma.RdmaSettings(pretend_device="pretend0")
+    assert rdma.first_device("client", pretend) == rdma.RdmaDevice("pretend0")
