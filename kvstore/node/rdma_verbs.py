@@ -194,9 +194,9 @@ def serve(server: DataServer, service: NodeRdma | None) -> None:
     client asking such a node gets a typed TransportUnavailableError, not an unknown verb."""
     from kvstore.node.shm_verbs import make_shm_commit
 
-    server._verbs["rdma_connect"] = make_rdma_connect(service)
+    server.register_verb("rdma_connect", make_rdma_connect(service))
     if service is not None:
-        server._verbs["rdma_commit"] = make_shm_commit(server, via="RDMA")
+        server.register_verb("rdma_commit", make_shm_commit(server, via="RDMA"))
         server.on_disconnect.append(lambda fs: service.disconnected(id(fs)))
 
 
