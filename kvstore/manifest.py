@@ -1,9 +1,17 @@
-"""Manifest claims: what a storage node says it holds, as it tells a (new) master.
+"""The stored-object record: what a storage node holds, as its tiers, its manifest and a master
+see it.
 
-A node records an entry for every object whose bytes it received completely (see
-``kvstore.node.server.Manifest``). When it registers with a master that does not know it yet
-(a new leader after a failover, or, later, a restart with persistent tiers), it sends its
-entries as claims; the master rebuilds its object table from them
+One record, :class:`StoredObject`, names one object's bytes on one node: where they lie
+(``segment``, ``offset``), what they are (``key``, ``size``, ``checksum``) and which version
+(``stamp``). The node's tiers store and list objects as these records, its manifest
+(``kvstore.node.manifest``) keeps one per object it received completely, and it claims them,
+as these same records, to a master. It lives in the core layer, not under ``kvstore.node``,
+because the master decodes and admits the claims too (``ManifestClaim`` is its name there).
+Before, the three had three shapes (a tier object without its segment, a manifest entry
+without its place, a claim with both) and the node converted between them on every write.
+
+When a node registers with a master that does not know it yet (a new leader after a failover,
+or a restart with persistent tiers), it sends its manifest's records as claims; the master rebuilds its object table from them
 (``MasterService.admit_manifest``).
 
 ``stamp`` orders versions of one key: it is the expiry of the write grant the master issued at
@@ -27,8 +35,12 @@ from kvstore.errors import InvalidRequestError, KVStoreError
 
 
 @dataclass(frozen=True, slots=True)
-class ManifestClaim:
-    """One object a node holds: where (segment, offset), what (key, size, checksum), when."""
+class StoredObject:
+    """One object a node holds: where (segment, offset), what (key, size, checksum), when.
+
+    ``offset`` is a byte position in DRAM and HBM segments and an object id in NVMe ones;
+    ``stamp`` is the version (the write grant's expiry, kept across moves between tiers).
+    """
 
     segment: str
     offset: int
@@ -41,7 +53,7 @@ class ManifestClaim:
         return [self.segment, self.offset, self.key, self.size, self.checksum, self.stamp]
 
     @staticmethod
-    def from_wire(obj: Any) -> ManifestClaim:
+    def from_wire(obj: Any) -> StoredObject:
         """Raises InvalidRequestError for anything but a well-formed claim."""
         if not isinstance(obj, list | tuple) or len(obj) not in (5, 6):
             raise InvalidRequestError(
@@ -56,12 +68,16 @@ class ManifestClaim:
             raise InvalidRequestError("malformed manifest claim")
         if checksum >= 1 << 64:
             raise InvalidRequestError("claim checksum must be an unsigned 64-bit integer")
-        return ManifestClaim(segment, offset, check_wire_key(key), size, checksum, stamp)
+        return StoredObject(segment, offset, check_wire_key(key), size, checksum, stamp)
+
+
+#: What the master calls a stored object a node claims at registration (the same record).
+ManifestClaim = StoredObject
 
 
 def verify_claims(
-    claims: Iterable[ManifestClaim], segments: Mapping[str, memoryview]
-) -> tuple[list[ManifestClaim], list[tuple[ManifestClaim, str]]]:
+    claims: Iterable[StoredObject], segments: Mapping[str, memoryview]
+) -> tuple[list[StoredObject], list[tuple[StoredObject, str]]]:
     """Keep the claims whose bytes are in place and match their checksum.
 
     Args:
@@ -71,8 +87,8 @@ def verify_claims(
     Returns:
         (claims that hold, [(claim, why it was dropped)]).
     """
-    good: list[ManifestClaim] = []
-    bad: list[tuple[ManifestClaim, str]] = []
+    good: list[StoredObject] = []
+    bad: list[tuple[StoredObject, str]] = []
     for c in claims:
         view = segments.get(c.segment)
         if view is None:
@@ -86,7 +102,7 @@ def verify_claims(
     return good, bad
 
 
-def claims_from_wire(raw: Any) -> list[ManifestClaim | KVStoreError]:
+def claims_from_wire(raw: Any) -> list[StoredObject | KVStoreError]:
     """Decode a wire list of claims; each bad one becomes its error in place.
 
     Raises:
@@ -94,10 +110,10 @@ def claims_from_wire(raw: Any) -> list[ManifestClaim | KVStoreError]:
     """
     if not isinstance(raw, list):
         raise InvalidRequestError("manifest must be a list of claims")
-    out: list[ManifestClaim | KVStoreError] = []
+    out: list[StoredObject | KVStoreError] = []
     for item in raw:
         try:
-            out.append(ManifestClaim.from_wire(item))
+            out.append(StoredObject.from_wire(item))
         except KVStoreError as err:
             out.append(err)
     return out

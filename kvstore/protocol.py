@@ -16,6 +16,10 @@ plane (client <-> node) has the same shape::
 Request ids let a connection carry many requests in flight; responses name the id they answer.
 Payload bytes never pass through msgpack: the sender hands memoryviews to ``sendmsg`` and the
 receiver ``recv_into``s them straight into their destination (an arena, a caller's buffer).
+
+This module owns the format and its blocking-socket reader/writer (:class:`FramedSocket`);
+what a server does with the frames it reads (deadlines, refusals, the token handshake) is
+``kvstore.serving``'s, shared by the master's and the nodes' servers.
 """
 
 from __future__ import annotations

@@ -17,13 +17,12 @@ from typing import Any, Protocol
 
 import msgpack
 
-from kvstore import auth, protocol
+from kvstore import auth, protocol, serving
 from kvstore.config import MAX_KEY_BYTES, check_wire_key
 from kvstore.errors import (
     InternalError,
     InvalidRequestError,
     KVStoreError,
-    ProtocolError,
     UnknownVerbError,
 )
 from kvstore.keys import Namespace
@@ -677,22 +676,23 @@ class ControlServer:
                 w.close()  # its reader sees EOF: the serving coroutine returns
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
         self._writers.add(writer)
-        gate = auth.Gate(self.token)
         loop = asyncio.get_running_loop()
+        session = serving.FrameSession(self.token, loop.time())
         deadlines = self._deadlines
-        if not gate.open:  # the whole hello must arrive, small, by this time
-            deadlines[writer] = loop.time() + auth.HELLO_TIMEOUT_S
+        if not session.authenticated:  # the whole hello must arrive, small, by this time
+            deadlines[writer] = session.hello_by
             self.pending.add(writer, writer.close)
         try:
             while True:
                 try:
-                    if gate.open:
+                    if session.authenticated:
                         # Idle between frames as long as it likes; once a frame starts, it
                         # must arrive whole within its deadline (no half-sent frame holds us).
                         first = await reader.readexactly(1)
                         started = loop.time()
-                        deadlines[writer] = started + protocol.FRAME_TIMEOUT_S
+                        deadlines[writer] = session.header_deadline(started)
                         raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
                     else:
                         raw = await reader.readexactly(protocol.HEADER_SIZE)
@@ -700,38 +700,33 @@ class ControlServer:
                     return
                 try:
                     header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
-                    if header.kind != protocol.KIND_REQUEST:
-                        raise ProtocolError("expected a request frame")
-                    gate.check_header(header)  # nothing large before the token is proved
+                    session.check_header(header)
                 except KVStoreError as err:
                     # The framing is lost (or the peer is not authenticated): answer once,
                     # then hang up.
                     writer.write(protocol.encode_error(0, err))
                     await writer.drain()
                     return
-                if gate.open and header.body_len > protocol.READ_AHEAD:
-                    deadlines[writer] = started + protocol.frame_deadline_s(header.body_len)
+                if session.authenticated and header.body_len > protocol.READ_AHEAD:
+                    deadlines[writer] = session.body_deadline(started, header)
                 try:
                     body = await reader.readexactly(header.body_len)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                if gate.open:
+                if session.authenticated:
                     deadlines.pop(writer, None)
-                try:
-                    request = protocol.decode_request(body)
-                except ProtocolError as err:
-                    writer.write(protocol.encode_error(protocol.request_id_of(body), err))
-                else:
-                    screened = gate.screen(request)
-                    if screened is not None:
-                        if gate.open:
-                            deadlines.pop(writer, None)
-                            self.pending.discard(writer)
-                        writer.write(screened[0])
+                step = session.open_request(header, body)
+                if isinstance(step, serving.Refusal):
+                    # (No payload to skip: the header's limit refused every payload.)
+                    if session.authenticated:
+                        deadlines.pop(writer, None)
+                        self.pending.discard(writer)
+                    writer.write(step.frame)
+                    if step.hang_up:
                         await writer.drain()
-                        if screened[1]:
-                            return
-                        continue
+                        return
+                else:
+                    request = step
                     refusal = self.fence.check(request) if self.fence is not None else None
                     if refusal is None and request.verb == "events":
                         await self._await_events(request)

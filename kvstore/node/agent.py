@@ -1,5 +1,11 @@
 """The node's link to the master: register, then heartbeat; register again whenever the master
-forgets us (restart, or we were declared dead)."""
+forgets us (restart, or we were declared dead).
+
+A registration with a master that may not know our objects (HA, durable tiers) claims the
+node's manifest (``kvstore.node.manifest``): each record is checked against its tier first
+(durable tiers checked theirs when they stored them; DRAM and HBM are read back), so nothing
+overwritten or half-written is ever claimed. The heartbeat reply's tasks run here too
+(``kvstore.node.tasks``)."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from collections.abc import Callable
 from kvstore import auth, grants, protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
-from kvstore.manifest import ManifestClaim, verify_claims
+from kvstore.manifest import StoredObject
 from kvstore.node.server import DataServer
 from kvstore.node.tasks import run_tasks
 from kvstore.node.tiers import checksum_of
@@ -87,18 +93,16 @@ class MasterLink:
         self._thread.join(timeout=10)
 
     def _verified_manifest(self) -> list[list[object]]:
-        claims = [ManifestClaim(*e) for e in self.server.manifest.snapshot()]
-        views = {name: arena.view for name, arena in self.server.segments.items()}
+        claims = self.server.manifest.objects()
         # Durable tiers (NVMe) verified every object's checksum when they stored it, in one
-        # atomic transaction; other tiers (HBM) are read back and checked here.
+        # atomic transaction; the others (DRAM, HBM) are read back and checked here.
         tiers = self.server.tiers
-        in_arenas: list[ManifestClaim] = []
-        good: list[ManifestClaim] = []
-        bad: list[tuple[ManifestClaim, str]] = []
+        good: list[StoredObject] = []
+        bad: list[tuple[StoredObject, str]] = []
         for c in claims:
             tier = tiers.get(c.segment)
             if tier is None:
-                in_arenas.append(c)
+                bad.append((c, f"no segment {c.segment!r}"))
             elif tier.durable:
                 good.append(c)
             else:
@@ -111,9 +115,6 @@ class MasterLink:
                     good.append(c)
                 else:
                     bad.append((c, "bytes do not match the checksum"))
-        good_arena, bad_arena = verify_claims(in_arenas, views)
-        good += good_arena
-        bad += bad_arena
         for claim, why in bad:
             log.warning("dropping manifest entry %s@%d: %s", claim.segment, claim.offset, why)
         self.server.manifest.forget([(c.segment, c.offset, c.stamp) for c, _ in bad])

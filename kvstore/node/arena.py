@@ -1,5 +1,9 @@
 """The DRAM tier: one shared-memory file, mapped once, addressed by offset.
 
+:class:`ShmArena` owns the file and its mapping (creation, locking, pre-faulting, removal);
+:class:`DramTier` serves it through the tier interface like NVMe and HBM, and is the one tier
+whose bytes a write can land in place (:meth:`DramTier.in_place`).
+
 The file lives in ``/dev/shm`` (tmpfs) with mode 0600, so only the node's user can map it
 (same-host clients of that user may map it read/write for the shm transport).
 
@@ -23,7 +27,8 @@ import time
 from pathlib import Path
 
 from kvstore import pages
-from kvstore.errors import InvalidRequestError, NoSpaceError
+from kvstore.errors import InvalidRequestError, KVStoreError, NoSpaceError, OutOfRangeError
+from kvstore.node.tiers import TIER_DRAM, StoredObject, Tier
 from kvstore.pages import Prefaulter
 
 log = logging.getLogger(__name__)
@@ -102,6 +107,43 @@ class ShmArena:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+class DramTier(Tier):
+    """The DRAM arena as a tier: reads are views of the arena, writes copy into it.
+
+    Args:
+        segment: the segment's name (the master addresses it by this).
+        arena: the mapped arena (owned by the caller, which closes it).
+    """
+
+    tier = TIER_DRAM
+
+    def __init__(self, segment: str, arena: ShmArena) -> None:
+        self.segment = segment
+        self.arena = arena
+        self.capacity = arena.size
+
+    def _check(self, offset: int, size: int) -> None:
+        if offset < 0 or size < 0 or offset + size > self.arena.size:
+            raise OutOfRangeError("range lies outside the segment")
+
+    def in_place(self, offset: int, size: int) -> memoryview:
+        self._check(offset, size)
+        return self.arena.view[offset : offset + size]
+
+    def read(self, offset: int, size: int) -> memoryview:
+        return self.in_place(offset, size)
+
+    def write(self, items: list[tuple[StoredObject, memoryview]]) -> list[KVStoreError | None]:
+        results: list[KVStoreError | None] = []
+        for obj, data in items:
+            if obj.offset < 0 or obj.offset + len(data) > self.arena.size:
+                results.append(OutOfRangeError("range lies outside the segment"))
+                continue
+            self.arena.view[obj.offset : obj.offset + len(data)] = data
+            results.append(None)
+        return results
 
 
 def _remove_unless_held(path: Path) -> None:

@@ -185,7 +185,7 @@ def node_transports(
 
     offered: dict[str, dict[str, object]] = {}
     if shm:
-        server._verbs["shm_commit"] = make_shm_commit(server)
+        server.register_verb("shm_commit", make_shm_commit(server))
         offered["shm"] = ShmOffer.of_files(arena_files).to_wire()
     rdma_offer = rdma_node.install(server)
     if rdma_offer is not None:

@@ -145,7 +145,11 @@ class NvmeTier(Tier):
                         log.warning("skipping an unreadable NVMe manifest record")
                         continue
                     stamp = int(rest[0]) if rest else 0
-                    out.append(StoredObject(offset, bytes(key), int(size), int(checksum), stamp))
+                    out.append(
+                        StoredObject(
+                            self.segment, offset, bytes(key), int(size), int(checksum), stamp
+                        )
+                    )
         except lmdb.Error as exc:
             raise TierError(f"NVMe manifest scan failed: {exc}") from None
         return out

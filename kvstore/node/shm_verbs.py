@@ -24,19 +24,20 @@ from kvstore.errors import (
     KVStoreError,
     ProtocolError,
 )
+from kvstore.manifest import StoredObject
 from kvstore.types import result_to_wire
 
 if TYPE_CHECKING:
-    from kvstore.node.server import DataServer
+    from kvstore.node.server import DataServer, VerbHandler
 
 
-def make_shm_commit(server: DataServer, via: str = "shm") -> Any:
-    """The ``shm_commit`` handler for ``server`` (registered only where shm is enabled).
+def make_shm_commit(server: DataServer, via: str = "shm") -> VerbHandler:
+    """The ``shm_commit`` handler for ``server``, to register with ``server.register_verb``
+    (only where shm is enabled).
 
     Also serves as ``rdma_commit`` (``via="RDMA"``): bytes written in place, by whatever means,
     are committed the same way.
     """
-    from kvstore.node.server import ManifestEntry
 
     def shm_commit(
         fs: protocol.FramedSocket, req: protocol.Request, payload_len: int, scratch: memoryview
@@ -51,7 +52,7 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> Any:
         results: list[Any] = []
         for grant_wire, checksum in items:
             try:
-                grant, view = server._granted_view(grant_wire, grants.OP_WRITE)
+                grant, view = server.granted_view(grant_wire, grants.OP_WRITE)
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
                 # The range must still belong to this grant's allocation (and any older write
@@ -64,9 +65,14 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> Any:
                         f"bytes written through {via} do not match checksum"
                     )
                 server.manifest.record(
-                    grant.segment,
-                    grant.offset,
-                    ManifestEntry(grant.key, grant.size, checksum, grant.expires_ms),
+                    StoredObject(
+                        grant.segment,
+                        grant.offset,
+                        grant.key,
+                        grant.size,
+                        checksum,
+                        grant.expires_ms,
+                    )
                 )
                 results.append([0, None])
             except KVStoreError as err:

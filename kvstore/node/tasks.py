@@ -32,7 +32,8 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
-from kvstore.node.tiers import TIER_NVME, StoredObject, checksum_of
+from kvstore.manifest import StoredObject
+from kvstore.node.tiers import TIER_NVME, checksum_of
 from kvstore.types import Location, result_from_wire
 
 if TYPE_CHECKING:
@@ -97,7 +98,9 @@ def run_tasks(server: DataServer, tasks: list[Any]) -> list[list[Any]]:
                 raise InvalidRequestError(f"unknown task kind {kind!r}")
             if checksum_of(data) != checksum:
                 raise ChecksumMismatchError(f"source bytes of {key[:64]!r} fail their checksum")
-            obj = StoredObject(int(dst_offset), key, size, checksum, int(task.get("stamp", 0)))
+            obj = StoredObject(
+                dst_segment, int(dst_offset), key, size, checksum, int(task.get("stamp", 0))
+            )
             # NOTE: a DRAM source view stays valid: the master frees the source only after the
             # node reports this task done.
             deadlines[len(results)] = deadline_ms

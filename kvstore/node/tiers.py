@@ -1,39 +1,45 @@
 """The tiers of a storage node behind one small interface.
 
-A node owns up to three tiers, fastest first: HBM (GPU memory), DRAM (the shared-memory arena)
-and NVMe (an lmdb environment). The master addresses every replica as ``(segment, offset)``; for
-DRAM and HBM the offset is a byte position, for NVMe it is an id that names lmdb records.
+A node owns up to three tiers, fastest first: HBM (GPU memory, ``kvstore.node.hbm``), DRAM
+(the shared-memory arena, ``kvstore.node.arena``) and NVMe (an lmdb environment,
+``kvstore.node.nvme``). The master addresses every replica as ``(segment, offset)``; for DRAM
+and HBM the offset is a byte position, for NVMe it is an id that names lmdb records.
 
-The data server keeps its zero-copy path for the DRAM arena (``recv_into`` the arena); every
-other tier goes through :class:`Tier`: whole-object reads and batched whole-object writes.
+Every segment the data server serves is a :class:`Tier`, the DRAM arena included, so moves,
+copies, reads and the manifest treat all tiers alike. What sets DRAM apart is one method,
+:meth:`Tier.in_place`: memory of this process that a client's write can stream straight into
+(``recv_into``) and a read can send from without a copy. The other tiers answer None there, and
+their writes carry whole objects, stored in one batch per tier (one lmdb transaction for NVMe).
+
+The objects a tier stores are the core :class:`~kvstore.manifest.StoredObject` records, the
+same the node's manifest keeps and the master admits.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.errors import ChecksumMismatchError, KVStoreError, OutOfRangeError
-from kvstore.node.arena import ShmArena
+from kvstore.errors import ChecksumMismatchError, KVStoreError
+from kvstore.manifest import StoredObject
+
+__all__ = [
+    "TIER_DRAM",
+    "TIER_HBM",
+    "TIER_NVME",
+    "TIER_ORDER",
+    "StoredObject",
+    "Tier",
+    "checksum_of",
+    "verify_checksum",
+]
 
 TIER_HBM = "hbm"
 TIER_DRAM = "dram"
 TIER_NVME = "nvme"
 #: Fastest first. Demotion moves one step right, promotion one step left.
 TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredObject:
-    """One object a tier holds (what a manifest entry says)."""
-
-    offset: int
-    key: bytes
-    size: int
-    checksum: int
-    stamp: int = 0  # the version (the write grant's expiry, kept across moves)
 
 
 def checksum_of(view: memoryview | bytes) -> int:
@@ -66,6 +72,16 @@ class Tier(abc.ABC):
             Per item, None or the error that kept it out (nothing stored for it).
         """
 
+    def in_place(self, offset: int, size: int) -> memoryview | None:
+        """The live bytes of ``[offset, offset + size)``, for a ranged write to stream straight
+        into and a read to send from without a copy; None where the tier keeps no such memory
+        (its writes then carry whole objects, through :meth:`write`).
+
+        Raises:
+            OutOfRangeError: the range lies outside the segment.
+        """
+        return None
+
     def forget(self, offsets: list[int]) -> None:
         """The master freed these objects: drop what the tier keeps for them."""
         return None
@@ -82,28 +98,3 @@ def verify_checksum(obj: StoredObject, data: memoryview | bytes) -> None:
     """Raises ChecksumMismatchError unless ``data`` is the object's bytes."""
     if checksum_of(data) != obj.checksum:
         raise ChecksumMismatchError(f"bytes of {obj.key[:64]!r} do not match their checksum")
-
-
-class ArenaTier(Tier):
-    """The DRAM arena seen through the tier interface (used by moves between tiers)."""
-
-    def __init__(self, segment: str, arena: ShmArena, tier: str = TIER_DRAM) -> None:
-        self.segment = segment
-        self.tier = tier
-        self.arena = arena
-        self.capacity = arena.size
-
-    def read(self, offset: int, size: int) -> memoryview:
-        if offset < 0 or size < 0 or offset + size > self.arena.size:
-            raise OutOfRangeError("range lies outside the segment")
-        return self.arena.view[offset : offset + size]
-
-    def write(self, items: list[tuple[StoredObject, memoryview]]) -> list[KVStoreError | None]:
-        results: list[KVStoreError | None] = []
-        for obj, data in items:
-            if obj.offset < 0 or obj.offset + len(data) > self.arena.size:
-                results.append(OutOfRangeError("range lies outside the segment"))
-                continue
-            self.arena.view[obj.offset : obj.offset + len(data)] = data
-            results.append(None)
-        return results

@@ -196,9 +196,9 @@ def make_rdma_connect(service: NodeRdma | None) -> Callable[..., None]:
 def serve(server: DataServer, service: NodeRdma | None) -> None:
     """Give ``server`` the RDMA verbs. ``rdma_connect`` is installed even without a device, so a
     client asking such a node gets a typed TransportUnavailableError, not an unknown verb."""
-    server._verbs["rdma_connect"] = make_rdma_connect(service)
+    server.register_verb("rdma_connect", make_rdma_connect(service))
     if service is not None:
-        server._verbs["rdma_commit"] = make_shm_commit(server, via="RDMA")
+        server.register_verb("rdma_commit", make_shm_commit(server, via="RDMA"))
         server.on_disconnect.append(lambda fs: service.disconnected(id(fs)))
 
 

@@ -20,9 +20,9 @@ from kvstore.node.tiers import StoredObject, checksum_of
 
 
 def obj(offset: int, data: bytes, key: bytes = b"k") -> tuple[StoredObject, memoryview]:
-    return StoredObject(offset, key + b"/%d" % offset, len(data), checksum_of(data)), memoryview(
-        data
-    )
+    return StoredObject(
+        "nvme", offset, key + b"/%d" % offset, len(data), checksum_of(data)
+    ), memoryview(data)
 
 
 def test_round_trip_split_into_chunks_and_survives_reopen(tmp_path: Path) -> None:
@@ -47,8 +47,8 @@ def test_round_trip_split_into_chunks_and_survives_reopen(tmp_path: Path) -> Non
 def test_bad_writes_and_reads(tmp_path: Path) -> None:
     tier = NvmeTier(tmp_path / "nvme", 1 << 20)
     good, view = obj(1, b"hello")
-    wrong = StoredObject(2, b"x", 5, checksum_of(b"other"))
-    short = StoredObject(3, b"y", 10, checksum_of(b"hello"))
+    wrong = StoredObject("nvme", 2, b"x", 5, checksum_of(b"other"))
+    short = StoredObject("nvme", 3, b"y", 10, checksum_of(b"hello"))
     res = tier.write([(good, view), (wrong, memoryview(b"hello")), (short, memoryview(b"hello"))])
     assert res[0] is None
     assert isinstance(res[1], ChecksumMismatchError)

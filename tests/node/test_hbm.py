@@ -26,10 +26,10 @@ def test_hbm_round_trip() -> None:
     tier = open_hbm(8 << 20)
     assert tier is not None
     data = os.urandom(1 << 20)
-    obj = StoredObject(4096, b"k", len(data), checksum_of(data))
+    obj = StoredObject("hbm", 4096, b"k", len(data), checksum_of(data))
     assert tier.write([(obj, memoryview(data))]) == [None]
     assert bytes(tier.read(4096, len(data))) == data
-    bad = StoredObject(8 << 20, b"k", 1, 0)
+    bad = StoredObject("hbm", 8 << 20, b"k", 1, 0)
     assert isinstance(tier.write([(bad, memoryview(b"x"))])[0], OutOfRangeError)
     with pytest.raises(OutOfRangeError):
         tier.read(8 << 20, 1)

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import InvalidRequestError
-from kvstore.node.arena import ShmArena, reclaim_stale_arenas
+from kvstore.errors import InvalidRequestError, OutOfRangeError
+from kvstore.manifest import StoredObject
+from kvstore.node.arena import DramTier, ShmArena, reclaim_stale_arenas
+from kvstore.node.tiers import checksum_of
 from tests.support import wait_until
 
 HOLD = """
@@ -104,3 +106,24 @@ def test_a_new_arena_is_mapped_in_the_background(tmp_path: Path) -> None:
         assert _mapped_kib(cold.path) < size // 1024
     finally:
         cold.close()
+
+
+def test_the_dram_tier_reads_and_writes_the_arena_in_place(tmp_path: Path) -> None:
+    arena = ShmArena(tmp_path / "arena", 4096, prefault=False)
+    tier = DramTier("dram", arena)
+    assert (tier.segment, tier.tier, tier.capacity, tier.durable) == ("dram", "dram", 4096, False)
+    obj = StoredObject("dram", 100, b"k", 5, checksum_of(b"hello"))
+    bad = StoredObject("dram", 4094, b"k", 5, 0)
+    results = tier.write([(obj, memoryview(b"hello")), (bad, memoryview(b"world"))])
+    assert results[0] is None and isinstance(results[1], OutOfRangeError)
+    assert bytes(tier.read(100, 5)) == b"hello"
+    view = tier.in_place(100, 5)
+    view[:] = b"HELLO"  # the same bytes: a ranged write lands in the arena
+    assert bytes(arena.view[100:105]) == b"HELLO"
+    with pytest.raises(OutOfRangeError):
+        tier.in_place(4094, 5)
+    with pytest.raises(OutOfRangeError):
+        tier.read(-1, 5)
+    assert tier.stored() == []
+    view.release()
+    arena.close()

@@ -1,0 +1,75 @@
+"""The node's manifest: every object this node holds whole, by where it lies.
+
+The manifest is what the node can claim to a master that does not know it (a new leader after
+a failover, a restart with durable tiers; see ``kvstore.manifest``). An object enters it only
+once all its bytes arrived (a whole-object write verb, an shm/RDMA commit, a task's copy), and
+leaves it when the master frees it (the heartbeat's ``forget``) or a registration starts over.
+
+It is its own module because three writers share it: the data server's verbs (one thread per
+connection), the tasks the master hands out, and the agent that registers the node; each goes
+through :class:`Manifest`'s lock and nothing else. The records are the core
+:class:`~kvstore.manifest.StoredObject`, the same the tiers store and the master admits.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from kvstore.manifest import StoredObject
+
+
+class Manifest:
+    """What this node holds: ``(segment, offset)`` → its :class:`StoredObject`.
+
+    Written by data threads, read by the agent; thread-safe. One record per place: a newer
+    write to the same place replaces the older record.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, int], StoredObject] = {}
+
+    def record(self, obj: StoredObject) -> None:
+        with self._lock:
+            self._entries[(obj.segment, obj.offset)] = obj
+
+    def record_many(self, objs: Iterable[StoredObject]) -> None:
+        """Record every object under one lock."""
+        with self._lock:
+            for obj in objs:
+                self._entries[(obj.segment, obj.offset)] = obj
+
+    def forget(self, items: list[tuple[Any, ...]]) -> None:
+        """Drop ``(segment, offset[, stamp])`` entries; with a stamp, only that version."""
+        with self._lock:
+            for item in items:
+                pos = (item[0], item[1])
+                entry = self._entries.get(pos)
+                if entry is None:
+                    continue
+                if len(item) > 2 and item[2] and entry.stamp != item[2]:
+                    continue  # the extent was reused by a newer write since
+                del self._entries[pos]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def clear_volatile(self, durable_segments: set[str]) -> None:
+        """Forget every entry except those of tiers that survive a restart (NVMe)."""
+        with self._lock:
+            self._entries = {p: e for p, e in self._entries.items() if p[0] in durable_segments}
+
+    def objects(self) -> list[StoredObject]:
+        """Every record, as of now."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def snapshot(self) -> list[list[Any]]:
+        """Every record in its wire form (the ``manifest`` verb's answer)."""
+        return [obj.to_wire() for obj in self.objects()]
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,148 @@
+"""The rules of serving request frames, shared by the master's and the nodes' servers.
+
+Two servers speak the wire protocol (``kvstore.protocol``): the master's control server (one
+asyncio loop, ``kvstore.master.server``) and a node's data server (one thread per connection on
+blocking sockets, ``kvstore.node.server``). Each connection of either runs the same loop: wait
+for a frame, read its header and body within their deadlines, check them, dispatch the request,
+write the reply. The I/O of that loop differs (an awaited stream reader; a socket with
+timeouts), the rules do not, and the rules are what must never drift apart between the two.
+So they live here, once, in :class:`FrameSession`, which does no I/O:
+
+* deadlines: once a frame's first byte has arrived, its header and body must arrive within
+  ``protocol.frame_deadline_s`` (a half-sent frame holds no server); before the cluster token
+  is proved, the whole hello must arrive within ``auth.HELLO_TIMEOUT_S`` of the accept;
+* what a header alone refuses: a frame that is not a request, anything large (or any payload)
+  before the token is proved (``auth.Gate``); over-long bodies and payloads are refused while
+  decoding the header, at the limits each server gives its reader;
+* what a body refuses: undecodable msgpack, any verb before the hello, and, where the server
+  names its verbs (the node), an unknown verb or a payload longer than its verb takes;
+* how a refused request is answered (:class:`Refusal`): its payload read and dropped when
+  small, so the connection stays usable; never read when large (answer, then hang up).
+
+Why not one loop with two drivers: the node's loop is its data path's hot loop (each request
+runs it once) and the master's interleaves long polls and fencing with asyncio; a loop written
+once would need an I/O driver per model anyway, for nothing the rules above do not already
+share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvstore import auth, protocol
+from kvstore.errors import KVStoreError, ProtocolError, UnknownVerbError
+
+#: A refused request's payload up to this size is read and dropped (the connection stays
+#: usable); a larger one is not read at all: the connection is closed after the answer.
+MAX_DISCARD = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The answer to a request that is not dispatched.
+
+    Attributes:
+        frame: the response frame to send.
+        skip: payload bytes to read and drop before sending it.
+        hang_up: close the connection once the frame is sent.
+    """
+
+    frame: bytes
+    skip: int
+    hang_up: bool
+
+
+def refuse(req_id: int, err: KVStoreError, header: protocol.FrameHeader) -> Refusal:
+    """The answer to a request refused with ``err``: its payload skipped when small, never
+    read when large (a 1 TiB ``ping`` costs nothing: the connection is closed instead)."""
+    frame = protocol.encode_error(req_id, err)
+    if header.payload_len > MAX_DISCARD:
+        return Refusal(frame, 0, True)
+    return Refusal(frame, header.payload_len, False)
+
+
+class FrameSession:
+    """The serving rules for one connection (see the module docstring); no I/O.
+
+    Args:
+        token: the cluster token the connection must prove first (None: no handshake).
+        accepted_at: when the connection was accepted, on the clock the caller's deadlines use.
+        payload_limits: the most payload bytes each verb takes (0: none), for a server that
+            names its verbs; None: the server checks verbs itself and its header limits refuse
+            every payload (the master).
+    """
+
+    __slots__ = ("gate", "hello_by", "payload_limits")
+
+    def __init__(
+        self,
+        token: auth.Token | None,
+        accepted_at: float,
+        payload_limits: Mapping[str, int] | None = None,
+    ) -> None:
+        self.gate = auth.Gate(token)
+        #: The whole hello must have arrived by this time (while not authenticated).
+        self.hello_by = accepted_at + auth.HELLO_TIMEOUT_S
+        self.payload_limits = payload_limits
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the token is proved (or none is needed): frames may take their time to
+        start, and once started have :func:`protocol.frame_deadline_s`."""
+        return self.gate.open
+
+    def header_deadline(self, started: float) -> float:
+        """When the header of a frame whose first byte arrived at ``started`` must be in."""
+        if self.gate.open:
+            return started + protocol.FRAME_TIMEOUT_S
+        return self.hello_by
+
+    def body_deadline(self, started: float, header: protocol.FrameHeader) -> float:
+        """When the body of a frame whose first byte arrived at ``started`` must be in."""
+        if self.gate.open:
+            return started + protocol.frame_deadline_s(header.body_len)
+        return self.hello_by
+
+    def check_header(self, header: protocol.FrameHeader) -> None:
+        """Refuse a frame from its header alone; the caller answers (request id 0) and hangs
+        up, since the framing cannot be trusted after it.
+
+        Raises:
+            ProtocolError: not a request frame.
+            UnauthenticatedError: too large for a connection that has not proved the token.
+        """
+        if header.kind != protocol.KIND_REQUEST:
+            raise ProtocolError("expected a request frame")
+        self.gate.check_header(header)  # nothing large before the token is proved
+
+    def open_request(
+        self, header: protocol.FrameHeader, body: bytes | memoryview
+    ) -> protocol.Request | Refusal:
+        """Decode and screen a request: the request to dispatch, or the answer instead.
+
+        The payload (``header.payload_len`` bytes after the body) is still unread either way.
+        """
+        try:
+            request = protocol.decode_request(body)
+        except ProtocolError as err:
+            return refuse(protocol.request_id_of(body), err, header)
+        screened = self.gate.screen(request)
+        if screened is not None:
+            frame, hang_up = screened
+            if header.payload_len > MAX_DISCARD:
+                return Refusal(frame, 0, True)  # not worth reading: hang up
+            return Refusal(frame, header.payload_len, hang_up)
+        if self.payload_limits is not None:
+            limit = self.payload_limits.get(request.verb)
+            if limit is None:
+                err: KVStoreError = UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
+                return refuse(request.req_id, err, header)
+            if header.payload_len > limit:
+                err = ProtocolError(
+                    f"{request.verb} takes no payload"
+                    if not limit
+                    else f"payload too large for {request.verb}"
+                )
+                return refuse(request.req_id, err, header)
+        return request

@@ -1,0 +1,95 @@
+"""The data server: its verb registry, its frame loop, and grants over its tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore import grants, protocol
+from kvstore.errors import (
+    ErrorCode,
+    GrantInvalidError,
+    InvalidRequestError,
+    KVStoreError,
+    OutOfRangeError,
+)
+from kvstore.node.arena import DramTier, ShmArena
+from kvstore.node.nvme import NvmeTier
+from kvstore.node.server import DataServer
+
+SIZE = 1 << 16
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[DataServer]:
+    arena = ShmArena(tmp_path / "arena", SIZE, prefault=False)
+    nvme = NvmeTier(tmp_path / "nvme", 1 << 20)
+    srv = DataServer({"dram": arena}, grants.new_secret(), tiers={"nvme": nvme})
+    srv.start()
+    yield srv
+    srv.stop()
+    arena.close()
+    nvme.close()
+
+
+@pytest.fixture
+def conn(server: DataServer) -> Iterator[protocol.FramedSocket]:
+    c = protocol.FramedSocket.connect(server.host, server.port, timeout=10)
+    yield c
+    c.close()
+
+
+def test_every_segment_is_a_tier(server: DataServer) -> None:
+    assert isinstance(server.tiers["dram"], DramTier)
+    assert set(server.tiers) == {"dram", "nvme"}
+    with pytest.raises(GrantInvalidError):
+        server.tier_of("hbm")
+
+
+def test_registered_verbs_are_served_with_their_payload_limit(
+    server: DataServer, conn: protocol.FramedSocket
+) -> None:
+    got: list[bytes] = []
+
+    def echo(fs: protocol.FramedSocket, req: protocol.Request, n: int, scratch: memoryview) -> None:
+        if req.args.get("refuse"):
+            raise InvalidRequestError("refused before the payload")
+        buf = memoryview(bytearray(n))
+        fs.recv_into(buf)
+        got.append(bytes(buf))
+        fs.send_frame(protocol.encode_response(req.req_id, n))
+
+    server.register_verb("echo", echo, max_payload=8)
+    req_id = conn.send_request("echo", {}, [b"12345678"])
+    response, _ = conn.read_response()
+    assert (response.req_id, response.unwrap(), got) == (req_id, 8, [b"12345678"])
+    # Over the verb's limit: refused, the payload skipped, the connection still usable.
+    conn.send_request("echo", {}, [b"123456789"])
+    response, _ = conn.read_response()
+    assert response.code == ErrorCode.MALFORMED_FRAME
+    # Refused by the handler before the payload: skipped too.
+    conn.send_request("echo", {"refuse": True}, [b"1234"])
+    response, _ = conn.read_response()
+    assert response.code == ErrorCode.INVALID_REQUEST
+    assert conn.call("ping", {}) == {"role": "node"}
+    with pytest.raises(KVStoreError) as err:
+        conn.call("nope", {})
+    assert err.value.code == ErrorCode.UNKNOWN_VERB
+    assert got == [b"12345678"]
+
+
+def test_granted_views_in_place_and_through_a_tier(server: DataServer) -> None:
+    def grant(op: str, segment: str, offset: int, size: int) -> list[object]:
+        return grants.sign(server.secret, op, b"k", segment, offset, size, 2**62).to_wire()
+
+    server.tiers["dram"].in_place(0, 4)[:] = b"abcd"
+    _, view = server.granted_view(grant(grants.OP_READ, "dram", 0, 4), grants.OP_READ)
+    assert bytes(view) == b"abcd"
+    with pytest.raises(OutOfRangeError, match="granted range"):
+        server.granted_view(grant(grants.OP_READ, "dram", SIZE - 2, 4), grants.OP_READ)
+    with pytest.raises(InvalidRequestError, match="whole-object"):
+        server.granted_view(grant(grants.OP_WRITE, "nvme", 3, 4), grants.OP_WRITE)
+    with pytest.raises(GrantInvalidError):
+        server.granted_view(grant(grants.OP_READ, "hbm", 0, 4), grants.OP_READ)
