@@ -243,6 +243,16 @@ class Membership:
         self.tombstones[node_id] = stones
         return node
 
+    def retire(self, node_id: str) -> Node:
+        """A drained node leaves: it holds nothing, so nothing is remembered of it.
+
+        Raises:
+            KeyError: no such node.
+        """
+        node = self.nodes.pop(node_id)
+        assert node.retired, "only a drained node retires"
+        return node
+
     # ================================================================ grants
     def location(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> Location:
         """Where ``replica`` lives, with a grant for ``op`` signed with its node's secret.

@@ -8,23 +8,33 @@ the verbs that cross owners (a node leaving, a task settling, a read) are orches
 Who owns what (each a class of its own module, one instance per master term)::
 
     config.py       MasterConfig: timeouts and limits
-    table.py        ObjectTable, ObjectMeta, Replica: committed objects (idle ones as tuples)
+    table.py        ObjectTable, ObjectMeta, Replica, the tier names: committed objects
+                    (idle ones as plain tuples, see its docstring)
     membership.py   Membership, Node, Segment: register, heartbeat, expiry, node identity
-    space.py        Space: replica extents, freeing them now or after read leases, the leases
-    puts.py         Puts, PendingPut: put_start / put_end / put_revoke, expired-put reclaim
+    space.py        Space: replica extents; freeing them now or once the read leases that
+                    cover them end (it keeps the leases)
+    puts.py         Puts, PendingPut: put_start / put_end / put_revoke, reclaiming expired puts
     tiering.py      TierManager: placement, watermark eviction, demotion and promotion
     replication.py  Replicator: re-replication after node deaths, drain
     recovery.py     Recovery: admitting node manifests (failover keeps the cache)
-    prefix.py       PrefixIndex over radix.py, emitting KV events (events.py)
-    leases.py, tasks.py, allocator.py (SpaceAllocator), budget.py, eviction.py: their records
+    prefix.py       PrefixIndex (over radix.py), which records KV events (events.py)
+    leases.py, tasks.py, allocator.py (the SpaceAllocator interface), budget.py,
+    eviction.py, prefix_restore.py: the records and structures the owners use
 
-Imports go one way, from the list's top to its bottom reversed: ``config`` and ``table`` import
-no owner; ``membership`` imports ``table``; ``space`` imports ``membership``; ``puts`` imports
-``space``; ``tiering`` imports ``puts``; ``replication`` imports ``tiering``; ``recovery``
-imports ``space``; this module imports them all. Above it: the RPC edge (``server.py``),
-``metrics.py``, the admin API, then ``daemon.py`` and ``ha.py``. No master module imports
-another inside a function, and none reaches into another's private members
-(``tests/master/test_layers.py`` checks both).
+Import order, lowest first; each module imports only modules above it in this list::
+
+    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore
+    config, table, prefix
+    membership
+    space
+    puts          (placement comes in as a callable: puts needs no tier manager)
+    tiering
+    replication, recovery
+    service       (this module)
+    server        (the RPC edge), then metrics, rest/, admin, daemon, ha
+
+No master module imports another inside a function, and none reaches into another's private
+members (``tests/master/test_layers.py`` checks both, and the order of the owners).
 
 A master term is one instance: a new HA term builds a fresh ``MasterService`` with
 :meth:`next_term` and swaps it into the :class:`ServiceSlot` that everything serving requests
@@ -50,31 +60,22 @@ from kvstore.manifest import ManifestClaim
 from kvstore.master.config import MasterConfig
 from kvstore.master.events import EVENT_REMOVED, EventLog
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
-from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.puts import PendingPut, Puts
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
-from kvstore.master.table import TIER_DRAM, ObjectMeta, ObjectTable, Replica
+from kvstore.master.table import ObjectTable
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "TIER_DRAM",
-    "MasterConfig",
-    "MasterService",
-    "Node",
-    "ObjectMeta",
-    "PendingPut",
-    "Replica",
-    "Segment",
-    "ServiceSlot",
-]
+#: MasterConfig is re-exported: callers configure the service through this module.
+__all__ = ["MasterConfig", "MasterService", "ServiceSlot"]
 
 #: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
 #: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
@@ -575,7 +576,7 @@ class MasterService:
         if node is None or not node.retired:
             return False
         self.replication.retired[node_id] = self.replication.drain_status(node_id)
-        self.nodes.pop(node_id)
+        self.membership.retire(node_id)
         self.tasks.outbox.pop(node_id, None)
         return True
 

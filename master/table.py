@@ -61,8 +61,6 @@ class Replica(NamedTuple):
     claim: int = 0
 
 
-#: A replica as the table stores it: the fields of a :class:`Replica`, in order.
-ReplicaFields = tuple[str, str, int, int, int, str, int]
 _as_replica = Replica._make
 
 

@@ -1,6 +1,9 @@
 """The tier manager: placement across tiers, watermark eviction, demotion and promotion.
 
-Mechanism here, policy in ``eviction.py`` (which only ranks candidates).
+Mechanism here, policy in ``eviction.py`` (which only ranks candidates). It acts on the owners of
+the master's state (``membership``, ``table``, ``space``, ``puts``, ``tasks``), never on the
+service: frees go through ``Space``, pending writes are read from ``Puts``, and two-phase puts
+get their placement from :meth:`TierManager.placer` (so they need not import this module).
 
 - **Placement**: a put goes to the fastest tier with room (HBM, then DRAM, then NVMe), on k
   distinct nodes. When no node has room, the put evicts synchronously: on a node, from its last

@@ -168,3 +168,10 @@ def test_locations_carry_grants_signed_with_the_nodes_secret(
     grants.verify(SECRET, loc.grant, grants.OP_READ, clock.wall_ms())
     with pytest.raises(GrantInvalidError):
         grants.verify(b"x" * 32, loc.grant, grants.OP_READ, clock.wall_ms())
+
+
+def test_a_drained_node_retires_without_tombstones(members: Membership) -> None:
+    node = join(members)
+    node.retired = True
+    assert members.retire("n1") is node
+    assert not members.nodes and "n1" not in members.tombstones
