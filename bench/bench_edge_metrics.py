@@ -11,7 +11,7 @@ import time
 from kvstore import protocol
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.server import dispatch
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.types import SegmentSpec
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     print(f"{'verb':<14} {'batch':>6} {'plain µs':>10} {'metrics µs':>11} {'overhead':>9}")
     for batch in (1, 64, 1024):
         svc, keys = _service(batch)
-        metrics = MasterMetrics(svc)
+        metrics = MasterMetrics(ServiceSlot(svc))
         for verb, args in (
             ("exists", {"keys": keys}),
             ("get_locations", {"keys": keys}),

@@ -28,7 +28,7 @@ from kvstore.master.rest.state import (
     SETTINGS_KEY,
     AdminSettings,
 )
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def cluster(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVICE_KEY].stats())
+    return web.json_response(request.app[SERVICE_KEY].service.stats())
 
 
 async def drain_node(request: web.Request) -> web.Response:
@@ -103,7 +103,7 @@ async def drain_node(request: web.Request) -> web.Response:
 
     Answers 202 with the drain status (``state``, ``num_objects_left``); POST again to poll.
     """
-    status = request.app[SERVICE_KEY].drain_node(request.match_info["id"])
+    status = request.app[SERVICE_KEY].service.drain_node(request.match_info["id"])
     return web.json_response(status, status=202 if status["state"] != "retired" else 200)
 
 
@@ -125,7 +125,7 @@ def _history_sample(service: MasterService, metrics: MasterMetrics) -> dict[str,
 
 
 def init_app(
-    service: MasterService,
+    slot: ServiceSlot,
     metrics: MasterMetrics | None = None,
     settings: AdminSettings | None = None,
     fence: AdminFence | None = None,
@@ -133,7 +133,7 @@ def init_app(
     """Build the admin application around a live service (nothing starts at import time).
 
     Args:
-        service: the master's service.
+        slot: holds the master's service (routes read the current term's per request).
         metrics: the master's metrics (the RPC edge records into the same object); a fresh
             one when None.
         settings: token, public reads, history sampling.
@@ -143,20 +143,20 @@ def init_app(
         The application; its history sampler runs while the app runs (``cleanup_ctx``).
     """
     settings = settings or AdminSettings()
-    metrics = metrics or MasterMetrics(service)
+    metrics = metrics or MasterMetrics(slot)
     app = web.Application(
         middlewares=[error_middleware, auth_middleware, fence_middleware],
         # Longest legitimate URL: a 511-byte prefix and a cursor, percent-encoded (~15 KiB).
         # Anything the HTTP parser refuses still gets our JSON error body (AdminRunner).
         handler_args={"max_line_size": 64 << 10},
     )
-    app[SERVICE_KEY] = service
+    app[SERVICE_KEY] = slot
     app[METRICS_KEY] = metrics
     app[SETTINGS_KEY] = settings
     if fence is not None:
         app[FENCE_KEY] = fence
     app[HISTORY_KEY] = History(
-        lambda: _history_sample(service, metrics),
+        lambda: _history_sample(slot.service, metrics),
         settings.history_interval_s,
         settings.history_window_s,
     )

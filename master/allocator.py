@@ -1,4 +1,12 @@
-"""Offset allocator for one segment: a free list with coalescing and best-fit placement.
+"""Space allocators of segments: the interface every tier's allocator implements, and the
+offset allocator of the tiers with byte positions (DRAM, HBM).
+
+:class:`SpaceAllocator` is what the rest of the master sees of a segment's space: placement,
+eviction, heartbeats and recovery call only its methods, never ask which allocator they hold.
+Its two implementations: :class:`OffsetAllocator` (here) and ``budget.ByteBudget`` (NVMe,
+where lmdb places values itself and ids stand in for offsets).
+
+Offset allocator: a free list with coalescing and best-fit placement.
 
 Why two sorted lists rather than a heap or a tree: ``bisect`` over Python lists gives O(log n)
 search and an O(n) but memmove-fast insert, which beats any pure-Python balanced tree up to the
@@ -10,10 +18,58 @@ whole for large objects).
 from __future__ import annotations
 
 import bisect
+from typing import Protocol
 
 from kvstore.errors import InvalidRequestError
 
 DEFAULT_ALIGNMENT = 64
+
+
+class SpaceAllocator(Protocol):
+    """A segment's space, as the master's placement and bookkeeping use it.
+
+    Offsets are what a replica records: a byte position (``OffsetAllocator``) or an id
+    (``ByteBudget``). Freed bytes may stay *in limbo* until the node confirms it dropped them
+    (:meth:`acknowledge`): allocators that reuse positions at once have no limbo.
+    """
+
+    capacity: int
+    used_bytes: int
+
+    @property
+    def free_bytes(self) -> int: ...
+
+    @property
+    def largest_free(self) -> int:
+        """The largest object (reserved size) one allocation can take now."""
+        ...
+
+    def reserved_size(self, size: int) -> int:
+        """Bytes an object of ``size`` occupies."""
+        ...
+
+    def is_allocated(self, offset: int) -> bool: ...
+
+    def allocate(self, size: int) -> int | None:
+        """Reserve room for ``size`` bytes: the offset, or None when there is no room."""
+        ...
+
+    def allocate_at(self, offset: int, size: int) -> bool:
+        """Reserve ``size`` bytes exactly at ``offset`` (re-admitting what a node reports)."""
+        ...
+
+    def free(self, offset: int) -> int:
+        """Free an allocation. Returns the bytes that stay in limbo until acknowledged (0:
+        none, the space is reusable now)."""
+        ...
+
+    def acknowledge(self, num_bytes: int) -> None:
+        """The node dropped ``num_bytes`` of what was freed here (ends their limbo)."""
+        ...
+
+    def reserve_ids_through(self, offset: int) -> None:
+        """A node still holds something at ``offset``: never hand it out again."""
+        ...
 
 
 class OffsetAllocator:
@@ -103,8 +159,11 @@ class OffsetAllocator:
         self.used_bytes += need
         return True
 
-    def free(self, offset: int) -> None:
+    def free(self, offset: int) -> int:
         """Return an allocation to the free list, merging it with free neighbours.
+
+        Returns:
+            0: the bytes are reusable at once (no limbo).
 
         Raises:
             InvalidRequestError: ``offset`` is not the start of a live allocation.
@@ -127,6 +186,13 @@ class OffsetAllocator:
                 start = left
                 self._remove_free(left, self._size_at[left])
         self._add_free(start, end - start)
+        return 0
+
+    def acknowledge(self, num_bytes: int) -> None:
+        """Nothing to do: freed extents are reusable at once."""
+
+    def reserve_ids_through(self, offset: int) -> None:
+        """Nothing to do: an extent a node holds is reserved by :meth:`allocate_at`."""
 
     # ------------------------------------------------------------------ internals
     def _add_free(self, start: int, size: int) -> None:

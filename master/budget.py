@@ -3,7 +3,8 @@
 lmdb finds room for a value itself, so the master needs no extents for the NVMe tier, only a
 budget; an id names each object's lmdb records instead of an offset. Ids are never reused while
 the master runs (and restart above everything a node reports), so a late ``forget`` for a freed
-id can never delete a newer object. Same interface as :class:`OffsetAllocator`.
+id can never delete a newer object. A :class:`~kvstore.master.allocator.SpaceAllocator`, like
+:class:`~kvstore.master.allocator.OffsetAllocator`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class ByteBudget:
         self._next_id = max(self._next_id, offset + 1)
         return True
 
-    def skip_past(self, offset: int) -> None:
+    def reserve_ids_through(self, offset: int) -> None:
         """Never hand out ``offset`` or anything below it (a node still holds records there)."""
         self._next_id = max(self._next_id, offset + 1)
 
@@ -82,6 +83,6 @@ class ByteBudget:
         self.limbo_bytes += need
         return need
 
-    def ack(self, num_bytes: int) -> None:
+    def acknowledge(self, num_bytes: int) -> None:
         """The node has deleted ``num_bytes`` of freed objects."""
         self.limbo_bytes = max(0, self.limbo_bytes - num_bytes)

@@ -18,7 +18,7 @@ from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.rest.fence import AdminFence
 from kvstore.master.server import ControlServer
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
 from kvstore.types import ObjectInfo
 
@@ -46,9 +46,10 @@ class Master:
         public_reads: bool = True,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self.service = MasterService(config, tiers=tiers)
-        self.metrics = MasterMetrics(self.service)
-        self.control = ControlServer(self.service, host, port, observer=self.metrics, token=token)
+        #: The current term's service (an HA master swaps in a fresh one each term).
+        self.slot = ServiceSlot(MasterService(config, tiers=tiers))
+        self.metrics = MasterMetrics(self.slot)
+        self.control = ControlServer(self.slot, host, port, observer=self.metrics, token=token)
         self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
         self.ssl_context = ssl_context
         #: With HA: the leadership fence the admin API obeys too (set before ``start``).
@@ -61,7 +62,7 @@ class Master:
 
     async def start(self) -> MasterEndpoints:
         await self.control.start()
-        app = init_app(self.service, self.metrics, self.admin_settings, self.admin_fence)
+        app = init_app(self.slot, self.metrics, self.admin_settings, self.admin_fence)
         self._runner = AdminRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
@@ -72,6 +73,11 @@ class Master:
         return MasterEndpoints(
             f"{self.host}:{self.control.port}", f"{scheme}://{self.host}:{self.admin_port}"
         )
+
+    @property
+    def service(self) -> MasterService:
+        """The service of the current term."""
+        return self.slot.service
 
     async def _housekeep(self) -> None:
         period = min(0.25, self.service.config.heartbeat_interval_s / 2)
@@ -140,7 +146,7 @@ def tune_collector() -> int:
     functions loaded at start-up are most of each full collection's work (~11 ms each time)
     for objects that live as long as the process. ``gc.collect()`` runs first, so nothing that
     is already garbage is frozen (frozen cyclic garbage is never collected); what start-up
-    created and a later ``MasterService.reset`` drops is freed by reference counting, so at
+    created and a later term's fresh ``MasterService`` drops is freed by reference counting, so at
     worst a cycle among those stays, once, never growing. Call it once, after start-up.
 
     Returns:

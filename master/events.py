@@ -49,7 +49,6 @@ EVENT_STORED = "stored"
 EVENT_EVICTED = "evicted"
 EVENT_REMOVED = "removed"
 EVENT_MOVED = "moved"
-EVENT_KINDS = (EVENT_STORED, EVENT_EVICTED, EVENT_REMOVED, EVENT_MOVED)
 
 #: Why a subscriber must resync.
 RESYNC_EPOCH = "epoch"  # another master term: its sequence numbers mean nothing here

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import ssl
 import time
@@ -54,7 +53,7 @@ from kvstore.errors import (
 )
 from kvstore.etcd import EtcdStore, KeyValue, self_cancelled
 from kvstore.master.daemon import Master, install_stop_signals, tune_collector
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
 
 log = logging.getLogger(__name__)
@@ -95,10 +94,13 @@ class HAConfig:
 class Leadership:
     """The fence: whether this master may serve, checked before every request.
 
+    Each term starts a fresh service in ``slot`` (:meth:`begin`), and so does stepping down: a
+    standby holds an empty table, and a new leader never sees a row of an earlier term's.
+
     NOTE: only the master's event loop touches it (checks, elections, keep-alives).
     """
 
-    service: MasterService
+    slot: ServiceSlot
     clock: Callable[[], float] = time.monotonic
     epoch: int = 0
     leading: bool = False
@@ -108,12 +110,16 @@ class Leadership:
     lost: asyncio.Event | None = None
     num_refused: int = 0
 
+    @property
+    def service(self) -> MasterService:
+        """The service of the current term."""
+        return self.slot.service
+
     def begin(self, epoch: int, deadline: float, recovery_s: float) -> None:
-        self.service.reset()
-        # Put ids of different terms never collide, even for a caller that ignores epochs.
-        self.service._put_ids = itertools.count((epoch << 32) + 1)
-        # KV events of this term carry its epoch: a subscriber of the last leader resyncs.
-        self.service.events.restart(epoch)
+        # A fresh service for the term: its put ids never collide with an earlier term's, even
+        # for a caller that ignores epochs, and its KV events carry the epoch (a subscriber of
+        # the last leader resyncs).
+        self.slot.next_term(epoch)
         self.epoch = epoch
         self.deadline = deadline
         self.recovering_until = self.clock() + recovery_s
@@ -126,11 +132,13 @@ class Leadership:
             log.warning("stepping down from epoch %d: %s", self.epoch, why)
             print(f"kvstore master standby: epoch={self.epoch} reason={why}", flush=True)
         self.leading = False
-        self.service.reset()
+        self.slot.next_term()
         if self.lost is not None:
             self.lost.set()
 
-    def _recovering(self, now: float) -> bool:
+    def recovering(self, now: float) -> bool:
+        """Whether the leader still waits for nodes to re-register (ends the wait when every
+        node etcd listed is back, or the recovery time is over)."""
         if not self.recovering_until:
             return False
         expected = self.expected_nodes
@@ -170,7 +178,7 @@ class Leadership:
         """
         now = self.clock()
         err = self._lease_refusal(now)
-        if err is None and self._recovering(now):
+        if err is None and self.recovering(now):
             err = NotLeaderError("the new leader is rebuilding its table; retry")
         return err
 
@@ -181,9 +189,7 @@ class Leadership:
         not silent, it was deaf. Without this, they would be declared dead (and their objects
         read as misses until they register again) the moment it serves again.
         """
-        now = self.service.clock()
-        for node in self.service.nodes.values():
-            node.last_seen = max(node.last_seen, now)
+        self.service.leader_heard_again()
 
     def _lease_refusal(self, now: float) -> KVStoreError | None:
         if not self.leading:
@@ -206,7 +212,7 @@ class Leadership:
                 return NotLeaderError(f"epoch {self.epoch} was superseded by {caller}")
             if caller < self.epoch:
                 return StaleEpochError(f"epoch {caller} is stale; the leader's is {self.epoch}")
-        if self._recovering(now) and request.verb not in RECOVERY_VERBS:
+        if self.recovering(now) and request.verb not in RECOVERY_VERBS:
             return NotLeaderError("the new leader is rebuilding its table; retry")
         return None
 
@@ -414,13 +420,12 @@ class Elector:
             await asyncio.sleep(interval)
 
     async def _finish_recovery(self) -> None:
-        while self.fence.leading and self.fence._recovering(self.clock()):
+        while self.fence.leading and self.fence.recovering(self.clock()):
             await asyncio.sleep(0.02)
 
     async def _watch_members(self) -> None:
         """Track live nodes in etcd; drop a registered node whose lease is gone."""
         fence = self.fence
-        svc = fence.service
         seen: set[str] = set()
         first = True
         while fence.leading:
@@ -429,14 +434,14 @@ class Elector:
             except EtcdUnavailableError:
                 await asyncio.sleep(MEMBERSHIP_POLL_S)
                 continue
+            svc = fence.service
             if first:
                 fence.expected_nodes = set(members)
                 first = False
             seen |= members.keys() & svc.nodes.keys()
             for node_id in [n for n in svc.nodes if n in seen and n not in members]:
                 log.warning("node %s left etcd membership (lease expired): dropped", node_id)
-                svc._drop_node(node_id)
-                svc.num_dead_nodes += 1
+                svc.drop_dead_node(node_id)
                 seen.discard(node_id)
             await asyncio.sleep(MEMBERSHIP_POLL_S)
 
@@ -472,7 +477,7 @@ async def serve_master_ha(
         public_reads=public_reads,
         ssl_context=ssl_context,
     )
-    fence = Leadership(master.service)
+    fence = Leadership(master.slot)
     master.control.fence = fence
     master.admin_fence = fence
     endpoints = await master.start()

@@ -30,7 +30,8 @@ from prometheus_client.registry import Collector
 
 from kvstore import protocol
 from kvstore.errors import ErrorCode
-from kvstore.master.service import MasterService
+from kvstore.master.server import HANDLERS
+from kvstore.master.service import MasterService, ServiceSlot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -120,11 +121,11 @@ class MasterMetrics:
     """Every metric of one master. Thread-safe (prometheus_client's own locking).
 
     Args:
-        service: the service whose state is read at scrape time.
+        slot: holds the service whose state is read at scrape time (the current term's).
     """
 
-    def __init__(self, service: MasterService) -> None:
-        self.service = service
+    def __init__(self, slot: ServiceSlot) -> None:
+        self.slot = slot
         disable_created_metrics()  # no *_created series: noise for every counter
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -156,8 +157,8 @@ class MasterMetrics:
             "Leading keys found in key-chain prefix matches (admin API)",
             registry=self.registry,
         )
-        self.registry.register(_ServiceCollector(service))
-        self._verbs = frozenset(_known_verbs())
+        self.registry.register(_ServiceCollector(slot))
+        self._verbs = frozenset([*HANDLERS, "hello"])
         self._children: dict[tuple[str, int], tuple[Any, Any]] = {}
         # Totals the status page samples (cheap to read, no registry walk).
         self.num_requests = 0
@@ -165,7 +166,7 @@ class MasterMetrics:
         self.num_misses = 0
         self._hits_seen: dict[str, int] = {}
         self._misses_seen = 0
-        self._term_hits = service.hits_by_tier
+        self._term_hits = slot.service.hits_by_tier
 
     # ------------------------------------------------------------------ recording
     def observe(self, request: protocol.Request, code: int, result: Any, seconds: float) -> None:
@@ -188,9 +189,9 @@ class MasterMetrics:
     def _sync_lookups(self) -> None:
         """Carry the service's hit/miss counts (it counts them while answering) into the
         counters: O(tiers) per request, no second look-up of the keys."""
-        svc = self.service
+        svc = self.slot.service
         if svc.hits_by_tier is not self._term_hits:
-            # The service started a new term (an HA master leads again, ``reset()``): its counts
+            # A new term's service (an HA master leads again, or steps down): its counts
             # restart from zero, ours go on (a counter never goes down).
             self._term_hits = svc.hits_by_tier
             self._hits_seen.clear()
@@ -217,23 +218,17 @@ class MasterMetrics:
         return generate_latest(self.registry)
 
 
-def _known_verbs() -> list[str]:
-    from kvstore.master.server import HANDLERS
-
-    return [*HANDLERS, "hello"]
-
-
 class _ServiceCollector(Collector):
     """Figures read from the service at scrape time.
 
     NOTE: the service is single-threaded; scrape on the master's event loop, never in a thread.
     """
 
-    def __init__(self, service: MasterService) -> None:
-        self.service = service
+    def __init__(self, slot: ServiceSlot) -> None:
+        self.slot = slot
 
     def collect(self) -> Iterator[Any]:
-        svc = self.service
+        svc: MasterService = self.slot.service
         stats = svc.stats()
         used = GaugeMetricFamily(
             "kvstore_tier_used_bytes", "Bytes allocated in each tier", labels=["tier"]
@@ -295,11 +290,10 @@ class _ServiceCollector(Collector):
             # Objects under a read lease (``lease_until`` in the future), where objects carry one.
             now = svc.clock()
             # Only hot objects can be leased (master/table.py): no walk over the whole table.
-            objects = svc.objects
-            held = objects.hot_values() if hasattr(objects, "hot_values") else objects.values()
+            held = svc.objects.hot_values()
             stats = {
                 **stats,
-                "num_leases": sum(1 for o in list(held) if getattr(o, "lease_until", 0.0) > now),
+                "num_leases": sum(1 for o in held if o.lease_until > now),
             }
         for name, kind, doc, paths in _STATS_FIGURES:
             make = _gauge if kind == "gauge" else _counter

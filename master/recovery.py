@@ -16,7 +16,7 @@ Rules, in order:
 4. Every rejected claim is logged with its reason and goes to the node's forget list, so the
    node drops it and never claims it again.
 5. Tiers: a replica takes its segment's tier. NVMe ids a node reports are never handed out again
-   while the node may still hold them (``ByteBudget.skip_past``), and a claim the master had
+   while the node may still hold them (``SpaceAllocator.reserve_ids_through``), and a claim the master had
    told the node to forget just before it went away (a restart before the next heartbeat) is
    rejected: an overwritten or removed version never comes back.
 
@@ -30,15 +30,14 @@ completed is in no manifest, so the new leader's allocator has it free: reclaime
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from kvstore.errors import NodeUnavailableError
 from kvstore.manifest import ManifestClaim
-
-if TYPE_CHECKING:
-    from kvstore.master.service import MasterService, Node
+from kvstore.master.membership import Membership, Node
+from kvstore.master.space import Space
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 
 log = logging.getLogger(__name__)
 
@@ -78,105 +77,126 @@ def _wins(claim: ManifestClaim, node_id: str, stamp: int, holder_ids: list[str])
     return node_id < min(holder_ids)
 
 
-def admit_manifest(
-    svc: MasterService, node_id: str, claims: Iterable[ManifestClaim]
-) -> AdmissionReport:
-    """Admit a registered node's claims into ``svc``'s object table.
+class Recovery:
+    """Admission of manifests into one master term's table.
 
     Args:
-        svc: the master service.
-        node_id: the claiming node (must be registered).
-        claims: what it holds.
-
-    Returns:
-        Counts and the first reasons for rejections.
-
-    Raises:
-        NodeUnavailableError: the node is not registered.
+        membership: the claiming nodes (and their tombstones).
+        objects: the object table claims are admitted into.
+        space: indexes admitted replicas, frees replaced ones.
+        max_object_bytes: the largest object a claim may name.
+        clock: monotonic seconds.
     """
-    from kvstore.master.service import ObjectMeta, Replica
 
-    node = svc.nodes.get(node_id)
-    if node is None:
-        raise NodeUnavailableError(f"node {node_id!r} is not registered")
-    from kvstore.master.budget import ByteBudget
+    def __init__(
+        self,
+        membership: Membership,
+        objects: ObjectTable,
+        space: Space,
+        max_object_bytes: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.membership = membership
+        self.objects = objects
+        self.space = space
+        self.max_object_bytes = max_object_bytes
+        self.clock = clock
+        #: Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An
+        #: entry whose ObjectMeta is no longer the key's current one is stale.
+        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
 
-    report = AdmissionReport()
-    tombstones = svc.tombstones.pop(node_id, set())
-    claims = list(claims)
-    for claim in claims:
-        seg = node.segments.get(claim.segment)
-        if seg is not None and isinstance(seg.allocator, ByteBudget):
-            seg.allocator.skip_past(claim.offset)
-    # Newest first: a node's own older versions of a key then lose to its newer one.
-    ordered = sorted(claims, key=lambda c: (-c.stamp, c.segment, c.offset))
-    for claim in ordered:
-        why = _check_claim(svc, node, claim)
-        if not why and (claim.segment, claim.offset) in tombstones:
-            why = "this master had told the node to forget it (freed or replaced)"
-        if why:
+    def admit(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
+        """Admit a registered node's claims into the object table.
+
+        Args:
+            node_id: the claiming node (must be registered).
+            claims: what it holds.
+
+        Returns:
+            Counts and the first reasons for rejections.
+
+        Raises:
+            NodeUnavailableError: the node is not registered.
+        """
+        node = self.membership.nodes.get(node_id)
+        if node is None:
+            raise NodeUnavailableError(f"node {node_id!r} is not registered")
+        objects, space, stamps = self.objects, self.space, self.manifest_stamps
+        report = AdmissionReport()
+        tombstones = self.membership.tombstones.pop(node_id, set())
+        claims = list(claims)
+        for claim in claims:
+            seg = node.segments.get(claim.segment)
+            if seg is not None:
+                seg.allocator.reserve_ids_through(claim.offset)
+        # Newest first: a node's own older versions of a key then lose to its newer one.
+        ordered = sorted(claims, key=lambda c: (-c.stamp, c.segment, c.offset))
+        for claim in ordered:
+            why = self._check_claim(node, claim)
+            if not why and (claim.segment, claim.offset) in tombstones:
+                why = "this master had told the node to forget it (freed or replaced)"
+            if why:
+                report.reject(claim, node_id, why)
+                node.forgotten.append((claim.segment, claim.offset, claim.stamp))
+                continue
+            tier = node.segments[claim.segment].tier
+            replica = Replica(
+                node_id, claim.segment, claim.offset, claim.size, stamp=claim.stamp, tier=tier
+            )
+            cur = objects.get(claim.key)
+            admitted = stamps.get(claim.key)
+            if cur is not None and (admitted is None or admitted[1] is not cur):
+                why = "the key was committed by this master since: the live table wins"
+            elif cur is not None and cur.size == claim.size and cur.checksum == claim.checksum:
+                if _reserve(node, claim):
+                    cur.add_replica(replica)
+                    space.attach(claim.key, replica)
+                    report.num_replicas += 1
+                    continue
+                why = "extent not free on this node (overlap, misaligned or outside the segment)"
+            elif cur is not None and not _wins(
+                claim, node_id, admitted[0], [r.node_id for r in cur.replicas]
+            ):
+                why = "another node holds a newer version of this key"
+            elif not _reserve(node, claim):
+                why = "extent not free on this node (overlap, misaligned or outside the segment)"
+            else:
+                if cur is not None:
+                    log.warning(
+                        "manifest of %s replaces key %r held by %s (newer put)",
+                        node_id,
+                        claim.key[:64],
+                        ",".join(r.node_id for r in cur.replicas),
+                    )
+                    space.release_all(cur.replicas)
+                    report.num_replaced += 1
+                meta = ObjectMeta(
+                    claim.key, claim.size, claim.checksum, [replica], last_access=self.clock()
+                )
+                objects[claim.key] = meta
+                space.attach(claim.key, replica)
+                stamps[claim.key] = (claim.stamp, meta)
+                report.num_admitted += 1
+                continue
             report.reject(claim, node_id, why)
             node.forgotten.append((claim.segment, claim.offset, claim.stamp))
-            continue
-        tier = node.segments[claim.segment].tier
-        replica = Replica(
-            node_id, claim.segment, claim.offset, claim.size, stamp=claim.stamp, tier=tier
-        )
-        cur = svc.objects.get(claim.key)
-        admitted = svc.manifest_stamps.get(claim.key)
-        if cur is not None and (admitted is None or admitted[1] is not cur):
-            why = "the key was committed by this master since: the live table wins"
-        elif cur is not None and cur.size == claim.size and cur.checksum == claim.checksum:
-            if _reserve(node, claim):
-                cur.add_replica(replica)
-                svc.attach(claim.key, replica)
-                report.num_replicas += 1
-                continue
-            why = "extent not free on this node (overlap, misaligned or outside the segment)"
-        elif cur is not None and not _wins(
-            claim, node_id, admitted[0], [r.node_id for r in cur.replicas]
-        ):
-            why = "another node holds a newer version of this key"
-        elif not _reserve(node, claim):
-            why = "extent not free on this node (overlap, misaligned or outside the segment)"
-        else:
-            if cur is not None:
-                log.warning(
-                    "manifest of %s replaces key %r held by %s (newer put)",
-                    node_id,
-                    claim.key[:64],
-                    ",".join(r.node_id for r in cur.replicas),
-                )
-                svc._free_replicas(cur.replicas)
-                report.num_replaced += 1
-            meta = ObjectMeta(
-                claim.key, claim.size, claim.checksum, [replica], last_access=svc.clock()
-            )
-            svc.objects[claim.key] = meta
-            svc.attach(claim.key, replica)
-            svc.manifest_stamps[claim.key] = (claim.stamp, meta)
-            report.num_admitted += 1
-            continue
-        report.reject(claim, node_id, why)
-        node.forgotten.append((claim.segment, claim.offset, claim.stamp))
-    return report
+        return report
 
+    def _check_claim(self, node: Node, claim: ManifestClaim) -> str:
+        seg = node.segments.get(claim.segment)
+        if seg is None:
+            return f"the node registered no segment {claim.segment!r}"
+        if claim.size > self.max_object_bytes:
+            return "object larger than the limit"
+        return ""
 
-def _check_claim(svc: MasterService, node: Node, claim: ManifestClaim) -> str:
-    seg = node.segments.get(claim.segment)
-    if seg is None:
-        return f"the node registered no segment {claim.segment!r}"
-    if claim.size > svc.config.max_object_bytes:
-        return "object larger than the limit"
-    return ""
+    def forget_stale_stamps(self) -> None:
+        """Drop stamps of objects that were since replaced or removed (bounded memory)."""
+        stamps, objects = self.manifest_stamps, self.objects
+        stale = [k for k, (_, meta) in stamps.items() if objects.get(k) is not meta]
+        for k in stale:
+            del stamps[k]
 
 
 def _reserve(node: Node, claim: ManifestClaim) -> bool:
     return node.segments[claim.segment].allocator.allocate_at(claim.offset, claim.size)
-
-
-def forget_stale_stamps(svc: MasterService) -> None:
-    """Drop stamps of objects that were since replaced or removed (bounded memory)."""
-    stale = [k for k, (_, meta) in svc.manifest_stamps.items() if svc.objects.get(k) is not meta]
-    for k in stale:
-        del svc.manifest_stamps[k]

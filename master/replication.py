@@ -10,15 +10,17 @@ number of copies at a time, and reports progress in :meth:`Replicator.stats`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
-from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
+from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.puts import Puts
+from kvstore.master.space import Space
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task, TaskBook
 from kvstore.master.tiering import ordered_segments
-
-if TYPE_CHECKING:
-    from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,38 @@ MAX_COPIES_PER_TICK = 256
 
 
 class Replicator:
-    def __init__(self, svc: MasterService) -> None:
-        self.svc = svc
+    """Copies objects node to node (re-replication, drain), acting on the master's owners.
+
+    Args:
+        membership: the nodes (copy targets, the node being drained).
+        objects: the object table.
+        space: frees what a drain moved away and what a failed copy allocated.
+        puts: the pending puts (a drained node retires once nothing is written to it).
+        tasks: where copies are queued for the nodes.
+        task_timeout_s: how long a node has for a copy.
+        clock: monotonic seconds.
+        wall_ms: wall-clock milliseconds (grants and deadlines the nodes check).
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        objects: ObjectTable,
+        space: Space,
+        puts: Puts,
+        tasks: TaskBook,
+        task_timeout_s: float,
+        clock: Callable[[], float],
+        wall_ms: Callable[[], int],
+    ) -> None:
+        self.membership = membership
+        self.objects = objects
+        self.space = space
+        self.puts = puts
+        self.tasks = tasks
+        self.task_timeout_s = task_timeout_s
+        self.clock = clock
+        self.wall_ms = wall_ms
         self.under: set[bytes] = set()  # keys that may have fewer replicas than wanted
         self.num_copies_done = 0
         self.num_copies_failed = 0
@@ -45,7 +77,7 @@ class Replicator:
     def _target(self, obj: ObjectMeta) -> tuple[Node, Segment] | None:
         holders = {r.node_id for r in obj.replicas}
         best: tuple[tuple[int, int], Node, Segment] | None = None
-        for node in self.svc.nodes.values():
+        for node in self.membership.nodes.values():
             if node.node_id in holders or node.draining or node.retired:
                 continue
             for rank, seg in enumerate(ordered_segments(node)):
@@ -59,22 +91,19 @@ class Replicator:
     def _copy(
         self, obj: ObjectMeta, src: Replica, node: Node, seg: Segment, purpose: str, now: float
     ) -> None:
-        from kvstore.master.service import Replica
-
-        svc = self.svc
         offset = seg.allocator.allocate(obj.size)
         assert offset is not None, "a copy was planned without room"
-        claim = seg.claim_stamp(svc.wall_ms() + int(svc.config.put_timeout_s * 1000))
+        claim = seg.claim_stamp(self.space.claim_base())
         dst = Replica(
             node.node_id, seg.name, offset, obj.size, stamp=src.stamp, tier=seg.tier, claim=claim
         )
-        timeout = svc.tiering.config.task_timeout_s
-        expires = svc.wall_ms() + int(timeout * 1000)
-        src_node = svc.nodes[src.node_id]
+        timeout = self.task_timeout_s
+        expires = self.wall_ms() + int(timeout * 1000)
+        src_node = self.membership.nodes[src.node_id]
         grant = grants.sign(
             src_node.secret, grants.OP_READ, obj.key, src.segment, src.offset, src.size, expires
         )
-        task_id = svc.tasks.next_id()
+        task_id = self.tasks.next_id()
         wire: dict[str, Any] = {
             "id": task_id,
             "kind": "fetch",
@@ -90,19 +119,17 @@ class Replicator:
             "claim_ms": claim,
         }
         deadline = now + timeout + TASK_GRACE_S
-        svc.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
+        self.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id
 
     def tick(self, now: float) -> None:
         budget = MAX_COPIES_PER_TICK - sum(
-            1
-            for t in self.svc.tasks.by_id.values()
-            if t.purpose in (PURPOSE_REPLICATE, PURPOSE_DRAIN)
+            1 for t in self.tasks.by_id.values() if t.purpose in (PURPOSE_REPLICATE, PURPOSE_DRAIN)
         )
         for key in list(self.under):
             if budget <= 0:
                 break
-            obj = self.svc.objects.get(key)
+            obj = self.objects.get(key)
             if obj is None or not obj.replicas or len(obj.replicas) >= obj.replicas_wanted:
                 self.under.discard(key)
                 continue
@@ -113,7 +140,7 @@ class Replicator:
                 continue
             self._copy(obj, obj.replicas[0], target[0], target[1], PURPOSE_REPLICATE, now)
             budget -= 1
-        for node in [n for n in self.svc.nodes.values() if n.draining and not n.retired]:
+        for node in [n for n in self.membership.nodes.values() if n.draining and not n.retired]:
             budget = self._drain_step(node, now, budget)
 
     # ================================================================ drain
@@ -124,7 +151,7 @@ class Replicator:
             KeyNotFoundError: no such node.
             InvalidRequestError: it holds objects and no other node can take data.
         """
-        node = self.svc.nodes.get(node_id)
+        node = self.membership.nodes.get(node_id)
         if node is None and node_id in self.retired:
             return self.retired[node_id]
         if node is None:
@@ -132,7 +159,7 @@ class Replicator:
         if not node.draining:
             others = [
                 n
-                for n in self.svc.nodes.values()
+                for n in self.membership.nodes.values()
                 if n.node_id != node_id and not n.draining and not n.retired
             ]
             if not others and self._held(node):
@@ -147,25 +174,24 @@ class Replicator:
         return sum(len(s.holding) for s in node.segments.values())
 
     def drain_status(self, node_id: str) -> dict[str, Any]:
-        node = self.svc.nodes.get(node_id)
+        node = self.membership.nodes.get(node_id)
         if node is None and node_id in self.retired:
             return self.retired[node_id]
         if node is None:
             raise KeyNotFoundError(f"node {node_id!r} is not registered")
         return {
             "node_id": node_id,
-            "state": "retired" if node.retired else "draining" if node.draining else "active",
+            "state": node.state,
             "num_objects_left": self._held(node),
             "bytes_left": sum(s.allocator.used_bytes for s in node.segments.values()),
         }
 
     def _drain_step(self, node: Node, now: float, budget: int) -> int:
-        svc = self.svc
         for seg in node.segments.values():
             for off, key in list(seg.holding.items()):
                 if budget <= 0:
                     return budget
-                obj = svc.objects.get(key)
+                obj = self.objects.get(key)
                 if obj is None or obj.busy:
                     continue
                 replica = next(
@@ -181,15 +207,15 @@ class Replicator:
                 target = self._target(obj)
                 if target is None:
                     if len(obj.replicas) > 1:  # copies live elsewhere already: just drop this one
-                        svc.delete_replica(obj, replica, hold=True)
+                        self.space.delete_replica(obj, replica, hold=True)
                     continue
                 self._copy(obj, replica, target[0], target[1], PURPOSE_DRAIN, now)
                 budget -= 1
         busy_here = any(
             t.node_id == node.node_id or t.src.node_id == node.node_id
-            for t in svc.tasks.by_id.values()
+            for t in self.tasks.by_id.values()
         )
-        writing = any(r.node_id == node.node_id for p in svc.pending.values() for r in p.replicas)
+        writing = self.puts.writing_on(node.node_id)
         if not self._held(node) and not busy_here and not writing:
             node.retired = True
             self.num_retired += 1
@@ -198,39 +224,39 @@ class Replicator:
 
     # ================================================================ completion
     def settle(self, task: Task, ok: bool, now: float) -> None:
-        svc = self.svc
-        obj = svc.objects.get(task.key)
+        space = self.space
+        obj = self.objects.get(task.key)
         same = obj is not None and obj.busy == task.task_id  # the version this task copied
         if same:
             obj.busy = 0
         holders = {r.node_id for r in obj.replicas} if obj is not None else set()
         if ok and same and task.dst.node_id not in holders:
             if task.purpose == PURPOSE_DRAIN and obj.swap_replica(task.src, task.dst):
-                svc.attach(obj.key, task.dst)
-                svc.release(task.src, hold_until=svc.hold_until(obj, now), lease_of=obj)
+                space.attach(obj.key, task.dst)
+                space.release(task.src, hold_until=space.hold_until(obj, now), lease_of=obj)
                 self.num_drained += 1
             else:
                 obj.add_replica(task.dst)
-                svc.attach(obj.key, task.dst)
+                space.attach(obj.key, task.dst)
                 if obj.num_replicas >= obj.replicas_wanted:
                     self.under.discard(obj.key)
             self.num_copies_done += 1
             return
         if not ok:
             self.num_copies_failed += 1
-        svc.release(task.dst)
+        space.release(task.dst)
 
     def stats(self) -> dict[str, Any]:
         under = 0
         for key in self.under:
-            obj = self.svc.objects.get(key)
+            obj = self.objects.get(key)
             if obj is not None and len(obj.replicas) < obj.replicas_wanted:
                 under += 1
         return {
             "num_under_replicated": under,
             "num_copies_in_flight": sum(
                 1
-                for t in self.svc.tasks.by_id.values()
+                for t in self.tasks.by_id.values()
                 if t.purpose in (PURPOSE_REPLICATE, PURPOSE_DRAIN)
             ),
             "num_copies_done": self.num_copies_done,

@@ -37,7 +37,7 @@ from kvstore.master.events import (
 )
 from kvstore.master.leases import check_lease_tokens
 from kvstore.master.prefix import check_prompt_size
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.polling import LoopAwake
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
@@ -566,11 +566,12 @@ SWEEP_INTERVAL_S = 0.5
 
 
 class ControlServer:
-    """Serves the msgpack control protocol for one :class:`MasterService` on an asyncio loop."""
+    """Serves the msgpack control protocol on an asyncio loop, each request by the service of
+    the current term (read from ``slot`` per request: an HA term swaps in a fresh one)."""
 
     def __init__(
         self,
-        service: MasterService,
+        slot: ServiceSlot,
         host: str,
         port: int,
         *,
@@ -579,7 +580,7 @@ class ControlServer:
         observer: RpcObserver | None = None,
         token: auth.Token | None = None,
     ) -> None:
-        self.service = service
+        self.slot = slot
         self.fence = fence
         self.observer = observer
         self.token = token
@@ -608,7 +609,7 @@ class ControlServer:
 
     async def stop(self) -> None:
         self._stopping = True
-        self.service.events.wake()  # long polls answer now, not at their timeout
+        self.slot.service.events.wake()  # long polls answer now, not at their timeout
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
@@ -630,8 +631,8 @@ class ControlServer:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + q.wait_s
-        log_ = self.service.events
-        while not self._stopping and self.service.events is log_:
+        log_ = self.slot.service.events
+        while not self._stopping and self.slot.service.events is log_:
             got = _read_events(log_, q)
             if not isinstance(got, EventBatch) or got.events:
                 return
@@ -735,7 +736,7 @@ class ControlServer:
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
-                        reply = await dispatch_bounded(self.service, request, self.observer)
+                        reply = await dispatch_bounded(self.slot.service, request, self.observer)
                         writer.write(reply)
                 await writer.drain()
                 self._awake.served()

@@ -1,21 +1,44 @@
-"""The master's state machine: membership, object table, allocation, two-phase puts.
+"""The master service: the verbs of the control plane, over the owners of the master's state.
 
-It knows no sockets and reads no clock of its own: the RPC edge (``server.py``) decodes
-requests and calls these methods; tests drive them with a fake clock.
+It knows no sockets and reads no clock of its own: the RPC edge (``server.py``) and the admin
+API (``admin.py``, ``rest/``) decode requests and call these methods; tests drive them with a
+fake clock. Each verb checks its batch and delegates to the module that owns what it touches;
+the verbs that cross owners (a node leaving, a task settling, a read) are orchestrated here.
 
-Object life cycle::
+Who owns what (each a class of its own module, one instance per master term)::
 
-    put_start ──► PENDING ──put_end──► COMPLETE ──remove / overwrite / node death──► gone
-                     └──put_revoke / timeout / node death──► gone (space freed)
+    config.py       MasterConfig: timeouts and limits
+    table.py        ObjectTable, ObjectMeta, Replica, the tier names: committed objects
+                    (idle ones as plain tuples, see its docstring)
+    membership.py   Membership, Node, Segment: register, heartbeat, expiry, node identity
+    space.py        Space: replica extents; freeing them now or once the read leases that
+                    cover them end (it keeps the leases)
+    puts.py         Puts, PendingPut: put_start / put_end / put_revoke, reclaiming expired puts
+    tiering.py      TierManager: placement, watermark eviction, demotion and promotion
+    replication.py  Replicator: re-replication after node deaths, drain
+    recovery.py     Recovery: admitting node manifests (failover keeps the cache)
+    prefix.py       PrefixIndex (over radix.py), which records KV events (events.py)
+    leases.py, tasks.py, allocator.py (the SpaceAllocator interface), budget.py,
+    eviction.py, prefix_restore.py: the records and structures the owners use
 
-A key has at most one PENDING put at a time (a second ``put_start`` gets ``ObjectBusyError``).
-A ``put_end`` over a COMPLETE key replaces it: the new bytes become visible atomically and the
-old replicas' space is freed (last committed writer wins). Readers of the old version that are
-still in flight either finish before the space is reused or fail the checksum: never wrong bytes.
+Import order, lowest first; each module imports only modules above it in this list::
 
-Tiers, leases, pins, replication and drain live in their own modules (``tiering.py``,
-``leases.py``, ``replication.py``, ``tasks.py``); this module keeps the tables they act on and
-small hooks into them. ``tick`` runs their background work (the daemon calls it).
+    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore
+    config, table, prefix
+    membership
+    space
+    puts          (placement comes in as a callable: puts needs no tier manager)
+    tiering
+    replication, recovery
+    service       (this module)
+    server        (the RPC edge), then metrics, rest/, admin, daemon, ha
+
+No master module imports another inside a function, and none reaches into another's private
+members (``tests/master/test_layers.py`` checks both, and the order of the owners).
+
+A master term is one instance: a new HA term builds a fresh ``MasterService`` with
+:meth:`next_term` and swaps it into the :class:`ServiceSlot` that everything serving requests
+reads (the RPC edge, metrics, the admin API, housekeeping), never keeping an instance.
 
 NOTE: single-threaded by design; the master's event loop is the only caller.
 """
@@ -23,160 +46,53 @@ NOTE: single-threaded by design; the master's event loop is the only caller.
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
-import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore import grants
-from kvstore.config import MAX_OBJECT_BYTES
-from kvstore.errors import (
-    ForbiddenError,
-    InvalidRequestError,
-    KeyNotFoundError,
-    KVStoreError,
-    NodeUnavailableError,
-    ObjectBusyError,
-    ObjectExistsError,
-    PutNotFoundError,
-)
+from kvstore.errors import InvalidRequestError, KeyNotFoundError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.kvblocks import KV_META_PREFIX, is_kv_key
-from kvstore.master.allocator import OffsetAllocator
-from kvstore.master.budget import ByteBudget
-from kvstore.master.events import (
-    DEFAULT_RING_BLOCKS,
-    DEFAULT_RING_EVENTS,
-    EVENT_EVICTED,
-    EVENT_REMOVED,
-    EventLog,
-)
-from kvstore.master.leases import (
-    PIN_HARD,
-    PIN_NONE,
-    PIN_SOFT,
-    DeferredFrees,
-    ReadLeases,
-    check_lease_tokens,
-    check_pin_ttl,
-)
+from kvstore.kvblocks import KV_META_PREFIX
+from kvstore.manifest import ManifestClaim
+from kvstore.master.config import MasterConfig
+from kvstore.master.events import EVENT_REMOVED, EventLog
+from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
+from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
+from kvstore.master.puts import PendingPut, Puts
+from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
-from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.master.space import Space
+from kvstore.master.table import ObjectTable
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
-from kvstore.master.tiering import TIER_NVME, TIER_RANK, Candidates, TierConfig, TierManager
-from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
-
-if TYPE_CHECKING:
-    from kvstore.manifest import ManifestClaim
-    from kvstore.master.recovery import AdmissionReport
+from kvstore.master.tiering import TierConfig, TierManager
+from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
 
-TIER_DRAM = "dram"
+#: MasterConfig is re-exported: callers configure the service through this module.
+__all__ = ["MasterConfig", "MasterService", "ServiceSlot"]
+
 #: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
 #: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
 MAX_COOL_PER_TICK = 16384
 
 
-@dataclass(frozen=True, slots=True)
-class MasterConfig:
-    """Timeouts and limits of the control plane. Validated on creation."""
-
-    put_timeout_s: float = 30.0
-    node_ttl_s: float = 5.0
-    heartbeat_interval_s: float = 1.0
-    read_grant_s: float = 60.0
-    max_batch: int = 65536
-    max_object_bytes: int = MAX_OBJECT_BYTES
-    #: The KV event ring (``events.py``): most events, and most block keys they name together.
-    event_ring_events: int = DEFAULT_RING_EVENTS
-    event_ring_blocks: int = DEFAULT_RING_BLOCKS
-
-    def __post_init__(self) -> None:
-        for name in ("put_timeout_s", "node_ttl_s", "heartbeat_interval_s", "read_grant_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidRequestError(f"{name} must be > 0")
-        if self.heartbeat_interval_s >= self.node_ttl_s:
-            raise InvalidRequestError("heartbeat_interval_s must be shorter than node_ttl_s")
-        if self.max_batch <= 0 or self.max_object_bytes <= 0:
-            raise InvalidRequestError("max_batch and max_object_bytes must be > 0")
-        if self.event_ring_events < 1 or self.event_ring_blocks < 1:
-            raise InvalidRequestError("event_ring_events and event_ring_blocks must be > 0")
-
-
-@dataclass(slots=True)
-class Segment:
-    name: str
-    tier: str
-    allocator: OffsetAllocator | ByteBudget
-    shm_path: str = ""
-    # offset -> key of every committed replica here (what eviction and drain walk).
-    holding: dict[int, bytes] = field(default_factory=dict)
-    # The newest write claim (grant expiry, wall ms) of any allocation freed here. Nodes order
-    # the writes of reused bytes by that stamp (kvstore.grants.WriteClaims) and cannot order
-    # equal ones, so space freed in the millisecond it was allocated (an eviction right after
-    # a commit) must go to a strictly later stamp: see :meth:`claim_stamp`.
-    reuse_floor: int = 0
-
-    def claim_stamp(self, base_ms: int) -> int:
-        """The write claim for a new allocation here: ``base_ms`` (now + put timeout), or just
-        after every claim on bytes freed here, whichever is later."""
-        return base_ms if base_ms > self.reuse_floor else self.reuse_floor + 1
-
-
-@dataclass(slots=True)
-class Node:
-    node_id: str
-    host: str
-    port: int
-    secret: bytes
-    segments: dict[str, Segment]
-    last_seen: float
-    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
-    # from its manifest. The stamp names the version: an extent already reused by a newer
-    # write (another stamp) stays in the manifest.
-    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
-    # Budget bytes freed since the last heartbeat, and those the last reply told it to forget.
-    limbo: list[tuple[str, int]] = field(default_factory=list)
-    delivered: list[tuple[str, int]] = field(default_factory=list)
-    # What the last heartbeat reply told it to forget (not yet confirmed by the next heartbeat).
-    unconfirmed: list[tuple[str, int, int]] = field(default_factory=list)
-    draining: bool = False  # no new data; its objects are being copied elsewhere
-    retired: bool = False  # drained: told to stop at its next heartbeat
-    # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
-    # read them with ``node_transports`` (see kvstore/transports.py).
-    transports: dict[str, object] = field(default_factory=dict)
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(s.allocator.free_bytes for s in self.segments.values())
-
-
-@dataclass(slots=True)
-class PendingPut:
-    put_id: int
-    key: bytes
-    size: int
-    replicas: list[Replica]
-    deadline: float
-    replicas_wanted: int = 1
-
-
 class MasterService:
-    """Membership, allocation and the object table.
+    """The control plane's verbs for one master term.
 
     Args:
         config: timeouts and limits.
         clock: monotonic seconds (liveness, put timeouts).
         wall_ms: wall-clock milliseconds (grant expiry, checked by nodes with their own clock).
+        tiers: the tier policy.
+        epoch: the HA term's epoch (its KV events carry it, and its put ids start at
+            ``(epoch << 32) + 1`` so ids of different terms never collide); None without HA (a
+            random event epoch, put ids from 1).
     """
 
     def __init__(
@@ -185,63 +101,97 @@ class MasterService:
         clock: Callable[[], float] = time.monotonic,
         wall_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         tiers: TierConfig | None = None,
+        *,
+        epoch: int | None = None,
     ) -> None:
-        self.config = config or MasterConfig()
+        self.config = config = config or MasterConfig()
+        tiers = tiers or TierConfig()
         self.clock = clock
         self.wall_ms = wall_ms
-        self.nodes: dict[str, Node] = {}
-        #: node id -> SHA-256 of the identity key it proved (see check_node_identity).
-        self.identities: dict[str, bytes] = {}
-        #: Committed objects by key (see table.py: most of them are plain tuples inside).
+        #: KV events of this term (stored / evicted / removed / moved), for routers.
+        self.events = EventLog(config.event_ring_events, config.event_ring_blocks, epoch)
+        self.prefix = PrefixIndex(self.events)
         self.objects = ObjectTable()
-        self.pending: dict[int, PendingPut] = {}
-        self.pending_by_key: dict[bytes, int] = {}
-        self._put_ids = itertools.count(1)
-        self.num_reclaimed = 0
-        self.num_dead_nodes = 0
+        self.membership = Membership(config, clock)
+        self.space = Space(
+            config, self.membership, self.objects, self.prefix, clock, wall_ms, tiers.lease_grace_s
+        )
+        first_put_id = (epoch << 32) + 1 if epoch else 1
+        self.puts = Puts(config, self.membership, self.objects, self.space, clock, first_put_id)
+        self.tasks = TaskBook()
+        self.tiering = TierManager(
+            tiers,
+            self.membership,
+            self.objects,
+            self.space,
+            self.puts,
+            self.tasks,
+            self.prefix,
+            clock,
+            wall_ms,
+        )
+        self.replication = Replicator(
+            self.membership,
+            self.objects,
+            self.space,
+            self.puts,
+            self.tasks,
+            tiers.task_timeout_s,
+            clock,
+            wall_ms,
+        )
+        self.recovery = Recovery(
+            self.membership, self.objects, self.space, config.max_object_bytes, clock
+        )
+        self.prompt_metas = PromptMetaBacklog()
+        self.prompt_metas_dirty = False
         self.num_corrupt_replicas = 0
         self.num_hits = 0
         self.num_misses = 0
         # Hits by the tier of the replica a reader tries first (metrics read these, cheaply).
         self.hits_by_tier: collections.Counter[str] = collections.Counter()
-        self.deferred = DeferredFrees()
-        self.leases = ReadLeases()
-        self.tasks = TaskBook()
-        self.tiering = TierManager(self, tiers or TierConfig())
-        self.replication = Replicator(self)
-        #: KV events of this term (stored / evicted / removed / moved), for routers.
-        self.events = EventLog(self.config.event_ring_events, self.config.event_ring_blocks)
-        self.prefix = PrefixIndex(self.events)
-        # node id -> (segment, offset) it was told to forget but may still hold when it comes
-        # back (restart before the next heartbeat): admission never takes those (recovery.py).
-        self.tombstones: dict[str, set[tuple[str, int]]] = {}
-        self.prompt_metas = PromptMetaBacklog()
-        self.prompt_metas_dirty = False
-        # Objects admitted from node manifests: key -> (stamp, the ObjectMeta admitted). An entry
-        # whose ObjectMeta is no longer the key's current one is stale (see recovery.py).
-        self.manifest_stamps: dict[bytes, tuple[int, ObjectMeta]] = {}
+        # The owners' tables, under the names the admin API, metrics and tests read.
+        self.nodes: dict[str, Node] = self.membership.nodes
+        self.pending: dict[int, PendingPut] = self.puts.pending
+        self.leases = self.space.leases
+        self.deferred = self.space.deferred
+        self.manifest_stamps = self.recovery.manifest_stamps
 
-    def reset(self) -> None:
-        """Forget everything (a master that lost leadership starts its next term empty).
+    def next_term(self, epoch: int | None = None) -> MasterService:
+        """A fresh, empty service with this one's settings, for the next master term.
 
-        The event log starts afresh under a new epoch; subscribers waiting on the old one
-        are woken (they then see the new epoch, or the fence's refusal).
+        This one's KV event waiters are woken: they then see the new term's log (a new epoch)
+        or the fence's refusal.
+
+        Args:
+            epoch: the new term's HA epoch (None: a random event epoch).
         """
-        old_events = self.events
-        self.__init__(self.config, self.clock, self.wall_ms, self.tiering.config)  # type: ignore[misc]
-        old_events.wake()
+        fresh = MasterService(
+            self.config, self.clock, self.wall_ms, self.tiering.config, epoch=epoch
+        )
+        self.events.wake()
+        return fresh
 
+    @property
+    def num_reclaimed(self) -> int:
+        """Puts reclaimed after their timeout."""
+        return self.puts.num_reclaimed
+
+    @property
+    def num_dead_nodes(self) -> int:
+        """Nodes declared dead."""
+        return self.membership.num_dead_nodes
+
+    # ================================================================ manifests
     def admit_manifest(self, node_id: str, claims: Iterable[ManifestClaim]) -> AdmissionReport:
         """Rebuild table entries from a registered node's manifest (see ``recovery.py``).
 
         Raises:
             NodeUnavailableError: the node is not registered.
         """
-        from kvstore.master.recovery import admit_manifest, forget_stale_stamps
-
-        forget_stale_stamps(self)
+        self.recovery.forget_stale_stamps()
         claims = list(claims)
-        report = admit_manifest(self, node_id, claims)
+        report = self.recovery.admit(node_id, claims)
         # Prompt metas let the prefix index be rebuilt (master/prefix_restore.py); new objects
         # may also complete prompts fetched earlier.
         self.prompt_metas.to_fetch.update(
@@ -271,24 +221,13 @@ class MasterService:
 
     # ================================================================ membership
     def check_node_identity(self, node_id: str, identity: bytes | None) -> None:
-        """Refuse a claim to ``node_id`` by anyone but the node that first registered it.
-
-        A node proves its id with the identity key it keeps in its data directory (so a restart
-        on the same directory proves the same id). The first registration that carries a key
-        binds the id to it (only its SHA-256 is kept); from then on every registration and
-        heartbeat for the id must carry the same key. Ids are public (``/api/v1/nodes``); the
-        key is not.
+        """Refuse a claim to ``node_id`` by anyone but the node that first registered it
+        (see ``Membership.check_identity``).
 
         Raises:
             ForbiddenError: the id is bound to another key, or the claim carries none.
         """
-        bound = self.identities.get(node_id)
-        if bound is None:
-            return
-        if identity is None or not hmac.compare_digest(bound, hashlib.sha256(identity).digest()):
-            raise ForbiddenError(
-                f"node id {node_id[:128]!r} belongs to another node: its identity key differs"
-            )
+        self.membership.check_identity(node_id, identity)
 
     def register(
         self,
@@ -311,51 +250,12 @@ class MasterService:
                 duplicate segments.
             ForbiddenError: the id belongs to another node (nothing changes).
         """
-        if not node_id or len(node_id) > 128:
-            raise InvalidRequestError("node_id must be 1..128 characters")
-        if identity is not None and not 16 <= len(identity) <= 1024:
-            raise InvalidRequestError("a node identity key must be 16..1024 bytes")
-        self.check_node_identity(node_id, identity)
-        if not 0 < port < 65536:
-            raise InvalidRequestError(f"bad port {port}")
-        if len(secret) < 16:
-            raise InvalidRequestError("node secret must be at least 16 bytes")
-        if not segments:
-            raise InvalidRequestError("a node must register at least one segment")
-        names = [s.name for s in segments]
-        if len(set(names)) != len(names):
-            raise InvalidRequestError("segment names must be unique")
-        for s in segments:
-            if s.capacity < 0:
-                raise InvalidRequestError(f"segment {s.name!r} has negative capacity")
-            if s.tier not in TIER_RANK:
-                raise InvalidRequestError(f"segment {s.name!r} has unknown tier {s.tier!r}")
+        node = self.membership.admit(node_id, host, port, secret, segments, transports, identity)
         self.replication.retired.pop(node_id, None)
-        if identity is not None:
-            self.identities[node_id] = hashlib.sha256(identity).digest()
         if node_id in self.nodes:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
-            self._drop_node(node_id)
-        self.nodes[node_id] = Node(
-            node_id=node_id,
-            host=host,
-            port=port,
-            secret=secret,
-            segments={
-                s.name: Segment(
-                    s.name,
-                    s.tier,
-                    ByteBudget(s.capacity) if s.tier == TIER_NVME else OffsetAllocator(s.capacity),
-                    s.shm_path,
-                )
-                for s in segments
-            },
-            last_seen=self.clock(),
-            transports=dict(transports or {}),
-        )
-        log.info(
-            "node %s registered at %s:%d with %d segment(s)", node_id, host, port, len(segments)
-        )
+            self.drop_node(node_id)
+        self.membership.add(node)
 
     def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
         """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
@@ -363,52 +263,43 @@ class MasterService:
         Raises:
             NodeUnavailableError: the node is unknown (declared dead): it must register again.
         """
-        node = self.nodes.get(node_id)
-        if node is None:
-            raise NodeUnavailableError(f"node {node_id!r} is not registered")
-        node.last_seen = self.clock()
-        # The node applied the previous reply's forgets before sending this heartbeat.
-        for segment, num_bytes in node.delivered:
-            allocator = node.segments[segment].allocator
-            if isinstance(allocator, ByteBudget):
-                allocator.ack(num_bytes)
-        node.delivered, node.limbo = node.limbo, []
-        forgotten, node.forgotten = node.forgotten, []
-        node.unconfirmed = forgotten
-        return forgotten
+        return self.membership.heartbeat(node_id)
 
     def expire_nodes(self) -> list[str]:
         """Declare nodes without a heartbeat for ``node_ttl_s`` dead; their replicas disappear."""
-        now = self.clock()
-        dead = [
-            n.node_id for n in self.nodes.values() if now - n.last_seen > self.config.node_ttl_s
-        ]
+        dead = self.membership.silent()
         for node_id in dead:
             log.warning(
                 "node %s missed heartbeats for %.1fs: declared dead",
                 node_id,
                 self.config.node_ttl_s,
             )
-            self._drop_node(node_id)
-            self.num_dead_nodes += 1
+            self.drop_dead_node(node_id)
         return dead
 
-    def _drop_node(self, node_id: str) -> None:
-        node = self.nodes.pop(node_id)
-        # What it was told to forget but may still hold (a restart before the next heartbeat):
-        # never re-admit those (an overwritten or removed version must not come back).
-        self.tombstones[node_id] = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
-        # Freed space still waiting for a read lease to end was never forgotten by the node yet.
-        self.tombstones[node_id].update((r.segment, r.offset) for r in self.deferred.held_for(node))
-        for put in [
-            p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)
-        ]:
-            # Bytes of a put this master never committed may sit complete on the node's NVMe:
-            # never admit them when it comes back (only committed versions return).
-            self.tombstones[node_id].update(
-                (r.segment, r.offset) for r in put.replicas if r.node_id == node_id
-            )
-            self._discard_pending(put)
+    def drop_dead_node(self, node_id: str) -> None:
+        """A node is dead (no heartbeats, or its etcd lease ended): drop it and count it."""
+        self.drop_node(node_id)
+        self.membership.num_dead_nodes += 1
+
+    def drop_node(self, node_id: str) -> None:
+        """Take a node out of every owner: its pending puts, its tasks, its replicas.
+
+        Raises:
+            KeyError: no such node.
+        """
+        node = self.nodes[node_id]
+        writes = self.puts.on_node(node_id)
+        # Freed space still waiting for a read lease to end was never forgotten by the node
+        # yet; bytes of a put this master never committed may sit complete on the node's NVMe:
+        # never admit either when it comes back (only committed versions return).
+        stones = self.space.held_by_node(node)
+        for put in writes:
+            stones.update((r.segment, r.offset) for r in put.replicas if r.node_id == node_id)
+        self.membership.remove(node_id, stones)
+        # From here on the node's space is gone with it: releases on it change nothing.
+        for put in writes:
+            self.puts.discard(put)
         for task in [
             t for t in self.tasks.by_id.values() if t.node_id == node_id or t.src.node_id == node_id
         ]:
@@ -423,6 +314,16 @@ class MasterService:
             else:
                 self.replication.replica_lost(obj)
 
+    def leader_heard_again(self) -> None:
+        """An HA leader proved its lease again after a while it could not (it refused every
+        heartbeat meanwhile): restart every node's heartbeat clock, so none is declared dead
+        for the leader's deafness."""
+        self.membership.heard_from_all(self.clock())
+
+    def node_transports(self) -> dict[str, dict[str, object]]:
+        """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
+        return self.membership.node_transports()
+
     # ================================================================ puts
     def put_start(
         self,
@@ -432,13 +333,8 @@ class MasterService:
         replicas: int = 1,
         kv_blocks: bool = False,
     ) -> list[PutTicket | KVStoreError]:
-        """Allocate room for each key; the client then writes the bytes straight to the node.
-
-        Args:
-            replicas: copies of each object, on distinct nodes (the client writes every one).
-            kv_blocks: the KV-cache layer is writing: keys under ``kv/`` and ``kvmeta/`` are
-                allowed, and one that is already stored gets ``ObjectExistsError`` (blocks are
-                immutable: the prefix index may be serving it).
+        """Allocate room for each key; the client then writes the bytes straight to the node
+        (see ``Puts.start``; placement is the tier manager's).
 
         Returns:
             Per key, a ticket (put id and where to write) or the error for that key.
@@ -446,201 +342,22 @@ class MasterService:
         Raises:
             InvalidRequestError: a malformed batch or replica count.
         """
-        self._check_batch(keys)
-        if len(sizes) != len(keys):
-            raise InvalidRequestError("keys and sizes differ in length")
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
-            raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
-        excluded = set(exclude_nodes)
-        results: list[PutTicket | KVStoreError] = []
-        # Once per batch: where objects may go, and the grants' expiry base (each allocation's
-        # claim stamp is still ordered after every claim on its bytes, see Segment.claim_stamp).
-        cands = self.tiering.candidates(excluded)
-        base = self.wall_ms() + int(self.config.put_timeout_s * 1000)
-        for key, size in zip(keys, sizes, strict=True):
-            try:
-                if is_kv_key(key):
-                    if not kv_blocks:
-                        raise InvalidRequestError(
-                            "keys under kv/ and kvmeta/ are written by KVCache only"
-                        )
-                    if key in self.objects:
-                        raise ObjectExistsError("this KV block is already stored")
-                results.append(self._put_start_one(key, size, excluded, replicas, cands, base))
-            except KVStoreError as err:
-                results.append(err)
-        return results
-
-    def _put_start_one(
-        self,
-        key: bytes,
-        size: int,
-        excluded: set[str],
-        num_replicas: int,
-        cands: Candidates,
-        base: int,
-    ) -> PutTicket:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
-        if size > self.config.max_object_bytes:
-            raise InvalidRequestError(
-                f"object of {size} bytes exceeds the limit of {self.config.max_object_bytes}"
-            )
-        if key in self.pending_by_key:
-            raise ObjectBusyError("another put of this key is in flight")
-        picks = self.tiering.place(size, excluded, num_replicas, cands)
-        if len(picks) == 1:
-            expires = picks[0][0].claim_stamp(base)
-        else:
-            expires = max(segment.claim_stamp(base) for segment, _ in picks)
-        placed: list[Replica] = []
-        for segment, node in picks:
-            offset = segment.allocator.allocate(size)
-            assert offset is not None, "placement chose a segment without room"
-            placed.append(
-                Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
-            )
-        put = PendingPut(
-            next(self._put_ids), key, size, placed, self.clock() + self.config.put_timeout_s
-        )
-        put.replicas_wanted = num_replicas
-        self.pending[put.put_id] = put
-        self.pending_by_key[key] = put.put_id
-        return PutTicket(
-            put.put_id, [self._location(r, key, grants.OP_WRITE, expires) for r in placed]
-        )
+        place = self.tiering.placer(set(exclude_nodes))
+        return self.puts.start(keys, sizes, place, replicas, kv_blocks)
 
     def put_end(
         self, put_ids: Sequence[int], checksums: Sequence[int]
     ) -> list[KVStoreError | None]:
         """Commit puts: each object becomes visible now, replacing any earlier version."""
-        self._check_batch(put_ids)
-        if len(checksums) != len(put_ids):
-            raise InvalidRequestError("put_ids and checksums differ in length")
-        results: list[KVStoreError | None] = []
-        for put_id, checksum in zip(put_ids, checksums, strict=True):
-            put = self.pending.get(put_id) if isinstance(put_id, int) else None
-            if put is None:
-                results.append(
-                    PutNotFoundError(f"put {put_id!r} is not pending (timed out or revoked?)")
-                )
-                continue
-            if not isinstance(checksum, int) or not 0 <= checksum < 1 << 64:
-                results.append(InvalidRequestError("checksum must be an unsigned 64-bit integer"))
-                continue
-            del self.pending[put_id]
-            del self.pending_by_key[put.key]
-            now = self.clock()
-            old = self.objects.get(put.key)
-            if old is not None:
-                self._free_replicas(
-                    old.replicas, hold_until=self.hold_until(old, now), lease_of=old
-                )
-            self.objects.commit(put.key, put.size, checksum, put.replicas, put.replicas_wanted, now)
-            if old is not None and old.pin != PIN_NONE:
-                # A pin belongs to the key: it holds the new version too.
-                new = self.objects[put.key]
-                new.pin, new.pin_until = old.pin, old.pin_until
-            for r in put.replicas:
-                self.attach(put.key, r)
-            results.append(None)
-        return results
+        return self.puts.end(put_ids, checksums)
 
     def put_revoke(self, put_ids: Sequence[int]) -> list[KVStoreError | None]:
         """Abandon puts: their space is freed and nothing becomes visible."""
-        self._check_batch(put_ids)
-        results: list[KVStoreError | None] = []
-        for put_id in put_ids:
-            put = self.pending.get(put_id) if isinstance(put_id, int) else None
-            if put is None:
-                results.append(PutNotFoundError(f"put {put_id!r} is not pending"))
-            else:
-                self._discard_pending(put)
-                results.append(None)
-        return results
+        return self.puts.revoke(put_ids)
 
     def reclaim_expired_puts(self) -> int:
         """Free PENDING puts whose writer never committed within ``put_timeout_s``."""
-        now = self.clock()
-        expired = [p for p in self.pending.values() if p.deadline <= now]
-        for put in expired:
-            log.info("reclaiming put %d of %r: not committed in time", put.put_id, put.key[:64])
-            self._discard_pending(put)
-        self.num_reclaimed += len(expired)
-        return len(expired)
-
-    def _discard_pending(self, put: PendingPut) -> None:
-        del self.pending[put.put_id]
-        del self.pending_by_key[put.key]
-        self._free_replicas(put.replicas)
-
-    def _free_replicas(
-        self,
-        replicas: Iterable[Replica],
-        hold_until: float = 0.0,
-        lease_of: ObjectMeta | None = None,
-    ) -> None:
-        for r in replicas:
-            self.release(r, hold_until, lease_of)
-
-    # ================================================================ replica bookkeeping
-    def attach(self, key: bytes, replica: Replica) -> None:
-        """Record a committed replica in its segment's index (eviction and drain walk it)."""
-        node = self.nodes.get(replica.node_id)
-        if node is not None:
-            node.segments[replica.segment].holding[replica.offset] = key
-
-    def release(
-        self, replica: Replica, hold_until: float = 0.0, lease_of: ObjectMeta | None = None
-    ) -> None:
-        """Free a replica's space: now, or once ``hold_until`` (a lease's end) has passed or
-        every lease of ``lease_of`` (the object it belonged to) was given back."""
-        node = self.nodes.get(replica.node_id)
-        if node is None:
-            return  # the node is gone and its allocator with it
-        seg = node.segments[replica.segment]
-        seg.holding.pop(replica.offset, None)
-        if hold_until > self.clock():
-            self.deferred.hold(hold_until, node, replica, lease_of)
-            return
-        self._free_now(node, replica)
-
-    def _free_now(self, node: Node, replica: Replica) -> None:
-        seg = node.segments[replica.segment]
-        seg.reuse_floor = max(seg.reuse_floor, replica.stamp, replica.claim)
-        allocator = seg.allocator
-        if isinstance(allocator, ByteBudget):
-            node.limbo.append((replica.segment, allocator.free(replica.offset)))
-        else:
-            allocator.free(replica.offset)
-        node.forgotten.append((replica.segment, replica.offset, replica.stamp))
-
-    def hold_until(self, obj: ObjectMeta, now: float) -> float:
-        """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
-        if obj.lease_until <= now:
-            return 0.0
-        return obj.lease_until + self.tiering.config.lease_grace_s
-
-    def delete_replica(
-        self, obj: ObjectMeta, replica: Replica, hold: bool = False, kind: str = EVENT_EVICTED
-    ) -> None:
-        """Drop one replica (eviction, drain); the object goes when its last replica does.
-
-        Args:
-            kind: the KV event its blocks leave the prefix index with, if it goes.
-        """
-        obj.remove_replica(replica)
-        if not obj.num_replicas:
-            del self.objects[obj.key]
-            self.prefix.forget(obj.key, kind)
-        elif obj.num_replicas < obj.replicas_wanted:
-            # An evicted copy is not re-made: the object now wants what it has.
-            obj.replicas_wanted = obj.num_replicas
-        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
-
-    def node_transports(self) -> dict[str, dict[str, object]]:
-        """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
-        return {n.node_id: n.transports for n in self.nodes.values()}
+        return self.puts.reclaim_expired()
 
     # ================================================================ reads
     def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:
@@ -653,12 +370,13 @@ class MasterService:
         Raises:
             InvalidRequestError: a batch over the limit.
         """
-        self._check_batch(keys)
+        self.config.check_batch(keys)
         lease_s = self.tiering.config.lease_s
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
         found = [self.objects.get(key) for key in keys]
-        first_token = self.leases.grant(found, now + lease_s)
+        location = self.membership.location
+        first_token = self.space.leases.grant(found, now + lease_s)
         results: list[ObjectInfo | KVStoreError] = []
         for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
             if obj is None:
@@ -671,7 +389,7 @@ class MasterService:
                 self.hits_by_tier[replicas[0].tier] += 1
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
-            locs = [self._location(r, key, grants.OP_READ, expires) for r in replicas]
+            locs = [location(r, key, grants.OP_READ, expires) for r in replicas]
             results.append(ObjectInfo(obj.size, obj.checksum, locs, first_token + i))
         return results
 
@@ -689,40 +407,22 @@ class MasterService:
             InvalidRequestError: not a list of lease tokens, or over the batch limit (nothing
                 is released).
         """
-        checked = check_lease_tokens(tokens, self.config.max_batch)
-        ended, emptied = self.leases.release(checked)
-        now = self.clock()
-        for obj in emptied:
-            self._lease_ended(obj, now)
-        return ended
-
-    def _lease_ended(self, obj: ObjectMeta, now: float) -> None:
-        """No lease of ``obj`` is outstanding: it may be evicted, its held space freed."""
-        obj.lease_until = 0.0
-        # A lease that ran out without being given back may still have a read on its way to a
-        # node whose clock lags ours: space waits out the grace after its end, as before.
-        not_before = self.leases.last_unreleased_end + self.tiering.config.lease_grace_s
-        for owner, replica in self.deferred.release_for(obj, not_before if not_before > now else 0):
-            if self.nodes.get(owner.node_id) is owner:
-                self._free_now(owner, replica)
+        return self.space.release_leases(check_lease_tokens(tokens, self.config.max_batch))
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is committed. Takes no lease and changes nothing."""
-        self._check_batch(keys)
+        self.config.check_batch(keys)
         return [key in self.objects for key in keys]
 
     def remove(self, keys: Sequence[bytes]) -> list[KVStoreError | None]:
-        self._check_batch(keys)
+        self.config.check_batch(keys)
         results: list[KVStoreError | None] = []
         for key in keys:
             obj = self.objects.pop(key, None)
             if obj is None:
                 results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
             else:
-                # A reader holding a lease finishes on intact bytes; the space waits for it.
-                self._free_replicas(
-                    obj.replicas, hold_until=self.hold_until(obj, self.clock()), lease_of=obj
-                )
+                self.space.release_object(obj)
                 self.prefix.forget(key)
                 results.append(None)
         return results
@@ -744,7 +444,7 @@ class MasterService:
         Raises:
             InvalidRequestError: a malformed report.
         """
-        self._check_batch(reports)
+        self.config.check_batch(reports)
         dropped = 0
         for rep in reports:
             if not isinstance(rep, list | tuple) or len(rep) != 5:
@@ -774,7 +474,7 @@ class MasterService:
             )
             # Its bytes are garbage, but a reader may still be on them: hold the space alike.
             wanted = obj.replicas_wanted
-            self.delete_replica(obj, bad, hold=True, kind=EVENT_REMOVED)
+            self.space.delete_replica(obj, bad, hold=True, kind=EVENT_REMOVED)
             if obj.replicas:
                 obj.replicas_wanted = wanted
                 self.replication.replica_lost(obj)
@@ -797,7 +497,7 @@ class MasterService:
         Raises:
             InvalidRequestError: a TTL outside ``(0, max_pin_ttl_s]``.
         """
-        self._check_batch(keys)
+        self.config.check_batch(keys)
         ttl = check_pin_ttl(ttl_s, self.tiering.config.max_pin_ttl_s)
         now = self.clock()
         results: list[KVStoreError | None] = []
@@ -813,7 +513,7 @@ class MasterService:
 
     def unpin(self, keys: Sequence[bytes]) -> list[KVStoreError | None]:
         """Drop pins (a key that is stored but not pinned is fine)."""
-        self._check_batch(keys)
+        self.config.check_batch(keys)
         results: list[KVStoreError | None] = []
         for key in keys:
             obj = self.objects.get(key)
@@ -829,12 +529,7 @@ class MasterService:
     def tick(self) -> None:
         """Background work: free space whose leases ended, settle late tasks, evict, replicate."""
         now = self.clock()
-        for obj in self.leases.expire(now):
-            self._lease_ended(obj, now)
-        for owner, replica in self.deferred.due(now):
-            if self.nodes.get(owner.node_id) is not owner:
-                continue  # the node died or re-registered: that allocator is gone
-            self._free_now(owner, replica)
+        self.space.tick(now)
         for task in self.tasks.expired(now):
             log.warning("task %d (%s of %r) timed out", task.task_id, task.purpose, task.key[:64])
             self._settle(task.task_id, ok=False)
@@ -881,7 +576,7 @@ class MasterService:
         if node is None or not node.retired:
             return False
         self.replication.retired[node_id] = self.replication.drain_status(node_id)
-        self.nodes.pop(node_id)
+        self.membership.retire(node_id)
         self.tasks.outbox.pop(node_id, None)
         return True
 
@@ -927,20 +622,7 @@ class MasterService:
             return match, []
         return match, self.get_locations([key for key, _ in match.blocks])
 
-    # ================================================================ helpers
-    def _location(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> Location:
-        node = self.nodes[replica.node_id]
-        grant = grants.sign(
-            node.secret, op, key, replica.segment, replica.offset, replica.size, expires_ms
-        )
-        return Location(node.node_id, node.host, node.port, grant)
-
-    def _check_batch(self, items: Sequence[object]) -> None:
-        if len(items) > self.config.max_batch:
-            raise InvalidRequestError(
-                f"batch of {len(items)} exceeds the limit of {self.config.max_batch}"
-            )
-
+    # ================================================================ figures
     def stats(self) -> dict[str, object]:
         """Cluster figures for the admin API and the CLI."""
         capacity = sum(
@@ -985,7 +667,7 @@ class MasterService:
                 {
                     "node_id": n.node_id,
                     "address": f"{n.host}:{n.port}",
-                    "state": "retired" if n.retired else "draining" if n.draining else "active",
+                    "state": n.state,
                     "segments": [
                         {
                             "name": s.name,
@@ -1000,3 +682,27 @@ class MasterService:
                 for n in self.nodes.values()
             ],
         }
+
+
+class ServiceSlot:
+    """Which :class:`MasterService` serves now: the one object everything serving requests
+    holds (the RPC edge, metrics, the admin API, housekeeping, the HA fence).
+
+    Why a slot and not the service itself: a new HA term is a fresh instance (nothing of the
+    last term's table may leak into the next), and readers must all switch to it at once. Each
+    reads ``slot.service`` when it serves, never keeping the instance across requests.
+    """
+
+    __slots__ = ("service",)
+
+    def __init__(self, service: MasterService) -> None:
+        self.service = service
+
+    def next_term(self, epoch: int | None = None) -> MasterService:
+        """Start the next term: a fresh, empty service (see :meth:`MasterService.next_term`).
+
+        Returns:
+            The new service (now in the slot).
+        """
+        self.service = self.service.next_term(epoch)
+        return self.service

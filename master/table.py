@@ -33,7 +33,13 @@ from typing import NamedTuple
 
 from kvstore.master.leases import PIN_NONE
 
+#: The tiers, fastest first. A replica lives in one (``Replica.tier``); a node registers segments
+#: in them (``membership.py``); the tier manager moves replicas between them (``tiering.py``).
+TIER_HBM = "hbm"
 TIER_DRAM = "dram"
+TIER_NVME = "nvme"
+TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
+TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
 
 
 class Replica(NamedTuple):
@@ -55,8 +61,6 @@ class Replica(NamedTuple):
     claim: int = 0
 
 
-#: A replica as the table stores it: the fields of a :class:`Replica`, in order.
-ReplicaFields = tuple[str, str, int, int, int, str, int]
 _as_replica = Replica._make
 
 

@@ -1,6 +1,9 @@
 """The tier manager: placement across tiers, watermark eviction, demotion and promotion.
 
-Mechanism here, policy in :mod:`kvstore.eviction` (which only ranks candidates).
+Mechanism here, policy in :mod:`kvstore.eviction` (which only ranks candidates). It acts on the
+owners of the master's state (``membership``, ``table``, ``space``, ``puts``, ``tasks``), never on
+the service: frees go through ``Space``, pending writes are read from ``Puts``, and two-phase puts
+get their placement from :meth:`TierManager.placer` (so they need not import this module).
 
 - **Placement**: a put goes to the fastest tier with room (HBM, then DRAM, then NVMe), on k
   distinct nodes. When no node has room, the put evicts synchronously: on a node, from its last
@@ -18,24 +21,42 @@ Mechanism here, policy in :mod:`kvstore.eviction` (which only ranks candidates).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore.errors import InvalidRequestError, NoSpaceError
 from kvstore.eviction import make_policy
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
-from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task
-
-if TYPE_CHECKING:
-    from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment
+from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.prefix import PrefixIndex
+from kvstore.master.puts import Place, Puts
+from kvstore.master.space import Space
+from kvstore.master.table import (
+    TIER_DRAM,
+    TIER_HBM,
+    TIER_NVME,
+    TIER_ORDER,
+    TIER_RANK,
+    ObjectMeta,
+    ObjectTable,
+    Replica,
+)
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
 
 log = logging.getLogger(__name__)
 
-TIER_HBM = "hbm"
-TIER_DRAM = "dram"
-TIER_NVME = "nvme"
-TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
-TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+__all__ = [
+    "TIER_DRAM",
+    "TIER_HBM",
+    "TIER_NVME",
+    "TIER_ORDER",
+    "TIER_RANK",
+    "Candidates",
+    "TierConfig",
+    "TierManager",
+    "ordered_segments",
+]
 #: Most victims one segment considers per tick.
 MAX_VICTIMS_PER_TICK = 4096
 
@@ -127,11 +148,43 @@ def ordered_segments(node: Node) -> list[Segment]:
 
 
 class TierManager:
-    """Acts on the service's tables; the service calls it from its single thread."""
+    """Placement, eviction and moves between tiers, acting on the master's owners.
 
-    def __init__(self, svc: MasterService, config: TierConfig) -> None:
-        self.svc = svc
+    The service calls it from its single thread.
+
+    Args:
+        config: the tier policy.
+        membership: the nodes and their segments.
+        objects: the object table (victims are ranked from it).
+        space: frees what eviction and finished moves give up.
+        puts: the pending puts (their space is neither evictable nor free).
+        tasks: where moves are queued for the nodes.
+        prefix: told when an indexed block moves between tiers.
+        clock: monotonic seconds.
+        wall_ms: wall-clock milliseconds (task deadlines the nodes check).
+    """
+
+    def __init__(
+        self,
+        config: TierConfig,
+        membership: Membership,
+        objects: ObjectTable,
+        space: Space,
+        puts: Puts,
+        tasks: TaskBook,
+        prefix: PrefixIndex,
+        clock: Callable[[], float],
+        wall_ms: Callable[[], int],
+    ) -> None:
         self.config = config
+        self.membership = membership
+        self.objects = objects
+        self.space = space
+        self.puts = puts
+        self.tasks = tasks
+        self.prefix = prefix
+        self.clock = clock
+        self.wall_ms = wall_ms
         self.policy = make_policy(config.eviction_policy)
         self.num_demotions = 0
         self.num_promotions = 0
@@ -150,7 +203,7 @@ class TierManager:
         plain: list[ObjectMeta] = []
         soft: list[ObjectMeta] = []
         offset_of: dict[int, int] = {}
-        objects = self.svc.objects
+        objects = self.objects
         for off, key in seg.holding.items():
             # Looked at, not taken: ranking a segment makes no ObjectMeta of its cold objects.
             obj = objects.peek(key)
@@ -179,14 +232,23 @@ class TierManager:
         """The nodes that can take a new object now (not excluded, draining or retired), each
         with its segments fastest tier first; computed once per batch and passed to
         :meth:`place` for each of its keys (membership does not change within a batch)."""
-        svc = self.svc
         nodes = [
             n
-            for n in svc.nodes.values()
+            for n in self.membership.nodes.values()
             if n.node_id not in excluded and not n.draining and not n.retired
         ]
         largest = max((s.allocator.capacity for n in nodes for s in n.segments.values()), default=0)
         return Candidates(nodes, [ordered_segments(n) for n in nodes], largest)
+
+    def placer(self, excluded: set[str]) -> Place:
+        """Placement for one batch of puts: :meth:`place` over the candidates of ``excluded``,
+        computed once (membership does not change within a batch)."""
+        cands = self.candidates(excluded)
+
+        def place(size: int, num_replicas: int) -> list[tuple[Segment, Node]]:
+            return self.place(size, excluded, num_replicas, cands)
+
+        return place
 
     def place(
         self,
@@ -207,7 +269,7 @@ class TierManager:
         if cands is None:
             cands = self.candidates(excluded)
         nodes, largest = cands.nodes, cands.largest
-        if not self.svc.nodes:
+        if not self.membership.nodes:
             raise NoSpaceError("no storage node is registered")
         if len(nodes) < num_replicas:
             raise NoSpaceError(
@@ -248,7 +310,7 @@ class TierManager:
 
     def make_room(self, node: Node, size: int) -> Segment | None:
         """Delete victims on ``node`` until one segment fits ``size`` (last tier first)."""
-        now = self.svc.clock()
+        now = self.clock()
         for seg in reversed(ordered_segments(node)):
             if self.make_room_in(node, seg, size, now):
                 return seg
@@ -261,20 +323,20 @@ class TierManager:
         if seg.allocator.largest_free >= need:
             return True
         for obj, replica in self.victims(node, seg, now):
-            self.svc.delete_replica(obj, replica)
+            self.space.delete_replica(obj, replica)
             self.num_sync_evictions += 1
             if seg.allocator.largest_free >= need:
                 return True
         return False
 
     def _blocked_reason(self, size: int, nodes: list[Node]) -> str:
-        now = self.svc.clock()
+        now = self.clock()
         leased = pinned = moving = 0
         leased_b = pinned_b = 0
         for n in nodes:
             for seg in n.segments.values():
                 for key in seg.holding.values():
-                    obj = self.svc.objects.peek(key)
+                    obj = self.objects.peek(key)
                     if obj is None:
                         continue
                     if obj.busy:
@@ -285,11 +347,7 @@ class TierManager:
                     elif self.pin_of(obj, now) == PIN_HARD:
                         pinned += 1
                         pinned_b += obj.size
-        writing = sum(
-            1
-            for p in self.svc.pending.values()
-            if any(r.node_id in {n.node_id for n in nodes} for r in p.replicas)
-        )
+        writing = self.puts.num_writing_on({n.node_id for n in nodes})
         return (
             f"no room for {size} bytes: what is left is leased ({leased} objects, {leased_b} bytes), "
             f"hard-pinned ({pinned} objects, {pinned_b} bytes), moving between tiers ({moving}) "
@@ -300,11 +358,11 @@ class TierManager:
     def tick(self, now: float) -> None:
         """Bring every segment above its high watermark down towards its low watermark."""
         outgoing: dict[tuple[str, str], int] = {}
-        for t in self.svc.tasks.by_id.values():
+        for t in self.tasks.by_id.values():
             if t.purpose == PURPOSE_DEMOTE:
                 k = (t.src.node_id, t.src.segment)
                 outgoing[k] = outgoing.get(k, 0) + t.src.size
-        for node in list(self.svc.nodes.values()):
+        for node in list(self.membership.nodes.values()):
             if node.retired:
                 continue
             segs = ordered_segments(node)
@@ -322,7 +380,7 @@ class TierManager:
                     if to_free <= 0:
                         break
                     if lower is None:
-                        self.svc.delete_replica(obj, replica)
+                        self.space.delete_replica(obj, replica)
                         self.num_evictions += 1
                     elif not self._demote(obj, replica, node, lower, now):
                         break  # the lower tier is full of what it may not evict
@@ -340,11 +398,9 @@ class TierManager:
     def _move(
         self, obj: ObjectMeta, src: Replica, node: Node, dst_seg: Segment, purpose: str, now: float
     ) -> None:
-        from kvstore.master.service import Replica
-
         offset = dst_seg.allocator.allocate(obj.size)
         assert offset is not None, "a move was planned without room"
-        claim = dst_seg.claim_stamp(self.svc.wall_ms() + int(self.svc.config.put_timeout_s * 1000))
+        claim = dst_seg.claim_stamp(self.space.claim_base())
         dst = Replica(
             node.node_id,
             dst_seg.name,
@@ -354,7 +410,7 @@ class TierManager:
             tier=dst_seg.tier,
             claim=claim,
         )
-        tasks = self.svc.tasks
+        tasks = self.tasks
         task_id = tasks.next_id()
         deadline = now + self.config.task_timeout_s + TASK_GRACE_S
         wire: dict[str, Any] = {
@@ -366,7 +422,7 @@ class TierManager:
             "src": [src.segment, src.offset],
             "dst": [dst.segment, dst.offset],
             "stamp": dst.stamp,
-            "deadline_ms": self.svc.wall_ms() + int(self.config.task_timeout_s * 1000),
+            "deadline_ms": self.wall_ms() + int(self.config.task_timeout_s * 1000),
             # Where the node writes is a new allocation: its place among write grants for
             # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
             "claim_ms": claim,
@@ -386,7 +442,7 @@ class TierManager:
         if any(TIER_RANK.get(r.tier, 9) <= TIER_RANK[TIER_DRAM] for r in obj.replicas):
             return
         for r in obj.replicas:
-            node = self.svc.nodes.get(r.node_id)
+            node = self.membership.nodes.get(r.node_id)
             if node is None or node.draining or node.retired:
                 continue
             segs = ordered_segments(node)
@@ -406,16 +462,16 @@ class TierManager:
     # ================================================================ completion
     def settle(self, task: Task, ok: bool, now: float) -> None:
         """A demotion or promotion finished (``ok``) or failed: switch the replica or undo."""
-        obj = self.svc.objects.get(task.key)
+        obj = self.objects.get(task.key)
         # NOTE: ``busy`` names the task, so a removed-and-rewritten key (a new ObjectMeta) never
         # takes the bytes of the version this task copied.
         same = obj is not None and obj.busy == task.task_id
         if same:
             obj.busy = 0
         if ok and same and obj.swap_replica(task.src, task.dst):
-            self.svc.attach(obj.key, task.dst)
-            self.svc.release(task.src, hold_until=self.svc.hold_until(obj, now), lease_of=obj)
-            self.svc.prefix.moved(obj.key, task.src.tier, task.dst.tier)
+            self.space.attach(obj.key, task.dst)
+            self.space.release(task.src, hold_until=self.space.hold_until(obj, now), lease_of=obj)
+            self.prefix.moved(obj.key, task.src.tier, task.dst.tier)
             obj.hits_since_move = 0
             if task.purpose == PURPOSE_DEMOTE:
                 self.num_demotions += 1
@@ -424,7 +480,7 @@ class TierManager:
             return
         if not ok:
             self.num_moves_failed += 1
-        self.svc.release(task.dst)
+        self.space.release(task.dst)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -436,7 +492,7 @@ class TierManager:
             "num_moves_failed": self.num_moves_failed,
             "num_moves_in_flight": sum(
                 1
-                for t in self.svc.tasks.by_id.values()
+                for t in self.tasks.by_id.values()
                 if t.purpose in (PURPOSE_DEMOTE, PURPOSE_PROMOTE)
             ),
         }

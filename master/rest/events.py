@@ -138,7 +138,7 @@ def _frame(kind: str, data: dict[str, Any], event_id: str | None = None) -> byte
 async def events_snapshot(request: web.Request) -> web.Response:
     """``GET /api/v1/events/snapshot``: every indexed block and the position it reflects."""
     namespaces = parse_namespaces(request)
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     return web.json_response(snapshot_json(svc, namespaces))
 
 
@@ -148,7 +148,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     namespaces = parse_namespaces(request)
     duration = _duration(request)
     app = request.app
-    svc = app[SERVICE_KEY]
+    slot = app[SERVICE_KEY]
     fence = app.get(FENCE_KEY)
     state = app[STREAMS_KEY]
     response = web.StreamResponse(
@@ -173,6 +173,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
                     )
                 )
                 break
+            svc = slot.service  # a new term's service is a new instance: read it each turn
             log_ = svc.events
             if position is None:
                 snap = snapshot_json(svc, namespaces)
@@ -234,7 +235,7 @@ async def _wait(
 
 async def _stop_streams(app: web.Application) -> None:
     app[STREAMS_KEY].stopping = True
-    app[SERVICE_KEY].events.wake()
+    app[SERVICE_KEY].service.events.wake()
 
 
 def add_routes(app: web.Application) -> None:

@@ -26,7 +26,8 @@ from kvstore.errors import (
 from kvstore.keys import Namespace, as_token_array
 from kvstore.master.metrics import CONTENT_TYPE
 from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
-from kvstore.master.service import MasterService, ObjectMeta
+from kvstore.master.service import MasterService
+from kvstore.master.table import ObjectMeta
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -160,7 +161,7 @@ def _object_json(svc: MasterService, obj: ObjectMeta) -> dict[str, Any]:
 # ------------------------------------------------------------------ probes and metrics
 async def ready(request: web.Request) -> web.Response:
     """200 once a storage node is registered, else 503 (NODE_UNAVAILABLE)."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     if not svc.nodes:
         raise NodeUnavailableError("no storage node is registered yet")
     return web.json_response({"status": "ready", "num_nodes": len(svc.nodes)})
@@ -181,13 +182,13 @@ async def history(request: web.Request) -> web.Response:
 # ------------------------------------------------------------------ nodes
 async def nodes(request: web.Request) -> web.Response:
     """Every registered storage node, sorted by id."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     return web.json_response({"nodes": [_node_json(svc, n) for n in sorted(svc.nodes)]})
 
 
 async def node(request: web.Request) -> web.Response:
     """One node; 404 (NODE_NOT_FOUND) for an unknown id."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     node_id = request.match_info["node_id"]
     if node_id not in svc.nodes:
         raise KVStoreError(f"no node {node_id[:128]!r}", code=ErrorCode.NODE_NOT_FOUND)
@@ -203,7 +204,7 @@ def _page(keys: list[bytes], prefix: bytes, after: bytes | None, limit: int) -> 
 
 async def list_objects(request: web.Request) -> web.Response:
     """Objects sorted by key, ``limit`` at a time; ``next_cursor`` continues after the page."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     limit = _int_param(request, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
     prefix_text = request.query.get("prefix", "")
     prefix = prefix_text.encode("utf-8", "surrogatepass")
@@ -227,7 +228,7 @@ def _path_key(request: web.Request) -> bytes:
 
 async def get_object(request: web.Request) -> web.Response:
     """One object's size, checksum and replicas."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     key = _path_key(request)
     obj = svc.objects.get(key)
     if obj is None:
@@ -237,7 +238,7 @@ async def get_object(request: web.Request) -> web.Response:
 
 async def delete_object(request: web.Request) -> web.Response:
     """Remove one object (the token is checked by the middleware)."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     err = svc.remove([_path_key(request)])[0]
     if err is not None:
         raise err
@@ -255,7 +256,7 @@ async def prefix_match(request: web.Request) -> web.Response:
     keys computed by the master; answers token-granular and feeds the hit ratio), and
     ``{"keys": [...]}`` counts how many leading keys of a chain of object keys are stored.
     """
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     body = await json_body(request, frozenset({"keys", "namespace", "tokens"}))
     if "keys" in body:
         if "namespace" in body or "tokens" in body:
@@ -296,7 +297,7 @@ async def prefix_match(request: web.Request) -> web.Response:
 
 async def evict(request: web.Request) -> web.Response:
     """Remove objects by key list or by prefix (``limit`` caps a prefix eviction)."""
-    svc = request.app[SERVICE_KEY]
+    svc = request.app[SERVICE_KEY].service
     body = await json_body(request, frozenset({"keys", "prefix", "limit"}))
     if "limit" in body and "prefix" not in body:
         raise InvalidRequestError("'limit' goes with 'prefix'")

@@ -9,7 +9,7 @@ from aiohttp import web
 from kvstore.auth import Token
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest.history import History
-from kvstore.master.service import MasterService
+from kvstore.master.service import ServiceSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +31,8 @@ class AdminSettings:
     history_window_s: float = 600.0
 
 
-SERVICE_KEY = web.AppKey("service", MasterService)
+#: The slot of the current term's service: routes read ``app[SERVICE_KEY].service`` per request.
+SERVICE_KEY = web.AppKey("service", ServiceSlot)
 METRICS_KEY = web.AppKey("metrics", MasterMetrics)
 SETTINGS_KEY = web.AppKey("settings", AdminSettings)
 HISTORY_KEY = web.AppKey("history", History)

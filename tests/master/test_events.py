@@ -28,7 +28,7 @@ from kvstore.master.events import (
 )
 from kvstore.master.ha import Leadership
 from kvstore.master.server import dispatch
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
 from kvstore.types import PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
@@ -268,13 +268,14 @@ def test_a_new_term_is_a_new_epoch_and_old_positions_resync() -> None:
     old = svc.events.epoch
     woken: list[int] = []
     svc.events.add_waiter(lambda: woken.append(1))
-    fence = Leadership(svc)
+    fence = Leadership(ServiceSlot(svc))
     fence.begin(epoch=42, deadline=1e18, recovery_s=0)
+    svc = fence.service
     assert woken == [1], "a waiter on the old log is told"
     assert svc.events.epoch == 42 and svc.events.last_seq == 0
     got = svc.events.read(2, old, 10)
     assert isinstance(got, Resync) and got.reason == RESYNC_EPOCH
-    svc.reset()
+    svc = svc.next_term()
     assert svc.events.epoch != 42, "a plain reset draws a fresh epoch"
 
 

@@ -10,7 +10,7 @@ from kvstore import protocol
 from kvstore.config import Address
 from kvstore.errors import ErrorCode, EtcdUnavailableError, InvalidRequestError
 from kvstore.master.ha import HAConfig, Leadership, supervise
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.types import SegmentSpec
 
 
@@ -27,7 +27,7 @@ def req(verb: str, **args: object) -> protocol.Request:
 
 @pytest.fixture
 def fence() -> Leadership:
-    return Leadership(MasterService(), clock=Clock())
+    return Leadership(ServiceSlot(MasterService()), clock=Clock())
 
 
 def code(err: object) -> ErrorCode | None:

@@ -9,7 +9,8 @@ from kvstore import protocol
 from kvstore.errors import InvalidRequestError, NoSpaceError
 from kvstore.master.leases import LEASE_BATCH_SPAN, ReadLeases
 from kvstore.master.server import dispatch
-from kvstore.master.service import MasterService, ObjectMeta
+from kvstore.master.service import MasterService
+from kvstore.master.table import ObjectMeta
 from kvstore.types import ObjectInfo, PutTicket
 from tests.master.test_tiering import KIB, MIB, FakeClock, make, put
 

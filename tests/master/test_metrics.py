@@ -14,7 +14,7 @@ from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest.history import History
 from kvstore.master.rest.routes import decode_cursor, encode_cursor
 from kvstore.master.server import dispatch
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.types import SegmentSpec
 
 
@@ -40,7 +40,7 @@ def _call(svc: MasterService, metrics: MasterMetrics, verb: str, **args: object)
 
 def test_edge_records_verbs_codes_latency_and_lookups() -> None:
     svc = _service()
-    metrics = MasterMetrics(svc)
+    metrics = MasterMetrics(ServiceSlot(svc))
     ticket = _call(svc, metrics, "put_start", keys=[b"a"], sizes=[100]).result[0][1]
     _call(svc, metrics, "put_end", put_ids=[ticket[0]], checksums=[7])
     _call(svc, metrics, "get_locations", keys=[b"a", b"b", b"c"])
@@ -64,7 +64,7 @@ def test_edge_records_verbs_codes_latency_and_lookups() -> None:
 
 
 def test_registries_are_per_master() -> None:
-    a, b = MasterMetrics(_service()), MasterMetrics(_service())
+    a, b = MasterMetrics(ServiceSlot(_service())), MasterMetrics(ServiceSlot(_service()))
     a.record_prefix_match(3, 4)
     assert _samples(a)[("kvstore_prefix_chain_matched_keys_total", ())] == 3
     assert _samples(b)[("kvstore_prefix_chain_matched_keys_total", ())] == 0
@@ -73,7 +73,7 @@ def test_registries_are_per_master() -> None:
 def test_prefix_hit_ratio_comes_from_the_index() -> None:
     svc = _service()
     svc.prefix.num_query_tokens, svc.prefix.num_hit_tokens = 10, 4
-    assert _samples(MasterMetrics(svc))[("kvstore_prefix_match_hit_ratio", ())] == 0.4
+    assert _samples(MasterMetrics(ServiceSlot(svc)))[("kvstore_prefix_match_hit_ratio", ())] == 0.4
 
 
 def test_optional_figures_come_from_stats() -> None:
@@ -90,7 +90,7 @@ def test_optional_figures_come_from_stats() -> None:
         }
 
     svc.stats = more  # type: ignore[method-assign]
-    got = _samples(MasterMetrics(svc))
+    got = _samples(MasterMetrics(ServiceSlot(svc)))
     assert got[("kvstore_pins_held", ())] == 5
     assert got[("kvstore_tier_objects", (("tier", "dram"),))] == 7
     assert got[("kvstore_leases_held", ())] == 0
@@ -123,14 +123,15 @@ def test_bad_cursors(bad: str) -> None:
 
 
 def test_lookup_counters_carry_on_across_a_new_term() -> None:
-    """An HA master that leads again resets its service (counts from zero): the counters go on,
+    """An HA master that leads again starts a fresh service (counts from zero): the counters go on,
     and the request that follows is still answered (a failing counter once broke the edge)."""
-    svc = _service()
-    metrics = MasterMetrics(svc)
+    slot = ServiceSlot(_service())
+    svc = slot.service
+    metrics = MasterMetrics(slot)
     ticket = _call(svc, metrics, "put_start", keys=[b"a"], sizes=[100]).result[0][1]
     _call(svc, metrics, "put_end", put_ids=[ticket[0]], checksums=[7])
     _call(svc, metrics, "get_locations", keys=[b"a", b"a", b"b"])
-    svc.reset()
+    svc = slot.next_term()
     svc.register("n1", "127.0.0.1", 9001, b"a" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
     ticket = _call(svc, metrics, "put_start", keys=[b"c"], sizes=[100]).result[0][1]
     _call(svc, metrics, "put_end", put_ids=[ticket[0]], checksums=[7])

@@ -135,7 +135,7 @@ def test_reset_forgets_everything() -> None:
     svc = make_service()
     register(svc, "a")
     svc.admit_manifest("a", [claim(b"k", 0)])
-    svc.reset()
+    svc = svc.next_term()
     assert not svc.nodes and not svc.objects and not svc.manifest_stamps
 
 

@@ -25,7 +25,7 @@ from kvstore.master.server import (
     ControlServer,
     _pack_items,
 )
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.types import ObjectInfo, SegmentSpec
 from tests.support import wait_until
 
@@ -49,7 +49,7 @@ def live() -> Iterator[Live]:
         "n1", "127.0.0.1", 9, b"s" * 32, [SegmentSpec(name="dram0", tier="dram", capacity=1 << 34)]
     )
     loop = asyncio.new_event_loop()
-    server = ControlServer(svc, "127.0.0.1", 0)
+    server = ControlServer(ServiceSlot(svc), "127.0.0.1", 0)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
@@ -172,7 +172,7 @@ def test_a_hello_sent_in_time_survives_a_stall_of_the_master() -> None:
     # The daemons' loop: uvloop runs due timers (our sweeper) before it reads sockets.
     uvloop = pytest.importorskip("uvloop")
     loop = uvloop.new_event_loop()
-    server = ControlServer(svc, "127.0.0.1", 0, token=token)
+    server = ControlServer(ServiceSlot(svc), "127.0.0.1", 0, token=token)
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)

@@ -13,7 +13,7 @@ from kvstore.errors import (
     ObjectBusyError,
     PutNotFoundError,
 )
-from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.types import PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
 
@@ -143,3 +143,31 @@ def test_a_batch_is_placed_key_by_key_on_one_view_of_the_nodes(svc: MasterServic
     big = svc.put_start([b"e", b"f"], [(1 << 20) - 8192, (1 << 20) - 8192])
     assert {t.locations[0].node_id for t in big if isinstance(t, PutTicket)} == {"n1", "n2"}
     assert [type(t).__name__ for t in svc.put_start([b"g"], [4096])] == ["NoSpaceError"]
+
+
+def test_a_new_term_is_a_fresh_service_with_the_same_settings(
+    svc: MasterService, clock: FakeClock
+) -> None:
+    put(svc, b"k", 100)
+    woken: list[int] = []
+    svc.events.add_waiter(lambda: woken.append(1))
+    slot = ServiceSlot(svc)
+    fresh = slot.next_term(epoch=9)
+    assert slot.service is fresh and fresh is not svc
+    assert woken == [1], "long polls on the last term's events are told"
+    assert not fresh.nodes and not fresh.objects and fresh.events.epoch == 9
+    assert (fresh.config, fresh.clock, fresh.tiering.config) == (
+        svc.config,
+        svc.clock,
+        svc.tiering.config,
+    )
+    assert b"k" in svc.objects, "the last term's instance is left as it was"
+    fresh.register("n1", "127.0.0.1", 9001, b"a" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+    (ticket,) = fresh.put_start([b"k"], [10])
+    assert isinstance(ticket, PutTicket) and ticket.put_id == (9 << 32) + 1
+
+
+def test_a_node_drop_counts_a_death_only_when_it_died(svc: MasterService) -> None:
+    svc.drop_node("n1")
+    svc.drop_dead_node("n2")
+    assert not svc.nodes and svc.num_dead_nodes == 1

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 from kvstore.master.admin import init_app
 from kvstore.master.events import EVENT_STORED
 from kvstore.master.ha import Leadership
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 
 
 class Clock:
@@ -39,11 +39,12 @@ async def _next_event(content: aiohttp.StreamReader) -> tuple[str, str]:
 
 def test_a_stream_ends_with_an_error_when_its_master_stops_leading() -> None:
     async def run() -> None:
-        svc = MasterService()
-        fence = Leadership(svc, clock=Clock())
+        slot = ServiceSlot(MasterService())
+        fence = Leadership(slot, clock=Clock())
         fence.begin(epoch=7, deadline=1e9, recovery_s=0)
+        svc = slot.service
         fence.expected_nodes = set()
-        server = TestServer(init_app(svc, fence=fence))
+        server = TestServer(init_app(slot, fence=fence))
         await server.start_server()
         try:
             async with (
@@ -67,7 +68,7 @@ def test_a_stream_ends_with_an_error_when_its_master_stops_leading() -> None:
 
 def test_shutdown_ends_open_streams_at_once() -> None:
     async def run() -> float:
-        server = TestServer(init_app(MasterService()))
+        server = TestServer(init_app(ServiceSlot(MasterService())))
         await server.start_server()
         http = aiohttp.ClientSession()
         try:

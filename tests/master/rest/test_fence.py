@@ -12,7 +12,7 @@ from kvstore.errors import ErrorCode
 from kvstore.master.admin import init_app
 from kvstore.master.ha import Leadership
 from kvstore.master.rest.fence import is_fenced
-from kvstore.master.service import MasterService
+from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.types import SegmentSpec
 
 FENCED = [
@@ -74,15 +74,16 @@ def _not_leader(reply: tuple[int, dict[str, object]]) -> bool:
 @pytest.mark.parametrize("state", ["standby", "lease unproven", "rebuilding"])
 def test_a_master_that_may_not_lead_refuses_every_mutation_and_ready(state: str) -> None:
     async def run() -> None:
-        svc = _service()
-        fence = Leadership(svc, clock=Clock())
+        slot = ServiceSlot(_service())
+        fence = Leadership(slot, clock=Clock())
         if state != "standby":
             fence.begin(epoch=3, deadline=110.0, recovery_s=5.0 if state == "rebuilding" else 0)
+            svc = slot.service
             svc.register("n1", "127.0.0.1", 9, b"x" * 16, [SegmentSpec("dram", "dram", 1 << 20)])
             fence.expected_nodes = {"n1", "n2"} if state == "rebuilding" else {"n1"}
         if state == "lease unproven":
             fence.clock.now = 111.0  # type: ignore[attr-defined]
-        app = init_app(svc, fence=fence)
+        app = init_app(slot, fence=fence)
         fenced = FENCED + FENCED_EVENTS
         replies = await _calls(app, fenced + OPEN)
         assert all(_not_leader(r) for r in replies[: len(fenced)]), replies
@@ -93,12 +94,13 @@ def test_a_master_that_may_not_lead_refuses_every_mutation_and_ready(state: str)
 
 def test_a_leader_with_a_proven_lease_passes_the_fence() -> None:
     async def run() -> None:
-        svc = _service()
-        fence = Leadership(svc, clock=Clock())
+        slot = ServiceSlot(_service())
+        fence = Leadership(slot, clock=Clock())
         fence.begin(epoch=3, deadline=110.0, recovery_s=0)
+        svc = slot.service
         svc.register("n1", "127.0.0.1", 9, b"x" * 16, [SegmentSpec("dram", "dram", 1 << 20)])
         fence.expected_nodes = {"n1"}
-        replies = await _calls(init_app(svc, fence=fence), FENCED)
+        replies = await _calls(init_app(slot, fence=fence), FENCED)
         # Past the fence, each route answers for itself (no such key, nothing to evict, ...).
         assert not any(_not_leader(r) for r in replies), replies
         assert replies[0][0] == 404 and replies[-1][0] == 200
@@ -107,7 +109,7 @@ def test_a_leader_with_a_proven_lease_passes_the_fence() -> None:
 
 
 def test_without_ha_there_is_no_fence() -> None:
-    replies = asyncio.run(_calls(init_app(_service()), [("GET", "/ready", None)]))
+    replies = asyncio.run(_calls(init_app(ServiceSlot(_service())), [("GET", "/ready", None)]))
     assert replies[0][0] == 200
 
 

@@ -1,0 +1,276 @@
+"""Membership: the storage nodes, their segments, and whether they are alive.
+
+Owns the node records (:class:`Node`, :class:`Segment`) and the rules of joining: a node
+registers with its address, the secret its grants are signed with and its segments; heartbeats
+keep it alive (a node silent for ``node_ttl_s`` is declared dead); an identity key binds a node
+id to the node that first proved it. It also keeps what each node must forget (freed replicas,
+delivered in heartbeat replies) and what a dead node may still hold but must never claim again
+(its *tombstones*, read by ``recovery.py``).
+
+What leaving costs the rest of the master (pending puts, tasks, objects on the node) is not
+decided here: the service's ``drop_node`` takes the node out of every owner, this module last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore import grants
+from kvstore.errors import ForbiddenError, InvalidRequestError, NodeUnavailableError
+from kvstore.master.allocator import OffsetAllocator, SpaceAllocator
+from kvstore.master.budget import ByteBudget
+from kvstore.master.config import MasterConfig
+from kvstore.master.table import TIER_NVME, TIER_RANK, Replica
+from kvstore.types import Location, SegmentSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Segment:
+    name: str
+    tier: str
+    allocator: SpaceAllocator
+    shm_path: str = ""
+    # offset -> key of every committed replica here (what eviction and drain walk).
+    holding: dict[int, bytes] = field(default_factory=dict)
+    # The newest write claim (grant expiry, wall ms) of any allocation freed here. Nodes order
+    # the writes of reused bytes by that stamp (kvstore.grants.WriteClaims) and cannot order
+    # equal ones, so space freed in the millisecond it was allocated (an eviction right after
+    # a commit) must go to a strictly later stamp: see :meth:`claim_stamp`.
+    reuse_floor: int = 0
+
+    def claim_stamp(self, base_ms: int) -> int:
+        """The write claim for a new allocation here: ``base_ms`` (now + put timeout), or just
+        after every claim on bytes freed here, whichever is later."""
+        return base_ms if base_ms > self.reuse_floor else self.reuse_floor + 1
+
+
+@dataclass(slots=True)
+class Node:
+    node_id: str
+    host: str
+    port: int
+    secret: bytes
+    segments: dict[str, Segment]
+    last_seen: float
+    # (segment, offset, stamp) of replicas freed since the last heartbeat: the node drops them
+    # from its manifest. The stamp names the version: an extent already reused by a newer
+    # write (another stamp) stays in the manifest.
+    forgotten: list[tuple[str, int, int]] = field(default_factory=list)
+    # Bytes freed since the last heartbeat that stay in limbo until the node drops them
+    # (see SpaceAllocator.free), and those the last reply told it to forget.
+    limbo: list[tuple[str, int]] = field(default_factory=list)
+    delivered: list[tuple[str, int]] = field(default_factory=list)
+    # What the last heartbeat reply told it to forget (not yet confirmed by the next heartbeat).
+    unconfirmed: list[tuple[str, int, int]] = field(default_factory=list)
+    draining: bool = False  # no new data; its objects are being copied elsewhere
+    retired: bool = False  # drained: told to stop at its next heartbeat
+    # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
+    # read them with ``node_transports`` (see kvstore/transports.py).
+    transports: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(s.allocator.free_bytes for s in self.segments.values())
+
+    @property
+    def state(self) -> str:
+        """``active``, ``draining`` or ``retired``."""
+        return "retired" if self.retired else "draining" if self.draining else "active"
+
+
+def make_allocator(tier: str, capacity: int) -> SpaceAllocator:
+    """The allocator of a segment: ids under a byte budget on NVMe (lmdb places values
+    itself), byte extents elsewhere."""
+    return ByteBudget(capacity) if tier == TIER_NVME else OffsetAllocator(capacity)
+
+
+class Membership:
+    """The registered nodes by id, their identities and tombstones.
+
+    Args:
+        config: the node TTL.
+        clock: monotonic seconds (liveness).
+    """
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.nodes: dict[str, Node] = {}
+        #: node id -> SHA-256 of the identity key it proved (see check_identity).
+        self.identities: dict[str, bytes] = {}
+        #: node id -> (segment, offset) it was told to forget but may still hold when it comes
+        #: back (restart before the next heartbeat): admission never takes those (recovery.py).
+        self.tombstones: dict[str, set[tuple[str, int]]] = {}
+        self.num_dead_nodes = 0
+
+    # ================================================================ joining
+    def check_identity(self, node_id: str, identity: bytes | None) -> None:
+        """Refuse a claim to ``node_id`` by anyone but the node that first registered it.
+
+        A node proves its id with the identity key it keeps in its data directory (so a restart
+        on the same directory proves the same id). The first registration that carries a key
+        binds the id to it (only its SHA-256 is kept); from then on every registration and
+        heartbeat for the id must carry the same key. Ids are public (``/api/v1/nodes``); the
+        key is not.
+
+        Raises:
+            ForbiddenError: the id is bound to another key, or the claim carries none.
+        """
+        bound = self.identities.get(node_id)
+        if bound is None:
+            return
+        if identity is None or not hmac.compare_digest(bound, hashlib.sha256(identity).digest()):
+            raise ForbiddenError(
+                f"node id {node_id[:128]!r} belongs to another node: its identity key differs"
+            )
+
+    def admit(
+        self,
+        node_id: str,
+        host: str,
+        port: int,
+        secret: bytes,
+        segments: Sequence[SegmentSpec],
+        transports: dict[str, object] | None = None,
+        identity: bytes | None = None,
+    ) -> Node:
+        """Check a registration and bind the id to ``identity``; the node record to :meth:`add`.
+
+        Raises:
+            InvalidRequestError: empty id, bad port, short secret or identity key, no or
+                duplicate segments, a negative capacity or an unknown tier.
+            ForbiddenError: the id belongs to another node (nothing changes).
+        """
+        if not node_id or len(node_id) > 128:
+            raise InvalidRequestError("node_id must be 1..128 characters")
+        if identity is not None and not 16 <= len(identity) <= 1024:
+            raise InvalidRequestError("a node identity key must be 16..1024 bytes")
+        self.check_identity(node_id, identity)
+        if not 0 < port < 65536:
+            raise InvalidRequestError(f"bad port {port}")
+        if len(secret) < 16:
+            raise InvalidRequestError("node secret must be at least 16 bytes")
+        if not segments:
+            raise InvalidRequestError("a node must register at least one segment")
+        names = [s.name for s in segments]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("segment names must be unique")
+        for s in segments:
+            if s.capacity < 0:
+                raise InvalidRequestError(f"segment {s.name!r} has negative capacity")
+            if s.tier not in TIER_RANK:
+                raise InvalidRequestError(f"segment {s.name!r} has unknown tier {s.tier!r}")
+        if identity is not None:
+            self.identities[node_id] = hashlib.sha256(identity).digest()
+        return Node(
+            node_id=node_id,
+            host=host,
+            port=port,
+            secret=secret,
+            segments={
+                s.name: Segment(s.name, s.tier, make_allocator(s.tier, s.capacity), s.shm_path)
+                for s in segments
+            },
+            last_seen=self.clock(),
+            transports=dict(transports or {}),
+        )
+
+    def add(self, node: Node) -> None:
+        """Make an admitted node a member (an earlier incarnation must be dropped first)."""
+        assert node.node_id not in self.nodes, "drop the earlier incarnation first"
+        self.nodes[node.node_id] = node
+        log.info(
+            "node %s registered at %s:%d with %d segment(s)",
+            node.node_id,
+            node.host,
+            node.port,
+            len(node.segments),
+        )
+
+    # ================================================================ liveness
+    def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
+        """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
+
+        Raises:
+            NodeUnavailableError: the node is unknown (declared dead): it must register again.
+        """
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise NodeUnavailableError(f"node {node_id!r} is not registered")
+        node.last_seen = self.clock()
+        # The node applied the previous reply's forgets before sending this heartbeat.
+        for segment, num_bytes in node.delivered:
+            node.segments[segment].allocator.acknowledge(num_bytes)
+        node.delivered, node.limbo = node.limbo, []
+        forgotten, node.forgotten = node.forgotten, []
+        node.unconfirmed = forgotten
+        return forgotten
+
+    def silent(self) -> list[str]:
+        """Nodes without a heartbeat for ``node_ttl_s``: to be declared dead."""
+        now = self.clock()
+        return [
+            n.node_id for n in self.nodes.values() if now - n.last_seen > self.config.node_ttl_s
+        ]
+
+    def heard_from_all(self, now: float) -> None:
+        """Count every node as heard from at ``now`` (a leader that could not listen for a
+        while: its nodes were not silent, it was deaf)."""
+        for node in self.nodes.values():
+            node.last_seen = max(node.last_seen, now)
+
+    def remove(self, node_id: str, extra_tombstones: set[tuple[str, int]]) -> Node:
+        """Take a node out of the membership; remember what it may still hold.
+
+        Args:
+            extra_tombstones: extents beyond its unconfirmed forgets that it must never claim
+                again (space held for a lease, writes this master never committed).
+
+        Raises:
+            KeyError: no such node.
+        """
+        node = self.nodes.pop(node_id)
+        # What it was told to forget but may still hold (a restart before the next heartbeat):
+        # never re-admit those (an overwritten or removed version must not come back).
+        stones = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
+        stones |= extra_tombstones
+        self.tombstones[node_id] = stones
+        return node
+
+    def retire(self, node_id: str) -> Node:
+        """A drained node leaves: it holds nothing, so nothing is remembered of it.
+
+        Raises:
+            KeyError: no such node.
+        """
+        node = self.nodes.pop(node_id)
+        assert node.retired, "only a drained node retires"
+        return node
+
+    # ================================================================ grants
+    def location(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> Location:
+        """Where ``replica`` lives, with a grant for ``op`` signed with its node's secret.
+
+        Raises:
+            KeyError: the replica's node is not registered.
+        """
+        node = self.nodes[replica.node_id]
+        grant = grants.sign(
+            node.secret, op, key, replica.segment, replica.offset, replica.size, expires_ms
+        )
+        return Location(node.node_id, node.host, node.port, grant)
+
+    def node_transports(self) -> dict[str, dict[str, object]]:
+        """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
+        return {n.node_id: n.transports for n in self.nodes.values()}
+
+    def owns(self, node: Node) -> bool:
+        """Whether ``node`` is the current incarnation of its id (a dropped or re-registered
+        node's record is not: its allocators are gone)."""
+        return self.nodes.get(node.node_id) is node

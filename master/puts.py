@@ -1,0 +1,244 @@
+"""Two-phase puts: ``put_start`` allocates and says where to write, ``put_end`` commits.
+
+Life of a put::
+
+    put_start ──► PENDING ──put_end──► COMMITTED (in the object table)
+                     └──put_revoke / timeout / node death──► gone (space freed)
+
+A key has at most one PENDING put at a time (a second ``put_start`` gets ``ObjectBusyError``).
+A ``put_end`` over a committed key replaces it: the new bytes become visible atomically and the
+old replicas' space is freed (last committed writer wins). Readers of the old version that are
+still in flight either finish before the space is reused or fail the checksum: never wrong bytes.
+
+Where the bytes go is not decided here: the caller passes a :data:`Place` (the tier manager's
+placement for this batch), so this module sits below tiering, which reads the pending puts
+(space being written is neither evictable nor drained).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstore import grants
+from kvstore.errors import (
+    InvalidRequestError,
+    KVStoreError,
+    ObjectBusyError,
+    ObjectExistsError,
+    PutNotFoundError,
+)
+from kvstore.kvblocks import is_kv_key
+from kvstore.master.config import MasterConfig
+from kvstore.master.leases import PIN_NONE
+from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.space import Space
+from kvstore.master.table import ObjectTable, Replica
+from kvstore.types import PutTicket
+
+log = logging.getLogger(__name__)
+
+#: Placement of one object: ``place(size, num_replicas)`` -> a segment on each of as many
+#: distinct nodes, with room (``tiering.TierManager.placer``).
+Place = Callable[[int, int], list[tuple[Segment, Node]]]
+
+
+@dataclass(slots=True)
+class PendingPut:
+    put_id: int
+    key: bytes
+    size: int
+    replicas: list[Replica]
+    deadline: float
+    replicas_wanted: int = 1
+
+
+class Puts:
+    """The pending puts of one master term, and the verbs that start, commit and end them.
+
+    Args:
+        config: the put timeout and the batch and object limits.
+        membership: nodes (write grants are signed with their secrets).
+        objects: the object table commits go to.
+        space: frees the space of revoked puts and of replaced versions.
+        clock: monotonic seconds (put deadlines).
+        first_put_id: the first put id handed out (an HA term starts above every earlier
+            term's, so ids of different terms never collide).
+    """
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        membership: Membership,
+        objects: ObjectTable,
+        space: Space,
+        clock: Callable[[], float],
+        first_put_id: int = 1,
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.objects = objects
+        self.space = space
+        self.clock = clock
+        self.pending: dict[int, PendingPut] = {}
+        self.pending_by_key: dict[bytes, int] = {}
+        self._put_ids = itertools.count(first_put_id)
+        self.num_reclaimed = 0
+
+    # ================================================================ verbs
+    def start(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        place: Place,
+        replicas: int = 1,
+        kv_blocks: bool = False,
+    ) -> list[PutTicket | KVStoreError]:
+        """Allocate room for each key; the client then writes the bytes straight to the node.
+
+        Args:
+            place: where each object goes (computed once per batch by the caller).
+            replicas: copies of each object, on distinct nodes (the client writes every one).
+            kv_blocks: the KV-cache layer is writing: keys under ``kv/`` and ``kvmeta/`` are
+                allowed, and one that is already stored gets ``ObjectExistsError`` (blocks are
+                immutable: the prefix index may be serving it).
+
+        Returns:
+            Per key, a ticket (put id and where to write) or the error for that key.
+
+        Raises:
+            InvalidRequestError: a malformed batch or replica count.
+        """
+        self.config.check_batch(keys)
+        if len(sizes) != len(keys):
+            raise InvalidRequestError("keys and sizes differ in length")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
+            raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
+        results: list[PutTicket | KVStoreError] = []
+        # Once per batch: the grants' expiry base (each allocation's claim stamp is still
+        # ordered after every claim on its bytes, see Segment.claim_stamp).
+        base = self.space.claim_base()
+        for key, size in zip(keys, sizes, strict=True):
+            try:
+                if is_kv_key(key):
+                    if not kv_blocks:
+                        raise InvalidRequestError(
+                            "keys under kv/ and kvmeta/ are written by KVCache only"
+                        )
+                    if key in self.objects:
+                        raise ObjectExistsError("this KV block is already stored")
+                results.append(self._start_one(key, size, replicas, place, base))
+            except KVStoreError as err:
+                results.append(err)
+        return results
+
+    def _start_one(
+        self, key: bytes, size: int, num_replicas: int, place: Place, base: int
+    ) -> PutTicket:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
+        if size > self.config.max_object_bytes:
+            raise InvalidRequestError(
+                f"object of {size} bytes exceeds the limit of {self.config.max_object_bytes}"
+            )
+        if key in self.pending_by_key:
+            raise ObjectBusyError("another put of this key is in flight")
+        picks = place(size, num_replicas)
+        if len(picks) == 1:
+            expires = picks[0][0].claim_stamp(base)
+        else:
+            expires = max(segment.claim_stamp(base) for segment, _ in picks)
+        placed: list[Replica] = []
+        for segment, node in picks:
+            offset = segment.allocator.allocate(size)
+            assert offset is not None, "placement chose a segment without room"
+            placed.append(
+                Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
+            )
+        put = PendingPut(
+            next(self._put_ids), key, size, placed, self.clock() + self.config.put_timeout_s
+        )
+        put.replicas_wanted = num_replicas
+        self.pending[put.put_id] = put
+        self.pending_by_key[key] = put.put_id
+        location = self.membership.location
+        return PutTicket(put.put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
+
+    def end(self, put_ids: Sequence[int], checksums: Sequence[int]) -> list[KVStoreError | None]:
+        """Commit puts: each object becomes visible now, replacing any earlier version."""
+        self.config.check_batch(put_ids)
+        if len(checksums) != len(put_ids):
+            raise InvalidRequestError("put_ids and checksums differ in length")
+        results: list[KVStoreError | None] = []
+        space, objects = self.space, self.objects
+        for put_id, checksum in zip(put_ids, checksums, strict=True):
+            put = self.pending.get(put_id) if isinstance(put_id, int) else None
+            if put is None:
+                results.append(
+                    PutNotFoundError(f"put {put_id!r} is not pending (timed out or revoked?)")
+                )
+                continue
+            if not isinstance(checksum, int) or not 0 <= checksum < 1 << 64:
+                results.append(InvalidRequestError("checksum must be an unsigned 64-bit integer"))
+                continue
+            del self.pending[put_id]
+            del self.pending_by_key[put.key]
+            now = self.clock()
+            old = objects.get(put.key)
+            if old is not None:
+                space.release_all(old.replicas, hold_until=space.hold_until(old, now), lease_of=old)
+            objects.commit(put.key, put.size, checksum, put.replicas, put.replicas_wanted, now)
+            if old is not None and old.pin != PIN_NONE:
+                # A pin belongs to the key: it holds the new version too.
+                new = objects[put.key]
+                new.pin, new.pin_until = old.pin, old.pin_until
+            for r in put.replicas:
+                space.attach(put.key, r)
+            results.append(None)
+        return results
+
+    def revoke(self, put_ids: Sequence[int]) -> list[KVStoreError | None]:
+        """Abandon puts: their space is freed and nothing becomes visible."""
+        self.config.check_batch(put_ids)
+        results: list[KVStoreError | None] = []
+        for put_id in put_ids:
+            put = self.pending.get(put_id) if isinstance(put_id, int) else None
+            if put is None:
+                results.append(PutNotFoundError(f"put {put_id!r} is not pending"))
+            else:
+                self.discard(put)
+                results.append(None)
+        return results
+
+    def reclaim_expired(self) -> int:
+        """Free PENDING puts whose writer never committed within ``put_timeout_s``."""
+        now = self.clock()
+        expired = [p for p in self.pending.values() if p.deadline <= now]
+        for put in expired:
+            log.info("reclaiming put %d of %r: not committed in time", put.put_id, put.key[:64])
+            self.discard(put)
+        self.num_reclaimed += len(expired)
+        return len(expired)
+
+    # ================================================================ bookkeeping
+    def discard(self, put: PendingPut) -> None:
+        """Forget a pending put and free its space."""
+        del self.pending[put.put_id]
+        del self.pending_by_key[put.key]
+        self.space.release_all(put.replicas)
+
+    def on_node(self, node_id: str) -> list[PendingPut]:
+        """Pending puts writing a replica on ``node_id``."""
+        return [p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)]
+
+    def num_writing_on(self, node_ids: set[str]) -> int:
+        """Pending puts writing a replica on any of ``node_ids``."""
+        return sum(
+            1 for p in self.pending.values() if any(r.node_id in node_ids for r in p.replicas)
+        )
+
+    def writing_on(self, node_id: str) -> bool:
+        """Whether a pending put writes on ``node_id`` (a drained node waits for it)."""
+        return any(r.node_id == node_id for p in self.pending.values() for r in p.replicas)

@@ -1,0 +1,166 @@
+"""The space under the object table: which segment extents hold committed replicas, and
+freeing them (now, or once the read leases that cover them end).
+
+Why its own owner: every way a replica goes (a remove, an overwrite, an eviction, a finished
+move or drain, a revoked put, a corrupt copy) ends the same way here: the extent leaves its
+segment's index, and its space is freed at once or *held* while a reader may still be on its
+bytes (``leases.DeferredFrees``). Freed space is reported to its node in the next heartbeat
+reply (``Node.forgotten``), and new write claims on it are ordered after every older one
+(``Segment.reuse_floor``). The tier manager, the replicator, two-phase puts, recovery and the
+service's verbs all free through this one path.
+
+It also keeps the read leases (``leases.ReadLeases``): a lease that ends frees what it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from kvstore.master.config import MasterConfig
+from kvstore.master.events import EVENT_EVICTED
+from kvstore.master.leases import DeferredFrees, ReadLeases
+from kvstore.master.membership import Membership, Node
+from kvstore.master.prefix import PrefixIndex
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+
+
+class Space:
+    """Replica extents of one master term.
+
+    Args:
+        config: the put timeout (how long a write claim lasts).
+        membership: the nodes whose segments hold the space.
+        objects: the object table (an object goes when its last replica does).
+        prefix: the prefix index (told when an object goes).
+        clock: monotonic seconds.
+        wall_ms: wall-clock milliseconds (write claims, checked by nodes).
+        lease_grace_s: how long freed space stays untouched past the end of a lease.
+    """
+
+    def __init__(
+        self,
+        config: MasterConfig,
+        membership: Membership,
+        objects: ObjectTable,
+        prefix: PrefixIndex,
+        clock: Callable[[], float],
+        wall_ms: Callable[[], int],
+        lease_grace_s: float,
+    ) -> None:
+        self.config = config
+        self.membership = membership
+        self.objects = objects
+        self.prefix = prefix
+        self.clock = clock
+        self.wall_ms = wall_ms
+        self.lease_grace_s = lease_grace_s
+        self.deferred = DeferredFrees()
+        self.leases = ReadLeases()
+
+    def claim_base(self) -> int:
+        """The write claim (wall ms) of an allocation made now, before its segment's floor
+        (see ``Segment.claim_stamp``): now plus the put timeout."""
+        return self.wall_ms() + int(self.config.put_timeout_s * 1000)
+
+    # ================================================================ committed replicas
+    def attach(self, key: bytes, replica: Replica) -> None:
+        """Record a committed replica in its segment's index (eviction and drain walk it)."""
+        node = self.membership.nodes.get(replica.node_id)
+        if node is not None:
+            node.segments[replica.segment].holding[replica.offset] = key
+
+    def hold_until(self, obj: ObjectMeta, now: float) -> float:
+        """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
+        if obj.lease_until <= now:
+            return 0.0
+        return obj.lease_until + self.lease_grace_s
+
+    def release(
+        self, replica: Replica, hold_until: float = 0.0, lease_of: ObjectMeta | None = None
+    ) -> None:
+        """Free a replica's space: now, or once ``hold_until`` (a lease's end) has passed or
+        every lease of ``lease_of`` (the object it belonged to) was given back."""
+        node = self.membership.nodes.get(replica.node_id)
+        if node is None:
+            return  # the node is gone and its allocator with it
+        seg = node.segments[replica.segment]
+        seg.holding.pop(replica.offset, None)
+        if hold_until > self.clock():
+            self.deferred.hold(hold_until, node, replica, lease_of)
+            return
+        self.free_now(node, replica)
+
+    def release_all(
+        self,
+        replicas: Iterable[Replica],
+        hold_until: float = 0.0,
+        lease_of: ObjectMeta | None = None,
+    ) -> None:
+        """:meth:`release` each of ``replicas``."""
+        for r in replicas:
+            self.release(r, hold_until, lease_of)
+
+    def release_object(self, obj: ObjectMeta) -> None:
+        """Free every replica of an object that left the table; a reader holding a lease
+        finishes on intact bytes (the space waits for it)."""
+        self.release_all(obj.replicas, hold_until=self.hold_until(obj, self.clock()), lease_of=obj)
+
+    def free_now(self, node: Node, replica: Replica) -> None:
+        """Give a replica's extent back to its allocator; its node forgets it at the next
+        heartbeat."""
+        seg = node.segments[replica.segment]
+        seg.reuse_floor = max(seg.reuse_floor, replica.stamp, replica.claim)
+        in_limbo = seg.allocator.free(replica.offset)
+        if in_limbo:
+            node.limbo.append((replica.segment, in_limbo))
+        node.forgotten.append((replica.segment, replica.offset, replica.stamp))
+
+    def delete_replica(
+        self, obj: ObjectMeta, replica: Replica, hold: bool = False, kind: str = EVENT_EVICTED
+    ) -> None:
+        """Drop one replica (eviction, drain); the object goes when its last replica does.
+
+        Args:
+            kind: the KV event its blocks leave the prefix index with, if it goes.
+        """
+        obj.remove_replica(replica)
+        if not obj.num_replicas:
+            del self.objects[obj.key]
+            self.prefix.forget(obj.key, kind)
+        elif obj.num_replicas < obj.replicas_wanted:
+            # An evicted copy is not re-made: the object now wants what it has.
+            obj.replicas_wanted = obj.num_replicas
+        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
+
+    # ================================================================ leases
+    def lease_ended(self, obj: ObjectMeta, now: float) -> None:
+        """No lease of ``obj`` is outstanding: it may be evicted, its held space freed."""
+        obj.lease_until = 0.0
+        # A lease that ran out without being given back may still have a read on its way to a
+        # node whose clock lags ours: space waits out the grace after its end, as before.
+        not_before = self.leases.last_unreleased_end + self.lease_grace_s
+        for owner, replica in self.deferred.release_for(obj, not_before if not_before > now else 0):
+            if self.membership.owns(owner):
+                self.free_now(owner, replica)
+
+    def release_leases(self, tokens: list[int]) -> list[bool]:
+        """Give checked lease tokens back. Returns per token whether it ended a lease."""
+        ended, emptied = self.leases.release(tokens)
+        now = self.clock()
+        for obj in emptied:
+            self.lease_ended(obj, now)
+        return ended
+
+    def tick(self, now: float) -> None:
+        """Free space whose leases ended (given back or run out)."""
+        for obj in self.leases.expire(now):
+            self.lease_ended(obj, now)
+        for owner, replica in self.deferred.due(now):
+            if not self.membership.owns(owner):
+                continue  # the node died or re-registered: that allocator is gone
+            self.free_now(owner, replica)
+
+    def held_by_node(self, node: Node) -> set[tuple[str, int]]:
+        """Extents of ``node`` freed but still held for a lease (the node has not forgotten
+        them yet)."""
+        return {(r.segment, r.offset) for r in self.deferred.held_for(node)}

@@ -1,0 +1,198 @@
+"""Two-phase puts on their own: start, end, revoke and reclaim over the owners they use, with a
+placement of the test's making (the tier manager's is tested in test_tiering.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from kvstore import grants
+from kvstore.errors import (
+    InvalidRequestError,
+    NoSpaceError,
+    ObjectBusyError,
+    ObjectExistsError,
+    PutNotFoundError,
+)
+from kvstore.kvblocks import is_kv_key
+from kvstore.master.config import MasterConfig
+from kvstore.master.events import EventLog
+from kvstore.master.leases import PIN_SOFT
+from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.prefix import PrefixIndex
+from kvstore.master.puts import Puts
+from kvstore.master.space import Space
+from kvstore.master.table import ObjectTable
+from kvstore.types import PutTicket, SegmentSpec
+from tests.master.fakes import FakeClock
+
+SECRETS = {"n1": b"1" * 32, "n2": b"2" * 32}
+KV_KEY = b"kv/" + b"k" * 32
+
+
+@dataclass
+class Rig:
+    clock: FakeClock
+    members: Membership
+    objects: ObjectTable
+    space: Space
+    puts: Puts
+
+    def place(self, size: int, num_replicas: int) -> list[tuple[Segment, Node]]:
+        """The first nodes whose DRAM segment has room."""
+        picks = []
+        for node in self.members.nodes.values():
+            seg = node.segments["dram"]
+            if seg.allocator.largest_free >= seg.allocator.reserved_size(size):
+                picks.append((seg, node))
+        if len(picks) < num_replicas:
+            raise NoSpaceError("no room")
+        return picks[:num_replicas]
+
+    def dram(self, node_id: str) -> Segment:
+        return self.members.nodes[node_id].segments["dram"]
+
+    def start(self, key: bytes, size: int = 100, **kw: object) -> PutTicket:
+        (ticket,) = self.puts.start([key], [size], self.place, **kw)  # type: ignore[arg-type]
+        assert isinstance(ticket, PutTicket), ticket
+        return ticket
+
+
+def make_rig(first_put_id: int = 1) -> Rig:
+    clock = FakeClock()
+    config = MasterConfig(put_timeout_s=10, node_ttl_s=3, heartbeat_interval_s=1)
+    members = Membership(config, clock)
+    for node_id, secret in SECRETS.items():
+        members.add(
+            members.admit(node_id, "127.0.0.1", 9001, secret, [SegmentSpec("dram", "dram", 4096)])
+        )
+    objects = ObjectTable()
+    space = Space(
+        config, members, objects, PrefixIndex(EventLog()), clock, clock.wall_ms, lease_grace_s=0.25
+    )
+    puts = Puts(config, members, objects, space, clock, first_put_id)
+    return Rig(clock, members, objects, space, puts)
+
+
+@pytest.fixture
+def rig() -> Rig:
+    return make_rig()
+
+
+def test_start_allocates_and_grants_a_write_per_replica(rig: Rig) -> None:
+    ticket = rig.start(b"k", 100, replicas=2)
+    assert ticket.put_id == 1 and [loc.node_id for loc in ticket.locations] == ["n1", "n2"]
+    for loc in ticket.locations:
+        grants.verify(SECRETS[loc.node_id], loc.grant, grants.OP_WRITE, rig.clock.wall_ms())
+        assert rig.dram(loc.node_id).allocator.used_bytes == 128
+    assert b"k" not in rig.objects, "nothing is visible before put_end"
+    assert rig.puts.writing_on("n1") and rig.puts.num_writing_on({"n2", "n3"}) == 1
+    assert [p.key for p in rig.puts.on_node("n2")] == [b"k"]
+
+
+def test_put_ids_start_where_the_term_says() -> None:
+    first = (7 << 32) + 1
+    assert make_rig(first).start(b"k").put_id == first
+
+
+def test_end_commits_cold_and_indexes_the_replica(rig: Rig) -> None:
+    ticket = rig.start(b"k", 100)
+    assert rig.puts.end([ticket.put_id], [42]) == [None]
+    assert rig.objects.num_hot == 0, "a commit is stored as a tuple"
+    obj = rig.objects[b"k"]
+    assert (obj.size, obj.checksum, obj.num_replicas) == (100, 42, 1)
+    (replica,) = obj.replicas
+    assert rig.dram(replica.node_id).holding == {replica.offset: b"k"}
+    assert not rig.puts.pending and not rig.puts.pending_by_key
+
+
+def test_a_second_start_of_a_pending_key_is_busy(rig: Rig) -> None:
+    rig.start(b"k")
+    (err,) = rig.puts.start([b"k"], [10], rig.place)
+    assert isinstance(err, ObjectBusyError)
+
+
+@pytest.mark.parametrize(
+    ("key", "size", "kv_blocks", "error"),
+    [
+        (b"k", -1, False, InvalidRequestError),
+        (b"k", True, False, InvalidRequestError),
+        (b"k", 1 << 62, False, InvalidRequestError),
+        (KV_KEY, 10, False, InvalidRequestError),
+        (b"k", 1 << 20, False, NoSpaceError),
+    ],
+)
+def test_a_bad_key_gets_its_error_in_place(
+    rig: Rig, key: bytes, size: int, kv_blocks: bool, error: type
+) -> None:
+    assert is_kv_key(KV_KEY)
+    ok, bad = rig.puts.start([b"fine", key], [10, size], rig.place, kv_blocks=kv_blocks)
+    assert isinstance(ok, PutTicket) and isinstance(bad, error)
+    assert list(rig.puts.pending_by_key) == [b"fine"]
+
+
+def test_a_stored_kv_block_is_immutable(rig: Rig) -> None:
+    ticket = rig.start(KV_KEY, kv_blocks=True)
+    rig.puts.end([ticket.put_id], [1])
+    (err,) = rig.puts.start([KV_KEY], [10], rig.place, kv_blocks=True)
+    assert isinstance(err, ObjectExistsError)
+
+
+@pytest.mark.parametrize(
+    ("keys", "sizes", "replicas"),
+    [([b"a", b"b"], [1], 1), ([b"a"], [1], 0), ([b"a"], [1], 17), ([b"a"], [1], True)],
+)
+def test_a_malformed_batch_is_refused_whole(
+    rig: Rig, keys: list[bytes], sizes: list[int], replicas: int
+) -> None:
+    with pytest.raises(InvalidRequestError):
+        rig.puts.start(keys, sizes, rig.place, replicas)
+    assert not rig.puts.pending
+
+
+def test_a_batch_over_the_limit_is_refused(rig: Rig) -> None:
+    n = rig.puts.config.max_batch + 1
+    with pytest.raises(InvalidRequestError):
+        rig.puts.start([b"k"] * n, [1] * n, rig.place)
+    with pytest.raises(InvalidRequestError):
+        rig.puts.end([1] * n, [1] * n)
+
+
+def test_end_of_an_unknown_put_or_with_a_bad_checksum(rig: Rig) -> None:
+    ticket = rig.start(b"k")
+    results = rig.puts.end([999, ticket.put_id], [1, -1])
+    assert isinstance(results[0], PutNotFoundError) and isinstance(results[1], InvalidRequestError)
+    assert ticket.put_id in rig.puts.pending, "a bad checksum leaves the put pending"
+
+
+def test_an_overwrite_frees_the_old_version_and_keeps_the_pin(rig: Rig) -> None:
+    first = rig.start(b"k")
+    rig.puts.end([first.put_id], [1])
+    old = rig.objects[b"k"]
+    old.pin, old.pin_until = PIN_SOFT, rig.clock.now + 60
+    (old_replica,) = old.replicas
+    second = rig.start(b"k")
+    assert rig.puts.end([second.put_id], [2]) == [None]
+    new = rig.objects[b"k"]
+    assert new.checksum == 2 and (new.pin, new.pin_until) == (old.pin, old.pin_until)
+    node = rig.members.nodes[old_replica.node_id]
+    assert (old_replica.segment, old_replica.offset, old_replica.stamp) in node.forgotten
+
+
+def test_revoke_frees_the_space_and_shows_nothing(rig: Rig) -> None:
+    ticket = rig.start(b"k", 100, replicas=2)
+    assert rig.puts.revoke([ticket.put_id, 999])[0] is None
+    assert isinstance(rig.puts.revoke([ticket.put_id])[0], PutNotFoundError)
+    assert b"k" not in rig.objects and not rig.puts.pending
+    assert all(rig.dram(n).allocator.used_bytes == 0 for n in SECRETS)
+
+
+def test_puts_not_committed_in_time_are_reclaimed(rig: Rig) -> None:
+    ticket = rig.start(b"old")
+    rig.clock.now += 5
+    rig.start(b"young")
+    rig.clock.now += 5
+    assert rig.puts.reclaim_expired() == 1 and rig.puts.num_reclaimed == 1
+    assert list(rig.puts.pending_by_key) == [b"young"]
+    assert isinstance(rig.puts.end([ticket.put_id], [1])[0], PutNotFoundError)
