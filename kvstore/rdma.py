@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -52,6 +51,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from kvstore.env import Env
 from kvstore.errors import (
     InvalidRequestError,
     OutOfRangeError,
@@ -138,7 +138,7 @@ def discover() -> list[RdmaDevice]:
 #: Test-only hook (no device here): pretend this host has the named device. A node that cannot
 #: open it still publishes an offer (so clients try RDMA, fail, and fall back), and answers
 #: ``rdma_connect`` with TransportUnavailableError. Never set it outside tests.
-TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"
+TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"  # read by kvstore.env.Env (test_rdma_device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,21 +153,15 @@ class RdmaSettings:
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
-        """Raises InvalidRequestError for a port or GID index that is not a small integer."""
-        env = os.environ if env is None else env
-        try:
-            port = int(env.get("KVSTORE_RDMA_PORT", "1"))
-            gid_index = int(env.get("KVSTORE_RDMA_GID_INDEX", "0"))
-        except ValueError:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT/GID_INDEX must be integers") from None
-        if not 1 <= port <= 255 or not 0 <= gid_index <= 255:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT must be 1..255, GID_INDEX 0..255")
+        """Raises EnvError (an InvalidRequestError) for a port or GID index that is not a small
+        integer (:class:`kvstore.env.Env` reads the variables)."""
+        read = Env.read(env)
         return RdmaSettings(
-            enabled=env.get("KVSTORE_RDMA", "on").lower() not in ("off", "0", "no", "false"),
-            device=env.get("KVSTORE_RDMA_DEVICE") or None,
-            port=port,
-            gid_index=gid_index,
-            pretend_device=env.get(TEST_DEVICE_ENV) or None,
+            enabled=read.rdma,
+            device=read.rdma_device,
+            port=read.rdma_port,
+            gid_index=read.rdma_gid_index,
+            pretend_device=read.test_rdma_device,
         )
 
 
