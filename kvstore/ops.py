@@ -63,7 +63,7 @@ class AdminClient:
         except urllib.error.HTTPError as exc:
             try:
                 err = json.loads(exc.read())["error"]
-                wire = [err["code"], err["message"]]
+                wire = [err["error_code"], err["message"]]
             except (ValueError, KeyError, TypeError):
                 raise ProtocolError(f"the admin API answered HTTP {exc.code}") from None
             # NOTE: raised outside the try: KeyNotFoundError is a KeyError.

@@ -16,6 +16,7 @@ from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task
 from kvstore.master.tiering import ordered_segments
+from kvstore.types import node_state
 
 if TYPE_CHECKING:
     from kvstore.master.service import MasterService, Node, ObjectMeta, Replica, Segment
@@ -154,7 +155,7 @@ class Replicator:
             raise KeyNotFoundError(f"node {node_id!r} is not registered")
         return {
             "node_id": node_id,
-            "state": "retired" if node.retired else "draining" if node.draining else "active",
+            "state": node_state(node.draining, node.retired),
             "num_objects_left": self._held(node),
             "bytes_left": sum(s.allocator.used_bytes for s in node.segments.values()),
         }

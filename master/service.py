@@ -72,7 +72,7 @@ from kvstore.master.replication import Replicator
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TIER_NVME, TIER_RANK, Candidates, TierConfig, TierManager
-from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec
+from kvstore.types import Location, ObjectInfo, PutTicket, SegmentSpec, node_state
 
 if TYPE_CHECKING:
     from kvstore.manifest import ManifestClaim
@@ -985,7 +985,7 @@ class MasterService:
                 {
                     "node_id": n.node_id,
                     "address": f"{n.host}:{n.port}",
-                    "state": "retired" if n.retired else "draining" if n.draining else "active",
+                    "state": node_state(n.draining, n.retired),
                     "segments": [
                         {
                             "name": s.name,

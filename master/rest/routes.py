@@ -27,6 +27,7 @@ from kvstore.keys import Namespace, as_token_array
 from kvstore.master.metrics import CONTENT_TYPE
 from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
 from kvstore.master.service import MasterService, ObjectMeta
+from kvstore.types import node_state
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -127,7 +128,7 @@ def _node_json(svc: MasterService, node_id: str) -> dict[str, Any]:
     return {
         "node_id": node.node_id,
         "address": f"{node.host}:{node.port}",
-        "state": "alive",
+        "state": node_state(node.draining, node.retired),
         "last_heartbeat_s_ago": round(max(0.0, svc.clock() - node.last_seen), 3),
         "capacity_bytes": sum(s["capacity_bytes"] for s in segments),
         "used_bytes": sum(s["used_bytes"] for s in segments),

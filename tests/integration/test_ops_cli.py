@@ -62,7 +62,7 @@ def test_status_nodes_evict(secured, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["NODE", "ADDRESS", "STATE"]
-    assert len(lines) == 3 and "alive" in lines[2]
+    assert len(lines) == 3 and "active" in lines[2]
 
     # Reads are public; evicting needs the token: without it nothing changes.
     out = kvstore("evict", "--admin", cluster.admin, "--prefix", "cli/")
