@@ -34,6 +34,7 @@ from pathlib import Path
 
 from kvstore import protocol
 from kvstore.client import Client
+from kvstore.processes import parse_ready
 
 READY_TIMEOUT_S = 30.0
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -63,9 +64,9 @@ def start(args: list[str], ready: str) -> tuple[subprocess.Popen[str], str]:
 
 
 def field(line: str, name: str) -> str:
-    m = re.search(rf"{name}=(\S+)", line)
-    assert m, f"no {name}= in {line!r}"
-    return m.group(1)
+    ready = parse_ready(line)
+    assert ready is not None and name in ready, f"no {name!r} in {line!r}"
+    return str(ready[name])
 
 
 def cpu_s(pid: int) -> float:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.processes import parse_ready
 
 SIZES = [("64KiB", 64 << 10), ("1MiB", 1 << 20)]
 BATCH = 16
@@ -54,9 +54,9 @@ class Proc:
         raise RuntimeError(f"{args[0]} did not start")
 
     def field(self, name: str) -> str:
-        m = re.search(rf"{name}=(\S+)", self.line)
-        assert m
-        return m.group(1)
+        ready = parse_ready(self.line)
+        assert ready is not None and name in ready, self.line
+        return str(ready[name])
 
     def stop(self) -> None:
         if self.p.poll() is None:

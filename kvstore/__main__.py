@@ -1,5 +1,9 @@
+"""``python -m kvstore``: the ``kvstore`` command (:func:`kvstore.cli.main`)."""
+
+import contextlib
 import sys
 
 from kvstore.cli import main
 
-sys.exit(main())
+with contextlib.suppress(BrokenPipeError):  # `kvstore nodes | head`: no traceback
+    sys.exit(main())

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import protocol
+from kvstore.env import TOKEN_ENV as TOKEN_ENV  # the variables' names, where they are read
+from kvstore.env import TOKEN_FILE_ENV as TOKEN_FILE_ENV
+from kvstore.env import Env
 from kvstore.errors import InvalidRequestError, UnauthenticatedError
 
 HELLO_VERB = "hello"
-TOKEN_ENV = "KVSTORE_TOKEN"
-TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"
 MIN_TOKEN_BYTES = 16
 MAX_TOKEN_BYTES = 4096
 #: Largest body a connection may send before it proved the token: a ``hello`` and its token.
@@ -88,7 +89,7 @@ def load_token(
 
     Args:
         token_file: a file holding the token (surrounding whitespace is ignored).
-        env: the environment to read (default ``os.environ``).
+        env: the environment to read (default ``os.environ``; see :class:`kvstore.env.Env`).
 
     Returns:
         The token, or None (no authentication).
@@ -96,10 +97,10 @@ def load_token(
     Raises:
         InvalidRequestError: the file cannot be read or the token is too short or too long.
     """
-    env = os.environ if env is None else env
-    if token_file is None and env.get(TOKEN_ENV):
-        return Token(env[TOKEN_ENV])
-    path = token_file if token_file is not None else env.get(TOKEN_FILE_ENV) or None
+    settings = Env.read(env)
+    if token_file is None and settings.token:
+        return Token(settings.token)
+    path = token_file if token_file is not None else settings.token_file
     if path is None:
         return None
     try:

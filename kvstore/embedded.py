@@ -1,5 +1,6 @@
 """Start and stop an embedded cluster (``kvstore up``) as a child process, for the demo and the
-benchmarks: one place that knows its command line and its ``ready`` line."""
+benchmarks: one place that knows its command line; its ready record is read with
+:func:`kvstore.processes.parse_ready`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 from kvstore import protocol
 from kvstore.errors import MasterUnavailableError
-from kvstore.processes import terminate
+from kvstore.processes import parse_ready, terminate
 
 
 class EmbeddedCluster:
@@ -58,9 +59,10 @@ class EmbeddedCluster:
         self.data = ""  # the storage node's data address
         # `kvstore up` prints its ready line, or exits, within its own start timeout.
         for line in self.proc.stdout:
-            if "kvstore up: ready" in line:
-                self.address = line.split("control=")[1].split()[0]
-                self.data = line.split(" data=")[1].split()[0]
+            ready = parse_ready(line, "up")
+            if ready is not None:
+                self.address = ready["control"]
+                self.data = ready["data"]
                 break
         if not self.address:
             self.stop()

@@ -21,6 +21,8 @@ import mmap
 import os
 import threading
 
+from kvstore.env import Env
+
 log = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23
@@ -29,7 +31,7 @@ CHUNK = 16 << 20
 
 def enabled() -> bool:
     """Whether to pre-fault (``$KVSTORE_PREFAULT``, on unless ``0``)."""
-    return os.environ.get("KVSTORE_PREFAULT", "1") != "0"
+    return Env.read().prefault
 
 
 class Prefaulter:

@@ -28,13 +28,11 @@ microseconds (100 by default; 0 never polls). Measured with ``bench/bench_store.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import time
 
-DEFAULT_POLL_US = 100.0
-#: The longest window accepted (a longer one would burn a core on every idle connection).
-MAX_POLL_US = 10_000.0
+from kvstore.env import Env
+
 #: Waits that sleep at once after a poll that found nothing: for requests, for replies. With
 #: more busy processes than cores, polling for every reply (no backoff, no yield) cut four
 #: clients' aggregate gets from 10.2K to 7.5K per second here; with both, 10.6K
@@ -48,18 +46,8 @@ POLL_MAX_BYTES = 256 << 10
 
 def poll_window() -> float:
     """The window in seconds, from ``$KVSTORE_POLL_US`` (a bad value means the default; at most
-    ``MAX_POLL_US``)."""
-    raw = os.environ.get("KVSTORE_POLL_US", str(DEFAULT_POLL_US))
-    try:
-        us = float(raw)
-    except ValueError:
-        us = DEFAULT_POLL_US
-    if not math.isfinite(us):
-        us = DEFAULT_POLL_US
-    return min(max(0.0, us), MAX_POLL_US) / 1e6
-
-
-POLL_WINDOW_S = poll_window()
+    ``MAX_POLL_US``), read when a server or a connection starts (:class:`kvstore.env.Env`)."""
+    return Env.read().poll_us / 1e6
 
 
 class LoopAwake:
@@ -70,8 +58,8 @@ class LoopAwake:
     event loop (uvloop included). Call :meth:`served` from the loop's thread.
     """
 
-    def __init__(self, window: float = POLL_WINDOW_S) -> None:
-        self.window = window
+    def __init__(self, window: float | None = None) -> None:
+        self.window = poll_window() if window is None else window
         self._deadline = 0.0
         self._running = False
         self._count = 0

@@ -1,15 +1,75 @@
-"""Child processes: stopping one we started, by PID (SIGTERM, then SIGKILL if it lingers), and
-making one die with its parent."""
+"""Child processes: the ``ready`` record a daemon prints when it serves, stopping one we
+started, by PID (SIGTERM, then SIGKILL if it lingers), and making one die with its parent.
+
+Why a ready *record*: whoever starts a daemon (``kvstore up`` its node, the demo and the
+benchmarks ``kvstore up``, the tests every daemon) waits for one stdout line that says it
+serves and where. Each reader used to cut that line with its own regex; now the line carries
+one JSON object after a fixed human prefix, written by :func:`ready_line` and read by
+:func:`parse_ready` only::
+
+    kvstore master ready: {"role": "master", "pid": 4242, "control": "127.0.0.1:7700", ...}
+
+The prefixes (:data:`READY_PREFIXES`) are the old lines' words, so a person (or a wait on the
+prefix) still reads them as before.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
+from typing import Any
+
+#: The human prefix of each role's ready line.
+READY_PREFIXES = {
+    "master": "kvstore master ready:",
+    "node": "kvstore node ready:",
+    "up": "kvstore up: ready",
+    "router": "kvstore router: ready",
+    "proxy": "kvstore proxy: ready",
+}
+
+
+def ready_line(role: str, **fields: Any) -> str:
+    """The line a daemon prints once it serves: its role's prefix, then one JSON object.
+
+    Args:
+        role: a key of :data:`READY_PREFIXES`.
+        fields: what a starter needs (addresses, ids, sizes); JSON values only. ``role`` and
+            ``pid`` (this process) are added.
+
+    Returns:
+        One line, without the newline.
+    """
+    record = {"role": role, "pid": os.getpid(), **fields}
+    return f"{READY_PREFIXES[role]} {json.dumps(record, separators=(', ', ': '))}"
+
+
+def parse_ready(line: str, role: str | None = None) -> dict[str, Any] | None:
+    """The record of a ready line (:func:`ready_line`), or None when ``line`` is not one.
+
+    Args:
+        line: one line of a daemon's stdout (a trailing newline is fine).
+        role: accept only this role's ready line (None: any role's).
+
+    Returns:
+        The JSON object: at least ``role`` and ``pid``, then the role's own fields.
+    """
+    line = line.strip()
+    for name, prefix in READY_PREFIXES.items():
+        if (role is None or role == name) and line.startswith(prefix + " {"):
+            try:
+                record = json.loads(line[len(prefix) + 1 :])
+            except ValueError:
+                return None
+            if isinstance(record, dict) and record.get("role") == name:
+                return record
+    return None
 
 
 def terminate(proc: subprocess.Popen, timeout: float = 10.0) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
-from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, POLL_WINDOW_S, REPLY_BACKOFF
+from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, REPLY_BACKOFF, poll_window
 
 MAGIC = b"KV"
 PROTOCOL_VERSION = 1
@@ -330,7 +330,7 @@ class FramedSocket:
         # Polling before sleeping (see kvstore.polling): a connection this side opened waits for
         # replies, which come soon (short backoff); an accepted one waits for requests.
         self.awaits_replies = False
-        self.poll_window = POLL_WINDOW_S
+        self.poll_window = poll_window()
         self._poll_skip = 0
         self._poller: select.poll | None = None
         self._next_id = 1

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import auth
+from kvstore.env import Env
 from kvstore.errors import InvalidRequestError
 
 DEFAULT_ADMIN = "http://127.0.0.1:7701"
 DEFAULT_TIMEOUT_S = 10.0
-CONFIG_ENV = "KVSTORE_CONFIG"
 _FILE_KEYS = {"admin": str, "token_file": str, "ca_file": str, "timeout": (int, float)}
-_ENV = {"admin": "KVSTORE_ADMIN", "ca_file": "KVSTORE_CA_FILE", "timeout": "KVSTORE_TIMEOUT"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +52,17 @@ def default_config_path() -> Path:
     return Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "kvstore/config.toml"
 
 
-def load_config_file(path: str | os.PathLike[str] | None, env: Mapping[str, str]) -> dict[str, Any]:
+def load_config_file(path: str | os.PathLike[str] | None, env: Env) -> dict[str, Any]:
     """Read the TOML config file (``{}`` when none is named and the default does not exist).
+
+    Args:
+        path: ``--config``, if given; else ``$KVSTORE_CONFIG`` (``env.config``), else the default.
+        env: the environment's settings.
 
     Raises:
         InvalidRequestError: a named file is missing, is not TOML, or has unknown or mistyped keys.
     """
-    named = path if path is not None else env.get(CONFIG_ENV) or None
+    named = path if path is not None else env.config
     target = Path(named) if named is not None else default_config_path()
     if named is None and not target.exists():
         return {}
@@ -97,18 +100,20 @@ def resolve(
         The settings and where each came from.
 
     Raises:
-        InvalidRequestError: a bad config file, token file, timeout or admin URL.
+        InvalidRequestError: a bad config file, token file, timeout or admin URL (EnvError, one
+            of them, for a bad ``KVSTORE_*`` variable).
     """
-    env = os.environ if env is None else env
-    file = load_config_file(config_path, env)
+    read = Env.read(env)
+    file = load_config_file(config_path, read)
+    from_env = {"admin": read.admin, "ca_file": read.ca_file, "timeout": read.timeout_s}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     defaults = {"admin": DEFAULT_ADMIN, "ca_file": None, "timeout": DEFAULT_TIMEOUT_S}
     for name, default in defaults.items():
         if flags.get(name) is not None:
             values[name], sources[name] = flags[name], "flag"
-        elif env.get(_ENV[name]):
-            values[name], sources[name] = env[_ENV[name]], "env"
+        elif from_env[name] is not None:
+            values[name], sources[name] = from_env[name], "env"
         elif name in file:
             values[name], sources[name] = file[name], "file"
         else:
@@ -125,7 +130,7 @@ def resolve(
 
     if flags.get("token_file") is not None:
         token, sources["token"] = auth.load_token(flags["token_file"], env={}), "flag"
-    elif env.get(auth.TOKEN_ENV) or env.get(auth.TOKEN_FILE_ENV):
+    elif read.token or read.token_file:
         token, sources["token"] = auth.load_token(None, env), "env"
     elif "token_file" in file:
         token, sources["token"] = auth.load_token(file["token_file"], env={}), "file"

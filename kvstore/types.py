@@ -101,6 +101,18 @@ class ObjectInfo:
         return ObjectInfo(int(obj[0]), int(obj[1]), [Location.from_wire(x) for x in obj[2]], lease)
 
 
+#: A storage node's state, one vocabulary for every report of it (``/api/v1/nodes``,
+#: ``/api/v1/cluster``, ``stats``, a drain's progress, ``kvstore nodes``): ``active`` (serves
+#: and takes new data), ``draining`` (serves, takes no new data, its objects move elsewhere),
+#: ``retired`` (drained; told to stop).
+NODE_STATES = ("active", "draining", "retired")
+
+
+def node_state(draining: bool, retired: bool) -> str:
+    """The state word (:data:`NODE_STATES`) of a node with these flags."""
+    return "retired" if retired else "draining" if draining else "active"
+
+
 @dataclass(frozen=True, slots=True)
 class SegmentSpec:
     """A segment a node offers at registration."""

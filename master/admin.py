@@ -46,8 +46,12 @@ _HTTP_STATUS = {
 
 
 def error_body(err: KVStoreError) -> dict[str, object]:
-    """The JSON body of an error: ``{"error": {"code", "name", "message"}}``."""
-    return {"error": {"code": int(err.code), "name": err.code.name, "message": err.message}}
+    """The JSON body of an error: ``{"error": {"error_code", "name", "message"}}``.
+
+    ``error_code`` is the kvstore error code (the same number as on the wire, e.g. 200 for
+    KEY_NOT_FOUND), named so that nobody reads it as the HTTP status (that one is 404 then).
+    """
+    return {"error": {"error_code": int(err.code), "name": err.code.name, "message": err.message}}
 
 
 def http_status(err: KVStoreError) -> int:
@@ -73,7 +77,7 @@ async def error_middleware(
         message = exc.reason
         if exc.status == 404:
             message = f"no route {request.method} {request.path[:128]}"
-        body = {"error": {"code": int(code), "name": code.name, "message": message}}
+        body = {"error": {"error_code": int(code), "name": code.name, "message": message}}
         return web.Response(
             status=exc.status, text=json.dumps(body), content_type="application/json"
         )
@@ -82,7 +86,7 @@ async def error_middleware(
         log.exception("admin %s %s failed", request.method, request.path[:128])
         body = {
             "error": {
-                "code": int(ErrorCode.INTERNAL),
+                "error_code": int(ErrorCode.INTERNAL),
                 "name": "INTERNAL",
                 "message": "internal error",
             }
@@ -195,7 +199,7 @@ class _JsonErrorHandler(web_protocol.RequestHandler):
             if status < 500
             else "internal error"
         )
-        body = {"error": {"code": int(code), "name": code.name, "message": text}}
+        body = {"error": {"error_code": int(code), "name": code.name, "message": text}}
         out = web.Response(status=status, text=json.dumps(body), content_type="application/json")
         out.force_close()  # as aiohttp does: the framing of this connection is not trusted
         return out

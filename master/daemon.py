@@ -1,4 +1,11 @@
-"""Run a master: the control server, the admin API and the housekeeping loop on one event loop."""
+"""Run a master: the control server, the admin API and the housekeeping loop on one event loop.
+
+What a master runs with is one frozen, validated :class:`MasterOptions` (like the node's
+``NodeOptions``): the ``kvstore master`` flags, the environment's defaults and, with etcd, its
+:class:`~kvstore.master.ha.HAConfig`. One :func:`serve_master` runs a plain master and a member
+of an HA group alike: the HA part only adds a leadership fence and an elector around the same
+:class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +15,64 @@ import gc
 import logging
 import signal
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from kvstore.auth import Token
+from kvstore.errors import InvalidRequestError
+from kvstore.etcd import EtcdStore
 from kvstore.master.admin import AdminRunner, AdminSettings, init_app
+from kvstore.master.ha import Elector, HAConfig, Leadership
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.rest.fence import AdminFence
-from kvstore.master.server import ControlServer
+from kvstore.master.server import CHUNK_ITEMS, ControlServer
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
+from kvstore.processes import ready_line
 from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MasterOptions:
+    """How a master runs: the ``kvstore master`` flags. Validated on creation.
+
+    Attributes:
+        host: the address to bind (and to publish, unless ``ha.advertise_host`` says otherwise).
+        port: the control port (0: any free one).
+        admin_port: the admin REST port (0: any free one).
+        config: the control plane's timeouts and limits.
+        tiers: the tier policy (watermarks, eviction, leases, promotion).
+        token: the cluster token (None: no authentication).
+        public_reads: serve read-only REST endpoints without the token.
+        ssl_context: serve the admin REST over HTTPS.
+        chunk_items: items of a batch served per turn of the event loop
+            (``KVSTORE_CHUNK_ITEMS``; see ``server.py``).
+        ha: join an HA group of masters through etcd (None: a plain, embedded master).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    admin_port: int = 0
+    config: MasterConfig = field(default_factory=MasterConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    token: Token | None = None
+    public_reads: bool = True
+    ssl_context: ssl.SSLContext | None = None
+    chunk_items: int = CHUNK_ITEMS
+    ha: HAConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise InvalidRequestError("--host must not be empty")
+        for name in ("port", "admin_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be 0..65535")
+        if self.chunk_items < 1:
+            raise InvalidRequestError("chunk_items must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,28 +84,26 @@ class MasterEndpoints:
 class Master:
     """A running master. ``start()`` binds, ``stop()`` releases everything it started."""
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        admin_port: int = 0,
-        config: MasterConfig | None = None,
-        tiers: TierConfig | None = None,
-        *,
-        token: Token | None = None,
-        public_reads: bool = True,
-        ssl_context: ssl.SSLContext | None = None,
-    ) -> None:
+    def __init__(self, options: MasterOptions | None = None) -> None:
+        options = options or MasterOptions()
+        self.options = options
         #: The current term's service (an HA master swaps in a fresh one each term).
-        self.slot = ServiceSlot(MasterService(config, tiers=tiers))
+        self.slot = ServiceSlot(MasterService(options.config, tiers=options.tiers))
         self.metrics = MasterMetrics(self.slot)
-        self.control = ControlServer(self.slot, host, port, observer=self.metrics, token=token)
-        self.admin_settings = AdminSettings(token=token, public_reads=public_reads)
-        self.ssl_context = ssl_context
+        self.control = ControlServer(
+            self.slot,
+            options.host,
+            options.port,
+            observer=self.metrics,
+            token=options.token,
+            chunk_items=options.chunk_items,
+        )
+        self.admin_settings = AdminSettings(token=options.token, public_reads=options.public_reads)
+        self.ssl_context = options.ssl_context
         #: With HA: the leadership fence the admin API obeys too (set before ``start``).
         self.admin_fence: AdminFence | None = None
-        self.host = host
-        self.admin_port = admin_port
+        self.host = options.host
+        self.admin_port = options.admin_port
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
@@ -165,35 +213,52 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve_master(
-    host: str,
-    port: int,
-    admin_port: int,
-    config: MasterConfig,
-    tiers: TierConfig | None = None,
-    *,
-    token: Token | None = None,
-    public_reads: bool = True,
-    ssl_context: ssl.SSLContext | None = None,
-) -> None:
-    """Run a master until SIGINT/SIGTERM. Prints one ``ready`` line with both endpoints."""
-    master = Master(
-        host,
-        port,
-        admin_port,
-        config,
-        tiers,
-        token=token,
-        public_reads=public_reads,
-        ssl_context=ssl_context,
+async def serve_master(options: MasterOptions) -> None:
+    """Run a master until SIGINT/SIGTERM. Prints one ready line (:func:`ready_line`) with both
+    endpoints.
+
+    With ``options.ha``, the master is one of an HA group: standby until elected, it prints
+    ``kvstore master leading: epoch=N`` each time it wins and ``kvstore master standby: ...``
+    each time it steps down, and refuses what only a leader may do in between.
+
+    Raises:
+        EtcdUnavailableError: with HA, etcd did not answer at start (after bounded retries).
+    """
+    ha = options.ha
+    store = (
+        None if ha is None else await EtcdStore.connect(ha.endpoints, attempts=ha.connect_attempts)
     )
+    master = Master(options)
+    fence: Leadership | None = None
+    if store is not None:
+        fence = Leadership(master.slot)
+        master.control.fence = fence
+        master.admin_fence = fence
     endpoints = await master.start()
     log.debug("froze %d start-up objects", tune_collector())
+    elector: Elector | None = None
+    role: dict[str, str] = {}
+    if ha is not None and store is not None and fence is not None:
+        advertise = ha.advertise_host or options.host
+        control = f"{advertise}:{master.control.port}"
+        admin = f"http://{advertise}:{master.admin_port}"
+        elector = Elector(store, ha, fence, control, admin)
+        role = {"state": "standby", "etcd": ",".join(str(e) for e in ha.endpoints)}
     stop = asyncio.Event()
     install_stop_signals(stop)
-    print(f"kvstore master ready: control={endpoints.control} admin={endpoints.admin}", flush=True)
+    print(
+        ready_line("master", control=endpoints.control, admin=endpoints.admin, **role), flush=True
+    )
+    campaign = asyncio.create_task(elector.run()) if elector is not None else None
     try:
         await stop.wait()
     finally:
+        if campaign is not None:
+            campaign.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await campaign
         await master.stop()
+        if elector is not None and store is not None:
+            await elector.close()
+            await store.close()
         print("kvstore master stopped", flush=True)

@@ -35,13 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore import protocol
-from kvstore.auth import Token
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
 from kvstore.errors import (
@@ -52,9 +50,7 @@ from kvstore.errors import (
     StaleEpochError,
 )
 from kvstore.etcd import EtcdStore, KeyValue, self_cancelled
-from kvstore.master.daemon import Master, install_stop_signals, tune_collector
-from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
-from kvstore.master.tiering import TierConfig
+from kvstore.master.service import MasterService, ServiceSlot
 
 log = logging.getLogger(__name__)
 
@@ -444,63 +440,3 @@ class Elector:
                 svc.drop_dead_node(node_id)
                 seen.discard(node_id)
             await asyncio.sleep(MEMBERSHIP_POLL_S)
-
-
-async def serve_master_ha(
-    host: str,
-    port: int,
-    admin_port: int,
-    config: MasterConfig,
-    ha: HAConfig,
-    tiers: TierConfig | None = None,
-    *,
-    token: Token | None = None,
-    public_reads: bool = True,
-    ssl_context: ssl.SSLContext | None = None,
-) -> None:
-    """Run one of several masters until SIGINT/SIGTERM: standby until elected.
-
-    Prints ``kvstore master ready: ... role=standby``, then ``kvstore master leading: epoch=N``
-    each time it wins and ``kvstore master standby: ...`` each time it steps down.
-
-    Raises:
-        EtcdUnavailableError: etcd did not answer at start (after bounded retries).
-    """
-    store = await EtcdStore.connect(ha.endpoints, attempts=ha.connect_attempts)
-    master = Master(
-        host,
-        port,
-        admin_port,
-        config,
-        tiers,
-        token=token,
-        public_reads=public_reads,
-        ssl_context=ssl_context,
-    )
-    fence = Leadership(master.slot)
-    master.control.fence = fence
-    master.admin_fence = fence
-    endpoints = await master.start()
-    log.debug("froze %d start-up objects", tune_collector())
-    advertise = ha.advertise_host or host
-    control = f"{advertise}:{master.control.port}"
-    admin = f"http://{advertise}:{master.admin_port}"
-    elector = Elector(store, ha, fence, control, admin)
-    stop = asyncio.Event()
-    install_stop_signals(stop)
-    print(
-        f"kvstore master ready: control={endpoints.control} admin={endpoints.admin} "
-        f"role=standby etcd={','.join(str(e) for e in ha.endpoints)}",
-        flush=True,
-    )
-    campaign = asyncio.create_task(elector.run())
-    try:
-        await stop.wait()
-    finally:
-        campaign.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await campaign
-        await master.stop()
-        await elector.close()
-        await store.close()
-        print("kvstore master stopped", flush=True)

@@ -25,7 +25,7 @@ from kvstore.master.allocator import OffsetAllocator, SpaceAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.config import MasterConfig
 from kvstore.master.table import TIER_NVME, TIER_RANK, Replica
-from kvstore.types import Location, SegmentSpec
+from kvstore.types import Location, SegmentSpec, node_state
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +80,8 @@ class Node:
 
     @property
     def state(self) -> str:
-        """``active``, ``draining`` or ``retired``."""
-        return "retired" if self.retired else "draining" if self.draining else "active"
+        """``active``, ``draining`` or ``retired`` (:data:`kvstore.types.NODE_STATES`)."""
+        return node_state(self.draining, self.retired)
 
 
 def make_allocator(tier: str, capacity: int) -> SpaceAllocator:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import msgpack
 
 from kvstore import auth, protocol, serving
 from kvstore.config import MAX_KEY_BYTES, check_wire_key
+from kvstore.env import DEFAULT_CHUNK_ITEMS
 from kvstore.errors import (
     InternalError,
     InvalidRequestError,
@@ -414,10 +414,11 @@ def _error_frame(request: protocol.Request, exc: Exception) -> tuple[int, bytes]
 
 
 # ---------------------------------------------------------------- bounded work per loop turn
-#: Items (keys, put ids) served per turn of the event loop: a large batch is served in chunks
-#: of this many, and other connections' requests run between two chunks. (``KVSTORE_CHUNK_ITEMS``
-#: overrides it, for bench/bench_fairness.py to compare against unchunked serving.)
-CHUNK_ITEMS = max(1, int(os.environ.get("KVSTORE_CHUNK_ITEMS", "256")))
+#: Items (keys, put ids) served per turn of the event loop by default: a large batch is served in
+#: chunks of this many, and other connections' requests run between two chunks. (A master's
+#: ``chunk_items`` option, from ``KVSTORE_CHUNK_ITEMS``, overrides it, for
+#: bench/bench_fairness.py to compare against unchunked serving.)
+CHUNK_ITEMS = DEFAULT_CHUNK_ITEMS
 
 #: Batch verbs served in chunks: their parallel list arguments and each item's type (None:
 #: keys, checked one by one with an error in place).
@@ -435,7 +436,7 @@ CHUNKED: dict[str, dict[str, type | None]] = {
 }
 
 
-def _chunk_count(svc: MasterService, request: protocol.Request) -> int:
+def _chunk_count(svc: MasterService, request: protocol.Request, chunk_items: int) -> int:
     """How many items a request has that is worth serving in chunks (0: serve it in one go).
 
     Every item's type is checked here, before the first chunk changes anything, so that a bad
@@ -453,7 +454,7 @@ def _chunk_count(svc: MasterService, request: protocol.Request) -> int:
     n = len(lists[0])
     if any(len(v) != n for v in lists) or n > svc.config.max_batch:
         return 0  # likewise
-    if n <= CHUNK_ITEMS and request.verb != "kv_commit":
+    if n <= chunk_items and request.verb != "kv_commit":
         return 0
     for name, item in fields.items():
         if item is not None:
@@ -471,8 +472,10 @@ def _pack_items(items: list[Any]) -> bytes:
     return _PACK.pack(items)[1 if n < 16 else 3 if n < 1 << 16 else 5 :]
 
 
-async def _serve_chunks(svc: MasterService, request: protocol.Request, n: int) -> bytes:
-    """Serve a batch in chunks of :data:`CHUNK_ITEMS`, yielding to the loop between two.
+async def _serve_chunks(
+    svc: MasterService, request: protocol.Request, n: int, chunk_items: int
+) -> bytes:
+    """Serve a batch in chunks of ``chunk_items``, yielding to the loop between two.
 
     Returns:
         The msgpack encoding of the result, packed chunk by chunk.
@@ -486,12 +489,12 @@ async def _serve_chunks(svc: MasterService, request: protocol.Request, n: int) -
         check_prompt_size(namespace, tokens)
         handler = _put_end
     parts = [_PACK.pack_array_header(n)]
-    for lo in range(0, n, CHUNK_ITEMS):
+    for lo in range(0, n, chunk_items):
         if lo:
             await asyncio.sleep(0)  # one turn of the loop for everyone else
         sub = dict(args)
         for name in fields:
-            sub[name] = args[name][lo : lo + CHUNK_ITEMS]
+            sub[name] = args[name][lo : lo + chunk_items]
         parts.append(_pack_items(handler(svc, sub)))
     if verb != "kv_commit":
         return b"".join(parts)
@@ -502,17 +505,17 @@ async def _serve_chunks(svc: MasterService, request: protocol.Request, n: int) -
     return b"".join(body)
 
 
-async def _serve_kv_match(svc: MasterService, request: protocol.Request) -> bytes:
+async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_items: int) -> bytes:
     """``kv_match``: the match in one turn (bounded by the prompt limit), the replicas of its
     blocks in chunks."""
     namespace = Namespace.from_dict(_arg(request.args, "namespace", dict))
     tokens = tokens_from_wire(request.args.get("tokens"))
     match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
     blocks: list[Any] = []
-    for lo in range(0, len(match.blocks), CHUNK_ITEMS):
+    for lo in range(0, len(match.blocks), chunk_items):
         if lo:
             await asyncio.sleep(0)
-        chunk = match.blocks[lo : lo + CHUNK_ITEMS]
+        chunk = match.blocks[lo : lo + chunk_items]
         infos = svc.get_locations([key for key, _ in chunk])
         blocks.extend(
             [key, k, result_to_wire(info)] for (key, k), info in zip(chunk, infos, strict=True)
@@ -521,28 +524,32 @@ async def _serve_kv_match(svc: MasterService, request: protocol.Request) -> byte
     return _PACK.pack(result)
 
 
-def _is_large_kv_match(request: protocol.Request) -> bool:
+def _is_large_kv_match(request: protocol.Request, chunk_items: int) -> bool:
     raw = request.args.get("tokens")
-    return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * CHUNK_ITEMS
+    return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * chunk_items
 
 
 async def dispatch_bounded(
-    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+    svc: MasterService,
+    request: protocol.Request,
+    observer: RpcObserver | None = None,
+    chunk_items: int = CHUNK_ITEMS,
 ) -> bytes:
-    """:func:`dispatch`, but a large batch is served in chunks with the loop free between two
-    (bounded work per turn: one client's 65,536-key batch does not stall the others)."""
+    """:func:`dispatch`, but a large batch is served in chunks of ``chunk_items`` with the loop
+    free between two (bounded work per turn: one client's 65,536-key batch does not stall the
+    others)."""
     started, code, delegated = time.perf_counter(), 0, False
     try:
         if request.verb in HANDLERS:
             _take_releases(svc, request.args)
-        if _is_large_kv_match(request):
-            packed = await _serve_kv_match(svc, request)
+        if _is_large_kv_match(request, chunk_items):
+            packed = await _serve_kv_match(svc, request, chunk_items)
         else:
-            n = _chunk_count(svc, request)
+            n = _chunk_count(svc, request, chunk_items)
             if not n:
                 delegated = True  # small: in one go (dispatch observes it)
                 return dispatch(svc, request, observer)
-            packed = await _serve_chunks(svc, request, n)
+            packed = await _serve_chunks(svc, request, n, chunk_items)
         body = _PACK.pack_array_header(3) + _PACK.pack(request.req_id) + _PACK.pack(0) + packed
         return protocol.encode_header(protocol.KIND_RESPONSE, len(body)) + body
     except Exception as exc:  # noqa: BLE001 - as in dispatch
@@ -579,8 +586,12 @@ class ControlServer:
         fence: Fence | None = None,
         observer: RpcObserver | None = None,
         token: auth.Token | None = None,
+        chunk_items: int = CHUNK_ITEMS,
     ) -> None:
+        if chunk_items < 1:
+            raise InvalidRequestError("chunk_items must be >= 1")
         self.slot = slot
+        self.chunk_items = chunk_items
         self.fence = fence
         self.observer = observer
         self.token = token
@@ -736,7 +747,9 @@ class ControlServer:
                     if refusal is not None:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
-                        reply = await dispatch_bounded(self.slot.service, request, self.observer)
+                        reply = await dispatch_bounded(
+                            self.slot.service, request, self.observer, self.chunk_items
+                        )
                         writer.write(reply)
                 await writer.drain()
                 self._awake.served()

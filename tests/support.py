@@ -12,6 +12,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from kvstore.processes import parse_ready
 
 READY_TIMEOUT_S = 30.0
 
@@ -59,10 +62,18 @@ class Daemon:
             if re.search(pattern, line):
                 return line
 
+    @property
+    def ready(self) -> dict[str, Any]:
+        """The ready record of :attr:`ready_line` (:func:`kvstore.processes.parse_ready`)."""
+        record = parse_ready(self.ready_line)
+        assert record is not None, f"not a ready record: {self.ready_line!r}"
+        return record
+
     def field(self, name: str) -> str:
-        m = re.search(rf"{name}=(\S+)", self.ready_line)
-        assert m, f"no {name}= in {self.ready_line!r}"
-        return m.group(1)
+        """One field of the ready record, as text (e.g. ``control``, ``admin``, ``data``, ``id``)."""
+        record = self.ready
+        assert name in record, f"no {name!r} in {self.ready_line!r}"
+        return str(record[name])
 
     @property
     def pid(self) -> int:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.env import Env
 from kvstore.errors import InternalError, InvalidRequestError
 
 MODEL_DIR_ENV = "KVSTORE_MODEL_DIR"
@@ -100,9 +101,9 @@ def model_dir(name: str = "smollm2", path: str | os.PathLike[str] | None = None)
     spec = _spec(name)
     if path is not None:
         return Path(path).expanduser()
-    env = os.environ.get(MODEL_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
+    env = Env.read().model_dir
+    if env is not None:
+        return env.expanduser()
     return models_root() / spec.folder
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +54,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvstore.client.client import Client
+from kvstore.env import Env
 from kvstore.errors import InvalidRequestError, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         extra = storage_config.extra_config or {}
         if not isinstance(extra, dict):
             raise InvalidRequestError("extra_config must be a dict")
-        master = extra.get("master") or os.environ.get("KVSTORE_MASTER")
+        master = extra.get("master") or Env.read().master
         if not isinstance(master, str) or not master:
             raise InvalidRequestError(
                 "KVStoreHiCacheStorage needs extra_config['master'] (HOST:PORT or etcd://...)"

@@ -26,6 +26,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvstore.processes import ready_line
+
 log = logging.getLogger("kvstore.proxy")
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -184,10 +186,7 @@ async def serve_proxy(config: ProxyConfig, host: str, port: int) -> None:
     await site.start()
     bound = runner.addresses[0]
     url = f"http://{bound[0]}:{bound[1]}"
-    print(
-        f"kvstore proxy: ready url={url} prefill={config.prefill} decode={config.decode}",
-        flush=True,
-    )
+    print(ready_line("proxy", url=url, prefill=config.prefill, decode=config.decode), flush=True)
     await serve_until_signal(runner, "proxy")
 
 

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.client.client import Client
+from kvstore.env import Env
 from kvstore.errors import (
     ErrorCode,
     InvalidRequestError,
@@ -225,7 +226,7 @@ class MooncakeDistributedStore:
             master_server_addr = cfg.get("master_server_addr", "")
         if not isinstance(master_server_addr, str) or not isinstance(metadata_server, str):
             return ErrorCodes.INVALID_PARAMS
-        address = os.environ.get("KVSTORE_MASTER") or master_server_addr
+        address = Env.read().master or master_server_addr
         if not address and metadata_server.startswith("etcd://"):
             address = metadata_server
         if not address:

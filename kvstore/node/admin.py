@@ -94,7 +94,7 @@ class NodeAdmin:
 
             def _error(self, status: int, code: ErrorCode, message: str) -> None:
                 extra = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-                body = {"error": {"code": int(code), "name": code.name, "message": message}}
+                body = {"error": {"error_code": int(code), "name": code.name, "message": message}}
                 self._json(status, body, extra)
 
             def do_GET(self) -> None:  # noqa: N802

@@ -21,7 +21,11 @@ from kvstore.node.arena import ShmArena, default_arena_path, reclaim_stale_arena
 from kvstore.node.hbm import open_hbm
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.node.tiers import Tier
+from kvstore.processes import ready_line
+from kvstore.rdma import node as rdma_node
+from kvstore.transports import ShmOffer
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -68,6 +72,7 @@ def load_node_key(data_dir: Path) -> bytes:
 @dataclass(frozen=True, slots=True)
 class NodeOptions:
     """How a storage node runs: the ``kvstore node`` flags, whatever finds its master.
+    Validated on creation.
 
     Attributes:
         shm: offer same-host clients of this user the arena file (the shm transport).
@@ -86,6 +91,16 @@ class NodeOptions:
     shm: bool = False
     ssl_context: ssl.SSLContext | None = None
 
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0:
+            raise InvalidRequestError("--dram must be > 0")
+        if self.nvme_bytes < 0 or self.hbm_bytes < 0:
+            raise InvalidRequestError("--nvme and --hbm must be >= 0")
+        for name in ("port", "admin_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise InvalidRequestError(f"--{name.replace('_', '-')} must be 0..65535")
+
 
 class StorageNode:
     """A node's parts, started and stopped together."""
@@ -99,10 +114,6 @@ class StorageNode:
             options.hbm_bytes,
         )
         token = options.token
-        if dram_bytes <= 0:
-            raise InvalidRequestError("--dram must be > 0")
-        if nvme_bytes < 0 or hbm_bytes < 0:
-            raise InvalidRequestError("--nvme and --hbm must be >= 0")
         data_dir.mkdir(parents=True, exist_ok=True)
         self.node_id = load_node_id(data_dir)
         identity = load_node_key(data_dir)
@@ -179,10 +190,6 @@ def node_transports(
     server: DataServer, arena_files: dict[str, Path], shm: bool
 ) -> dict[str, dict[str, object]]:
     """What this node offers beyond TCP: shm when asked for (``--shm``), RDMA where a device is."""
-    from kvstore.node.shm_verbs import make_shm_commit
-    from kvstore.rdma import node as rdma_node
-    from kvstore.transports import ShmOffer
-
     offered: dict[str, dict[str, object]] = {}
     if shm:
         server.register_verb("shm_commit", make_shm_commit(server))
@@ -204,17 +211,23 @@ def serve_node(master: Address, options: NodeOptions) -> None:
 
 
 def run_until_stopped(node: StorageNode, master_label: str, stop: threading.Event) -> None:
-    """Print the ``ready`` line, serve until ``stop`` (a signal) or retirement, then stop the node."""
+    """Print the ready line (:func:`~kvstore.processes.ready_line`), serve until ``stop`` (a
+    signal) or retirement, then stop the node."""
     host = node.server.host
     admin = (
-        f" admin={node.admin.scheme}://{host}:{node.admin.port}" if node.admin is not None else ""
+        {} if node.admin is None else {"admin": f"{node.admin.scheme}://{host}:{node.admin.port}"}
     )
-    tiers = "".join(f" {t.tier}={t.capacity}" for t in node.tiers.values())
-    print(
-        f"kvstore node ready: id={node.node_id} data={host}:{node.server.port} master={master_label} "
-        f"dram={node.dram.size}{tiers}{admin} shm={'on' if node.options.shm else 'off'}",
-        flush=True,
+    record = ready_line(
+        "node",
+        id=node.node_id,
+        data=f"{host}:{node.server.port}",
+        master=master_label,
+        dram=node.dram.size,
+        tiers={t.tier: t.capacity for t in node.tiers.values()},
+        shm=node.options.shm,
+        **admin,
     )
+    print(record, flush=True)
     threading.Thread(
         target=lambda: (node.link.retired.wait(), stop.set()), name="node-retire", daemon=True
     ).start()

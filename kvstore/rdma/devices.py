@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 import threading
 from collections.abc import Mapping
@@ -24,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from kvstore.errors import InvalidRequestError, TransportUnavailableError
+from kvstore.env import Env
+from kvstore.errors import TransportUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def discover() -> list[RdmaDevice]:
 #: Test-only hook (no device here): pretend this host has the named device. A node that cannot
 #: open it still publishes an offer (so clients try RDMA, fail, and fall back), and answers
 #: ``rdma_connect`` with TransportUnavailableError. Never set it outside tests.
-TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"
+TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"  # read by kvstore.env.Env (test_rdma_device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,21 +120,15 @@ class RdmaSettings:
 
     @staticmethod
     def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
-        """Raises InvalidRequestError for a port or GID index that is not a small integer."""
-        env = os.environ if env is None else env
-        try:
-            port = int(env.get("KVSTORE_RDMA_PORT", "1"))
-            gid_index = int(env.get("KVSTORE_RDMA_GID_INDEX", "0"))
-        except ValueError:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT/GID_INDEX must be integers") from None
-        if not 1 <= port <= 255 or not 0 <= gid_index <= 255:
-            raise InvalidRequestError("KVSTORE_RDMA_PORT must be 1..255, GID_INDEX 0..255")
+        """Raises EnvError (an InvalidRequestError) for a port or GID index that is not a small
+        integer (:class:`kvstore.env.Env` reads the variables)."""
+        read = Env.read(env)
         return RdmaSettings(
-            enabled=env.get("KVSTORE_RDMA", "on").lower() not in ("off", "0", "no", "false"),
-            device=env.get("KVSTORE_RDMA_DEVICE") or None,
-            port=port,
-            gid_index=gid_index,
-            pretend_device=env.get(TEST_DEVICE_ENV) or None,
+            enabled=read.rdma,
+            device=read.rdma_device,
+            port=read.rdma_port,
+            gid_index=read.rdma_gid_index,
+            pretend_device=read.test_rdma_device,
         )
 
 

@@ -49,6 +49,7 @@ from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace, block_keys
+from kvstore.processes import ready_line
 from kvstore.sim.cost import CostModel
 from kvstore.sim.slo import SLOClass
 
@@ -970,10 +971,13 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
         await asyncio.wait_for(state.first_poll.wait(), timeout=30)
     bound = runner.addresses[0]
     healthy = sum(e.healthy for e in state.engines)
-    print(
-        f"kvstore router: ready url=http://{bound[0]}:{bound[1]} "
-        f"mode={'pd' if config.disaggregated else 'kv_both'} engines={len(state.engines)} "
-        f"healthy={healthy} master={config.master}",
-        flush=True,
+    ready = ready_line(
+        "router",
+        url=f"http://{bound[0]}:{bound[1]}",
+        mode="pd" if config.disaggregated else "kv_both",
+        engines=len(state.engines),
+        healthy=healthy,
+        master=config.master,
     )
+    print(ready, flush=True)
     await serve_until_signal(runner, "router")

@@ -16,6 +16,7 @@ from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from kvstore.master.rest.security import READ_ONLY_POSTS
 from kvstore.master.rest.state import SETTINGS_KEY
+from kvstore.types import NODE_STATES
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 #: Operations that stream until the client hangs up (server-sent events): a generic API fuzzer
@@ -107,7 +108,7 @@ NODE = _obj(
     {
         "node_id": _STR,
         "address": _STR,
-        "state": {"type": "string", "enum": ["alive"]},
+        "state": {"type": "string", "enum": list(NODE_STATES)},
         "last_heartbeat_s_ago": {"type": "number", "minimum": 0},
         "capacity_bytes": _INT,
         "used_bytes": _INT,
@@ -237,15 +238,20 @@ def _document() -> dict[str, Any]:
         "info": {
             "title": "kvstore master admin API",
             "version": "1",
-            "description": "Errors are JSON bodies {error: {code, name, message}} carrying "
-            "kvstore error codes. Mutating calls need the cluster token as a bearer token "
+            "description": "Errors are JSON bodies {error: {error_code, name, message}} carrying "
+            "kvstore error codes (error_code is not the HTTP status: KEY_NOT_FOUND is 200 in a "
+            "404 response). Mutating calls need the cluster token as a bearer token "
             "when one is configured; reads need it unless the master serves public reads.",
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "Error": _obj(
-                    {"error": _obj({"code": {"type": "integer"}, "name": _STR, "message": _STR})}
+                    {
+                        "error": _obj(
+                            {"error_code": {"type": "integer"}, "name": _STR, "message": _STR}
+                        )
+                    }
                 ),
                 "Node": NODE,
                 "Object": OBJECT,

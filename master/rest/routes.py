@@ -128,7 +128,7 @@ def _node_json(svc: MasterService, node_id: str) -> dict[str, Any]:
     return {
         "node_id": node.node_id,
         "address": f"{node.host}:{node.port}",
-        "state": "alive",
+        "state": node.state,
         "last_heartbeat_s_ago": round(max(0.0, svc.clock() - node.last_seen), 3),
         "capacity_bytes": sum(s["capacity_bytes"] for s in segments),
         "used_bytes": sum(s["used_bytes"] for s in segments),

@@ -21,7 +21,7 @@ import pytest
 from kvstore.client.adapters import realmodel
 from kvstore.client.adapters.vllm_proxy import prefill_request
 from kvstore.client.adapters.vllm_server import VLLMServer, free_port
-from kvstore.processes import terminate
+from kvstore.processes import parse_ready, terminate
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -79,10 +79,11 @@ def _start_proxy(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the ready line, or EOF if it died
-    if "ready" not in line:
+    ready = parse_ready(line, "proxy")
+    if ready is None:
         terminate(proc)
         raise AssertionError(f"the proxy did not start: {line!r}")
-    return proc, line.split("url=")[1].split()[0]
+    return proc, ready["url"]
 
 
 @pytest.fixture(scope="module")

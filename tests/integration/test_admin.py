@@ -95,7 +95,7 @@ def client(cluster: Cluster) -> Iterator[Client]:
 
 def _error_code(payload: Any) -> int:
     assert isinstance(payload, dict) and "error" in payload, payload
-    return payload["error"]["code"]
+    return payload["error"]["error_code"]
 
 
 def test_probes_and_cluster(http: Http) -> None:

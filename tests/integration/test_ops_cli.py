@@ -62,7 +62,7 @@ def test_status_nodes_evict(secured, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["NODE", "ADDRESS", "STATE"]
-    assert len(lines) == 3 and "alive" in lines[2]
+    assert len(lines) == 3 and "active" in lines[2]
 
     # Reads are public; evicting needs the token: without it nothing changes.
     out = kvstore("evict", "--admin", cluster.admin, "--prefix", "cli/")
@@ -192,3 +192,25 @@ def test_node_rest_over_tls(tmp_path: Path) -> None:
             node.stop()
     finally:
         master.stop()
+
+
+def test_up_serves_its_node_rest_over_tls_too(tmp_path: Path) -> None:
+    """``kvstore up --tls-cert --tls-key``: the master's admin API and its node's REST both."""
+    import ssl
+
+    from tests.support import Daemon
+
+    cert, key = _self_signed(tmp_path)
+    up = Daemon(
+        ["up", "--port", "0", "--dram", "16MiB", "--data-dir", str(tmp_path / "d")]
+        + ["--tls-cert", str(cert), "--tls-key", str(key)],
+        ready=r"kvstore up: ready",
+    )
+    try:
+        ctx = ssl.create_default_context(cafile=str(cert))
+        for admin in (up.field("admin"), up.field("node_admin")):
+            assert admin.startswith("https://"), admin
+            with urllib.request.urlopen(f"{admin}/health", timeout=10, context=ctx) as r:
+                assert r.status == 200
+    finally:
+        up.stop()

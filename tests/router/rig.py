@@ -12,7 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvstore.processes import terminate
+from kvstore.processes import parse_ready, terminate
 from tests.adapters.vllm_servers import VLLMServer, kv_config
 from tests.support import Cluster, start_master
 
@@ -34,8 +34,9 @@ def start_router(master: str, *args: str) -> tuple[subprocess.Popen, str]:
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()  # the ready line, or EOF if it died
-    assert "ready" in line, f"the router did not start: {line!r}"
-    return proc, line.split("url=")[1].split()[0]
+    ready = parse_ready(line, "router")
+    assert ready is not None, f"the router did not start: {line!r}"
+    return proc, ready["url"]
 
 
 def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:

@@ -68,7 +68,7 @@ async def _calls(
 def _not_leader(reply: tuple[int, dict[str, object]]) -> bool:
     status, body = reply
     error = body.get("error")
-    return status == 503 and isinstance(error, dict) and error["code"] == ErrorCode.NOT_LEADER
+    return status == 503 and isinstance(error, dict) and error["error_code"] == ErrorCode.NOT_LEADER
 
 
 @pytest.mark.parametrize("state", ["standby", "lease unproven", "rebuilding"])

@@ -1,7 +1,11 @@
-"""Operator commands: ``kvstore status``, ``kvstore nodes``, ``kvstore evict``.
+"""Operator commands: ``kvstore status``, ``kvstore nodes``, ``kvstore evict``, ``kvstore drain``.
 
 They read the master's admin REST API (the same one the status page and Prometheus use) and
 print readable tables, or JSON with ``--json``. Settings: see :mod:`kvstore.settings`.
+
+``kvstore drain NODE`` posts ``/api/v1/nodes/{id}/drain`` (the same settings, token and TLS as
+``kvstore status``), then polls the same endpoint until the node has retired (the master tells
+it to stop at its next heartbeat; its process exits 0).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import argparse
 import http.client
 import json
 import ssl
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -17,8 +22,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore.config import format_size
-from kvstore.errors import InvalidRequestError, KVStoreError, MasterUnavailableError, ProtocolError
+from kvstore.errors import (
+    InvalidRequestError,
+    KVStoreError,
+    KVTimeoutError,
+    MasterUnavailableError,
+    ProtocolError,
+)
 from kvstore.settings import CliSettings, resolve
+
+#: Seconds between two polls of a drain.
+POLL_S = 0.5
 
 
 class AdminClient:
@@ -63,7 +77,7 @@ class AdminClient:
         except urllib.error.HTTPError as exc:
             try:
                 err = json.loads(exc.read())["error"]
-                wire = [err["code"], err["message"]]
+                wire = [err["error_code"], err["message"]]
             except (ValueError, KeyError, TypeError):
                 raise ProtocolError(f"the admin API answered HTTP {exc.code}") from None
             # NOTE: raised outside the try: KeyNotFoundError is a KeyError.
@@ -180,19 +194,48 @@ def cmd_evict(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Start (or poll) a drain and wait for the node to retire.
+
+    Raises:
+        KeyNotFoundError: no such node; InvalidRequestError: nowhere to drain to;
+        KVTimeoutError: not retired within ``--wait``.
+    """
+    client = _client(args)
+    path = f"/api/v1/nodes/{urllib.parse.quote(args.node_id, safe='')}/drain"
+    deadline = time.monotonic() + args.wait
+    while True:
+        status = client.call("POST", path)
+        if args.json:
+            print(json.dumps(status), flush=True)
+        else:
+            print(
+                f"node {status['node_id']}: {status['state']}, "
+                f"{status['num_objects_left']} object(s) left",
+                flush=True,
+            )
+        if status["state"] == "retired" or args.no_wait:
+            return 0
+        if time.monotonic() > deadline:
+            raise KVTimeoutError(
+                f"node {args.node_id} not drained within {args.wait:g}s; the drain goes on"
+            )
+        time.sleep(POLL_S)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", default=None, help="admin URL (env KVSTORE_ADMIN)")
     p.add_argument(
         "--token-file", default=None, help="file holding the cluster token (env KVSTORE_TOKEN)"
     )
     p.add_argument("--ca-file", default=None, help="CA bundle for an https admin URL")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per call (default 10)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per call (default: 10)")
     p.add_argument("--config", default=None, help="TOML config file (env KVSTORE_CONFIG)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def add_parsers(sub: Any) -> None:
-    """Register ``status``, ``nodes`` and ``evict`` on the ``kvstore`` command's subparsers."""
+    """Register ``status``, ``nodes``, ``evict`` and ``drain`` on the ``kvstore`` subparsers."""
     epilog = (
         "settings: flags > environment > config file > defaults "
         "(see `kvstore.settings` and README 'Operating')"
@@ -205,7 +248,15 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=cmd_nodes)
     p = sub.add_parser("evict", help="remove objects by key or prefix", epilog=epilog)
     _common(p)
-    p.add_argument("keys", nargs="*", metavar="KEY")
+    p.add_argument("keys", nargs="*", metavar="KEY", help="the keys to evict")
     p.add_argument("--prefix", default=None, help="evict every key starting with this")
     p.add_argument("--limit", type=int, default=None, help="at most this many (with --prefix)")
     p.set_defaults(func=cmd_evict)
+    p = sub.add_parser(
+        "drain", help="move a node's objects elsewhere, then retire the node", epilog=epilog
+    )
+    _common(p)
+    p.add_argument("node_id", metavar="NODE", help="the node's id (kvstore nodes)")
+    p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for retirement")
+    p.add_argument("--no-wait", action="store_true", help="start the drain and return")
+    p.set_defaults(func=cmd_drain)

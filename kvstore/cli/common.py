@@ -1,0 +1,80 @@
+"""What every command group of the ``kvstore`` command shares: the help formatter, the event
+loop, the security flags and the one-line error text."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+try:  # an optional speed-up: the standard loop serves as well
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
+    uvloop = None  # type: ignore[assignment]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each flag's default, except where there is none to show (None, a
+    switch that is off) or the help already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose subcommands (and theirs) all use :class:`HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``coro`` on uvloop where it is installed, else on asyncio's own loop."""
+    if uvloop is not None:
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def derived_port(base: int, explicit: int | None, offset: int) -> int:
+    """``explicit``, else ``base + offset`` (0 when ``base`` is 0: any free port)."""
+    if explicit is not None:
+        return explicit
+    return base + offset if base else 0
+
+
+def add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
+    """``--token-file``, ``--public-reads`` and (with ``tls``) ``--tls-cert`` / ``--tls-key``.
+
+    NOTE: a token itself never goes on a command line (it would show in ``ps``): only the path
+    of a file holding it, or the environment (``kvstore.env``).
+    """
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="file holding the cluster token (else env KVSTORE_TOKEN / KVSTORE_TOKEN_FILE; "
+        "none: no authentication)",
+    )
+    p.add_argument(
+        "--public-reads",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve read-only REST endpoints without the token (mutating calls always need it)",
+    )
+    if tls:
+        p.add_argument("--tls-cert", default=None, help="PEM certificate: serve REST over HTTPS")
+        p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
+def os_error_text(exc: OSError) -> str:
+    """``exc`` as one line, without Python's ``[Errno N]`` prefix."""
+    text = str(exc)
+    if text.startswith("[Errno"):
+        text = text.split("] ", 1)[-1]
+    if exc.filename is not None and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text

@@ -1,0 +1,128 @@
+"""The ``kvstore`` command line: help for every flag, the version, and what ``up`` passes on."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import build_parser, main, version
+from kvstore.cli.daemons import node_argv
+from kvstore.env import Env
+from kvstore.errors import InvalidRequestError
+from kvstore.master.daemon import MasterOptions
+from kvstore.node.daemon import NodeOptions
+
+
+def _parsers(parser: argparse.ArgumentParser, path: str = "kvstore"):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, f"{path} {name}")
+
+
+def test_every_flag_has_help() -> None:
+    missing = [
+        f"{path} {action.option_strings or action.dest}"
+        for path, parser in _parsers(build_parser(Env()))
+        for action in parser._actions
+        if action.help is not argparse.SUPPRESS
+        and not isinstance(action, argparse._SubParsersAction)
+        and not (action.help or "").strip()
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["node", "--help"], ["--host", "(default: 127.0.0.1)", "(default: 512MiB)"]),
+        (["up", "--help"], ["--dram", "(default: 512MiB)", "(default: port + 2)"]),
+        (["master", "--help"], ["(default: 7700)", "(default: lru)", "(default: port + 1)"]),
+        (["--help"], ["--version", "(default: info)"]),
+    ],
+)
+def test_help_shows_the_defaults(
+    argv: list[str], shown: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for word in shown:
+        assert word in text, word
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == f"kvstore {version()}"
+    assert version() != "unknown"
+
+
+def test_a_bad_environment_variable_is_one_clear_line() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore", "nodes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "KVSTORE_CHUNK_ITEMS": "lots"},
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "kvstore: $KVSTORE_CHUNK_ITEMS='lots': expected an integer in 1..1073741824"
+    ]
+
+
+def test_up_passes_its_tls_and_security_flags_to_its_node(tmp_path: Path) -> None:
+    args = build_parser(Env()).parse_args(
+        [
+            "up",
+            "--tls-cert",
+            "cert.pem",
+            "--tls-key",
+            "key.pem",
+            "--token-file",
+            "tok",
+            "--no-public-reads",
+            "--shm",
+            "--dram",
+            "64MiB",
+        ]
+    )
+    argv = node_argv(args, "127.0.0.1:7700", 7702, tmp_path, 9)
+    assert argv[argv.index("--tls-cert") + 1] == str(Path("cert.pem").resolve())
+    assert argv[argv.index("--tls-key") + 1] == str(Path("key.pem").resolve())
+    assert argv[argv.index("--token-file") + 1] == str(Path("tok").resolve())
+    assert {"--no-public-reads", "--shm"} <= set(argv)
+    assert argv[argv.index("--dram") + 1] == "64MiB"
+    # and the node's own parser takes that command line
+    node = build_parser(Env()).parse_args(argv[3:])
+    assert node.tls_cert == str(Path("cert.pem").resolve()) and node.parent_pipe == 9
+
+
+def test_up_without_tls_gives_its_node_none(tmp_path: Path) -> None:
+    args = build_parser(Env()).parse_args(["up"])
+    assert "--tls-cert" not in node_argv(args, "127.0.0.1:7700", 0, tmp_path, 9)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"port": -1}, {"admin_port": 70000}, {"host": ""}, {"chunk_items": 0}]
+)
+def test_master_options_are_validated(bad: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequestError):
+        MasterOptions(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "bad", [{"dram_bytes": 0}, {"nvme_bytes": -1}, {"hbm_bytes": -1}, {"port": 65536}]
+)
+def test_node_options_are_validated(tmp_path: Path, bad: dict[str, object]) -> None:
+    fields = {"host": "127.0.0.1", "port": 0, "dram_bytes": 1 << 20, "data_dir": tmp_path}
+    with pytest.raises(InvalidRequestError):
+        NodeOptions(**{**fields, **bad})  # type: ignore[arg-type]
