@@ -4,9 +4,11 @@ A block object holds ``block_size`` tokens of every layer, layer-major: for each
 each ``[block_size, num_kv_heads, head_dim]`` (see docs/block-keys.md). Callers hand us per-layer
 ``(K, V)`` arrays or tensors shaped ``[tokens, num_kv_heads, head_dim]``.
 
-Calls per prompt: ``lookup`` and ``load`` make one master call (``kv_match``: the cached prefix
-and every block's replicas) and one data call per node. ``store`` makes a match, an allocation and
-a commit that also indexes the prompt.
+Calls per prompt: ``lookup`` makes one master call (``kv_match`` without locations: it takes no
+read leases); ``load`` makes one (``kv_match``: the cached prefix and every block's replicas) and
+one data call per node, through the client's read pipeline (:mod:`kvstore.client.reads`).
+``store`` makes a lookup, an allocation and a commit that also indexes the prompt. This module
+uses only the public methods of :class:`~kvstore.client.client.Client`.
 
 Every byte handed to an engine is verified. A block object ends with a checksum table (see
 :func:`kvstore.kvblocks.checksum_table`): an xxh3_64 per token chunk of each (layer, K/V) plane,
@@ -19,7 +21,6 @@ fails its check ends the match there (``load``) or raises (``load_layers``): nev
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +107,6 @@ class KVCache:
         self._table_bytes = checksum_table_bytes(self._num_planes, namespace.block_size)
         self._object_bytes = self._block_bytes + self._table_bytes
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ checks
     def _layer_views(
