@@ -238,13 +238,15 @@ class ReadPipeline:
         return results
 
     def _run(self, keys: list[bytes], target: _Target, results: list[Any]) -> None:
+        """The pipeline: the steps of the module docstring, in order, each taking the keys
+        the steps before it left; sets ``results`` (aligned with ``keys``)."""
         todo = list(range(len(keys)))
         if self.lease_window:
             todo = self._read_leased(keys, todo, target, results)
             if not todo:
                 return
         if len(todo) < len(keys):
-            keys = [keys[j] for j in todo]
+            keys = [keys[j] for j in todo]  # (from here on, the keys of ``todo``)
         cached = self._cache.get_many(keys) if target.speculative else []
         guessed = [
             (j, info)
