@@ -72,7 +72,8 @@ class DataPath:
     def refresh_offers(self, node_ids: Iterable[str] = (), *, force: bool = False) -> None:
         """Ask the master for the nodes' transport offers if one of ``node_ids`` is new here or
         its mapping (or RDMA session) failed since (rate-limited: at most once per
-        ``REFRESH_INTERVAL_S``); with ``force``, ask now (the client does at connect).
+        ``REFRESH_INTERVAL_S``); with ``force``, ask now (the client does at connect; that ask
+        leaves the rate limit alone, so a node that registers just after is learned at once).
 
         Call it before a data call, never inside one. NOTE: the master is asked holding no
         lock; the lock is taken only to look at and to update what is known. A failed ask
@@ -88,10 +89,11 @@ class DataPath:
                 if transport is not None and transport.dropped:
                     self._known -= transport.dropped
                     transport.dropped.clear()
-            now = time.monotonic()
-            if not force and (wanted <= self._known or now - self._fetched_at < REFRESH_INTERVAL_S):
-                return
-            self._fetched_at = now
+            if not force:
+                now = time.monotonic()
+                if wanted <= self._known or now - self._fetched_at < REFRESH_INTERVAL_S:
+                    return
+                self._fetched_at = now
         try:
             offers = self._fetch()
         except KVStoreError:

@@ -69,6 +69,12 @@ def test_an_unknown_node_asks_once_per_interval(offers: Offers, data: DataPath) 
     assert offers.calls == 2
 
 
+def test_the_ask_at_connect_leaves_the_rate_limit_alone(offers: Offers, data: DataPath) -> None:
+    data.refresh_offers(force=True)
+    data.refresh_offers({"n3"})  # a node that registered after the client connected
+    assert offers.calls == 2
+
+
 def test_an_unknown_node_asks_again_after_the_interval(
     offers: Offers, data: DataPath, monkeypatch
 ) -> None:
