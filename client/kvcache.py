@@ -150,13 +150,16 @@ class KVCache:
         blocks: list[_Block] = []
         unused: list[ObjectInfo] = []  # leases of blocks past a gap: not read, given back at once
         num_tokens = 0
+        cut = False
         for b in self.client.locate_prefix(self.namespace, tokens):
-            if isinstance(b.info, KVStoreError) or unused:
-                if isinstance(b.info, ObjectInfo):
-                    unused.append(b.info)
-                continue
-            blocks.append(_Block(b.key, b.num_tokens, b.info))
-            num_tokens += b.num_tokens
+            info = b.info
+            if isinstance(info, KVStoreError):
+                cut = True  # vanished between index and table
+            elif cut:
+                unused.append(info)
+            else:
+                blocks.append(_Block(b.key, b.num_tokens, info))
+                num_tokens += b.num_tokens
         self.client.release_leases(unused)
         return num_tokens, blocks
 
