@@ -2,18 +2,25 @@
 
 Order of preference: shared memory (same host, node started with ``--shm``), RDMA (both sides
 have a device: one-sided READ/WRITE, see :mod:`kvstore.client.rdma`; untested on real hardware),
-TCP. What each node offers comes from the master's ``node_transports`` verb, cached here and
-refreshed at most once a second when an unknown node shows up. A transport that fails its checks
-falls back to TCP, with one log line: shm for that batch, RDMA for that node from then on. Writes
-placed in node memory by shm or RDMA are committed by the node (``shm_commit``/``rdma_commit``:
-grant and checksum) before they count as written, exactly like a TCP write.
+TCP. What each node offers comes from the master's ``node_transports`` verb: asked once when the
+client connects, and again (at most once a second) when a data call is about to reach a node
+unknown here or one whose mapping failed. A transport that fails its checks falls back to TCP,
+with one log line: shm for that batch, RDMA for that node from then on. Writes placed in node
+memory by shm or RDMA are committed by the node (``shm_commit``/``rdma_commit``: grant and
+checksum) before they count as written, exactly like a TCP write.
+
+NOTE: :meth:`DataPath.read` and :meth:`DataPath.write` never call the master. The offers are
+refreshed by :meth:`DataPath.refresh_offers`, which the read and put pipelines call *before* a
+data call, holding no lock: a read that runs while the master answers another request (a
+speculative read, see :mod:`kvstore.client.reads`) makes no nested master call, and no lock is
+ever held across the round trip (the shm hang of the faults issue was a nested call under a lock).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore import auth, rdma
@@ -31,7 +38,8 @@ class DataPath:
 
     Args:
         timeout: socket timeout for TCP.
-        fetch_transports: returns the master's ``node_transports`` map.
+        fetch_transports: returns the master's ``node_transports`` map (called only by
+            :meth:`refresh_offers`).
         shm: whether to use shared memory where a node offers it.
         token: the cluster token for TCP connections to nodes.
     """
@@ -61,12 +69,19 @@ class DataPath:
             self.shm.close()
 
     # ---------------------------------------------------------------- offers
-    def _learn(self, node_ids: set[str]) -> None:
-        """Fetch offers when a node is new to us (rate-limited).
+    def refresh_offers(self, node_ids: Iterable[str] = (), *, force: bool = False) -> None:
+        """Ask the master for the nodes' transport offers if one of ``node_ids`` is new here or
+        its mapping (or RDMA session) failed since (rate-limited: at most once per
+        ``REFRESH_INTERVAL_S``); with ``force``, ask now (the client does at connect; that ask
+        leaves the rate limit alone, so a node that registers just after is learned at once).
 
-        NOTE: the master is asked holding no lock (see :meth:`read`); the lock is taken only to
-        look at and to update what is known.
+        Call it before a data call, never inside one. NOTE: the master is asked holding no
+        lock; the lock is taken only to look at and to update what is known. A failed ask
+        changes nothing (TCP still works; a later data call asks again).
         """
+        if not self._offers_wanted:
+            return
+        wanted = set(node_ids)
         with self._lock:
             # A mapping or an RDMA session that failed: ask the master again (a restarted node
             # publishes new offers).
@@ -74,16 +89,20 @@ class DataPath:
                 if transport is not None and transport.dropped:
                     self._known -= transport.dropped
                     transport.dropped.clear()
-            if node_ids <= self._known:
-                return
-            now = time.monotonic()
-            if now - self._fetched_at < REFRESH_INTERVAL_S:
-                return
-            self._fetched_at = now
+            if not force:
+                now = time.monotonic()
+                if wanted <= self._known or now - self._fetched_at < REFRESH_INTERVAL_S:
+                    return
+                self._fetched_at = now
         try:
             offers = self._fetch()
         except KVStoreError:
             return  # TCP still works; try again later
+        self.learn_offers(offers, wanted)
+
+    def learn_offers(self, offers: dict[str, Any], node_ids: Iterable[str] = ()) -> None:
+        """Take the master's ``node_transports`` answer (``node_ids``: nodes asked about, known
+        from now on even if they offer nothing but TCP)."""
         with self._lock:
             self._known = set(node_ids) | set(offers)
             for node_id, transports in offers.items():
@@ -113,11 +132,9 @@ class DataPath:
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest``; sets ``item.result`` on failure."""
         rest: Sequence[ReadItem] = items
-        if items and self._offers_wanted:
-            self._learn({i.location.node_id for i in items})
-            if self.shm is not None:
-                with self._lock:  # memory copies only: no round trip under it
-                    rest = self.shm.read(items)
+        if items and self.shm is not None:
+            with self._lock:  # memory copies only: no round trip under it
+                rest = self.shm.read(items)
         if rest and self.rdma is not None:
             rest = self.rdma.read(rest)
         if rest:
@@ -131,11 +148,9 @@ class DataPath:
         """
         rest: Sequence[WriteItem] = items
         written: list[WriteItem] = []
-        if items and self._offers_wanted:
-            self._learn({i.location.node_id for i in items})
-            if self.shm is not None:
-                with self._lock:  # memory copies only: no round trip under it
-                    written, rest = self.shm.write(items)
+        if items and self.shm is not None:
+            with self._lock:  # memory copies only: no round trip under it
+                written, rest = self.shm.write(items)
         if written:
             self.tcp.call_per_node("shm_commit", written, _commit_args)
         if rest and self.rdma is not None:

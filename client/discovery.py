@@ -1,9 +1,10 @@
 """The client's control channel in an HA cluster: find the leading master through etcd, follow it.
 
 ``Client.connect("etcd://HOST:PORT[,HOST:PORT]")`` uses :class:`LeaderChannel` instead of a fixed
-address. Every request carries the epoch of the leader the client believes in. On a lost
-connection, ``NOT_LEADER`` or ``STALE_EPOCH`` the channel looks the leader up again and retries,
-for at most ``failover_timeout`` seconds, with one exception: the second phase of a put
+address (both implement :class:`kvstore.client.control.ControlChannel`). Every request carries
+the epoch of the leader the client believes in. On a lost connection, ``NOT_LEADER`` or
+``STALE_EPOCH`` the channel looks the leader up again and retries, for at most
+``failover_timeout`` seconds, with one exception: the second phase of a put
 (``put_end``/``put_revoke``) is *pinned* to the epoch of its ``put_start`` and never moves to
 another leader (its put id means nothing there); it fails, and the caller puts again.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvstore import auth, protocol
@@ -161,6 +163,15 @@ class LeaderChannel:
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         """Send one request to the leader; see :meth:`call_epoch`."""
         return self.call_epoch(verb, args, pin_epoch)[0]
+
+    def call_overlapped(
+        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+    ) -> tuple[Any, int | None]:
+        """``work()``, then :meth:`call_epoch`: no overlap here, because a call may move to
+        another leader (and retry) until it is answered, and the retries live in
+        :meth:`call_epoch`. ``work``'s error is raised before the call is sent."""
+        work()
+        return self.call_epoch(verb, args)
 
     def call_epoch(
         self, verb: str, args: dict[str, Any], pin_epoch: int | None = None

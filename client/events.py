@@ -19,7 +19,7 @@ position. Nothing is lost or applied twice. See ``master/events.py`` for the mas
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,7 +205,7 @@ class EventStream:
         self.namespaces = None if namespaces is None else sorted(set(namespaces))
         # NOTE: a long poll must end well inside the channel's own call timeout, or the channel
         # would call a quiet stream a dead master.
-        self.wait_s = min(wait_s, self.client._control.timeout / 2)
+        self.wait_s = min(wait_s, self.client.call_timeout / 2)
         self.max_events = max_events
         self.retry_s = retry_s
         self.num_resyncs = 0
@@ -253,15 +253,12 @@ class EventStream:
             KVStoreError: the master refused the call (bad arguments).
         """
         wait = self.wait_s if wait_s is None else min(max(0.0, wait_s), self.wait_s)
-        args: dict[str, Any] = {
-            "since_seq": self.seq,
-            "since_epoch": self.epoch,
-            "max": self.max_events,
-            "wait_s": wait,
-        }
-        if self.namespaces is not None:
-            args["namespaces"] = self.namespaces
-        reply = self._call("events", args)
+        seq, epoch = self.seq, self.epoch
+        reply = self._call(
+            lambda: self.client.poll_events(
+                seq, epoch, max_events=self.max_events, wait_s=wait, namespaces=self.namespaces
+            )
+        )
         if not isinstance(reply, dict) or not isinstance(reply.get("epoch"), int):
             raise ProtocolError("malformed events answer from the master")
         resync = reply.get("resync")
@@ -282,21 +279,18 @@ class EventStream:
         Raises:
             As :meth:`poll`.
         """
-        args: dict[str, Any] = {}
-        if self.namespaces is not None:
-            args["namespaces"] = self.namespaces
-        snap = _snapshot_from_wire(self._call("events_snapshot", args))
+        snap = _snapshot_from_wire(self._call(lambda: self.client.events_snapshot(self.namespaces)))
         self.epoch, self.seq = snap.epoch, snap.seq
         return snap
 
-    def _call(self, verb: str, args: dict[str, Any]) -> Any:
+    def _call(self, call: Callable[[], Any]) -> Any:
         """One call, retried while the master is away (bounded by ``retry_s``); the position
         only moves once an answer is in, so a retry asks for exactly the same events."""
         deadline = time.monotonic() + self.retry_s
         backoff = 0.05
         while True:
             try:
-                return self.client._control.call(verb, args)
+                return call()
             except _TRANSIENT:
                 if self._closed or time.monotonic() >= deadline:
                     raise

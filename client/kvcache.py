@@ -4,9 +4,11 @@ A block object holds ``block_size`` tokens of every layer, layer-major: for each
 each ``[block_size, num_kv_heads, head_dim]`` (see docs/block-keys.md). Callers hand us per-layer
 ``(K, V)`` arrays or tensors shaped ``[tokens, num_kv_heads, head_dim]``.
 
-Calls per prompt: ``lookup`` and ``load`` make one master call (``kv_match``: the cached prefix
-and every block's replicas) and one data call per node. ``store`` makes a match, an allocation and
-a commit that also indexes the prompt.
+Calls per prompt: ``lookup`` makes one master call (``kv_match`` without locations: it takes no
+read leases); ``load`` makes one (``kv_match``: the cached prefix and every block's replicas) and
+one data call per node, through the client's read pipeline (:mod:`kvstore.client.reads`).
+``store`` makes a lookup, an allocation and a commit that also indexes the prompt. This module
+uses only the public methods of :class:`~kvstore.client.client.Client`.
 
 Every byte handed to an engine is verified. A block object ends with a checksum table (see
 :func:`kvstore.kvblocks.checksum_table`): an xxh3_64 per token chunk of each (layer, K/V) plane,
@@ -19,23 +21,21 @@ fails its check ends the match there (``load``) or raises (``load_layers``): nev
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from kvstore.buffers import as_bytes_view
-from kvstore.client.client import Client
+from kvstore.client.client import Client, PromptCommit
+from kvstore.client.reads import LocatedRead
 from kvstore.client.transport import ReadItem
 from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
-    NodeUnavailableError,
     ObjectBusyError,
     ObjectExistsError,
 )
@@ -47,10 +47,9 @@ from kvstore.kvblocks import (
     encode_prompt_meta,
     kv_meta_key,
     kv_object_key,
-    tokens_to_wire,
     verify_chunks,
 )
-from kvstore.types import ObjectInfo, result_from_wire
+from kvstore.types import ObjectInfo
 
 _TORCH_DTYPES = {
     "torch.float16": "float16",
@@ -82,7 +81,6 @@ class _BlockRead:
     planes: np.ndarray  # [layers read, 2, tokens read, stride]
     table: np.ndarray  # the block's checksum table
     whole: bool  # the whole object was read (verified against the object checksum)
-    item: ReadItem | None = None
     error: KVStoreError | None = None
 
 
@@ -109,7 +107,6 @@ class KVCache:
         self._table_bytes = checksum_table_bytes(self._num_planes, namespace.block_size)
         self._object_bytes = self._block_bytes + self._table_bytes
         self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-prefetch")
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ checks
     def _layer_views(
@@ -146,31 +143,29 @@ class KVCache:
         return out
 
     # ------------------------------------------------------------------ lookup
-    def _match(self, tokens: np.ndarray, *, locate: bool = True) -> tuple[int, list[_Block]]:
-        args: dict[str, Any] = {"namespace": self._ns_wire, "tokens": tokens_to_wire(tokens)}
-        if not locate:
-            args["locate"] = False
-        reply = self.client._control.call("kv_match", args)
+    def _match(self, tokens: np.ndarray) -> tuple[int, list[_Block]]:
+        """The cached prefix of ``tokens`` and where its blocks live, each with a read lease
+        (given back by :meth:`_give_back` once read). The prefix ends at the first block that
+        vanished between the index and the object table: a shorter hit is still correct."""
         blocks: list[_Block] = []
-        unused: list[int] = []  # leases of blocks past a gap: not read, given back at once
+        unused: list[ObjectInfo] = []  # leases of blocks past a gap: not read, given back at once
         num_tokens = 0
-        for key, n, r in reply["blocks"]:
-            if r is None:  # asked without locations: the index's answer is the answer
-                num_tokens += n
-                continue
-            err, payload = result_from_wire(r)
-            if err is not None or unused:
-                # Vanished between index and table: a shorter hit is still correct.
-                unused.append(ObjectInfo.from_wire(payload).lease if err is None else 0)
-                continue
-            blocks.append(_Block(key, n, ObjectInfo.from_wire(payload)))
-            num_tokens += n
-        self.client._returns.give_back(unused)
+        cut = False
+        for b in self.client.locate_prefix(self.namespace, tokens):
+            info = b.info
+            if isinstance(info, KVStoreError):
+                cut = True  # vanished between index and table
+            elif cut:
+                unused.append(info)
+            else:
+                blocks.append(_Block(b.key, b.num_tokens, info))
+                num_tokens += b.num_tokens
+        self.client.release_leases(unused)
         return num_tokens, blocks
 
     def _give_back(self, blocks: list[_Block]) -> None:
         """The reads of ``blocks`` are done: their read leases go back to the master."""
-        self.client._returns.give_back(b.info.lease for b in blocks)
+        self.client.release_leases(b.info for b in blocks)
 
     def lookup(self, tokens: Any) -> int:
         """Leading tokens of ``tokens`` whose KV is cached (token-granular).
@@ -178,7 +173,7 @@ class KVCache:
         One master call, and it takes no read leases (a lookup does not hold blocks from
         eviction): a block may still go before a later load, which then loads less.
         """
-        return self._match(as_token_array(tokens), locate=False)[0]
+        return self.client.lookup_prefix(self.namespace, as_token_array(tokens))
 
     # ------------------------------------------------------------------ whole blocks
     @property
@@ -265,10 +260,10 @@ class KVCache:
             planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
             row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
         meta = encode_prompt_meta(self._ns_wire, prefix)
-        results = self.client._batch_put(
+        results = self.client.batch_put(
             [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
             [*rows, meta],
-            commit={"namespace": self._ns_wire, "tokens": tokens_to_wire(prefix)},
+            prompt=PromptCommit(self.namespace, prefix),
         )
         for r in results:
             if isinstance(r, KVStoreError) and not isinstance(
@@ -297,8 +292,8 @@ class KVCache:
         views = self._layer_views(layers, num_full * bs, writable=False)
         if num_full == 0:
             return 0
-        # Only the cached length is wanted: ask without locations, so no read lease is taken.
-        cached = self._match(tok[: num_full * bs], locate=False)[0]
+        # Only the cached length is wanted: a lookup, which takes no read lease.
+        cached = self.client.lookup_prefix(self.namespace, tok[: num_full * bs])
         first_new = cached // bs
         num_new = num_full - first_new
         if num_new == 0:
@@ -319,11 +314,12 @@ class KVCache:
         return min(self.namespace.block_size, -(-num_tokens // c) * c)
 
     def _read_blocks(self, blocks: list[_Block], layers: range) -> list[_BlockRead]:
-        """Read the given layers of each block, with its checksum table (or the whole object)."""
+        """Read the given layers of each block, with its checksum table (or the whole object),
+        through the client's read pipeline (replica fallback, corrupt replicas reported: the
+        master drops them, so a corrupt last replica makes the block a miss)."""
         bs = self.namespace.block_size
         reads: list[_BlockRead] = []
-        # (block, its read, ranges, replica number) still to read
-        pending: list[tuple[_Block, _BlockRead, list[list[int]] | None, int]] = []
+        located: list[tuple[_BlockRead, LocatedRead]] = []
         for b in blocks:
             n_read = self._tokens_read(b.num_tokens)
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
@@ -339,61 +335,40 @@ class KVCache:
             if b.info.size != self._object_bytes:  # not a block of this layout: a miss
                 read.error = ChecksumMismatchError("block object has an unexpected size")
                 continue
-            ranges = None
-            if not whole:
-                ranges = [
-                    [(2 * layer + which) * self._plane, n_read * self._stride]
-                    for layer in layers
-                    for which in (0, 1)
-                ]
-                ranges.append([self._block_bytes, self._table_bytes])
-            pending.append((b, read, ranges, 0))
-        corrupt: list[list[Any]] = []
-        while pending:
-            items = [
-                ReadItem(b.info.locations[r], memoryview(read.flat), ranges)
-                for b, read, ranges, r in pending
+            if whole:  # verified against the object checksum (one hash), by the pipeline
+                located.append((read, LocatedRead(b.info, memoryview(flat))))
+                continue
+            ranges = [
+                [(2 * layer + which) * self._plane, n_read * self._stride]
+                for layer in layers
+                for which in (0, 1)
             ]
-            self.client._data.read(items)
-            retry = []
-            for (b, read, ranges, r), item in zip(pending, items, strict=True):
-                read.item = item
-                err = item.result
-                if err is None and not self._verified(b, read, layers):
-                    err = ChecksumMismatchError("a block's bytes do not match their checksum")
-                    g = item.location.grant
-                    corrupt.append(
-                        [g.key, item.location.node_id, g.segment, g.offset, b.info.checksum]
-                    )
-                if isinstance(err, ChecksumMismatchError | NodeUnavailableError) and r + 1 < len(
-                    b.info.locations
-                ):
-                    retry.append((b, read, ranges, r + 1))  # the next replica
-                else:
-                    read.error = err
-            pending = retry
-        if corrupt:  # the master drops them (a corrupt last replica: the block is a miss)
-            self.client._report_corrupt(corrupt)
+            ranges.append([self._block_bytes, self._table_bytes])
+            verify = self._chunk_check(b, read, layers)
+            located.append((read, LocatedRead(b.info, memoryview(flat), ranges, verify)))
+        self.client.batch_read_located([rd for _, rd in located])
+        for read, rd in located:
+            if isinstance(rd.result, KVStoreError):
+                read.error = rd.result
         return reads
 
-    def _verified(self, b: _Block, read: _BlockRead, layers: range) -> bool:
-        """Whether what was read of ``b`` is its bytes: whole objects against the object
-        checksum (one hash), ranges chunk by chunk against the block's checksum table."""
-        if read.whole:
-            assert read.item is not None
-            return (
-                read.item.digest
-                if read.item.digest is not None
-                else xxhash.xxh3_64_intdigest(read.flat)
-            ) == b.info.checksum
-        planes = {
-            2 * layer + which: read.planes[i, which]
-            for i, layer in enumerate(layers)
-            for which in (0, 1)
-        }
-        return verify_chunks(
-            b.key, read.table, planes, self.namespace.block_size, self._chunk_bytes
-        )
+    def _chunk_check(
+        self, b: _Block, read: _BlockRead, layers: range
+    ) -> Callable[[ReadItem], bool]:
+        """The check of a range read of ``b``: what was read of each plane, chunk by chunk,
+        against the block's checksum table."""
+
+        def verify(_item: ReadItem) -> bool:
+            planes = {
+                2 * layer + which: read.planes[i, which]
+                for i, layer in enumerate(layers)
+                for which in (0, 1)
+            }
+            return verify_chunks(
+                b.key, read.table, planes, self.namespace.block_size, self._chunk_bytes
+            )
+
+        return verify
 
     def load(self, tokens: Any, layers_out: Sequence[Any]) -> int:
         """Fill the cached prefix of ``tokens`` into caller buffers.

@@ -48,6 +48,16 @@ class ReadItem:
     digest: int | None = None
 
 
+def checksum(view: memoryview) -> int:
+    """xxh3_64 of an object's bytes (the checksum stored with every object)."""
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def digest(item: ReadItem) -> int:
+    """The checksum of what ``item`` read: from the transport if it hashed while moving bytes."""
+    return item.digest if item.digest is not None else checksum(item.dest)
+
+
 #: Objects at least this large are hashed while they move, chunk by chunk.
 STREAM_HASH_MIN = 2 << 20
 STREAM_CHUNK = 256 << 10

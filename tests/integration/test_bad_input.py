@@ -124,7 +124,7 @@ def test_master_per_key_errors_for_bad_keys(live) -> None:
 def test_node_refuses_ungranted_and_out_of_range_access(live) -> None:
     _, client = live
     _, node = endpoints(live)
-    info = client._locations([b"keep"])[0]
+    info = client._reads.locate([b"keep"])[0]
     good = info.locations[0].grant
     forged = grants.Grant(
         good.op, good.key, good.segment, 0, 8 << 20, good.expires_ms, good.signature
@@ -167,7 +167,7 @@ def test_client_disconnecting_mid_write_changes_nothing(live) -> None:
     _, client = live
     _, node = endpoints(live)
     before = client.get("keep")
-    info = client._locations([b"keep"])[0]
+    info = client._reads.locate([b"keep"])[0]
     with socket.create_connection(node) as s:
         s.sendall(
             req(

@@ -152,7 +152,7 @@ def test_kill_9_of_a_node(cluster_factory) -> None:
         keys = [f"k/{i}" for i in range(100)]
         values = [os.urandom(1000 + i) for i in range(100)]
         assert c.batch_put(keys, values) == [None] * 100
-        infos = c._locations([k.encode() for k in keys])
+        infos = c._reads.locate([k.encode() for k in keys])
         on_victim = {
             k
             for k, info in zip(keys, infos, strict=True)

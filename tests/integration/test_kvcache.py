@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client, KVCache, Namespace
+from kvstore.client.puts import PromptCommit
 from kvstore.errors import ChecksumMismatchError, InvalidRequestError
 from kvstore.keys import block_bytes, block_keys
 from kvstore.kvblocks import kv_object_key
@@ -203,8 +204,8 @@ def test_kv_blocks_are_immutable_and_not_writable_by_plain_puts(cluster_factory)
         with pytest.raises(InvalidRequestError):
             c.put(b"kv/new-key", b"garbage")
         # A second writer of the same prompt (a race between two prefill workers) is fine.
-        res = c._batch_put(
-            [blocks[0].key], [b"x" * 10], commit={"namespace": kv._ns_wire, "tokens": b""}
+        res = c.batch_put(
+            [blocks[0].key], [b"x" * 10], prompt=PromptCommit(kv.namespace, np.empty(0, np.uint32))
         )
         assert isinstance(res[0], ObjectExistsError)
         out = empty_kv(len(tokens))

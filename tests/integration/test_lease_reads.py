@@ -125,7 +125,7 @@ def test_a_lookup_racing_this_clients_write_is_not_kept(cluster, write: str) -> 
     try:
         c.put("k", b"old" * 100)
         answered, written = threading.Event(), threading.Event()
-        locations = c._locations
+        locations = c._reads.locate
 
         def slow_locations(keys):  # B is descheduled between the answer and caching it
             r = locations(keys)
@@ -134,7 +134,7 @@ def test_a_lookup_racing_this_clients_write_is_not_kept(cluster, write: str) -> 
                 assert written.wait(10)
             return r
 
-        c._locations = slow_locations  # type: ignore[method-assign]
+        c._reads.locate = slow_locations  # type: ignore[method-assign]
         seen: list[bytes] = []
         b = threading.Thread(target=lambda: seen.append(c.get("k")), name="B")
         c._cache.forget([b"k"])

@@ -1,0 +1,190 @@
+"""The client's two-phase put: allocate at the master, write to the nodes, commit.
+
+A batch of puts is one :class:`PutBatch` record, the state every step reads and updates (keys,
+bytes, checksums, per-key results, nodes found dead), and :class:`Putter` runs it:
+
+1. ``put_start`` (one master call for the whole batch) allocates room and returns a write grant
+   per replica; the client hashes the values while the master answers.
+2. The bytes go straight to the nodes, one data call per node, all nodes at once.
+3. ``put_end`` commits what was written (``kv_commit`` for the KV-cache layer, which indexes the
+   prompt in the same call: :class:`PromptCommit`); ``put_revoke`` gives back what was not. Both
+   are pinned to the epoch of the ``put_start`` (a put id means nothing to another HA leader).
+
+A write that failed because its node died is tried once more, elsewhere (the dead nodes are
+excluded from the second ``put_start``). The location cache forgets every key of the batch
+before the first write and after the commit (see :meth:`Putter.run`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvstore.client.control import ControlChannel
+from kvstore.client.datapath import DataPath
+from kvstore.client.locations import LocationCache
+from kvstore.client.transport import WriteItem, checksum
+from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
+from kvstore.keys import Namespace
+from kvstore.kvblocks import tokens_to_wire
+from kvstore.types import PutTicket, result_from_wire
+
+#: put_start rounds per batch: the second retries, elsewhere, keys whose node died.
+MAX_ROUNDS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCommit:
+    """The prompt a KV-cache put indexes in the master's prefix index, in the same call as its
+    commit (``kv_commit``): the put's keys are its block objects (``kv/`` keys, which only such
+    a put may write) and its meta object.
+
+    Attributes:
+        namespace: the model/layout the blocks belong to.
+        tokens: the prompt's token ids (its full blocks are indexed).
+    """
+
+    namespace: Namespace
+    tokens: np.ndarray
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"namespace": self.namespace.to_dict(), "tokens": tokens_to_wire(self.tokens)}
+
+
+@dataclass(slots=True)
+class PutBatch:
+    """One batch of puts in flight: what every step of :class:`Putter` reads and updates.
+
+    Attributes:
+        keys: the wire keys (all valid; the caller maps bad keys to errors itself).
+        views: the bytes of each key.
+        replicas: copies of each object on distinct nodes.
+        prompt: for a KV-cache put, the prompt its commit indexes (None: a plain put).
+        results: per key, None (stored) or its error, once the batch has run.
+        sums: per key, the checksum of its bytes (filled while the first put_start is answered).
+        excluded: nodes found dead during this batch: later rounds allocate elsewhere.
+    """
+
+    keys: list[bytes]
+    views: list[memoryview]
+    replicas: int = 1
+    prompt: PromptCommit | None = None
+    results: list[KVStoreError | None] = field(init=False)
+    sums: list[int] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert len(self.keys) == len(self.views), "one value per key"
+        self.results = [None] * len(self.keys)
+
+
+class Putter:
+    """Runs put batches for one client. Thread-safe (no state of its own beyond its parts).
+
+    Args:
+        control: the channel to the master.
+        data: the data path to the nodes.
+        cache: the client's location cache (forgotten for every key put).
+    """
+
+    def __init__(self, control: ControlChannel, data: DataPath, cache: LocationCache) -> None:
+        self._control = control
+        self._data = data
+        self._cache = cache
+
+    def run(self, batch: PutBatch) -> None:
+        """Store the batch; sets ``batch.results``."""
+        # Forgotten before (no read may use the old place once the write starts) and after
+        # (an answer looked up meanwhile may name the old object; see LocationCache.put_many).
+        self._cache.forget(batch.keys)
+        todo = list(range(len(batch.keys)))
+        try:
+            for round_ in range(MAX_ROUNDS):
+                if not todo:
+                    break
+                lost = {j: batch.results[j] for j in todo} if round_ else {}
+                todo = self._round(batch, todo)
+                for j, err in lost.items():
+                    # The retry found no other node: the truth is still that the node died.
+                    if isinstance(batch.results[j], NoSpaceError):
+                        batch.results[j] = err
+        finally:
+            self._cache.forget(batch.keys)
+
+    def _round(self, batch: PutBatch, todo: list[int]) -> list[int]:
+        """One put_start, the writes, and the commit of keys ``todo``.
+
+        Returns:
+            The keys to try again elsewhere (their node died); the dead nodes are added to
+            ``batch.excluded``.
+        """
+        start: dict[str, Any] = {
+            "keys": [batch.keys[j] for j in todo],
+            "sizes": [len(batch.views[j]) for j in todo],
+            "exclude": batch.excluded,
+        }
+        if batch.replicas != 1:
+            start["replicas"] = batch.replicas
+        if batch.prompt is not None:
+            start["kv"] = True  # the KV-cache layer writes kv/ keys (see MasterService.put_start)
+        if batch.sums:  # a later round: hashed already
+            reply, epoch = self._control.call_epoch("put_start", start)
+        else:  # hash the values while the master answers
+            reply, epoch = self._control.call_overlapped(
+                "put_start", start, lambda: batch.sums.extend(map(checksum, batch.views))
+            )
+        tickets: list[tuple[int, PutTicket]] = []
+        writes: list[WriteItem] = []
+        for j, r in zip(todo, reply, strict=True):
+            err, payload = result_from_wire(r)
+            if err is not None:
+                batch.results[j] = err
+                continue
+            ticket = PutTicket.from_wire(payload)
+            tickets.append((j, ticket))
+            for loc in ticket.locations:
+                writes.append(WriteItem(loc, batch.views[j], batch.sums[j]))
+        self._data.refresh_offers({w.location.node_id for w in writes})
+        self._data.write(writes)
+        failed: dict[int, KVStoreError] = {}
+        dead_nodes: set[str] = set()
+        w = iter(writes)
+        for j, ticket in tickets:
+            for _loc in ticket.locations:
+                item = next(w)
+                if item.result is not None:
+                    failed.setdefault(j, item.result)
+                    if isinstance(item.result, NodeUnavailableError):
+                        dead_nodes.add(item.location.node_id)
+        commit = [(j, t) for j, t in tickets if j not in failed]
+        revoke = [(j, t) for j, t in tickets if j in failed]
+        if revoke:
+            self._control.call(
+                "put_revoke", {"put_ids": [t.put_id for _, t in revoke]}, pin_epoch=epoch
+            )
+        if commit or batch.prompt is not None:
+            self._commit(batch, commit, epoch)
+        for j, _ in revoke:
+            batch.results[j] = failed[j]
+        batch.excluded.extend(sorted(dead_nodes))
+        return [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
+
+    def _commit(
+        self, batch: PutBatch, commit: list[tuple[int, PutTicket]], epoch: int | None
+    ) -> None:
+        """``put_end`` (or ``kv_commit``, indexing the batch's prompt) of the written keys."""
+        args: dict[str, Any] = {
+            "put_ids": [t.put_id for _, t in commit],
+            "checksums": [batch.sums[j] for j, _ in commit],
+        }
+        # NOTE: pinned: a put id means nothing to another leader.
+        if batch.prompt is None:
+            reply = self._control.call("put_end", args, pin_epoch=epoch)
+        else:
+            reply = self._control.call(
+                "kv_commit", {**args, **batch.prompt.to_wire()}, pin_epoch=epoch
+            )["results"]
+        for (j, _), r in zip(commit, reply, strict=True):
+            batch.results[j], _ = result_from_wire(r)

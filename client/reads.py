@@ -1,0 +1,446 @@
+"""The client's one read pipeline: lease → speculate → locate → read, with replica fallback.
+
+Every read of object bytes goes through :class:`ReadPipeline`, whoever asks: ``Client.get`` and
+``batch_get`` (into new ``bytes``), ``get_into`` and ``batch_get_into`` (into caller buffers),
+``read_located`` (an answer located earlier) and the KV-cache layer (block objects, whole or by
+byte ranges, checked against their checksum table). One place knows the order of the steps and
+the rules of each, so a fix to one (a replica that fails its checksum, a lease that ran out) holds
+for every caller. The steps, each skipped where it has nothing to do:
+
+1. **lease**: with lease reads, a key whose cached answer is still under its read lease is read
+   straight from its node, without the master (:mod:`kvstore.client.locations` says why that is
+   safe); a failure sends the key on to the next steps.
+2. **speculate**: reads into caller buffers of keys with a cached answer read that replica while
+   the master answers ``get_locations`` (a small batch only, ``SPECULATE_MAX_BYTES``); the fresh
+   answer confirms the guess or the key is read again from it.
+3. **locate**: ``get_locations`` for the rest; each answer carries a read lease, given back to
+   the master as soon as the read is done (:mod:`kvstore.client.releases`).
+4. **read** (:meth:`ReadPipeline.read`): one data call per round; a replica that is gone or fails
+   its checksum falls back to the next one, a corrupt one is reported to the master (which drops
+   it and copies a good one back). Whole objects are verified against the object checksum; a
+   read of byte ranges brings its own check (the KV-cache layer's checksum table).
+
+NOTE: no step holds a lock across a round trip. The data path never calls the master from inside
+a read: node transports are refreshed before a data call (:meth:`DataPath.refresh_offers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvstore.client.control import ControlChannel
+from kvstore.client.datapath import DataPath
+from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.releases import LeaseReturns
+from kvstore.client.transport import ReadItem, digest
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KVStoreError,
+    NodeUnavailableError,
+)
+from kvstore.types import ObjectInfo, result_from_wire
+
+log = logging.getLogger(__name__)
+
+#: Reads of cached locations overlap the master's answer only up to this many bytes per call.
+SPECULATE_MAX_BYTES = 2 << 20
+#: Lease reads stop trusting a cached answer this long (or a quarter of the lease, if less) before
+#: its lease ends as seen from here: room for the request still to reach the node in time.
+LEASE_MARGIN_S = 0.5
+
+
+@dataclass(slots=True)
+class LocatedRead:
+    """One read of an object whose replicas are known (an :class:`ObjectInfo` with grants).
+
+    Attributes:
+        info: where the object lives (replicas in order of preference).
+        dest: the bytes to fill: the object's first ``info.size`` bytes, or, with ``ranges``,
+            the ranges one after another.
+        ranges: ``[[offset, length], ...]`` of the object to read (None: the whole object).
+        verify: whether the bytes a read brought are intact (given the transport's item, whose
+            ``digest`` is set where the transport hashed the bytes on the way). None: the whole
+            object against ``info.checksum`` (required for whole reads only; a range read must
+            bring its own check).
+        result: after the read, the object's size on success or the error.
+        item: the transport item of the last replica tried.
+    """
+
+    info: ObjectInfo
+    dest: memoryview
+    ranges: list[list[int]] | None = None
+    verify: Callable[[ReadItem], bool] | None = None
+    result: int | KVStoreError | None = None
+    item: ReadItem | None = None
+
+
+def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
+    """A ``get_locations`` answer: per key its :class:`ObjectInfo` or error."""
+    out: list[ObjectInfo | KVStoreError] = []
+    for r in reply:
+        err, payload = result_from_wire(r)
+        out.append(err if err is not None else ObjectInfo.from_wire(payload))
+    return out
+
+
+class Scratch:
+    """A per-thread receive buffer for reads into new ``bytes``, grown on demand and kept (up to
+    ``MAX_SCRATCH`` bytes) so its pages stay mapped between calls: a fresh bytearray per object
+    would cost zeroing and page faults on top of the one copy out."""
+
+    MAX_SCRATCH = 64 << 20
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self, size: int) -> memoryview:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = bytearray(size)
+            if size <= self.MAX_SCRATCH:
+                self._local.buf = buf
+        return memoryview(buf)
+
+
+class _Target(Protocol):
+    """Where the bytes of a batch go: caller buffers, or new ``bytes``."""
+
+    #: Whether reads of guessed (cached, unconfirmed) answers may overlap the master's answer.
+    speculative: bool
+
+    def fits(self, j: int, info: ObjectInfo) -> bool:
+        """Whether key ``j``'s object fits its destination."""
+        ...
+
+    def places(self, js: list[int], infos: list[ObjectInfo]) -> list[memoryview]:
+        """Destinations for keys ``js``, whose answers are ``infos``."""
+        ...
+
+    def finish(self, js: list[int], results: list[Any]) -> None:
+        """Keys ``js`` are read (their results set): turn successes into what the caller gets."""
+        ...
+
+
+class _IntoBuffers:
+    """Caller buffers (``batch_get_into``): each result is the object's size."""
+
+    speculative = True
+
+    def __init__(self, dests: Sequence[memoryview]) -> None:
+        self.dests = dests
+
+    def fits(self, j: int, info: ObjectInfo) -> bool:
+        return len(self.dests[j]) >= info.size
+
+    def places(self, js: list[int], infos: list[ObjectInfo]) -> list[memoryview]:
+        return [self.dests[j] for j in js]
+
+    def finish(self, js: list[int], results: list[Any]) -> None:
+        pass
+
+
+class _NewBytes:
+    """New ``bytes`` (``batch_get``): each round reads into the thread's scratch buffer and
+    copies every object out once. Not speculative: the destination is sized from the answer."""
+
+    speculative = False
+
+    def __init__(self, scratch: Scratch) -> None:
+        self._scratch = scratch
+        self._views: dict[int, memoryview] = {}
+
+    def fits(self, j: int, info: ObjectInfo) -> bool:
+        return True
+
+    def places(self, js: list[int], infos: list[ObjectInfo]) -> list[memoryview]:
+        buf = self._scratch.get(sum(info.size for info in infos))
+        out: list[memoryview] = []
+        pos = 0
+        for j, info in zip(js, infos, strict=True):
+            view = self._views[j] = buf[pos : pos + info.size]
+            out.append(view)
+            pos += info.size
+        return out
+
+    def finish(self, js: list[int], results: list[Any]) -> None:
+        for j in js:
+            view = self._views.pop(j, None)
+            if view is None:
+                continue
+            if not isinstance(results[j], KVStoreError):
+                results[j] = bytes(view)
+            view.release()
+
+
+class ReadPipeline:
+    """Locates and reads objects for one client. Thread-safe (it holds no lock of its own: the
+    location cache and the lease queue guard themselves).
+
+    Args:
+        control: the channel to the master.
+        data: the data path to the nodes.
+        cache: the client's location cache (also forgotten by its puts and removes).
+        returns: where finished reads' leases go.
+    """
+
+    def __init__(
+        self,
+        control: ControlChannel,
+        data: DataPath,
+        cache: LocationCache,
+        returns: LeaseReturns,
+    ) -> None:
+        self._control = control
+        self._data = data
+        self._cache = cache
+        self._returns = returns
+        self._scratch = Scratch()
+        #: Seconds a get_locations answer may be reused without the master (0: never); see
+        #: :meth:`use_lease_reads`.
+        self.lease_window = 0.0
+
+    def use_lease_reads(self, lease_s: float) -> None:
+        """Reuse answers within the master's read lease of ``lease_s`` seconds (less a margin
+        for the request still to reach the node in time)."""
+        if lease_s > 0:
+            self.lease_window = lease_s - min(LEASE_MARGIN_S, lease_s / 4)
+
+    # ---------------------------------------------------------------- locate
+    def locate(self, keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
+        """Where the objects live, each answer with a read lease: the caller gives it back
+        (``LeaseReturns.give_back``) once its read is done."""
+        return decode_locations(self._control.call("get_locations", {"keys": keys}))
+
+    def _stamp(self) -> tuple[float, int]:
+        """Taken just before asking the master where keys are: until when its read lease on
+        the answers holds as seen from here (0 without lease reads), and the cache generation
+        (see :meth:`LocationCache.put_many`)."""
+        lease_until = time.monotonic() + self.lease_window if self.lease_window else 0.0
+        return lease_until, self._cache.generation
+
+    # ---------------------------------------------------------------- whole batches
+    def get_into(self, keys: list[bytes], dests: list[memoryview]) -> list[int | KVStoreError]:
+        """Read each object into its buffer. Returns per key its size or its error."""
+        results: list[Any] = [None] * len(keys)
+        self._run(keys, _IntoBuffers(dests), results)
+        return results
+
+    def get(self, keys: list[bytes]) -> list[bytes | KVStoreError]:
+        """Read each object into new ``bytes``. Returns per key its bytes or its error."""
+        results: list[Any] = [None] * len(keys)
+        self._run(keys, _NewBytes(self._scratch), results)
+        return results
+
+    def _run(self, keys: list[bytes], target: _Target, results: list[Any]) -> None:
+        """The pipeline: the steps of the module docstring, in order, each taking the keys
+        the steps before it left; sets ``results`` (aligned with ``keys``)."""
+        todo = list(range(len(keys)))
+        if self.lease_window:
+            todo = self._read_leased(keys, todo, target, results)
+            if not todo:
+                return
+        if len(todo) < len(keys):
+            keys = [keys[j] for j in todo]  # (from here on, the keys of ``todo``)
+        cached = self._cache.get_many(keys) if target.speculative else []
+        guessed = [
+            (j, info)
+            for j, info in zip(todo, cached, strict=False)
+            if info is not None and target.fits(j, info)
+        ]
+        lease_until, generation = self._stamp()
+        # NOTE: large reads (where one round trip matters little) do not overlap.
+        if not guessed or sum(info.size for _, info in guessed) > SPECULATE_MAX_BYTES:
+            infos = self.locate(keys)
+            done_with = self._cache.put_many(keys, infos, lease_until, generation)
+            try:
+                self._read_answers(todo, infos, target, results)
+            finally:
+                self._returns.give_back(done_with)
+            return
+        guesses = self._guess_items(guessed, target)
+        self._data.refresh_offers({item.location.node_id for item in guesses.values()})
+        reply, _ = self._control.call_overlapped(
+            "get_locations", {"keys": keys}, lambda: self._data.read(list(guesses.values()))
+        )
+        infos = decode_locations(reply)
+        done_with = self._cache.put_many(keys, infos, lease_until, generation)
+        try:
+            self._confirm(todo, infos, dict(guessed), guesses, target, results)
+        finally:
+            self._returns.give_back(done_with)
+
+    def _read_leased(
+        self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]
+    ) -> list[int]:
+        """Step 1: read the keys whose cached answer is still under lease, without the master.
+
+        Returns:
+            The keys (positions) still to read the usual way: no leased answer, or its read
+            failed (node gone, grant refused, bytes changed: that answer is forgotten).
+        """
+        leased = self._cache.leased_many(keys, time.monotonic())
+        js: list[int] = []
+        infos: list[ObjectInfo] = []
+        rest: list[int] = []
+        for j in todo:
+            info = leased[j]
+            if info is not None and target.fits(j, info):
+                js.append(j)
+                infos.append(info)
+            else:
+                rest.append(j)
+        if not js:
+            return rest
+        self._read_answers(js, infos, target, results)
+        stale = [j for j in js if isinstance(results[j], KVStoreError)]
+        if stale:
+            self._cache.forget([keys[j] for j in stale])
+            rest = sorted(rest + stale)
+        return rest
+
+    @staticmethod
+    def _guess_items(guessed: list[tuple[int, ObjectInfo]], target: _Target) -> dict[int, ReadItem]:
+        js = [j for j, _ in guessed]
+        infos = [info for _, info in guessed]
+        dests = target.places(js, infos)
+        return {
+            j: ReadItem(info.locations[0], dest[: info.size])
+            for j, info, dest in zip(js, infos, dests, strict=True)
+        }
+
+    def _confirm(
+        self,
+        js: list[int],
+        infos: list[ObjectInfo | KVStoreError],
+        cached: dict[int, ObjectInfo],
+        guesses: dict[int, ReadItem],
+        target: _Target,
+        results: list[Any],
+    ) -> None:
+        """Step 2's end: accept the speculative reads the master's fresh answers confirm (same
+        object, same replica, intact bytes); read the others from the fresh answers."""
+        redo: list[int] = []
+        redo_infos: list[ObjectInfo | KVStoreError] = []
+        confirmed: list[int] = []
+        for j, info in zip(js, infos, strict=True):
+            item = guesses.get(j)
+            if (
+                item is not None
+                and isinstance(info, ObjectInfo)
+                and item.result is None
+                and same_replica(info, cached[j], item.location)
+                and digest(item) == info.checksum
+            ):
+                results[j] = info.size
+                confirmed.append(j)
+            else:
+                redo.append(j)
+                redo_infos.append(info)
+        target.finish(confirmed, results)
+        if redo:
+            self._read_answers(redo, redo_infos, target, results)
+
+    def _read_answers(
+        self,
+        js: list[int],
+        infos: Sequence[ObjectInfo | KVStoreError],
+        target: _Target,
+        results: list[Any],
+    ) -> None:
+        """Step 4 for keys ``js`` whose answers are ``infos``: read each into its destination."""
+        ok: list[int] = []
+        found: list[ObjectInfo] = []
+        for j, info in zip(js, infos, strict=True):
+            if isinstance(info, KVStoreError):
+                results[j] = info
+            else:
+                ok.append(j)
+                found.append(info)
+        if not ok:
+            return
+        reads = [
+            LocatedRead(info, dest)
+            for info, dest in zip(found, target.places(ok, found), strict=True)
+        ]
+        self.read(reads)
+        for j, rd in zip(ok, reads, strict=True):
+            results[j] = rd.result
+        target.finish(ok, results)
+
+    # ---------------------------------------------------------------- step 4: the read
+    def read(self, reads: Sequence[LocatedRead]) -> None:
+        """Fill each read's ``dest`` from the first replica that serves it intact; sets each
+        ``result`` (the object's size, or the error).
+
+        A replica that is gone (NodeUnavailableError) or fails its check (ChecksumMismatchError)
+        falls back to the next one; a replica whose bytes fail the check is reported to the
+        master once the batch is done (best effort).
+        """
+        pending: list[tuple[LocatedRead, int]] = []  # (read, replica number)
+        for rd in reads:
+            if not rd.info.locations:
+                rd.result = NodeUnavailableError("no live replica")
+            elif rd.ranges is None and len(rd.dest) < rd.info.size:
+                rd.result = InvalidRequestError(
+                    f"buffer of {len(rd.dest)} bytes is too small for an object of {rd.info.size}"
+                )
+            else:
+                assert rd.ranges is None or rd.verify is not None, "a range read needs a check"
+                pending.append((rd, 0))
+        corrupt: list[list[Any]] = []
+        while pending:
+            items = [
+                ReadItem(
+                    rd.info.locations[r],
+                    rd.dest if rd.ranges is not None else rd.dest[: rd.info.size],
+                    rd.ranges,
+                )
+                for rd, r in pending
+            ]
+            self._data.refresh_offers({item.location.node_id for item in items})
+            self._data.read(items)
+            retry: list[tuple[LocatedRead, int]] = []
+            for (rd, r), item in zip(pending, items, strict=True):
+                rd.item = item
+                err = item.result
+                if err is None:
+                    if (
+                        rd.verify(item)
+                        if rd.verify is not None
+                        else digest(item) == rd.info.checksum
+                    ):
+                        rd.result = rd.info.size
+                        continue
+                    # A corrupt replica: report it (the master drops it and copies a good one
+                    # back) and read the next replica instead.
+                    g = item.location.grant
+                    corrupt.append(
+                        [g.key, item.location.node_id, g.segment, g.offset, rd.info.checksum]
+                    )
+                    err = ChecksumMismatchError(
+                        "object bytes do not match their checksum (overwritten or corrupt)"
+                    )
+                if isinstance(err, NodeUnavailableError | ChecksumMismatchError) and (
+                    r + 1 < len(rd.info.locations)
+                ):
+                    retry.append((rd, r + 1))
+                else:
+                    rd.result = err
+            pending = retry
+        if corrupt:
+            self._report_corrupt(corrupt)
+
+    def _report_corrupt(self, reports: list[list[Any]]) -> None:
+        """Tell the master which replicas failed their checksum (best effort: a lost report
+        only delays the repair; the next reader reports again)."""
+        self._cache.forget([r[0] for r in reports])
+        try:
+            self._control.call("report_corrupt", {"items": reports})
+        except KVStoreError as err:
+            log.warning("could not report %d corrupt replica(s): %s", len(reports), err.message)

@@ -1,0 +1,158 @@
+"""The two-phase put on its own (kvstore.client.puts), against a fake master and fake nodes:
+put_start, the writes, put_end (or kv_commit with the prompt), a dead node's keys tried again
+elsewhere, the second phase pinned to the first's epoch, and the location cache forgotten."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore.client.locations import LocationCache
+from kvstore.client.puts import PromptCommit, PutBatch, Putter
+from kvstore.client.transport import WriteItem
+from kvstore.errors import NodeUnavailableError, NoSpaceError
+from kvstore.grants import Grant
+from kvstore.keys import Namespace
+from kvstore.kvblocks import tokens_to_wire
+from kvstore.types import Location, ObjectInfo, PutTicket, result_to_wire
+
+EPOCH = 7
+
+
+class FakeMaster:
+    """put_start places each key on the first live node of ``nodes`` not excluded."""
+
+    def __init__(self, nodes: tuple[str, ...] = ("n1", "n2")) -> None:
+        self.nodes = nodes
+        self.calls: list[tuple[str, dict[str, Any], int | None]] = []
+        self.next_id = 1
+        self.full = False
+        self.timeout = 5.0
+        self.epoch = EPOCH
+        self.releases = None
+
+    def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        self.calls.append((verb, args, pin_epoch))
+        if verb == "put_start":
+            out = []
+            for key, size in zip(args["keys"], args["sizes"], strict=True):
+                live = [n for n in self.nodes if n not in args["exclude"]]
+                if not live or self.full:
+                    out.append(result_to_wire(NoSpaceError("no room")))
+                    continue
+                grant = Grant("w", key, "dram", 0, size, 0, b"")
+                out.append(
+                    result_to_wire(PutTicket(self.next_id, [Location(live[0], "h", 1, grant)]))
+                )
+                self.next_id += 1
+            return out
+        if verb == "put_end":
+            return [result_to_wire(None) for _ in args["put_ids"]]
+        if verb == "kv_commit":
+            return {"results": [result_to_wire(None) for _ in args["put_ids"]], "num_indexed": 0}
+        if verb == "put_revoke":
+            return None
+        raise AssertionError(verb)
+
+    def call_epoch(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        return self.call(verb, args, pin_epoch), EPOCH
+
+    def call_overlapped(
+        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+    ) -> tuple[Any, int]:
+        work()
+        return self.call(verb, args), EPOCH
+
+    def verbs(self) -> list[str]:
+        return [v for v, _, _ in self.calls]
+
+
+class FakeNodes:
+    def __init__(self) -> None:
+        self.dead: set[str] = set()
+        self.stored: dict[tuple[str, bytes], bytes] = {}
+        self.refreshed: list[set[str]] = []
+
+    def refresh_offers(self, node_ids: Any = (), *, force: bool = False) -> None:
+        self.refreshed.append(set(node_ids))
+
+    def write(self, items: list[WriteItem]) -> None:
+        for item in items:
+            node = item.location.node_id
+            if node in self.dead:
+                item.result = NodeUnavailableError(f"{node} is down")
+            else:
+                assert item.checksum == xxhash.xxh3_64_intdigest(item.data)
+                self.stored[(node, item.location.grant.key)] = bytes(item.data)
+
+
+def run(master: FakeMaster, nodes: FakeNodes, batch: PutBatch, cache: LocationCache) -> None:
+    Putter(master, nodes, cache).run(batch)  # type: ignore[arg-type]
+
+
+def batch_of(*pairs: tuple[bytes, bytes], prompt: PromptCommit | None = None) -> PutBatch:
+    return PutBatch([k for k, _ in pairs], [memoryview(v) for _, v in pairs], prompt=prompt)
+
+
+@pytest.fixture
+def cache() -> LocationCache:
+    return LocationCache()
+
+
+def test_a_batch_is_allocated_written_and_committed(cache: LocationCache) -> None:
+    master, nodes = FakeMaster(), FakeNodes()
+    batch = batch_of((b"a", b"x" * 10), (b"b", b"y" * 3))
+    run(master, nodes, batch, cache)
+    assert batch.results == [None, None]
+    assert master.verbs() == ["put_start", "put_end"]
+    assert nodes.stored == {("n1", b"a"): b"x" * 10, ("n1", b"b"): b"y" * 3}
+    (_, end, pinned) = master.calls[1]
+    assert end["checksums"] == [
+        xxhash.xxh3_64_intdigest(b"x" * 10),
+        xxhash.xxh3_64_intdigest(b"yyy"),
+    ]
+    assert pinned == EPOCH  # a put id means nothing to another leader
+    assert nodes.refreshed == [{"n1"}]  # transports refreshed before the write, not inside
+
+
+def test_keys_whose_node_died_are_put_again_elsewhere(cache: LocationCache) -> None:
+    master, nodes = FakeMaster(), FakeNodes()
+    nodes.dead.add("n1")
+    batch = batch_of((b"a", b"x" * 10))
+    run(master, nodes, batch, cache)
+    assert batch.results == [None]
+    assert master.verbs() == ["put_start", "put_revoke", "put_start", "put_end"]
+    assert master.calls[1][2] == EPOCH  # the revoke is pinned too
+    assert master.calls[2][1]["exclude"] == ["n1"] and batch.excluded == ["n1"]
+    assert nodes.stored == {("n2", b"a"): b"x" * 10}
+
+
+def test_a_retry_that_finds_no_room_reports_the_dead_node(cache: LocationCache) -> None:
+    master, nodes = FakeMaster(nodes=("n1",)), FakeNodes()
+    nodes.dead.add("n1")
+    batch = batch_of((b"a", b"x"))
+    run(master, nodes, batch, cache)
+    assert isinstance(batch.results[0], NodeUnavailableError)
+
+
+def test_a_prompt_commits_through_kv_commit(cache: LocationCache) -> None:
+    master, nodes = FakeMaster(), FakeNodes()
+    ns = Namespace("m", "float16", 1, 1, 2, block_size=4)
+    tokens = np.arange(8)
+    batch = batch_of((b"kv/a", b"x"), prompt=PromptCommit(ns, tokens))
+    run(master, nodes, batch, cache)
+    assert master.verbs() == ["put_start", "kv_commit"]
+    assert master.calls[0][1]["kv"] is True
+    commit = master.calls[1][1]
+    assert commit["namespace"] == ns.to_dict() and commit["tokens"] == tokens_to_wire(tokens)
+
+
+def test_the_location_cache_forgets_every_key_put(cache: LocationCache) -> None:
+    loc = Location("n1", "h", 1, Grant("r", b"a", "dram", 0, 1, 0, b""))
+    cache.put_many([b"a"], [ObjectInfo(1, 0, [loc])])
+    run(FakeMaster(), FakeNodes(), batch_of((b"a", b"z")), cache)
+    assert cache.get_many([b"a"]) == [None]

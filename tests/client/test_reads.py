@@ -1,0 +1,260 @@
+"""The read pipeline on its own (kvstore.client.reads), against a fake master and fake nodes:
+which step serves a key (lease, speculation, locate), replica fallback, corrupt replicas
+reported, byte ranges with their own check, leases given back, and no master call from inside
+a data read."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import xxhash
+
+from kvstore.client.locations import LocationCache
+from kvstore.client.reads import LocatedRead, ReadPipeline
+from kvstore.client.releases import LeaseReturns
+from kvstore.client.transport import ReadItem
+from kvstore.errors import (
+    ChecksumMismatchError,
+    InvalidRequestError,
+    KeyNotFoundError,
+    NodeUnavailableError,
+)
+from kvstore.grants import Grant
+from kvstore.types import Location, ObjectInfo, result_to_wire
+
+
+class FakeCluster:
+    """A master and its nodes in one object: ``objects`` is what the master knows (key ->
+    size, checksum, replica node ids), ``nodes`` what each node holds (node -> key -> bytes)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, tuple[int, int, list[str]]] = {}
+        self.nodes: dict[str, dict[bytes, bytes]] = {}
+        self.down: set[str] = set()
+        self.calls: list[str] = []  # master verbs, in order
+        self.data_reads = 0
+        self.reported: list[list[Any]] = []
+        self.refreshed: list[set[str]] = []
+        self.next_lease = 1
+        self.in_data_read = False
+        # ControlChannel attributes
+        self.timeout = 5.0
+        self.epoch = None
+        self.releases = None
+
+    def put(self, key: bytes, value: bytes, nodes: tuple[str, ...] = ("n1",)) -> None:
+        self.objects[key] = (len(value), xxhash.xxh3_64_intdigest(value), list(nodes))
+        for n in nodes:
+            self.nodes.setdefault(n, {})[key] = value
+
+    def info(self, key: bytes) -> ObjectInfo:
+        size, csum, nodes = self.objects[key]
+        lease, self.next_lease = self.next_lease, self.next_lease + 1
+        locs = [
+            Location(n, "127.0.0.1", 1, Grant("r", key, "dram", 0, size, 0, b"")) for n in nodes
+        ]
+        return ObjectInfo(size, csum, locs, lease)
+
+    # ------------------------------------------------------------ the control channel
+    def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        assert not self.in_data_read, f"{verb} called from inside a data read"
+        self.calls.append(verb)
+        if verb == "get_locations":
+            return [
+                result_to_wire(
+                    self.info(k) if k in self.objects else KeyNotFoundError(f"{k!r} not stored")
+                )
+                for k in args["keys"]
+            ]
+        if verb == "report_corrupt":
+            self.reported.extend(args["items"])
+            return None
+        raise AssertionError(f"unexpected verb {verb}")
+
+    def call_epoch(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        return self.call(verb, args), None
+
+    def call_overlapped(
+        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+    ) -> tuple[Any, None]:
+        self.calls.append("overlapped")
+        work()
+        return self.call(verb, args), None
+
+    def close(self) -> None:
+        pass
+
+    # ------------------------------------------------------------ the data path
+    def refresh_offers(self, node_ids: Any = (), *, force: bool = False) -> None:
+        self.refreshed.append(set(node_ids))
+
+    def read(self, items: list[ReadItem]) -> None:
+        self.in_data_read = True
+        try:
+            self.data_reads += 1
+            for item in items:
+                node = item.location.node_id
+                if node in self.down:
+                    item.result = NodeUnavailableError(f"node {node} is down")
+                    continue
+                value = self.nodes[node][item.location.grant.key]
+                if item.ranges is None:
+                    item.dest[: len(value)] = value
+                else:
+                    pos = 0
+                    for off, n in item.ranges:
+                        item.dest[pos : pos + n] = value[off : off + n]
+                        pos += n
+        finally:
+            self.in_data_read = False
+
+
+@pytest.fixture
+def cluster() -> FakeCluster:
+    return FakeCluster()
+
+
+def pipeline(cluster: FakeCluster, *, lease_reads: bool = False) -> tuple[ReadPipeline, list]:
+    returned: list[int] = []
+    returns = LeaseReturns(lambda tokens: None)
+    returns.give_back = lambda tokens: returned.extend(t for t in tokens if t)  # type: ignore[method-assign]
+    cache = LocationCache(give_back=returns.give_back if lease_reads else None)
+    reads = ReadPipeline(cluster, cluster, cache, returns)  # type: ignore[arg-type]
+    if lease_reads:
+        reads.use_lease_reads(5.0)
+    return reads, returned
+
+
+def test_get_locates_reads_and_gives_the_leases_back(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"x" * 100)
+    cluster.put(b"b", b"y" * 10)
+    reads, returned = pipeline(cluster)
+    got = reads.get([b"a", b"missing", b"b"])
+    assert got[0] == b"x" * 100 and got[2] == b"y" * 10
+    assert isinstance(got[1], KeyNotFoundError)
+    assert cluster.calls == ["get_locations"] and cluster.data_reads == 1
+    assert sorted(returned) == [1, 2]  # both answers' leases, once the read is done
+
+
+def test_get_into_fills_buffers_and_refuses_small_ones(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"x" * 100)
+    cluster.put(b"b", b"y" * 100)
+    reads, _ = pipeline(cluster)
+    big, small = bytearray(128), bytearray(10)
+    got = reads.get_into([b"a", b"b"], [memoryview(big), memoryview(small)])
+    assert got[0] == 100 and bytes(big[:100]) == b"x" * 100
+    assert isinstance(got[1], InvalidRequestError)
+
+
+def test_a_cached_answer_is_read_while_the_master_answers(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"x" * 100)
+    reads, _ = pipeline(cluster)
+    buf = bytearray(100)
+    assert reads.get_into([b"a"], [memoryview(buf)]) == [100]
+    cluster.calls.clear()
+    cluster.data_reads = 0
+    assert reads.get_into([b"a"], [memoryview(buf)]) == [100]
+    assert cluster.calls == ["overlapped", "get_locations"]
+    assert cluster.data_reads == 1  # the guess was confirmed: no second read
+
+
+def test_a_guess_the_master_does_not_confirm_is_read_again(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"old" * 10)
+    reads, _ = pipeline(cluster)
+    buf = bytearray(64)
+    assert reads.get_into([b"a"], [memoryview(buf)]) == [30]
+    cluster.put(b"a", b"new!" * 10, nodes=("n2",))  # another client overwrote it elsewhere
+    cluster.data_reads = 0
+    assert reads.get_into([b"a"], [memoryview(buf)]) == [40]
+    assert bytes(buf[:40]) == b"new!" * 10
+    assert cluster.data_reads == 2  # the stale guess, then the fresh answer
+
+
+def test_a_gone_replica_falls_back_to_the_next(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"v" * 50, nodes=("n1", "n2"))
+    cluster.down.add("n1")
+    reads, _ = pipeline(cluster)
+    assert reads.get([b"a"]) == [b"v" * 50]
+    assert cluster.reported == []  # gone is not corrupt
+
+
+def test_a_corrupt_replica_is_reported_and_the_next_one_read(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"v" * 50, nodes=("n1", "n2"))
+    cluster.nodes["n1"][b"a"] = b"V" + b"v" * 49
+    reads, _ = pipeline(cluster)
+    assert reads.get([b"a"]) == [b"v" * 50]
+    assert [r[1] for r in cluster.reported] == ["n1"]
+    assert cluster.calls[-1] == "report_corrupt"
+
+
+def test_a_corrupt_last_replica_is_a_checksum_error(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"v" * 50)
+    cluster.nodes["n1"][b"a"] = b"V" + b"v" * 49
+    reads, _ = pipeline(cluster)
+    (got,) = reads.get([b"a"])
+    assert isinstance(got, ChecksumMismatchError)
+
+
+def test_lease_reads_skip_the_master_within_the_lease(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"x" * 100)
+    reads, returned = pipeline(cluster, lease_reads=True)
+    assert reads.get([b"a"]) == [b"x" * 100]
+    assert returned == []  # the cache keeps the answer, and its lease
+    cluster.calls.clear()
+    assert reads.get([b"a"]) == [b"x" * 100]
+    buf = bytearray(100)
+    assert reads.get_into([b"a"], [memoryview(buf)]) == [100]
+    assert cluster.calls == []
+
+
+def test_a_failed_leased_read_asks_the_master(cluster: FakeCluster) -> None:
+    cluster.put(b"a", b"x" * 100)
+    reads, _ = pipeline(cluster, lease_reads=True)
+    assert reads.get([b"a"]) == [b"x" * 100]
+    cluster.down.add("n1")
+    cluster.put(b"a", b"x" * 100, nodes=("n2",))  # moved while n1 died
+    cluster.calls.clear()
+    assert reads.get([b"a"]) == [b"x" * 100]
+    assert cluster.calls == ["get_locations"]
+
+
+def test_range_reads_bring_their_own_check(cluster: FakeCluster) -> None:
+    value = bytes(range(100))
+    cluster.put(b"a", value, nodes=("n1", "n2"))
+    cluster.nodes["n1"][b"a"] = bytes(100)  # corrupt on n1
+    reads, _ = pipeline(cluster)
+    (info,) = reads.locate([b"a"])
+    assert isinstance(info, ObjectInfo)
+    ranges = [[10, 5], [90, 10]]
+    checked: list[str] = []
+
+    def verify(item: ReadItem) -> bool:
+        checked.append(item.location.node_id)
+        return bytes(item.dest) == value[10:15] + value[90:100]
+
+    dest = memoryview(bytearray(15))
+    rd = LocatedRead(info, dest, ranges, verify)
+    reads.read([rd])
+    assert rd.result == 100 and checked == ["n1", "n2"]
+    assert bytes(dest) == value[10:15] + value[90:100]
+    assert [r[1] for r in cluster.reported] == ["n1"]
+
+
+def test_an_answer_without_replicas_is_unavailable(cluster: FakeCluster) -> None:
+    reads, _ = pipeline(cluster)
+    rd = LocatedRead(ObjectInfo(10, 0, []), memoryview(bytearray(10)))
+    reads.read([rd])
+    assert isinstance(rd.result, NodeUnavailableError)
+
+
+def test_node_transports_are_refreshed_before_a_data_read_never_inside(
+    cluster: FakeCluster,
+) -> None:
+    cluster.put(b"a", b"x" * 10, nodes=("n7",))
+    reads, _ = pipeline(cluster)
+    buf = bytearray(10)
+    reads.get_into([b"a"], [memoryview(buf)])  # (FakeCluster.call asserts: not inside a read)
+    reads.get_into([b"a"], [memoryview(buf)])  # speculative: the guess is read overlapped
+    assert cluster.refreshed and all(r == {"n7"} for r in cluster.refreshed)
