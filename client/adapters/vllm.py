@@ -55,7 +55,14 @@ from kvstore import auth
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace, kv_dtype_from
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
-from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.errors import (
+    InvalidRequestError,
+    KVStoreError,
+    KVTimeoutError,
+    MasterUnavailableError,
+    NodeUnavailableError,
+    UnauthenticatedError,
+)
 from kvstore.keys import Namespace
 from kvstore.kvblocks import checksum_table_bytes
 
@@ -300,13 +307,6 @@ class _Pool:
 
 
 def _is_unreachable(err: BaseException) -> bool:
-    from kvstore.errors import (
-        KVTimeoutError,
-        MasterUnavailableError,
-        NodeUnavailableError,
-        UnauthenticatedError,
-    )
-
     return isinstance(
         err,
         MasterUnavailableError

@@ -1,0 +1,170 @@
+"""The layers of the whole tree, read from the source with ``ast`` (nothing is imported).
+
+    top      kvstore.cli, kvstore.router, kvstore.replay, kvstore.sim  (may import every layer)
+    client   kvstore.client                    master   kvstore.master
+    core     kvstore (errors, protocol, serving, node, rdma, ...), kvstore.cuda
+
+A layer imports only itself and the layers below it: the core neither the master nor the client,
+the client and the master never each other (they meet only on the wire). No module-level import
+cycle anywhere, and an import inside a function between our modules only where the list below says
+why. (The master's and the client's own finer rules: tests/master/test_layers.py,
+tests/client/test_layers.py.)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Source folder -> package (pyproject.toml's package-dir).
+FOLDERS = {"kvstore": "kvstore", "master": "kvstore.master", "client": "kvstore.client"}
+FOLDERS["cuda"] = "kvstore.cuda"
+TOP = ("kvstore.cli", "kvstore.router", "kvstore.replay", "kvstore.sim")
+ALLOWED_BELOW = {
+    "core": {"core"},
+    "client": {"core", "client"},
+    "master": {"core", "master"},
+    "top": {"core", "client", "master", "top"},
+}
+#: Imports inside functions, each with its reason: (importing module, imported module).
+LAZY_ALLOWED = {
+    # The router loads transformers (seconds); other subcommands should not wait for it.
+    ("kvstore.cli.engines", "kvstore.router.app"),
+    # These need torch, which the pool itself does not; the demo imports them when it runs.
+    ("kvstore.client.adapters.demo", "kvstore.client.adapters.models"),
+    ("kvstore.client.adapters.demo", "kvstore.client.adapters.workers"),
+    ("kvstore.client.adapters.serve", "kvstore.client"),
+    ("kvstore.client.adapters.serve", "kvstore.client.adapters.hf"),
+    ("kvstore.client.adapters.serve", "kvstore.client.adapters.fp8"),
+    ("kvstore.client.adapters.serve", "kvstore.client.adapters.models"),
+    ("kvstore.client.adapters.serve", "kvstore.client.adapters.workers"),
+}
+
+
+def _sources() -> dict[str, Path]:
+    out = {}
+    for folder, package in FOLDERS.items():
+        base = ROOT / folder
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+SOURCES = _sources()
+
+
+def layer(module: str) -> str:
+    if any(module == t or module.startswith(t + ".") for t in TOP):
+        return "top"
+    for name in ("master", "client"):
+        if module.startswith(f"kvstore.{name}"):
+            return name
+    return "core"
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:
+    """Our modules an import statement loads (``from pkg import mod`` names ``mod``)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            is_package = SOURCES[module].name == "__init__.py"
+            package = module if is_package else module.rsplit(".", 1)[0]
+            for _ in range(node.level - 1):
+                package = package.rsplit(".", 1)[0]
+            base = f"{package}.{base}" if base else package
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in SOURCES else base for a in node.names]
+    return [n for n in names if n in SOURCES and n != module]
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _walk(module: str) -> tuple[set[str], set[str], set[str]]:
+    """(imported at module level, only for type checking, inside a function or class)."""
+    tree = ast.parse(SOURCES[module].read_text(), filename=str(SOURCES[module]))
+    top: set[str] = set()
+    typing_only: set[str] = set()
+    nested: set[str] = set()
+
+    def visit(node: ast.AST, inside: bool, checking: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                found = _targets(child, module)
+                (typing_only if checking else nested if inside else top).update(found)
+            scoped = isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            guarded = isinstance(child, ast.If) and _is_type_checking(child.test)
+            visit(child, inside or scoped, checking or guarded)
+
+    visit(tree, False, False)
+    return top, typing_only, nested
+
+
+GRAPH = {m: _walk(m) for m in SOURCES}
+
+
+def test_the_tree_is_found() -> None:
+    assert {"kvstore.protocol", "kvstore.master.service", "kvstore.client.client"} <= set(SOURCES)
+    assert "kvstore.cli" in SOURCES and "kvstore.sim" in SOURCES
+
+
+@pytest.mark.parametrize("module", sorted(SOURCES))
+def test_a_module_imports_only_its_layer_and_those_below(module: str) -> None:
+    if module == "kvstore.__main__":
+        return  # ``python -m kvstore``: the entry point is the CLI
+    top, typing_only, nested = GRAPH[module]
+    upward = sorted(
+        t for t in top | typing_only | nested if layer(t) not in ALLOWED_BELOW[layer(module)]
+    )
+    assert not upward, f"{module} ({layer(module)}) imports above its layer: {upward}"
+
+
+def test_no_import_inside_a_function_without_a_reason() -> None:
+    lazy = {(m, t) for m, (_, _, nested) in GRAPH.items() for t in nested}
+    assert not lazy - LAZY_ALLOWED, sorted(lazy - LAZY_ALLOWED)
+
+
+def test_no_module_level_import_cycle() -> None:
+    """Tarjan's strongly connected components over module-level imports (type-checking-only
+    imports cannot cycle at run time and are left out)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v][0]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            connect(v)
+    assert not cycles, cycles
