@@ -7,6 +7,7 @@ listening socket and a thread in this test) answers where it must misbehave.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -514,6 +515,27 @@ def test_pool_closes_connections_past_what_it_keeps(node: Node) -> None:
         assert conn.sock.fileno() != -1 and extra.sock.fileno() == -1
     finally:
         pool.close()
+
+
+def test_pool_replaces_an_idle_connection_its_node_closed() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        ep = ("127.0.0.1", listener.getsockname()[1])
+        pool = NodePool(timeout=WAIT_S)
+        try:
+            conn, _ = pool.acquire(ep)
+            peer, _ = listener.accept()
+            peer.close()  # the node's idle timeout fired
+            poller = select.poll()
+            poller.register(conn.sock, select.POLLIN)
+            assert poller.poll(WAIT_S * 1000), "the hang-up never arrived"
+            pool.release(ep, conn)
+            fresh, reused = pool.acquire(ep)
+            assert not reused and fresh is not conn and pool.num_connects == 2
+            assert conn.sock.fileno() == -1, "the dead one is closed, not kept"
+            listener.accept()[0].close()
+            fresh.close()
+        finally:
+            pool.close()
 
 
 def test_pool_to_nothing_raises_node_unavailable() -> None:
