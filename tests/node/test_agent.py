@@ -42,9 +42,10 @@ class Scripted:
 class FakeMaster:
     """A listening socket that answers ``register`` and ``heartbeat`` like a master would.
 
-    Every call lands in :attr:`calls`; :meth:`script` queues the answers (or errors) of the
-    next calls of a verb, which otherwise answer a short heartbeat interval (``register``) or
-    ``{}`` (``heartbeat``). ``hang_up`` closes the connection after the next answer.
+    Every call lands in :attr:`calls`, its args with ``_conn`` added (the connection's number,
+    from 1); :meth:`script` queues the answers (or errors) of the next calls of a verb, which
+    otherwise answer a short heartbeat interval (``register``) or ``{}`` (``heartbeat``).
+    ``hang_up`` closes the connection after the next answer.
     """
 
     def __init__(self) -> None:
@@ -72,7 +73,7 @@ class FakeMaster:
             except OSError:
                 return
             self.num_connections += 1
-            t = threading.Thread(target=self._serve, args=(sock,), daemon=True)
+            t = threading.Thread(target=self._serve, args=(sock, self.num_connections), daemon=True)
             self._threads.append(t)
             t.start()
 
@@ -90,7 +91,7 @@ class FakeMaster:
         scripted.seq = seq
         return scripted.answer, scripted
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, conn_number: int) -> None:
         fs = protocol.FramedSocket(sock)
         try:
             while not self._stopped.is_set():
@@ -98,7 +99,7 @@ class FakeMaster:
                 req = protocol.decode_request(fs.read_body(header))
                 with self._arrived:
                     seq = len(self.calls)
-                    self.calls.append((req.verb, req.args))
+                    self.calls.append((req.verb, {**req.args, "_conn": conn_number}))
                     self._arrived.notify_all()
                 answer, sent = self._answer(req.verb, seq)
                 if isinstance(answer, KVStoreError):
@@ -344,5 +345,62 @@ def test_an_unreachable_master_leaves_the_node_unregistered(rig: NodeRig) -> Non
     link.start()
     try:
         assert not link.registered.wait(0.3)
+    finally:
+        link.stop()
+
+
+# ---------------------------------------------------------------- with a resolver (HA)
+class Leader:
+    """The resolver of an HA node: the leader's address and epoch, as etcd would name them."""
+
+    def __init__(self, master: FakeMaster, epoch: int) -> None:
+        self.master = master
+        self.epoch = epoch
+
+    def __call__(self) -> tuple[Address, int]:
+        return self.master.address, self.epoch
+
+
+def ha_link(rig: NodeRig, leader: Leader) -> MasterLink:
+    return MasterLink(
+        leader.master.address, "node-a", "h", rig.server, rig.segments, resolver=leader
+    )
+
+
+def test_an_ha_registration_claims_only_what_reads_back_intact(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    intact = rig.put_dram(0, b"intact", b"these bytes hold")
+    rig.put_dram(64, b"torn", b"overwritten later")
+    rig.arena.view[64:68] = b"XXXX"  # a newer allocation wrote over part of it
+    link = ha_link(rig, Leader(master, 7))
+    link.start()
+    try:
+        args = master.next_call("register")
+    finally:
+        link.stop()
+    assert args["epoch"] == 7
+    assert [StoredObject.from_wire(c) for c in args["manifest"]] == [intact]
+    assert rig.server.manifest.objects() == [intact], "the torn record is forgotten"
+
+
+def test_the_same_leader_is_resumed_a_new_one_registered_with_a_new_secret(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    leader = Leader(master, 7)
+    link = ha_link(rig, leader)
+    link.start()
+    try:
+        first = master.next_call("register")
+        master.hang_up.set()  # the connection drops; the leader stays
+        beat = master.next_call("heartbeat", lambda a: a["_conn"] == 2)
+        assert beat["epoch"] == 7
+        assert [v for v, _ in master.calls].count("register") == 1, "resumed, not re-registered"
+        leader.epoch = 8  # a failover: the next connection finds a new term
+        master.hang_up.set()
+        second = master.next_call("register")
+        assert second["epoch"] == 8
+        assert second["secret"] != first["secret"], "grants of the deposed leader open nothing"
+        assert master.next_call("heartbeat")["epoch"] == 8
     finally:
         link.stop()
