@@ -1,0 +1,142 @@
+"""Rebuilding the prefix index after a failover (kvstore.master.prefix_restore): prompt metas
+read from a real data server with grants the master signs, kept only when intact, and the
+backlog of metas not yet indexed."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvstore import auth, grants
+from kvstore.keys import Namespace
+from kvstore.kvblocks import encode_prompt_meta
+from kvstore.manifest import StoredObject
+from kvstore.master.prefix_restore import PromptMetaBacklog, fetch_objects
+from kvstore.node.arena import ShmArena
+from kvstore.node.server import DataServer
+from kvstore.types import Location, ObjectInfo
+
+TOKEN = "prefix-restore-test-token-0123"
+NS = Namespace(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
+
+
+@pytest.fixture(params=[None, TOKEN], ids=["open", "token"])
+def token(request: pytest.FixtureRequest) -> auth.Token | None:
+    return None if request.param is None else auth.Token(request.param)
+
+
+@pytest.fixture
+def server(tmp_path: Path, token: auth.Token | None) -> Iterator[DataServer]:
+    arena = ShmArena(tmp_path / "arena", 1 << 16, prefault=False)
+    srv = DataServer({"dram": arena}, grants.new_secret(), token=token)
+    srv.start()
+    yield srv
+    srv.stop()
+    arena.close()
+
+
+def store(server: DataServer, key: bytes, offset: int, data: bytes) -> ObjectInfo:
+    """Put ``data`` on the node and return the master's answer for it (with a read grant)."""
+    checksum = xxhash.xxh3_64_intdigest(data)
+    obj = StoredObject("dram", offset, key, len(data), checksum, 1)
+    assert server.store_objects("dram", [(obj, memoryview(data))]) == [None]
+    return info_for(server, key, offset, len(data), checksum)
+
+
+def info_for(
+    server: DataServer,
+    key: bytes,
+    offset: int,
+    size: int,
+    checksum: int,
+    *,
+    secret: bytes | None = None,
+    expires_ms: int | None = None,
+    port: int | None = None,
+) -> ObjectInfo:
+    expires = expires_ms if expires_ms is not None else int(time.time() * 1000) + 60_000
+    grant = grants.sign(secret or server.secret, grants.OP_READ, key, "dram", offset, size, expires)
+    loc = Location("n1", server.host, port or server.port, grant)
+    return ObjectInfo(size, checksum, [loc])
+
+
+def meta(tokens: list[int]) -> bytes:
+    return encode_prompt_meta(NS.to_dict(), np.array(tokens, dtype=np.uint32))
+
+
+def test_intact_objects_are_read(server: DataServer, token: auth.Token | None) -> None:
+    a, b = meta([1, 2, 3, 4]), meta([9] * 8)
+    infos = [(b"kvmeta/a", store(server, b"kvmeta/a", 0, a))]
+    infos.append((b"kvmeta/b", store(server, b"kvmeta/b", 4096, b)))
+    assert fetch_objects(infos, token) == {b"kvmeta/a": a, b"kvmeta/b": b}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_what_cannot_be_read_intact_is_left_out(
+    server: DataServer, token: auth.Token | None
+) -> None:
+    good = meta([5, 6, 7, 8])
+    good_info = store(server, b"good", 0, good)
+    other = store(server, b"other", 4096, b"other bytes")
+    ck = other.checksum
+    infos = [
+        (b"checksum", info_for(server, b"other", 4096, 11, ck ^ 1)),  # bytes do not match
+        (b"forged", info_for(server, b"other", 4096, 11, ck, secret=b"f" * 32)),
+        (b"expired", info_for(server, b"other", 4096, 11, ck, expires_ms=1)),
+        (b"gone", info_for(server, b"other", 4096, 11, ck, port=_closed_port())),
+        (b"good", good_info),  # still read after all the failures before it
+    ]
+    assert fetch_objects(infos, token) == {b"good": good}
+
+
+def test_a_node_that_wants_a_token_gives_nothing_without_it(tmp_path: Path) -> None:
+    arena = ShmArena(tmp_path / "arena", 1 << 16, prefault=False)
+    srv = DataServer({"dram": arena}, grants.new_secret(), token=auth.Token(TOKEN))
+    srv.start()
+    try:
+        info = store(srv, b"k", 0, meta([1, 2, 3, 4]))
+        assert fetch_objects([(b"k", info)], None) == {}
+        assert fetch_objects([(b"k", info)], auth.Token(TOKEN)) != {}
+    finally:
+        srv.stop()
+        arena.close()
+
+
+# ---------------------------------------------------------------- the backlog
+def test_the_backlog_decodes_what_was_fetched() -> None:
+    backlog = PromptMetaBacklog()
+    assert not backlog
+    backlog.to_fetch.update({b"a", b"b", b"c"})
+    assert backlog
+    backlog.add_fetched({b"a": meta([1, 2, 3, 4, 5]), b"b": b"\xc1 not msgpack"})
+    assert backlog.to_fetch == {b"c"}, "fetched, whether good or bad, is not fetched again"
+    assert set(backlog.incomplete) == {b"a"}, "a bad meta is dropped"
+    namespace, tokens = backlog.incomplete[b"a"]
+    assert namespace == NS and tokens.tolist() == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        encode_prompt_meta({"model": "m"}, np.array([1], dtype=np.uint32)),  # bad namespace
+        meta([1])[:-1],  # cut short
+    ],
+    ids=["empty", "bad-namespace", "truncated"],
+)
+def test_a_bad_meta_never_reaches_the_index(raw: bytes) -> None:
+    backlog = PromptMetaBacklog()
+    backlog.to_fetch.add(b"x")
+    backlog.add_fetched({b"x": raw})
+    assert not backlog and backlog.incomplete == {}
