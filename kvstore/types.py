@@ -66,9 +66,12 @@ class PutTicket:
 
     @staticmethod
     def from_wire(obj: Any) -> PutTicket:
-        if not isinstance(obj, list) or len(obj) != 2:
-            raise ProtocolError("put ticket must be [put_id, locations]")
-        return PutTicket(int(obj[0]), [Location.from_wire(x) for x in obj[1]])
+        """Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
+        if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not int:
+            raise ProtocolError("put ticket must be [put_id: int, locations]")
+        if type(obj[1]) is not list:
+            raise ProtocolError("a put ticket's locations must be a list")
+        return PutTicket(obj[0], [Location.from_wire(x) for x in obj[1]])
 
 
 @dataclass(slots=True)
@@ -93,12 +96,18 @@ class ObjectInfo:
 
     @staticmethod
     def from_wire(obj: Any) -> ObjectInfo:
-        if not isinstance(obj, list) or len(obj) not in (3, 4):
+        """Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
+        if type(obj) is not list or len(obj) not in (3, 4):
             raise ProtocolError("object info must be [size, checksum, locations(, lease)]")
+        size, checksum, locations = obj[0], obj[1], obj[2]
+        if type(size) is not int or type(checksum) is not int or size < 0 or checksum < 0:
+            raise ProtocolError("an object's size and checksum must be unsigned integers")
+        if type(locations) is not list:
+            raise ProtocolError("an object's locations must be a list")
         lease = obj[3] if len(obj) == 4 else 0
-        if not isinstance(lease, int) or isinstance(lease, bool) or lease < 0:
+        if type(lease) is not int or lease < 0:
             raise ProtocolError("an object's lease token must be an unsigned integer")
-        return ObjectInfo(int(obj[0]), int(obj[1]), [Location.from_wire(x) for x in obj[2]], lease)
+        return ObjectInfo(size, checksum, [Location.from_wire(x) for x in locations], lease)
 
 
 #: A storage node's state, one vocabulary for every report of it (``/api/v1/nodes``,

@@ -100,6 +100,13 @@ GRANT_WIRE = ["r", b"k", "dram", 0, 4, 1, b"s" * 16]
         (ObjectInfo.from_wire, [1, 2, [], -1], ProtocolError),  # a negative lease
         (ObjectInfo.from_wire, [1, 2, [], True], ProtocolError),
         (ObjectInfo.from_wire, [1, 2, [], 1, 5], ProtocolError),
+        # a master (or something posing as one) that sends numbers of the wrong type
+        (PutTicket.from_wire, ["7", []], ProtocolError),
+        (PutTicket.from_wire, [7, None], ProtocolError),
+        (ObjectInfo.from_wire, ["big", 2, []], ProtocolError),
+        (ObjectInfo.from_wire, [1, 2.5, []], ProtocolError),
+        (ObjectInfo.from_wire, [1, 2, None], ProtocolError),
+        (ObjectInfo.from_wire, [-1, 2, []], ProtocolError),
         (SegmentSpec.from_wire, ["dram", "dram", "big", ""], ProtocolError),
         (SegmentSpec.from_wire, ["dram", "dram", 1], ProtocolError),
     ],
