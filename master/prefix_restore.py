@@ -48,7 +48,15 @@ def fetch_objects(
             req_id = conn.send_request("read", {"items": [[loc.grant.to_wire(), None]]})
             response, payload_len = conn.read_response()
             result = response.unwrap()
-            if response.req_id != req_id or result[0][0] != 0 or payload_len != info.size:
+            if (
+                response.req_id != req_id
+                or type(result) is not list
+                or len(result) != 1
+                or type(result[0]) is not list
+                or not result[0]
+                or result[0][0] != 0
+                or payload_len != info.size
+            ):
                 log.warning("prefix restore: could not read %r", key[:64])
                 continue
             raw = conn.recv_exact(payload_len)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore import auth, grants
+from kvstore import auth, grants, protocol
 from kvstore.keys import Namespace
 from kvstore.kvblocks import encode_prompt_meta
 from kvstore.manifest import StoredObject
@@ -110,6 +110,31 @@ def test_a_node_that_wants_a_token_gives_nothing_without_it(tmp_path: Path) -> N
         assert fetch_objects([(b"k", info)], auth.Token(TOKEN)) != {}
     finally:
         srv.stop()
+        arena.close()
+
+
+@pytest.mark.parametrize("reply", [7, [], [7], [[]], None], ids=repr)
+def test_a_node_answering_a_read_out_of_shape_is_left_out_and_the_rest_read(
+    server: DataServer, token: auth.Token | None, reply: object, tmp_path: Path
+) -> None:
+    """A node that answers ``read`` with a result of the wrong shape costs its own object, not
+    the batch (the keys of a batch leave the backlog before the fetch, so an escaping error would
+    lose every one of them)."""
+    good = meta([1, 2, 3, 4])
+    good_info = store(server, b"good", 0, good)
+    arena = ShmArena(tmp_path / "odd-arena", 1 << 16, prefault=False)
+    odd = DataServer({"dram": arena}, grants.new_secret(), token=token)
+
+    def out_of_shape(fs: protocol.FramedSocket, req: protocol.Request, *_: object) -> None:
+        fs.send_frame(protocol.encode_response(req.req_id, reply))
+
+    odd.register_verb("read", out_of_shape)
+    odd.start()
+    try:
+        odd_info = info_for(odd, b"odd", 0, 4, 1)
+        assert fetch_objects([(b"odd", odd_info), (b"good", good_info)], token) == {b"good": good}
+    finally:
+        odd.stop()
         arena.close()
 
 
