@@ -124,6 +124,8 @@ class LocationCache:
                 for k, info in zip(keys, infos, strict=True):
                     if isinstance(info, ObjectInfo) and info.locations:
                         old = self._infos.get(k)
+                        if old is None and len(self._infos) >= self.max_entries:
+                            continue  # a batch larger than the bound: used once, not kept
                         self._infos[k] = (info, lease_until)
                         if owns:
                             taken.add(info.lease)
