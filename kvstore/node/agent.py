@@ -89,8 +89,10 @@ class MasterLink:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the link (bounded); a link never started has nothing to stop."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     def _verified_manifest(self) -> list[list[object]]:
         claims = self.server.manifest.objects()

@@ -404,3 +404,9 @@ def test_the_same_leader_is_resumed_a_new_one_registered_with_a_new_secret(
         assert master.next_call("heartbeat")["epoch"] == 8
     finally:
         link.stop()
+
+
+def test_a_link_never_started_stops_quietly(rig: NodeRig, master: FakeMaster) -> None:
+    """A node that fails between building its master link and starting it still shuts down."""
+    rig.link.stop()
+    assert master.num_connections == 0
