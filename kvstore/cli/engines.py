@@ -181,6 +181,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         pool_events=not args.no_pool_events,
         engine_events=tuple(_engine_events(v) for v in args.engine_events),
         policy=args.policy,
+        discover=args.discover,
+        discover_prefix=args.discover_prefix,
     )
     run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -314,6 +316,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         choices=("cache-aware", "round-robin", "least-loaded"),
         help="how the prefill (kv_both) engine is chosen: by predicted TTFT (cache-aware), or a "
         "baseline; SLO admission is the same for all",
+    )
+    p.add_argument(
+        "--discover",
+        default=None,
+        metavar="etcd://HOST:PORT[,HOST:PORT]",
+        help="also route to the engines registered in this etcd (added and removed live)",
+    )
+    p.add_argument(
+        "--discover-prefix",
+        default=DEFAULT_ENGINES_PREFIX,
+        help="the engine registry's prefix in etcd",
     )
     p.set_defaults(func=cmd_router)
 
