@@ -55,6 +55,7 @@ from kvstore import auth
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace, kv_dtype_from
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
+from kvstore.engine_registry import EngineAnnouncer
 from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
@@ -419,6 +420,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._save_staging: torch.Tensor | None = None
         self._save_runs: list[tuple[int, int, int]] = []
         self._save_futures: list[Future[None]] = []
+        # The scheduler side exists once per engine (the workers once per rank): it alone
+        # registers the engine, so a router sees one registration per engine.
+        self._announcer: EngineAnnouncer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._announcer = self._start_announcer(vllm_config, ktc.kv_role)
         logger.info(
             "kvstore connector: role %s, pool %s, namespace %s (block size %d, %s loads)",
             ktc.kv_role,
@@ -427,6 +433,37 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._block_size,
             self._cfg.load_mode,
         )
+
+    def _start_announcer(self, vllm_config: VllmConfig, kv_role: str) -> EngineAnnouncer | None:
+        """Register the engine in etcd (``advertise_url``) from a background thread: etcd
+        being down never holds vLLM; the announcer logs once and retries."""
+        events = vllm_config.kv_events_config
+        endpoint = (
+            events.endpoint
+            if events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+            else None
+        )
+        served = vllm_config.model_config.served_model_name
+        if isinstance(served, list):
+            served = served[0] if served else None
+        record = self._cfg.engine_record(kv_role, served, self._block_size, endpoint)
+        endpoints = self._cfg.registry_endpoints
+        if record is None or endpoints is None:
+            return None
+        announcer = EngineAnnouncer(
+            endpoints,
+            record,
+            prefix=self._cfg.engines_prefix,
+            instance=self._cfg.engine_instance,
+            ttl_s=self._cfg.engine_ttl_s,
+        )
+        logger.info(
+            "kvstore connector: registering %s (%s) in etcd under %s",
+            record.url,
+            record.role,
+            self._cfg.engines_prefix,
+        )
+        return announcer.start()
 
     # ---------------------------------------------------------------- stats
     @classmethod
@@ -888,6 +925,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._announcer is not None:  # a clean stop: the registration goes at once
+            self._announcer.stop()
+            self._announcer = None
         self._io.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._pool.close()
