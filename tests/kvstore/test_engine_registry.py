@@ -112,7 +112,10 @@ def test_announcer_arguments_are_checked() -> None:
             EngineAnnouncer(ep, rec, **kwargs)
 
 
-def test_register_then_revoke_on_stop(etcd: EtcdProcess, announcers) -> None:  # noqa: F811
+def test_register_then_revoke_on_stop(
+    etcd: EtcdProcess,  # noqa: F811
+    announcers: list[EngineAnnouncer],
+) -> None:
     rec = EngineRecord(URL, "decode", model="smollm2", block_size=32)
     a = EngineAnnouncer(parse_endpoints(etcd.endpoint), rec, instance="d0", ttl_s=30)
     announcers.append(a)
@@ -128,7 +131,7 @@ def test_register_then_revoke_on_stop(etcd: EtcdProcess, announcers) -> None:  #
 
 def test_default_instance_is_the_lease_id_and_two_engines_coexist(
     etcd: EtcdProcess,  # noqa: F811
-    announcers,
+    announcers: list[EngineAnnouncer],
 ) -> None:
     for url in (URL, "http://127.0.0.1:8102"):
         a = EngineAnnouncer(parse_endpoints(etcd.endpoint), EngineRecord(url, "both"), ttl_s=10)
@@ -200,7 +203,7 @@ def test_sidecar_refuses_bad_values_before_touching_etcd(etcd: EtcdProcess) -> N
 
 def test_an_outage_longer_than_the_ttl_registers_again(
     etcd: EtcdProcess,  # noqa: F811
-    announcers,
+    announcers: list[EngineAnnouncer],
 ) -> None:
     """etcd frozen past the lease's TTL: the lease expires; the engine kept serving meanwhile
     and its announcer registers it again once etcd answers."""

@@ -20,10 +20,13 @@ from typing import Any
 
 import aetcd
 import pytest
+from prometheus_client import generate_latest
 
 from kvstore.engine_registry import EngineRecord, RegisteredEngine
+from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, parse_endpoints
 from kvstore.processes import parse_ready, terminate
+from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.discovery import EngineDiscovery
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
 from tests.router.rig import metric
@@ -235,3 +238,50 @@ def test_engines_come_and_go_through_etcd(etcd: EtcdProcess, router: str) -> Non
     finally:
         for proc in sidecars:
             terminate(proc)
+
+
+# ---------------------------------------------------------------- the router's engine set
+def _reg(key: str, url: str, role: str) -> RegisteredEngine:
+    return RegisteredEngine(key, EngineRecord(url, role), 1)
+
+
+def test_the_engine_set_follows_registrations_and_keeps_static_engines() -> None:
+    state = RouterState(RouterConfig(engines=("http://s:1",), discover="etcd://127.0.0.1:2379"))
+    assert state.sources == {"http://s:1": "static"} and not state.disaggregated
+    # A registered static URL stays one static engine; its key's removal does not remove it.
+    state.add_discovered(_reg("/kvstore/engines/both/x", "http://s:1", "both"))
+    state.remove_discovered(_reg("/kvstore/engines/both/x", "http://s:1", "both"))
+    assert [e.url for e in state.engines] == ["http://s:1"]
+    # One URL under two keys is one engine, until its last key goes.
+    a, b = _reg("/p/both/a", "http://e:2/", "both"), _reg("/p/both/b", "http://e:2", "both")
+    state.add_discovered(a)
+    state.add_discovered(b)
+    assert [e.url for e in state.engines] == ["http://s:1", "http://e:2"]
+    assert state.sources["http://e:2"] == "etcd"
+    state.remove_discovered(a)
+    assert "http://e:2" in state.by_url
+    state.remove_discovered(b)
+    assert [e.url for e in state.engines] == ["http://s:1"] and "http://e:2" not in state.sources
+    text = generate_latest(state.metrics.registry).decode()
+    assert 'instance="http://e:2"' not in text and 'instance="http://s:1"' in text
+
+
+def test_the_mode_follows_the_discovered_roles() -> None:
+    state = RouterState(RouterConfig(discover="etcd://127.0.0.1:2379"))
+    assert not state.disaggregated and state.engines == []
+    state.add_discovered(_reg("/k/both/a", "http://a:1", "both"))
+    assert not state.disaggregated
+    state.add_discovered(_reg("/k/decode/b", "http://b:1", "decode"))
+    assert state.disaggregated  # P/D; the kv_both engine serves either step
+    assert {e.url for e in state.role_engines("both")} == {"http://a:1"}
+    state.remove_discovered(_reg("/k/decode/b", "http://b:1", "decode"))
+    assert not state.disaggregated
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"discover": "etcd://"}, {"discover": "etcd://h:1", "discover_prefix": "engines"}],
+)
+def test_router_config_needs_engines_or_a_valid_registry(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError):
+        RouterConfig(**kwargs)
