@@ -29,6 +29,8 @@ Mapping (see docs/adapters.md, "vLLM"):
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -425,6 +427,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._announcer: EngineAnnouncer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._announcer = self._start_announcer(vllm_config, ktc.kv_role)
+            if self._announcer is not None:
+                self._revoke_on_signal()
         logger.info(
             "kvstore connector: role %s, pool %s, namespace %s (block size %d, %s loads)",
             ktc.kv_role,
@@ -464,6 +468,31 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._cfg.engines_prefix,
         )
         return announcer.start()
+
+    def _revoke_on_signal(self) -> None:
+        """Revoke the registration on the first SIGTERM / SIGINT, then let vLLM's handler run.
+
+        Why not only in :meth:`shutdown`: vLLM 0.32's engine core resets these signals to their
+        default action before it tears down, and its API server signals it again, so a stop
+        by signal kills the process before the connectors' ``shutdown`` runs. The revocation
+        is bounded (1 s); a later kill leaves the key to its lease.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may install handlers; the lease still expires
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                announcer = self._announcer
+                if announcer is not None:
+                    announcer.stop(timeout=1.0)
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:  # what would have happened without us
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            signal.signal(sig, handler)
 
     # ---------------------------------------------------------------- stats
     @classmethod
