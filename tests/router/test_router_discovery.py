@@ -17,6 +17,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,15 +73,29 @@ def _chat(base: str) -> str:
     return answer.choices[0].message.content or ""
 
 
-def test_a_vllm_engine_registers_is_routed_to_and_leaves_when_killed(tmp_path: Path) -> None:
-    etcd = EtcdProcess(tmp_path / "etcd")
-    pool = HACluster(tmp_path, etcd)
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HACluster]:
+    """etcd, a master elected in it and a node that finds the master through it."""
+    tmp = Path(tmp_path_factory.mktemp("discovery"))
+    etcd = EtcdProcess(tmp / "etcd")
+    cluster = HACluster(tmp, etcd)
+    try:
+        cluster.add_master()
+        cluster.leader()
+        cluster.add_node("1GiB")
+        yield cluster
+    finally:
+        cluster.stop()
+        etcd.stop()
+
+
+def test_a_vllm_engine_registers_is_routed_to_and_leaves_when_killed(
+    pool: HACluster, tmp_path: Path
+) -> None:
+    etcd = pool.etcd
     server: VLLMServer | None = None
     router_proc = None
     try:
-        pool.add_master()
-        pool.leader()
-        pool.add_node("1GiB")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         kv = kv_config("kv_both", etcd.url, advertise_url=url, engine_ttl_s=TTL_S)
@@ -137,5 +152,41 @@ def test_a_vllm_engine_registers_is_routed_to_and_leaves_when_killed(tmp_path: P
             terminate(router_proc)
         if server is not None:
             server.stop()
-        pool.stop()
-        etcd.stop()
+
+
+def test_a_vllm_engine_stopped_cleanly_revokes_its_registration(
+    pool: HACluster, tmp_path: Path
+) -> None:
+    """SIGTERM to the server: the connector revokes its lease on the signal; the key goes long
+    before its 60 s TTL could have expired it. ``--shutdown-timeout 10`` makes this
+    deterministic: with vLLM's default (0) its API server SIGKILLs the engine core right after
+    signalling it, a race the revocation usually wins and otherwise leaves to the lease."""
+    port = free_port()
+    kv = kv_config(
+        "kv_producer",
+        pool.etcd.url,
+        advertise_url=f"http://127.0.0.1:{port}",
+        engine_instance="p0",
+        engine_ttl_s=60,
+    )
+    server = VLLMServer(
+        tmp_path / "p.log",
+        kv,
+        cpu=0,
+        prefix_caching=False,
+        port=port,
+        extra_args=["--shutdown-timeout", "10"],
+    )
+    try:
+        server.wait_ready()
+        assert list(_registry(pool.etcd)) == ["/kvstore/engines/prefill/p0"]
+        server.signal_group(signal.SIGTERM)
+        server.proc.wait(timeout=60)
+        wait_until(
+            lambda: not _registry(pool.etcd),
+            timeout=20,
+            interval=0.1,
+            what="the revocation (the lease itself would last 60 s)",
+        )
+    finally:
+        server.stop()
