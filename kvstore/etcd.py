@@ -55,6 +55,19 @@ class WatchEvent:
     kv: KeyValue
 
 
+class WatchCompactedError(EtcdUnavailableError):
+    """A watch asked to resume from a revision etcd has compacted away: the events in between
+    are lost, so the watcher must list the keys again (a snapshot) and watch from there.
+
+    Attributes:
+        compacted_revision: the oldest revision etcd still holds.
+    """
+
+    def __init__(self, compacted_revision: int) -> None:
+        super().__init__(f"etcd compacted the watched history up to {compacted_revision}")
+        self.compacted_revision = compacted_revision
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     lease_id: int
@@ -145,6 +158,8 @@ class EtcdWatch:
             if self_cancelled():
                 raise
             raise EtcdUnavailableError("etcd watch broke: its channel closed") from None
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            raise WatchCompactedError(int(exc.compacted_revision)) from None
         except (aetcd.ClientError, OSError, RuntimeError, ValueError) as exc:
             raise EtcdUnavailableError(f"etcd watch broke: {type(exc).__name__}") from None
 
@@ -246,6 +261,9 @@ class EtcdStore:
             # grpc cancelled the call under us (its channel closed): a failure of etcd's link.
             await self._drop(client)
             raise EtcdUnavailableError(f"etcd {ep} failed during {what}: call cancelled") from None
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            # etcd answered: the link is fine, only the history asked for is gone.
+            raise WatchCompactedError(int(exc.compacted_revision)) from None
         except (aetcd.ClientError, TimeoutError, OSError) as exc:
             await self._drop(client)
             raise EtcdUnavailableError(
@@ -271,6 +289,15 @@ class EtcdStore:
     async def get_prefix(self, prefix: bytes) -> list[KeyValue]:
         got = await self._call("get_prefix", lambda c: c.get_prefix(prefix))
         return [_kv(kv) for kv in got]
+
+    async def get_prefix_at(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` and the revision they were read at.
+
+        Why the revision: a watch started at ``revision + 1`` sees exactly the changes after
+        this listing, none missed and none twice.
+        """
+        got = await self._call("get_prefix", lambda c: c.get_prefix(prefix))
+        return [_kv(kv) for kv in got], int(got.header.revision)
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
         await self._call("put", lambda c: c.put(key, value, lease=lease or None))

@@ -32,6 +32,7 @@ READY_PREFIXES = {
     "up": "kvstore up: ready",
     "router": "kvstore router: ready",
     "proxy": "kvstore proxy: ready",
+    "engine": "kvstore engine: registered",
 }
 
 

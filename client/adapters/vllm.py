@@ -29,6 +29,8 @@ Mapping (see docs/adapters.md, "vLLM"):
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -55,6 +57,7 @@ from kvstore import auth
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace, kv_dtype_from
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
+from kvstore.engine_registry import EngineAnnouncer
 from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
@@ -419,6 +422,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._save_staging: torch.Tensor | None = None
         self._save_runs: list[tuple[int, int, int]] = []
         self._save_futures: list[Future[None]] = []
+        # The scheduler side exists once per engine (the workers once per rank): it alone
+        # registers the engine, so a router sees one registration per engine.
+        self._announcer: EngineAnnouncer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._announcer = self._start_announcer(vllm_config, ktc.kv_role)
+            if self._announcer is not None:
+                self._revoke_on_signal()
         logger.info(
             "kvstore connector: role %s, pool %s, namespace %s (block size %d, %s loads)",
             ktc.kv_role,
@@ -427,6 +437,62 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._block_size,
             self._cfg.load_mode,
         )
+
+    def _start_announcer(self, vllm_config: VllmConfig, kv_role: str) -> EngineAnnouncer | None:
+        """Register the engine in etcd (``advertise_url``) from a background thread: etcd
+        being down never holds vLLM; the announcer logs once and retries."""
+        events = vllm_config.kv_events_config
+        endpoint = (
+            events.endpoint
+            if events is not None and events.enable_kv_cache_events and events.publisher == "zmq"
+            else None
+        )
+        served = vllm_config.model_config.served_model_name
+        if isinstance(served, list):
+            served = served[0] if served else None
+        record = self._cfg.engine_record(kv_role, served, self._block_size, endpoint)
+        endpoints = self._cfg.registry_endpoints
+        if record is None or endpoints is None:
+            return None
+        announcer = EngineAnnouncer(
+            endpoints,
+            record,
+            prefix=self._cfg.engines_prefix,
+            instance=self._cfg.engine_instance,
+            ttl_s=self._cfg.engine_ttl_s,
+        )
+        logger.info(
+            "kvstore connector: registering %s (%s) in etcd under %s",
+            record.url,
+            record.role,
+            self._cfg.engines_prefix,
+        )
+        return announcer.start()
+
+    def _revoke_on_signal(self) -> None:
+        """Revoke the registration on the first SIGTERM / SIGINT, then let vLLM's handler run.
+
+        Why not only in :meth:`shutdown`: vLLM 0.32's engine core resets these signals to their
+        default action before it tears down, and its API server signals it again, so a stop
+        by signal kills the process before the connectors' ``shutdown`` runs. The revocation
+        is bounded (1 s); a later kill leaves the key to its lease.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may install handlers; the lease still expires
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                announcer = self._announcer
+                if announcer is not None:
+                    announcer.stop(timeout=1.0)
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:  # what would have happened without us
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            signal.signal(sig, handler)
 
     # ---------------------------------------------------------------- stats
     @classmethod
@@ -888,6 +954,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        if self._announcer is not None:  # a clean stop: the registration goes at once
+            self._announcer.stop()
+            self._announcer = None
         self._io.shutdown(wait=True)
         self._saver.shutdown(wait=True)
         self._pool.close()

@@ -9,12 +9,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.config import Address
+from kvstore.engine_registry import (
+    DEFAULT_ENGINE_TTL_S,
+    DEFAULT_ENGINES_PREFIX,
+    KV_ROLE_TO_ROLE,
+    EngineRecord,
+    check_prefix,
+    engine_key,
+)
 from kvstore.errors import InvalidRequestError
+from kvstore.etcd import is_etcd_url, parse_endpoints
 from kvstore.keys import Namespace
 
 #: Extra-config keys the connector understands (anything else is refused: a typo must not
 #: silently run without, say, the salt).
-CONFIG_KEYS = frozenset({"master", "token_file", "salt", "load_mode", "timeout_s", "retry_s"})
+CONFIG_KEYS = frozenset(
+    {
+        "master",
+        "token_file",
+        "salt",
+        "load_mode",
+        "timeout_s",
+        "retry_s",
+        "advertise_url",
+        "etcd",
+        "engines_prefix",
+        "engine_instance",
+        "engine_ttl_s",
+    }
+)
 LOAD_MODES = ("layer", "async")
 #: The default: bench/bench_vllm.py found layer-wise loads faster at 2K tokens 100% cached in
 #: every run here (other cells within the noise of a shared 2-core machine; docs/adapters.md).
@@ -112,6 +136,13 @@ class ConnectorConfig:
             between steps, ``load_async=True``).
         timeout_s: seconds any one pool call may wait.
         retry_s: seconds to serve without the pool after it failed, before trying it again.
+        advertise_url: the engine's OpenAI URL as a router reaches it; given, the scheduler
+            side registers the engine in etcd (:mod:`kvstore.engine_registry`).
+        etcd: the registry's etcd ``HOST:PORT[,...]`` (default: the master's, when it is
+            ``etcd://``).
+        engines_prefix: the registry's prefix in etcd.
+        engine_instance: the registration's name (default: its lease id).
+        engine_ttl_s: the registration's lease TTL in seconds.
     """
 
     master: str
@@ -120,6 +151,56 @@ class ConnectorConfig:
     load_mode: str = DEFAULT_LOAD_MODE
     timeout_s: float = 5.0
     retry_s: float = 10.0
+    advertise_url: str | None = None
+    etcd: str | None = None
+    engines_prefix: str = DEFAULT_ENGINES_PREFIX
+    engine_instance: str | None = None
+    engine_ttl_s: int = DEFAULT_ENGINE_TTL_S
+
+    @property
+    def registry_endpoints(self) -> list[Address] | None:
+        """Where the engine registers (None: it does not, no ``advertise_url``)."""
+        if self.advertise_url is None:
+            return None
+        return parse_endpoints(self.etcd if self.etcd is not None else self.master)
+
+    def engine_record(
+        self,
+        kv_role: str,
+        served_model: str | None,
+        block_size: int | None,
+        kv_events_endpoint: str | None = None,
+    ) -> EngineRecord | None:
+        """What the engine announces (None without ``advertise_url``).
+
+        Args:
+            kv_role: vLLM's ``kv_role``.
+            served_model: the served model name.
+            block_size: vLLM's block size.
+            kv_events_endpoint: vLLM's KV-event publisher endpoint when it publishes (its
+                bind address: ``*`` becomes the advertised host).
+
+        Raises:
+            InvalidRequestError: a kv_role or value the registry cannot describe.
+        """
+        if self.advertise_url is None:
+            return None
+        if kv_role not in KV_ROLE_TO_ROLE:
+            raise InvalidRequestError(f"kvstore connector: cannot register kv_role {kv_role!r}")
+        events = None
+        if kv_events_endpoint and kv_events_endpoint.startswith("tcp://"):
+            host = self.advertise_url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0]
+            bind, _, port = kv_events_endpoint[len("tcp://") :].rpartition(":")
+            if bind in ("*", "0.0.0.0", "[::]", ""):
+                bind = host
+            events = f"tcp://{bind}:{port}"
+        return EngineRecord(
+            self.advertise_url.rstrip("/"),
+            KV_ROLE_TO_ROLE[kv_role],
+            model=served_model or None,
+            block_size=block_size,
+            kv_events=events,
+        )
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -157,6 +238,31 @@ class ConnectorConfig:
             v = extra.get(name)
             if v is not None and not (isinstance(v, str) and v):
                 raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
+        advertise = extra.get("advertise_url")
+        etcd = extra.get("etcd")
+        if advertise is not None:
+            EngineRecord(advertise, "both")  # the URL's own checks, typed errors
+            if etcd is None and not is_etcd_url(master):
+                raise InvalidRequestError(
+                    'kvstore connector: "advertise_url" registers the engine in etcd: give '
+                    '"etcd": "HOST:PORT", or the master as "etcd://HOST:PORT"'
+                )
+        elif etcd is not None or "engine_instance" in extra:
+            raise InvalidRequestError(
+                'kvstore connector: "etcd" / "engine_instance" need "advertise_url" (the URL a '
+                "router reaches this engine at)"
+            )
+        if etcd is not None:
+            parse_endpoints(etcd)
+        prefix = check_prefix(extra.get("engines_prefix", DEFAULT_ENGINES_PREFIX))
+        instance = extra.get("engine_instance")
+        if instance is not None:
+            if not isinstance(instance, str):
+                raise InvalidRequestError("kvstore connector: engine_instance must be a string")
+            engine_key(prefix, "both", instance)
+        ttl = extra.get("engine_ttl_s", DEFAULT_ENGINE_TTL_S)
+        if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1:
+            raise InvalidRequestError("kvstore connector: engine_ttl_s must be an integer >= 1")
         return ConnectorConfig(
             master=master,
             token_file=extra.get("token_file"),
@@ -164,4 +270,9 @@ class ConnectorConfig:
             load_mode=mode,
             timeout_s=float(extra.get("timeout_s", 5.0)),
             retry_s=float(extra.get("retry_s", 10.0)),
+            advertise_url=advertise,
+            etcd=etcd,
+            engines_prefix=prefix,
+            engine_instance=instance,
+            engine_ttl_s=ttl,
         )

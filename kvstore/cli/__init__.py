@@ -10,7 +10,7 @@ One module per command group:
 
 * :mod:`~kvstore.cli.daemons`: ``master``, ``node``, ``up``;
 * :mod:`~kvstore.cli.ops`: ``status``, ``nodes``, ``evict``, ``drain`` (the admin REST API);
-* :mod:`~kvstore.cli.engines`: ``demo``, ``proxy``, ``router``, ``model``;
+* :mod:`~kvstore.cli.engines`: ``demo``, ``proxy``, ``router``, ``engine``, ``model``;
 * ``replay``: registered by :mod:`kvstore.replay.cli`, next to the replay it drives.
 """
 

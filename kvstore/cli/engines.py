@@ -1,4 +1,5 @@
-"""``kvstore demo``, ``proxy``, ``router`` and ``model``: the commands around inference engines.
+"""``kvstore demo``, ``proxy``, ``router``, ``engine`` and ``model``: the commands around
+inference engines.
 
 NOTE: one import stays inside its command, on purpose: the router daemon (``kvstore.router.app``)
 loads transformers' tokenizers at import, two seconds that ``kvstore master`` or ``kvstore
@@ -13,6 +14,7 @@ import importlib.util
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,16 @@ from kvstore.client.adapters.realmodel import fetch_model, model_dir, require_mo
 from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
 from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy
 from kvstore.embedded import EmbeddedCluster
+from kvstore.engine_registry import (
+    DEFAULT_ENGINE_TTL_S,
+    DEFAULT_ENGINES_PREFIX,
+    ENGINE_ROLES,
+    EngineAnnouncer,
+    EngineRecord,
+)
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.etcd import parse_endpoints
+from kvstore.processes import ready_line
 from kvstore.router.slo import SLOPolicy
 
 
@@ -170,8 +181,51 @@ def cmd_router(args: argparse.Namespace) -> int:
         pool_events=not args.no_pool_events,
         engine_events=tuple(_engine_events(v) for v in args.engine_events),
         policy=args.policy,
+        discover=args.discover,
+        discover_prefix=args.discover_prefix,
     )
     run_loop(serve_router(config, args.host, args.port))
+    return 0
+
+
+def cmd_engine_register(args: argparse.Namespace) -> int:
+    """Hold an engine's registration in etcd until SIGINT or SIGTERM (a sidecar), for engines
+    without the kvstore connector (SGLang, or vLLM run without it): the lease is revoked on the
+    signal, and expires within ``--ttl`` seconds if this process dies without one."""
+    record = EngineRecord(
+        url=args.url.rstrip("/"),
+        role=args.role,
+        model=args.model,
+        block_size=args.block_size,
+        kv_events=args.kv_events,
+    )
+    announcer = EngineAnnouncer(
+        parse_endpoints(args.etcd),
+        record,
+        prefix=args.prefix,
+        instance=args.instance,
+        ttl_s=args.ttl,
+    )
+    stop = threading.Event()
+
+    def stopping(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGINT, stopping)
+    announcer.start()
+    try:
+        # The ready line once the key is in etcd; until then the announcer logs and retries.
+        while not stop.is_set() and not announcer.registered.wait(0.2):
+            pass
+        if not stop.is_set():
+            print(
+                ready_line("engine", key=announcer.key, url=record.url, engine_role=record.role),
+                flush=True,
+            )
+            stop.wait()
+    finally:
+        announcer.stop()
     return 0
 
 
@@ -263,7 +317,42 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="how the prefill (kv_both) engine is chosen: by predicted TTFT (cache-aware), or a "
         "baseline; SLO admission is the same for all",
     )
+    p.add_argument(
+        "--discover",
+        default=None,
+        metavar="etcd://HOST:PORT[,HOST:PORT]",
+        help="also route to the engines registered in this etcd (added and removed live)",
+    )
+    p.add_argument(
+        "--discover-prefix",
+        default=DEFAULT_ENGINES_PREFIX,
+        help="the engine registry's prefix in etcd",
+    )
     p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("engine", help="an inference engine's registration in etcd")
+    engine_sub = p.add_subparsers(dest="engine_command", required=True)
+    q = engine_sub.add_parser(
+        "register",
+        help="register an engine (SGLang, vLLM without the connector) until stopped, as a sidecar",
+    )
+    q.add_argument("--etcd", required=True, help="etcd HOST:PORT[,HOST:PORT] (or etcd://...)")
+    q.add_argument("--url", required=True, help="the engine's URL, as a router reaches it")
+    q.add_argument("--role", required=True, choices=ENGINE_ROLES, help="its role")
+    q.add_argument("--model", default=None, help="its served model name")
+    q.add_argument("--block-size", type=int, default=None, help="its KV block size in tokens")
+    q.add_argument("--kv-events", default=None, help="its vLLM KV-event publisher, tcp://HOST:PORT")
+    q.add_argument(
+        "--instance", default=None, help="the registration's name (default: its lease id)"
+    )
+    q.add_argument("--prefix", default=DEFAULT_ENGINES_PREFIX, help="the registry's prefix")
+    q.add_argument(
+        "--ttl",
+        type=int,
+        default=DEFAULT_ENGINE_TTL_S,
+        help="lease seconds: how long the key outlives a killed sidecar",
+    )
+    q.set_defaults(func=cmd_engine_register)
 
     p = sub.add_parser("model", help="real models for the engines (no model hub needed)")
     model_sub = p.add_subparsers(dest="model_command", required=True)

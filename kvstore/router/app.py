@@ -47,15 +47,18 @@ from kvstore.client.adapters.vllm_proxy import (
 )
 from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
+from kvstore.engine_registry import DEFAULT_ENGINES_PREFIX, RegisteredEngine, check_prefix
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.etcd import parse_endpoints
 from kvstore.keys import Namespace, block_keys
 from kvstore.processes import ready_line
 from kvstore.sim.cost import CostModel
 from kvstore.sim.slo import SLOClass
 
 from .admission import EngineSlots
+from .discovery import EngineDiscovery
 from .engine_cache import EngineEvents, chain_keys
-from .engines import Engine, EngineLoad, make_engines
+from .engines import ROLES, Engine, EngineLoad, make_engines
 from .fit import EngineFit
 from .metrics import RouterMetrics
 from .policy import (
@@ -94,6 +97,10 @@ _COST_TERMS = (
 )
 #: Seconds between two connection attempts to a master that did not answer.
 POOL_RETRY_S = 5.0
+#: ``Retry-After`` of a 503 while no engine is available (one may register or recover soon).
+NO_ENGINE_RETRY_S = 1
+#: Seconds the ready line waits for the engine registry's first listing (--discover).
+DISCOVERY_WAIT_S = 10.0
 #: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
 #: decode terms (:mod:`.fit`), and its transfer bandwidth once the engine's connector reports
 #: loads; ``kv_bytes_per_token`` is SmolLM2-135M's in bf16 (30 layers x 3 KV heads x 64 x 2 x 2).
@@ -160,6 +167,9 @@ class RouterConfig:
             lookup per request).
         engine_events: (engine URL, ZMQ endpoint) of engines that publish vLLM's own KV events
             (``--kv-events-config``): the router tracks their local prefix caches.
+        discover: etcd endpoints (``etcd://HOST:PORT[,HOST:PORT]``) whose engine registry adds
+            and removes engines live (:mod:`.discovery`), or None: the static engines only.
+        discover_prefix: the registry's prefix in etcd.
     """
 
     prefill: tuple[str, ...] = ()
@@ -180,6 +190,8 @@ class RouterConfig:
     pool_events: bool = True
     engine_events: tuple[tuple[str, str], ...] = ()
     policy: str = DEFAULT_POLICY
+    discover: str | None = None
+    discover_prefix: str = DEFAULT_ENGINES_PREFIX
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -188,8 +200,13 @@ class RouterConfig:
             )
         if self.engines and (self.prefill or self.decode):
             raise InvalidRequestError("give --engine, or --prefill and --decode, not both")
-        if not self.engines and not (self.prefill and self.decode):
-            raise InvalidRequestError("give --engine URL, or --prefill URL and --decode URL")
+        if self.discover is not None:
+            parse_endpoints(self.discover)  # raises on a malformed list
+            check_prefix(self.discover_prefix)
+        elif not self.engines and not (self.prefill and self.decode):
+            raise InvalidRequestError(
+                "give --engine URL, or --prefill URL and --decode URL, or --discover etcd://..."
+            )
         for url in (*self.prefill, *self.decode, *self.engines):
             if not url.startswith(("http://", "https://")):
                 raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
@@ -214,7 +231,8 @@ class RouterConfig:
 
     @property
     def disaggregated(self) -> bool:
-        """P/D mode (two steps) rather than kv_both engines."""
+        """P/D mode (two steps) rather than kv_both engines, for the static engines (with
+        ``discover`` the engine set decides: :attr:`RouterState.disaggregated`)."""
         return not self.engines
 
 
@@ -235,13 +253,17 @@ class RouterState:
         fraction = config.slo.promote_fraction
         roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
         roles += [("both", u) for u in config.engines]
-        self.engines = make_engines(
-            roles,
-            lambda: EngineFit(config.prior),
-            lambda: EngineSlots(config.max_inflight, fraction, clock),
-        )
+        self._new_fit = lambda: EngineFit(config.prior)
+        self._new_slots = lambda: EngineSlots(config.max_inflight, fraction, clock)
+        self.engines = make_engines(roles, self._new_fit, self._new_slots)
         self.by_url = {e.url: e for e in self.engines}
         self.metrics = RouterMetrics.create()
+        #: Where each engine came from: ``static`` (flags) or ``etcd`` (the registry).
+        self.sources = {e.url: "static" for e in self.engines}
+        #: Registry keys naming each discovered engine (an engine leaves with its last key).
+        self._discovered_keys: dict[str, set[str]] = {}
+        for e in self.engines:
+            self.metrics.engine_info.labels(e.url, e.role, "static").set(1)
         self.policy = POLICIES[config.policy]()
         self.metrics.policy.info({"policy": config.policy})
         self.session: aiohttp.ClientSession | None = None
@@ -265,11 +287,99 @@ class RouterState:
             self.pool_view = PoolView(
                 lambda: EventStream(master, wait_s=2.0, retry_s=5.0), self.metrics
             )
+        #: The etcd engine registry (None without --discover); started by the app.
+        self.discovery: EngineDiscovery | None = None
+        if config.discover is not None:
+            self.discovery = EngineDiscovery(
+                parse_endpoints(config.discover),
+                self.add_discovered,
+                self.remove_discovered,
+                prefix=config.discover_prefix,
+                metrics=self.metrics,
+            )
 
     # ------------------------------------------------------------------ engines
     def role_engines(self, role: str) -> list[Engine]:
         """The engines of one role (``prefill``, ``decode``, ``both``)."""
         return [e for e in self.engines if e.role == role]
+
+    @property
+    def disaggregated(self) -> bool:
+        """P/D mode (two steps). Static engines: as configured. With ``--discover``: while the
+        set holds a prefill or decode engine (kv_both engines then serve either step, since
+        their connector both saves and loads); kv_both mode otherwise."""
+        if self.config.discover is None:
+            return self.config.disaggregated
+        if self.config.engines:
+            return False
+        return any(e.role in ("prefill", "decode") for e in self.engines)
+
+    def add_discovered(self, reg: RegisteredEngine) -> None:
+        """An engine registered in etcd: route to it once its first poll answers.
+
+        A URL already given on the command line, or already registered under another key,
+        stays one engine (its first role wins; a contradicting role is logged).
+        """
+        rec = reg.record
+        url = rec.url.rstrip("/")
+        engine = self.by_url.get(url)
+        if engine is not None:
+            if engine.role != rec.role:
+                log.warning(
+                    "router: %s registers %s as %s, but the router has it as %s: kept as %s",
+                    reg.key,
+                    url,
+                    rec.role,
+                    engine.role,
+                    engine.role,
+                )
+            if self.sources[url] == "etcd":
+                self._discovered_keys[url].add(reg.key)
+            return
+        assert rec.role in ROLES
+        engine = Engine(url, rec.role, self._new_slots(), self._new_fit())
+        self.engines.append(engine)
+        self.by_url[url] = engine
+        self.sources[url] = "etcd"
+        self._discovered_keys[url] = {reg.key}
+        self.metrics.engine_info.labels(url, rec.role, "etcd").set(1)
+        self.metrics.engine_healthy.labels(url).set(0)
+        if rec.kv_events is not None and rec.role != "decode" and url not in self.engine_events:
+            feed = EngineEvents(url, rec.kv_events, self.metrics)
+            self.engine_events[url] = feed
+            feed.start()
+        log.info("router: engine %s (%s) discovered via %s", url, rec.role, reg.key)
+
+    def remove_discovered(self, reg: RegisteredEngine) -> None:
+        """An engine's registration went (lease expired or revoked): route nothing new to it.
+
+        Requests already on it finish, or fail over as on any engine that fails: they hold
+        the engine itself, not its place in the set.
+        """
+        url = reg.record.url.rstrip("/")
+        keys = self._discovered_keys.get(url)
+        if keys is None:  # a static engine, or one never added: the flags keep it
+            return
+        keys.discard(reg.key)
+        if keys:
+            return
+        del self._discovered_keys[url]
+        engine = self.by_url.pop(url)
+        self.engines.remove(engine)
+        del self.sources[url]
+        feed = self.engine_events.pop(url, None)
+        if feed is not None:
+            asyncio.get_running_loop().run_in_executor(None, feed.close)
+        m = self.metrics
+        for gauge in (m.engine_healthy, m.engine_running, m.engine_waiting, m.engine_kv_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(url)
+        for term in _COST_TERMS:
+            with contextlib.suppress(KeyError):
+                m.cost_term.remove(url, term)
+        with contextlib.suppress(KeyError):
+            m.engine_info.remove(url, engine.role, "etcd")
+        log.info("router: engine %s left the registry (%s)", url, reg.key)
 
     async def poll(self, engine: Engine) -> None:
         """One poll of an engine's ``/metrics`` and ``/v1/models`` (failure: unhealthy)."""
@@ -282,6 +392,8 @@ class RouterState:
                 models = (await resp.json()).get("data") if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             text = models = None
+        if self.by_url.get(engine.url) is not engine:
+            return  # it left the set while we asked: export nothing more about it
         if text is None or not isinstance(models, list):
             engine.healthy = False
         else:
@@ -303,8 +415,9 @@ class RouterState:
     async def poll_forever(self) -> None:
         """Poll every engine every ``poll_s`` seconds until cancelled."""
         while True:
-            await asyncio.gather(*(self.poll(e) for e in self.engines))
-            self.first_poll.set()
+            await asyncio.gather(*(self.poll(e) for e in list(self.engines)))
+            if self.discovery is None or self.discovery.listed.is_set():
+                self.first_poll.set()
             await asyncio.sleep(self.config.poll_s)  # the poll period, not a synchronisation
 
     # ------------------------------------------------------------------ models
@@ -326,7 +439,7 @@ class RouterState:
         """
         models = self.served_models()
         if not models:
-            raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+            raise _no_engine()
         if name is None:
             entry = models[0]
         else:
@@ -511,9 +624,10 @@ class RouterState:
         """
         local = local or {}
         decode: list[EngineView] | None = None
-        if self.config.disaggregated:
-            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill")]
-            decode = [e.view() for e in self.role_engines("decode")]
+        if self.disaggregated:
+            both = self.role_engines("both")  # none unless discovered next to P/D engines
+            prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("prefill") + both]
+            decode = [e.view() for e in self.role_engines("decode") + both]
         else:
             prefill = [e.view(local.get(e.url, 0)) for e in self.role_engines("both")]
         return choose(
@@ -528,6 +642,16 @@ class RouterState:
 
 
 STATE = web.AppKey("state", RouterState)
+
+
+def _no_engine() -> RequestError:
+    """503 with ``Retry-After``: no engine is up yet (a registry may add one any moment)."""
+    return RequestError(
+        503,
+        "no engine is available",
+        "ServiceUnavailableError",
+        headers={"Retry-After": str(NO_ENGINE_RETRY_S)},
+    )
 
 
 # ====================================================================== steps
@@ -797,7 +921,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         choice = state.choose(shape, slo, local)
         if not choice.accepted:
             if choice.prefill is None and choice.reason == "no engine is healthy":
-                raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+                raise _no_engine()
             state.metrics.rejections.labels(slo.name, (choice.reason or "").split(" ")[0]).inc()
             outcome = "rejected"
             raise RequestError(
@@ -870,7 +994,7 @@ async def _models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     models = state.served_models()
     if not models:
-        raise RequestError(503, "no engine is available", "ServiceUnavailableError")
+        raise _no_engine()
     return web.json_response({"object": "list", "data": models})
 
 
@@ -878,13 +1002,21 @@ async def _health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engines = {e.url: e.healthy for e in state.engines}
     ok = any(engines.values())
-    return web.json_response(
-        {
-            "status": "ok" if all(engines.values()) else "degraded" if ok else "down",
-            "engines": engines,
-        },
-        status=200 if ok else 503,
-    )
+    body: dict[str, Any] = {
+        "status": "down" if not ok else "ok" if all(engines.values()) else "degraded",
+        "engines": engines,
+        "roles": {e.url: e.role for e in state.engines},
+        "sources": dict(state.sources),
+    }
+    if state.discovery is not None:
+        body["discovery"] = {
+            "etcd": state.config.discover,
+            "prefix": state.config.discover_prefix,
+            "watching": state.discovery.watching,
+            "revision": state.discovery.revision,
+        }
+    headers = {} if ok else {"Retry-After": str(NO_ENGINE_RETRY_S)}
+    return web.json_response(body, status=200 if ok else 503, headers=headers)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -935,9 +1067,13 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
                 state.pool_view.start()
             for feed in state.engine_events.values():
                 feed.start()
+            if state.discovery is not None:
+                state.discovery.start()
             try:
                 yield
             finally:
+                if state.discovery is not None:
+                    await state.discovery.close()
                 poller.cancel()
                 await asyncio.gather(poller, return_exceptions=True)
                 await asyncio.to_thread(state.close)
@@ -966,18 +1102,19 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
     site = web.TCPSite(runner, host, port)
     await site.start()
     state = app[STATE]
-    # Engines slow to answer: serve anyway, /health says so.
+    # Engines slow to answer, etcd slow to list them: serve anyway, /health says so.
     with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(state.first_poll.wait(), timeout=30)
+        await asyncio.wait_for(state.first_poll.wait(), timeout=30 + DISCOVERY_WAIT_S)
     bound = runner.addresses[0]
     healthy = sum(e.healthy for e in state.engines)
     ready = ready_line(
         "router",
         url=f"http://{bound[0]}:{bound[1]}",
-        mode="pd" if config.disaggregated else "kv_both",
+        mode="pd" if state.disaggregated else "kv_both",
         engines=len(state.engines),
         healthy=healthy,
         master=config.master,
+        discover=config.discover,
     )
     print(ready, flush=True)
     await serve_until_signal(runner, "router")

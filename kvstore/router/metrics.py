@@ -44,6 +44,9 @@ class RouterMetrics:
     engine_cached_blocks: Gauge
     local_cached_tokens: Counter
     policy: Info
+    engine_info: Gauge
+    discovery_up: Gauge
+    discovery_changes: Counter
 
     @staticmethod
     def create() -> RouterMetrics:
@@ -178,4 +181,19 @@ class RouterMetrics:
                 ["instance"],
             ),
             policy=metric(Info, "policy", "The routing policy (--policy) choosing the engines"),
+            engine_info=metric(
+                Gauge,
+                "engine_info",
+                "The engine set: 1 per engine, its role and where the router learned of it",
+                ["instance", "role", "source"],
+            ),
+            discovery_up=metric(
+                Gauge, "discovery_up", "1 while the etcd engine registry is watched (--discover)"
+            ),
+            discovery_changes=metric(
+                Counter,
+                "discovery_changes",
+                "Engine registry changes seen: added, removed, ignored (invalid), resynced",
+                ["kind"],
+            ),
         )

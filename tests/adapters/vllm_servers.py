@@ -65,6 +65,8 @@ class VLLMServer(vllm_server.VLLMServer):
         prefix_caching: vLLM's own prefix cache.
         env: more environment variables.
         extra_args: more ``vllm serve`` flags.
+        port: its port (default: a free one; give it when the URL must be known beforehand,
+            e.g. to advertise it in the connector's config).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class VLLMServer(vllm_server.VLLMServer):
         max_model_len: int = 4096,
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
+        port: int | None = None,
     ) -> None:
         super().__init__(
             model_dir(),
@@ -91,6 +94,7 @@ class VLLMServer(vllm_server.VLLMServer):
             max_model_len=max_model_len,
             env={"VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
             extra_args=["--max-num-seqs", "4", *(extra_args or [])],
+            port=port,
         )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:  # type: ignore[override]
