@@ -63,7 +63,7 @@ from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_toke
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
-from kvstore.master.puts import PendingPut, Puts
+from kvstore.master.puts import PendingRecord, Puts
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
@@ -152,7 +152,7 @@ class MasterService:
         self.hits_by_tier: collections.Counter[str] = collections.Counter()
         # The owners' tables, under the names the admin API, metrics and tests read.
         self.nodes: dict[str, Node] = self.membership.nodes
-        self.pending: dict[int, PendingPut] = self.puts.pending
+        self.pending: dict[int, PendingRecord] = self.puts.pending
         self.leases = self.space.leases
         self.deferred = self.space.deferred
         self.manifest_stamps = self.recovery.manifest_stamps
