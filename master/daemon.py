@@ -4,14 +4,15 @@ What a master runs with is one frozen, validated :class:`MasterOptions` (like th
 ``NodeOptions``): the ``kvstore master`` flags, the environment's defaults and, with etcd, its
 :class:`~kvstore.master.ha.HAConfig`. One :func:`serve_master` runs a plain master and a member
 of an HA group alike: the HA part only adds a leadership fence and an elector around the same
-:class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse).
+:class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse). A process
+that runs a master sets the collector's policy once it has started (:func:`apply_collector_policy`,
+``collector.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import ssl
@@ -23,6 +24,7 @@ from kvstore.auth import Token
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore
 from kvstore.master.admin import AdminRunner, AdminSettings, init_app
+from kvstore.master.collector import tune_collector
 from kvstore.master.ha import Elector, HAConfig, Leadership
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
@@ -177,34 +179,10 @@ class Master:
             await self._runner.cleanup()
 
 
-#: The collector's young-generation threshold in a master (CPython's default is 700). A
-#: ``put_start`` batch keeps ~1,000 pending puts alive until its ``put_end``: at 700, young
-#: collections catch them alive and promote them, and the old generation's 25% growth rule then
-#: runs a full collection every few batches (67 while 1M objects were put, 9.4 s of pauses,
-#: the longest 185 ms: bench/bench_master_memory.py); at 10,000 they die young (1 full
-#: collection, 0.44 s in all, the longest 80 ms; put time 23.8 s -> 11.3 s, as with gc off).
-YOUNG_GC_THRESHOLD = 10_000
-
-
-def tune_collector() -> int:
-    """Set the master's collector policy: a larger young threshold, and start-up frozen.
-
-    Why freeze (``gc.freeze``): a full collection walks every object the collector tracks.
-    The object table tracks almost nothing (``table.py``), so the ~50,000 modules, classes and
-    functions loaded at start-up are most of each full collection's work (~11 ms each time)
-    for objects that live as long as the process. ``gc.collect()`` runs first, so nothing that
-    is already garbage is frozen (frozen cyclic garbage is never collected); what start-up
-    created and a later term's fresh ``MasterService`` drops is freed by reference counting, so at
-    worst a cycle among those stays, once, never growing. Call it once, after start-up.
-
-    Returns:
-        How many objects were frozen.
-    """
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, gen1, gen2)
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+def apply_collector_policy() -> None:
+    """Set the collector's policy for a process that runs a master, once it has started
+    (``collector.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
+    log.debug("froze %d start-up objects", tune_collector())
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
@@ -235,7 +213,7 @@ async def serve_master(options: MasterOptions) -> None:
         master.control.fence = fence
         master.admin_fence = fence
     endpoints = await master.start()
-    log.debug("froze %d start-up objects", tune_collector())
+    apply_collector_policy()
     elector: Elector | None = None
     role: dict[str, str] = {}
     if ha is not None and store is not None and fence is not None:

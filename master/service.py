@@ -23,7 +23,8 @@ Who owns what (each a class of its own module, one instance per master term)::
 
 Import order, lowest first; each module imports only modules above it in this list::
 
-    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore
+    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore,
+    collector
     config, table, prefix
     membership
     space
