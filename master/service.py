@@ -62,7 +62,7 @@ from kvstore.master.config import MasterConfig
 from kvstore.master.events import EVENT_REMOVED, EventLog
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
 from kvstore.master.membership import Membership, Node
-from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
+from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.puts import PendingRecord, Puts
 from kvstore.master.recovery import AdmissionReport, Recovery
@@ -609,6 +609,24 @@ class MasterService:
         check_prompt_size(namespace, tokens)
         results = self.put_end(put_ids, checksums)
         return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
+
+    def kv_index_steps(
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+    ) -> Steps[int]:
+        """Index a prompt's committed prefix in steps of ``step_blocks`` blocks (the RPC edge
+        serves a large ``kv_commit`` so: its ``put_end`` in chunks, then this, a step a turn).
+
+        Returns:
+            Steps whose result is the number of blocks newly indexed.
+        """
+        return self.prefix.index_steps(namespace, tokens, self.objects.__contains__, step_blocks)
+
+    def kv_match_steps(
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+    ) -> Steps[PrefixMatch]:
+        """The cached prefix of a prompt (``kv_match`` without locations), in steps of
+        ``step_blocks`` blocks (see ``PrefixIndex.match_steps``)."""
+        return self.prefix.match_steps(namespace, tokens, self.objects.__contains__, step_blocks)
 
     def kv_match(
         self, namespace: Namespace, tokens: np.ndarray, *, locate: bool = True

@@ -110,6 +110,12 @@ def test_prompts_over_the_block_limit_are_refused_and_commit_nothing(live: Live)
     done = conn.call("kv_commit", {**at_limit, "put_ids": ids, "checksums": [1] * len(ids)})
     assert done["results"] == [[0, None]] * len(ids) and done["num_indexed"] == len(ids)
     assert conn.call("kv_match", at_limit)["num_tokens"] == len(ids)
+    # A lookup (``locate: false``) of a long prompt, served in steps too: no locations, so no
+    # read leases, as for a short one.
+    leased = live.svc.leases.num_outstanding
+    looked = conn.call("kv_match", {**at_limit, "locate": False})
+    assert looked["num_tokens"] == len(ids) and [b[2] for b in looked["blocks"]] == [None] * 4
+    assert live.svc.leases.num_outstanding == leased
     with pytest.raises(InvalidRequestError):  # over max_batch, as before
         conn.call("exists", {"keys": [b"k"] * (live.svc.config.max_batch + 1)})
 
