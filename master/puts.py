@@ -20,10 +20,12 @@ long enough for the collector to promote them to the old generation. A record, i
 and a ``Replica`` (a named tuple: never untracked) per key were three tracked objects a key, and
 each full collection walked them all: ~18 ms per collection at 65,536 pending puts on an idle
 core, 30-120 ms on a busy machine, during which the master serves no one (issue 16, item 8). A
-tuple of bytes, numbers and tuples of strings and numbers is untracked by the collector at its
-first young collection, so pending puts cost a full collection nothing, as committed objects do
-(``table.py``). :class:`PendingPut` is the view of one, made on demand for the few callers that
-look at a put as a whole (a node's death, logs).
+flat tuple of bytes, strings and numbers is untracked by the collector at its first young
+collection, so pending puts cost a full collection nothing, as committed objects do
+(``table.py``). Flat, not a tuple of replica tuples: a collection may look at the outer tuple
+before it untracks the inner ones, and then the outer one stays tracked into the old generation.
+:class:`PendingPut` is the view of one, made on demand for the few callers that look at a put
+as a whole (a node's death).
 """
 
 from __future__ import annotations
@@ -58,9 +60,22 @@ Place = Callable[[int, int], list[tuple[Segment, Node]]]
 
 
 #: A pending put as :attr:`Puts.pending` keeps it: ``(key, size, deadline, replicas_wanted,
-#: replicas)``, ``replicas`` a tuple of each replica's fields (``tuple(replica)``), never a
-#: ``Replica`` (see the module docstring for why).
-PendingRecord = tuple[bytes, int, float, int, tuple[tuple[Any, ...], ...]]
+#: *fields of each replica)``, one flat tuple (see the module docstring for why): replica ``i``'s
+#: fields start at ``_REPLICAS + i * _REPLICA_FIELDS``.
+PendingRecord = tuple[Any, ...]
+_REPLICAS = 4
+_REPLICA_FIELDS = len(Replica._fields)
+
+
+def _replicas_of(record: PendingRecord) -> list[Replica]:
+    return [
+        Replica._make(record[i : i + _REPLICA_FIELDS])
+        for i in range(_REPLICAS, len(record), _REPLICA_FIELDS)
+    ]
+
+
+def _node_ids_of(record: PendingRecord) -> tuple[str, ...]:
+    return record[_REPLICAS::_REPLICA_FIELDS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +92,8 @@ class PendingPut:
     @staticmethod
     def of(put_id: int, record: PendingRecord) -> PendingPut:
         """The view of ``record``, the pending put ``put_id``."""
-        key, size, deadline, wanted, reps = record
-        return PendingPut(put_id, key, size, tuple(map(Replica._make, reps)), deadline, wanted)
+        key, size, deadline, wanted = record[:_REPLICAS]
+        return PendingPut(put_id, key, size, tuple(_replicas_of(record)), deadline, wanted)
 
 
 class Puts:
@@ -185,11 +200,8 @@ class Puts:
                 Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
             )
         put_id = next(self._put_ids)
-        # NOTE: each replica's tuple is made before the tuple holding them (a list first), so
-        # the first young collection that sees them untracks them all, inner ones first.
-        reps = tuple([tuple(r) for r in placed])
         deadline = self.clock() + self.config.put_timeout_s
-        self.pending[put_id] = (key, size, deadline, num_replicas, reps)
+        self.pending[put_id] = sum(placed, (key, size, deadline, num_replicas))
         self.pending_by_key[key] = put_id
         location = self.membership.location
         return PutTicket(put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
@@ -212,9 +224,9 @@ class Puts:
                 results.append(InvalidRequestError("checksum must be an unsigned 64-bit integer"))
                 continue
             del pending[put_id]
-            key, size, _, replicas_wanted, reps = record
+            key, size, _, replicas_wanted = record[:_REPLICAS]
             del self.pending_by_key[key]
-            replicas = [Replica._make(r) for r in reps]
+            replicas = _replicas_of(record)
             now = self.clock()
             old = objects.get(key)
             if old is not None:
@@ -260,20 +272,20 @@ class Puts:
     def _discard(self, put_id: int, record: PendingRecord) -> None:
         del self.pending[put_id]
         del self.pending_by_key[record[0]]
-        self.space.release_all(map(Replica._make, record[4]))
+        self.space.release_all(_replicas_of(record))
 
     def on_node(self, node_id: str) -> list[PendingPut]:
         """Pending puts writing a replica on ``node_id``."""
         return [
             PendingPut.of(put_id, rec)
             for put_id, rec in self.pending.items()
-            if any(r[0] == node_id for r in rec[4])
+            if node_id in _node_ids_of(rec)
         ]
 
     def num_writing_on(self, node_ids: set[str]) -> int:
         """Pending puts writing a replica on any of ``node_ids``."""
-        return sum(1 for rec in self.pending.values() if any(r[0] in node_ids for r in rec[4]))
+        return sum(1 for rec in self.pending.values() if not node_ids.isdisjoint(_node_ids_of(rec)))
 
     def writing_on(self, node_id: str) -> bool:
         """Whether a pending put writes on ``node_id`` (a drained node waits for it)."""
-        return any(r[0] == node_id for rec in self.pending.values() for r in rec[4])
+        return any(node_id in _node_ids_of(rec) for rec in self.pending.values())
