@@ -139,6 +139,10 @@ class Master:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
                 self.service.tick()
+                # What a big read batch left hot: a cooling step a turn, others served between.
+                for _ in range(self.service.num_cool_steps_due()):
+                    await asyncio.sleep(0)
+                    self.service.cool_step()
                 if self.service.prompt_metas_dirty and self._restoring is None:
                     self._restoring = asyncio.create_task(self._restore_prefix_index())
             except Exception:  # a bug here must not stop the master from serving

@@ -78,9 +78,13 @@ log = logging.getLogger(__name__)
 #: MasterConfig is re-exported: callers configure the service through this module.
 __all__ = ["MasterConfig", "MasterService", "ServiceSlot"]
 
-#: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
-#: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
-MAX_COOL_PER_TICK = 16384
+#: Hot objects one cooling step looks at to turn back into tuples (table.py): ~1 ms of work on
+#: the master's loop (a step of 16,384 held it 8-11 ms on an idle core, 20+ on a busy one).
+#: :meth:`MasterService.tick` runs one step; the daemon's housekeeping runs up to
+#: :data:`COOL_STEPS_PER_TICK` per tick, a turn of the loop each, so a 65,536-key read batch
+#: is cooled within a few ticks without holding the loop.
+COOL_STEP = 2048
+COOL_STEPS_PER_TICK = 8
 
 
 class MasterService:
@@ -536,7 +540,17 @@ class MasterService:
             self._settle(task.task_id, ok=False)
         self.tiering.tick(now)
         self.replication.tick(now)
-        self.objects.cool(now, MAX_COOL_PER_TICK)
+        self.cool_step()
+
+    def cool_step(self) -> int:
+        """Turn up to :data:`COOL_STEP` hot objects that nothing else refers to back into
+        tuples (``ObjectTable.cool``). Returns how many were turned."""
+        return self.objects.cool(self.clock(), COOL_STEP)
+
+    def num_cool_steps_due(self) -> int:
+        """Cooling steps worth running after a tick's own (bounded by
+        :data:`COOL_STEPS_PER_TICK`): enough to look at every hot object once."""
+        return min(COOL_STEPS_PER_TICK, -(-self.objects.num_hot // COOL_STEP)) - 1
 
     def tasks_done(self, node_id: str, done: Sequence[object]) -> None:
         """A node reports tasks it ran: ``[task_id, code, message]`` each."""
