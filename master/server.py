@@ -550,6 +550,22 @@ async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_i
     return b"".join(parts)
 
 
+async def _take_releases_bounded(
+    svc: MasterService, args: dict[str, Any], chunk_items: int
+) -> None:
+    """:func:`_take_releases`, ``chunk_items`` tokens a turn of the loop (a client piggybacks
+    up to thousands after a big read). The whole list is checked first: a malformed one
+    refuses the request and releases nothing."""
+    if "release" not in args:
+        return
+    tokens = check_lease_tokens(args["release"], svc.config.max_batch)
+    del args["release"]
+    for lo in range(0, len(tokens), chunk_items):
+        if lo:
+            await asyncio.sleep(0)
+        svc.release_leases(tokens[lo : lo + chunk_items])
+
+
 def _is_large_kv_match(request: protocol.Request, chunk_items: int) -> bool:
     raw = request.args.get("tokens")
     return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * chunk_items
@@ -567,7 +583,7 @@ async def dispatch_bounded(
     started, code, delegated = time.perf_counter(), 0, False
     try:
         if request.verb in HANDLERS:
-            _take_releases(svc, request.args)
+            await _take_releases_bounded(svc, request.args, chunk_items)
         if _is_large_kv_match(request, chunk_items):
             packed = await _serve_kv_match(svc, request, chunk_items)
         else:
