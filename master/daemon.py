@@ -77,6 +77,10 @@ class MasterOptions:
             raise InvalidRequestError("chunk_items must be >= 1")
 
 
+#: How often a master samples its event loop's lag (``Master._watch_loop_lag``).
+LOOP_LAG_INTERVAL_S = 0.01
+
+
 @dataclass(frozen=True, slots=True)
 class MasterEndpoints:
     control: str
@@ -108,6 +112,7 @@ class Master:
         self.admin_port = options.admin_port
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._lag_watch: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
 
     async def start(self) -> MasterEndpoints:
@@ -119,6 +124,7 @@ class Master:
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self._housekeeping = asyncio.create_task(self._housekeep())
+        self._lag_watch = asyncio.create_task(self._watch_loop_lag())
         scheme = "https" if self.ssl_context is not None else "http"
         return MasterEndpoints(
             f"{self.host}:{self.control.port}", f"{scheme}://{self.host}:{self.admin_port}"
@@ -148,6 +154,15 @@ class Master:
             except Exception:  # a bug here must not stop the master from serving
                 log.exception("housekeeping failed")
 
+    async def _watch_loop_lag(self) -> None:
+        """Sample the loop's lag every :data:`LOOP_LAG_INTERVAL_S`: how late a timer ran is
+        how long the turns before it held the loop (``kvstore_loop_lag_seconds``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.metrics.observe_loop_lag(max(0.0, loop.time() - due))
+
     async def _restore_prefix_index(self) -> None:
         """After manifests were admitted: fetch prompt metas off the loop, then index them."""
         svc = self.service
@@ -174,10 +189,11 @@ class Master:
             self._restoring = None
 
     async def stop(self) -> None:
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._housekeeping
+        for task in (self._housekeeping, self._lag_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.control.stop()
         if self._runner is not None:
             await self._runner.cleanup()

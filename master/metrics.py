@@ -3,7 +3,9 @@
 Two kinds of figures:
 
 * recorded as they happen, at the RPC edge (``server.dispatch`` calls :meth:`observe`): requests
-  per verb and error code, latency histograms per verb, lookup hits and misses per tier;
+  per verb and error code, latency histograms per verb, lookup hits and misses per tier; and the
+  lag of the master's event loop (``kvstore_loop_lag_seconds``: how late a timer the daemon sets
+  every few ms ran, i.e. how long turns of the loop held everyone else);
 * read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
   (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist;
@@ -59,6 +61,9 @@ LATENCY_BUCKETS = (
     2.5,
     10.0,
 )
+
+#: Loop lag buckets in seconds: 1 ms .. 1 s (a healthy master's loop is never held long).
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 #: Figures other subsystems keep in ``service.stats()``: (metric, kind, help, candidate paths).
 #: The first path present wins; none present reads as zero, so every series exists from the first
@@ -146,6 +151,12 @@ class MasterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            "kvstore_loop_lag_seconds",
+            "How late the master's event loop ran a periodic timer (turns that held it)",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.lookups = Counter(
             "kvstore_tier_lookups",
             "Keys looked up for reading, by tier of the replica served (hit) or tier=none (miss)",
@@ -190,6 +201,10 @@ class MasterMetrics:
         self.num_requests += 1
         if verb in ("get_locations", "kv_match"):
             self._sync_lookups()
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        """Record how late the loop ran a timer that was due ``seconds`` ago."""
+        self.loop_lag.observe(seconds)
 
     def _sync_lookups(self) -> None:
         """Carry the service's hit/miss counts (it counts them while answering) into the
