@@ -14,18 +14,23 @@ meanwhile (from its metrics): its garbage collections (full ones, and the time a
 its loop, per operation) and the longest lag of its event loop (the ``kvstore_loop_lag_seconds``
 bucket it fell in: an upper bound of its longest turn, within the timer's ~1 ms). On a machine
 with fewer cores than busy processes, a client's p99 also counts the time the client itself
-waited for a core; the loop lag is the master's share alone. The master serves big batches in chunks
+waited for a core; the loop lag is the master's share alone (its long turns, its collections,
+its own waits for a core). The master serves big batches in chunks
 (``kvstore.master.server.CHUNK_ITEMS``) and keeps what they leave pending out of the
 collector's sight, so the target is p99 < 50 ms. ``--compare`` also runs a master that serves
 every batch in one turn; ``--gc-off`` repeats each run with the cluster's cyclic garbage
 collector off (through a ``sitecustomize`` on the cluster's ``PYTHONPATH`` only), to tell
 CPython's collection pauses apart from the master's own work.
 
-Seen on a 2-core machine (``--clients 3 --rounds 2``; other clients' p99 ms) before and after
-pending puts left the collector's sight, ``kvstore up`` took the master's collector policy, and
-long prompts were indexed and matched in steps: batch_put 164.0 -> {PUT}, batch_get 33.6 ->
-{GET}, batch_remove 39.4 -> {REMOVE}, KVCache.store 86.1 -> {STORE}, KVCache.lookup 56.1 ->
-{LOOKUP}.
+Seen on a 2-core machine shared with other work (load 1.5-3.7; ``--clients 3 --rounds 2``,
+other clients' p99 ms, the range over 2-5 runs; in the runs with outliers past 50 ms the
+master's loop lag stayed under 25-50 ms for batch_put, so the clients' own waits for a core,
+and under 50-100 ms for KVCache.store, with no full collection): before pending puts left the
+collector's sight, ``kvstore up`` took the master's collector policy and long prompts were
+indexed and matched in steps, batch_put 158-379, batch_get 34-68, batch_remove 13-39,
+KVCache.store 49-214, KVCache.lookup 56-207; after, batch_put 7-14 (outliers 53-115),
+batch_get 8-31, batch_remove 7-36, KVCache.store 8-37 (outliers 86-132), KVCache.lookup 5-7,
+with no full collection in the master during any of them.
 """
 
 from __future__ import annotations
