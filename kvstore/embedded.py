@@ -57,12 +57,14 @@ class EmbeddedCluster:
         assert self.proc.stdout is not None
         self.address = ""
         self.data = ""  # the storage node's data address
+        self.admin = ""  # the master's admin URL
         # `kvstore up` prints its ready line, or exits, within its own start timeout.
         for line in self.proc.stdout:
             ready = parse_ready(line, "up")
             if ready is not None:
                 self.address = ready["control"]
                 self.data = ready["data"]
+                self.admin = ready["admin"]
                 break
         if not self.address:
             self.stop()

@@ -7,6 +7,8 @@ master drop a block from the right prefix tree when its object goes away.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgpack
 import numpy as np
 import xxhash
@@ -29,6 +31,12 @@ def is_kv_key(key: bytes) -> bool:
 
 def kv_object_key(ns_digest: bytes, block_key: BlockKey) -> bytes:
     return KV_PREFIX + ns_digest.hex().encode() + b"/" + block_key.hex().encode()
+
+
+def kv_object_keys(ns_digest: bytes, block_keys: Iterable[BlockKey]) -> list[bytes]:
+    """:func:`kv_object_key` of each of ``block_keys`` (the namespace's part made once)."""
+    head = KV_PREFIX + ns_digest.hex().encode() + b"/"
+    return [head + k.hex().encode() for k in block_keys]
 
 
 def parse_kv_object_key(key: bytes) -> tuple[bytes, BlockKey] | None:

@@ -4,14 +4,15 @@ What a master runs with is one frozen, validated :class:`MasterOptions` (like th
 ``NodeOptions``): the ``kvstore master`` flags, the environment's defaults and, with etcd, its
 :class:`~kvstore.master.ha.HAConfig`. One :func:`serve_master` runs a plain master and a member
 of an HA group alike: the HA part only adds a leadership fence and an elector around the same
-:class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse).
+:class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse). A process
+that runs a master sets the collector's policy once it has started (:func:`apply_collector_policy`,
+``collector.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import ssl
@@ -23,6 +24,7 @@ from kvstore.auth import Token
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore
 from kvstore.master.admin import AdminRunner, AdminSettings, init_app
+from kvstore.master.collector import tune_collector
 from kvstore.master.ha import Elector, HAConfig, Leadership
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
@@ -75,6 +77,10 @@ class MasterOptions:
             raise InvalidRequestError("chunk_items must be >= 1")
 
 
+#: How often a master samples its event loop's lag (``Master._watch_loop_lag``).
+LOOP_LAG_INTERVAL_S = 0.01
+
+
 @dataclass(frozen=True, slots=True)
 class MasterEndpoints:
     control: str
@@ -106,6 +112,7 @@ class Master:
         self.admin_port = options.admin_port
         self._runner: web.AppRunner | None = None
         self._housekeeping: asyncio.Task[None] | None = None
+        self._lag_watch: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
 
     async def start(self) -> MasterEndpoints:
@@ -117,6 +124,7 @@ class Master:
         await site.start()
         self.admin_port = self._runner.addresses[0][1]
         self._housekeeping = asyncio.create_task(self._housekeep())
+        self._lag_watch = asyncio.create_task(self._watch_loop_lag())
         scheme = "https" if self.ssl_context is not None else "http"
         return MasterEndpoints(
             f"{self.host}:{self.control.port}", f"{scheme}://{self.host}:{self.admin_port}"
@@ -137,10 +145,23 @@ class Master:
                 self.service.expire_nodes()
                 self.service.reclaim_expired_puts()
                 self.service.tick()
+                # What a big read batch left hot: a cooling step a turn, others served between.
+                for _ in range(self.service.num_cool_steps_due()):
+                    await asyncio.sleep(0)
+                    self.service.cool_step()
                 if self.service.prompt_metas_dirty and self._restoring is None:
                     self._restoring = asyncio.create_task(self._restore_prefix_index())
             except Exception:  # a bug here must not stop the master from serving
                 log.exception("housekeeping failed")
+
+    async def _watch_loop_lag(self) -> None:
+        """Sample the loop's lag every :data:`LOOP_LAG_INTERVAL_S`: how late a timer ran is
+        how long the turns before it held the loop (``kvstore_loop_lag_seconds``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LOOP_LAG_INTERVAL_S
+            await asyncio.sleep(LOOP_LAG_INTERVAL_S)
+            self.metrics.observe_loop_lag(max(0.0, loop.time() - due))
 
     async def _restore_prefix_index(self) -> None:
         """After manifests were admitted: fetch prompt metas off the loop, then index them."""
@@ -168,43 +189,20 @@ class Master:
             self._restoring = None
 
     async def stop(self) -> None:
-        if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._housekeeping
+        for task in (self._housekeeping, self._lag_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.control.stop()
         if self._runner is not None:
             await self._runner.cleanup()
 
 
-#: The collector's young-generation threshold in a master (CPython's default is 700). A
-#: ``put_start`` batch keeps ~1,000 pending puts alive until its ``put_end``: at 700, young
-#: collections catch them alive and promote them, and the old generation's 25% growth rule then
-#: runs a full collection every few batches (67 while 1M objects were put, 9.4 s of pauses,
-#: the longest 185 ms: bench/bench_master_memory.py); at 10,000 they die young (1 full
-#: collection, 0.44 s in all, the longest 80 ms; put time 23.8 s -> 11.3 s, as with gc off).
-YOUNG_GC_THRESHOLD = 10_000
-
-
-def tune_collector() -> int:
-    """Set the master's collector policy: a larger young threshold, and start-up frozen.
-
-    Why freeze (``gc.freeze``): a full collection walks every object the collector tracks.
-    The object table tracks almost nothing (``table.py``), so the ~50,000 modules, classes and
-    functions loaded at start-up are most of each full collection's work (~11 ms each time)
-    for objects that live as long as the process. ``gc.collect()`` runs first, so nothing that
-    is already garbage is frozen (frozen cyclic garbage is never collected); what start-up
-    created and a later term's fresh ``MasterService`` drops is freed by reference counting, so at
-    worst a cycle among those stays, once, never growing. Call it once, after start-up.
-
-    Returns:
-        How many objects were frozen.
-    """
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, gen1, gen2)
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
+def apply_collector_policy() -> None:
+    """Set the collector's policy for a process that runs a master, once it has started
+    (``collector.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
+    log.debug("froze %d start-up objects", tune_collector())
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:
@@ -235,7 +233,7 @@ async def serve_master(options: MasterOptions) -> None:
         master.control.fence = fence
         master.admin_fence = fence
     endpoints = await master.start()
-    log.debug("froze %d start-up objects", tune_collector())
+    apply_collector_policy()
     elector: Elector | None = None
     role: dict[str, str] = {}
     if ha is not None and store is not None and fence is not None:

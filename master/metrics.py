@@ -3,10 +3,15 @@
 Two kinds of figures:
 
 * recorded as they happen, at the RPC edge (``server.dispatch`` calls :meth:`observe`): requests
-  per verb and error code, latency histograms per verb, lookup hits and misses per tier;
+  per verb and error code, latency histograms per verb, lookup hits and misses per tier; and the
+  lag of the master's event loop (``kvstore_loop_lag_seconds``: how late a timer the daemon sets
+  every few ms ran, i.e. how long turns of the loop held everyone else);
 * read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
-  (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist.
+  (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist;
+* the process's garbage collector (``kvstore_gc_*``, ``collector.py``): collections and the time
+  they held the event loop, per generation, and the objects frozen at start-up (process-wide
+  figures: every master of a process shows the same).
 
 Prefix matching: ``kvstore_prefix_match_hit_ratio`` is the master's prefix index's own figure
 (tokens hit / tokens asked, over ``kv_match`` and the admin route's token form), with its counters;
@@ -15,6 +20,7 @@ the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +36,7 @@ from prometheus_client.registry import Collector
 
 from kvstore import protocol
 from kvstore.errors import ErrorCode
+from kvstore.master.collector import NUM_GENERATIONS, PAUSES
 from kvstore.master.server import HANDLERS
 from kvstore.master.service import MasterService, ServiceSlot
 
@@ -54,6 +61,9 @@ LATENCY_BUCKETS = (
     2.5,
     10.0,
 )
+
+#: Loop lag buckets in seconds: 1 ms .. 1 s (a healthy master's loop is never held long).
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 #: Figures other subsystems keep in ``service.stats()``: (metric, kind, help, candidate paths).
 #: The first path present wins; none present reads as zero, so every series exists from the first
@@ -141,6 +151,12 @@ class MasterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.loop_lag = Histogram(
+            "kvstore_loop_lag_seconds",
+            "How late the master's event loop ran a periodic timer (turns that held it)",
+            buckets=LOOP_LAG_BUCKETS,
+            registry=self.registry,
+        )
         self.lookups = Counter(
             "kvstore_tier_lookups",
             "Keys looked up for reading, by tier of the replica served (hit) or tier=none (miss)",
@@ -185,6 +201,10 @@ class MasterMetrics:
         self.num_requests += 1
         if verb in ("get_locations", "kv_match"):
             self._sync_lookups()
+
+    def observe_loop_lag(self, seconds: float) -> None:
+        """Record how late the loop ran a timer that was due ``seconds`` ago."""
+        self.loop_lag.observe(seconds)
 
     def _sync_lookups(self) -> None:
         """Carry the service's hit/miss counts (it counts them while answering) into the
@@ -302,6 +322,7 @@ class _ServiceCollector(Collector):
             "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
         )
         yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
+        yield from _collector_families()
         prefix = stats.get("prefix") if isinstance(stats.get("prefix"), dict) else {}
         yield _gauge(
             "kvstore_prefix_match_hit_ratio",
@@ -324,6 +345,35 @@ class _ServiceCollector(Collector):
         yield _gauge(
             "kvstore_prefix_index_blocks", "Blocks in the prefix index", prefix.get("num_blocks", 0)
         )
+
+
+def _collector_families() -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The process's garbage collector: what :data:`collector.PAUSES` recorded."""
+    families = (
+        CounterMetricFamily(
+            "kvstore_gc_collections", "Garbage collections, by generation", labels=["generation"]
+        ),
+        CounterMetricFamily(
+            "kvstore_gc_pause_seconds",
+            "Seconds garbage collections held the event loop, by generation",
+            labels=["generation"],
+        ),
+        GaugeMetricFamily(
+            "kvstore_gc_longest_pause_seconds",
+            "The longest garbage collection so far, by generation",
+            labels=["generation"],
+        ),
+    )
+    figures = (PAUSES.num_collections, PAUSES.seconds, PAUSES.longest_s)
+    for family, values in zip(families, figures, strict=True):
+        for gen in range(NUM_GENERATIONS):
+            family.add_metric([str(gen)], values[gen])
+        yield family
+    yield _gauge(
+        "kvstore_gc_frozen_objects",
+        "Objects frozen at start-up, out of the collector's sight",
+        gc.get_freeze_count(),
+    )
 
 
 def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:

@@ -9,25 +9,45 @@ Wraps :class:`kvstore.master.radix.RadixIndex` with the rules that keep it hones
 * A block whose object went away (removed, evicted, its node died) is dropped; ``match`` also
   re-checks every block it returns against the object table and truncates at the first missing
   one, so a stale entry can only ever cost a miss, never a wrong hit.
+
+Bounded work per turn: a prompt at the block limit costs ~15 ms of index or match work (16,384
+blocks, hashing and one object key per block), too long to hold the master's event loop. So
+:meth:`PrefixIndex.index_steps` and :meth:`PrefixIndex.match_steps` do it in steps of a given
+number of blocks, as generators (this module knows no event loop): the RPC edge runs one step
+per turn of its loop (:func:`run_steps` runs them all at once). Other requests may run between
+two steps, so the step that changes the tree re-checks what earlier steps found.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BlockKey, Namespace, block_keys
-from kvstore.kvblocks import kv_object_key, parse_kv_object_key
+from kvstore.kvblocks import kv_object_keys, parse_kv_object_key
 from kvstore.master.events import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
 from kvstore.master.radix import RadixIndex
 
-#: Most full blocks one prompt may have in one call (index or match): the work is done in
-#: one turn of the master's event loop, so it is bounded (16384 blocks: 256k tokens at block
-#: size 16, about 25 ms of index work).
+#: Most full blocks one prompt may have in one call (index or match): the work grows with it
+#: (16384 blocks: 256k tokens at block size 16, about 15 ms of index work, served in steps).
 MAX_PROMPT_BLOCKS = 16384
+
+T = TypeVar("T")
+#: Work done in steps: a generator that yields None between two steps and returns its result.
+Steps = Generator[None, None, T]
+
+
+def run_steps(steps: Steps[T]) -> T:
+    """Run every step of ``steps`` at once and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def check_prompt_size(namespace: Namespace, tokens: np.ndarray) -> None:
@@ -80,17 +100,47 @@ class PrefixIndex:
         Raises:
             InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
+        return run_steps(self.index_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS))
+
+    def index_steps(
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        is_committed: Callable[[bytes], bool],
+        step_blocks: int,
+    ) -> Steps[int]:
+        """:meth:`index` in steps of ``step_blocks`` blocks (hashing and checking each block),
+        then one step that re-checks the committed prefix and changes the tree.
+
+        Raises (at the first step):
+            InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
+        """
         check_prompt_size(namespace, tokens)
-        keys = block_keys(namespace, tokens)
+        block_size = namespace.block_size
         digest = namespace.digest
-        n = 0
-        for k in keys:
-            if not is_committed(kv_object_key(digest, k)):
+        num_blocks = len(tokens) // block_size
+        keys: list[BlockKey] = []
+        object_keys: list[bytes] = []
+        n = 0  # leading blocks whose object is committed
+        for lo in range(0, num_blocks, step_blocks):
+            if lo:
+                yield
+            hi = min(lo + step_blocks, num_blocks)
+            parent = keys[-1] if keys else None
+            chunk = block_keys(namespace, tokens[lo * block_size : hi * block_size], parent=parent)
+            keys += chunk
+            object_keys += kv_object_keys(digest, chunk)
+            while n < hi and is_committed(object_keys[n]):
+                n += 1
+            if n < hi:
                 break
-            n += 1
+        if num_blocks > step_blocks:
+            # Objects may have gone while other requests ran between two steps: never index a
+            # block whose object is not there now (nor a "stored" event after its "removed").
+            n = next((i for i in range(n) if not is_committed(object_keys[i])), n)
         if n == 0:
             return 0
-        added = self.radix.insert(namespace, tokens[: n * namespace.block_size], keys[:n], [0] * n)
+        added = self.radix.insert(namespace, tokens[: n * block_size], keys[:n], [0] * n)
         if added:
             # insert indexes a prompt's blocks after the ones already indexed: the last ``added``.
             self.events.append(EVENT_STORED, digest, keys[n - added : n])
@@ -104,23 +154,46 @@ class PrefixIndex:
         Raises:
             InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
+        return run_steps(self.match_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS))
+
+    def match_steps(
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        is_committed: Callable[[bytes], bool],
+        step_blocks: int,
+    ) -> Steps[PrefixMatch]:
+        """:meth:`match`: the tree's match in one step, then its blocks checked against the
+        object table in steps of ``step_blocks``. (A block checked in an earlier step whose
+        object goes meanwhile costs its reader a miss, as if it went just after the answer.)
+
+        Raises (at the first step):
+            InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
+        """
         check_prompt_size(namespace, tokens)
         m = self.radix.match(namespace, tokens)
+        block_size = namespace.block_size
         digest = namespace.digest
         blocks: list[tuple[bytes, int]] = []
-        num_tokens = 0
-        for i, key in enumerate(m.block_keys):
-            obj_key = kv_object_key(digest, key)
-            if not is_committed(obj_key):
-                self.forget(obj_key)  # stale: its object went away without telling us
+        num_blocks = len(m.block_keys)
+        for lo in range(0, num_blocks, step_blocks):
+            if lo:
+                yield
+            hi = min(lo + step_blocks, num_blocks)
+            stale = None
+            for i, obj_key in enumerate(kv_object_keys(digest, m.block_keys[lo:hi]), lo):
+                if not is_committed(obj_key):
+                    stale = obj_key
+                    break
+                blocks.append((obj_key, min(block_size, m.num_tokens - i * block_size)))
+            if stale is not None:
+                self.forget(stale)  # stale: its object went away without telling us
                 break
-            n = m.tokens_in_block(i)
-            blocks.append((obj_key, n))
-            num_tokens += n
+        num_tokens = sum(n for _, n in blocks)
         self.num_queries += 1
         self.num_query_tokens += len(tokens)
         self.num_hit_tokens += num_tokens
-        return PrefixMatch(num_tokens, namespace.block_size, blocks)
+        return PrefixMatch(num_tokens, block_size, blocks)
 
     def forget(self, object_key: bytes, kind: str = EVENT_REMOVED) -> int:
         """Drop a block (and the blocks after it, now unreachable) when its object goes away.

@@ -13,6 +13,19 @@ still in flight either finish before the space is reused or fail the checksum: n
 Where the bytes go is not decided here: the caller passes a :data:`Place` (the tier manager's
 placement for this batch), so this module sits below tiering, which reads the pending puts
 (space being written is neither evictable nor drained).
+
+Why a pending put is kept as one plain tuple (:data:`PendingRecord`), not a record object: a
+client's maximum-size batch leaves 65,536 puts pending for as long as its writes take (seconds),
+long enough for the collector to promote them to the old generation. A record, its replica list
+and a ``Replica`` (a named tuple: never untracked) per key were three tracked objects a key, and
+each full collection walked them all: ~18 ms per collection at 65,536 pending puts on an idle
+core, 30-120 ms on a busy machine, during which the master serves no one (issue 16, item 8). A
+flat tuple of bytes, strings and numbers is untracked by the collector at its first young
+collection, so pending puts cost a full collection nothing, as committed objects do
+(``table.py``). Flat, not a tuple of replica tuples: a collection may look at the outer tuple
+before it untracks the inner ones, and then the outer one stays tracked into the old generation.
+:class:`PendingPut` is the view of one, made on demand for the few callers that look at a put
+as a whole (a node's death).
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvstore import grants
 from kvstore.errors import (
@@ -45,14 +59,41 @@ log = logging.getLogger(__name__)
 Place = Callable[[int, int], list[tuple[Segment, Node]]]
 
 
-@dataclass(slots=True)
+#: A pending put as :attr:`Puts.pending` keeps it: ``(key, size, deadline, replicas_wanted,
+#: *fields of each replica)``, one flat tuple (see the module docstring for why): replica ``i``'s
+#: fields start at ``_REPLICAS + i * _REPLICA_FIELDS``.
+PendingRecord = tuple[Any, ...]
+_REPLICAS = 4
+_REPLICA_FIELDS = len(Replica._fields)
+
+
+def _replicas_of(record: PendingRecord) -> list[Replica]:
+    return [
+        Replica._make(record[i : i + _REPLICA_FIELDS])
+        for i in range(_REPLICAS, len(record), _REPLICA_FIELDS)
+    ]
+
+
+def _node_ids_of(record: PendingRecord) -> tuple[str, ...]:
+    return record[_REPLICAS::_REPLICA_FIELDS]
+
+
+@dataclass(frozen=True, slots=True)
 class PendingPut:
+    """One pending put, made from its record on demand (changing it changes nothing)."""
+
     put_id: int
     key: bytes
     size: int
-    replicas: list[Replica]
+    replicas: tuple[Replica, ...]
     deadline: float
     replicas_wanted: int = 1
+
+    @staticmethod
+    def of(put_id: int, record: PendingRecord) -> PendingPut:
+        """The view of ``record``, the pending put ``put_id``."""
+        key, size, deadline, wanted = record[:_REPLICAS]
+        return PendingPut(put_id, key, size, tuple(_replicas_of(record)), deadline, wanted)
 
 
 class Puts:
@@ -82,7 +123,8 @@ class Puts:
         self.objects = objects
         self.space = space
         self.clock = clock
-        self.pending: dict[int, PendingPut] = {}
+        #: put id -> its record (plain tuples only: see the module docstring).
+        self.pending: dict[int, PendingRecord] = {}
         self.pending_by_key: dict[bytes, int] = {}
         self._put_ids = itertools.count(first_put_id)
         self.num_reclaimed = 0
@@ -157,14 +199,12 @@ class Puts:
             placed.append(
                 Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
             )
-        put = PendingPut(
-            next(self._put_ids), key, size, placed, self.clock() + self.config.put_timeout_s
-        )
-        put.replicas_wanted = num_replicas
-        self.pending[put.put_id] = put
-        self.pending_by_key[key] = put.put_id
+        put_id = next(self._put_ids)
+        deadline = self.clock() + self.config.put_timeout_s
+        self.pending[put_id] = sum(placed, (key, size, deadline, num_replicas))
+        self.pending_by_key[key] = put_id
         location = self.membership.location
-        return PutTicket(put.put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
+        return PutTicket(put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
 
     def end(self, put_ids: Sequence[int], checksums: Sequence[int]) -> list[KVStoreError | None]:
         """Commit puts: each object becomes visible now, replacing any earlier version."""
@@ -172,10 +212,10 @@ class Puts:
         if len(checksums) != len(put_ids):
             raise InvalidRequestError("put_ids and checksums differ in length")
         results: list[KVStoreError | None] = []
-        space, objects = self.space, self.objects
+        space, objects, pending = self.space, self.objects, self.pending
         for put_id, checksum in zip(put_ids, checksums, strict=True):
-            put = self.pending.get(put_id) if isinstance(put_id, int) else None
-            if put is None:
+            record = pending.get(put_id) if isinstance(put_id, int) else None
+            if record is None:
                 results.append(
                     PutNotFoundError(f"put {put_id!r} is not pending (timed out or revoked?)")
                 )
@@ -183,19 +223,21 @@ class Puts:
             if not isinstance(checksum, int) or not 0 <= checksum < 1 << 64:
                 results.append(InvalidRequestError("checksum must be an unsigned 64-bit integer"))
                 continue
-            del self.pending[put_id]
-            del self.pending_by_key[put.key]
+            del pending[put_id]
+            key, size, _, replicas_wanted = record[:_REPLICAS]
+            del self.pending_by_key[key]
+            replicas = _replicas_of(record)
             now = self.clock()
-            old = objects.get(put.key)
+            old = objects.get(key)
             if old is not None:
                 space.release_all(old.replicas, hold_until=space.hold_until(old, now), lease_of=old)
-            objects.commit(put.key, put.size, checksum, put.replicas, put.replicas_wanted, now)
+            objects.commit(key, size, checksum, replicas, replicas_wanted, now)
             if old is not None and old.pin != PIN_NONE:
                 # A pin belongs to the key: it holds the new version too.
-                new = objects[put.key]
+                new = objects[key]
                 new.pin, new.pin_until = old.pin, old.pin_until
-            for r in put.replicas:
-                space.attach(put.key, r)
+            for r in replicas:
+                space.attach(key, r)
             results.append(None)
         return results
 
@@ -204,41 +246,46 @@ class Puts:
         self.config.check_batch(put_ids)
         results: list[KVStoreError | None] = []
         for put_id in put_ids:
-            put = self.pending.get(put_id) if isinstance(put_id, int) else None
-            if put is None:
+            record = self.pending.get(put_id) if isinstance(put_id, int) else None
+            if record is None:
                 results.append(PutNotFoundError(f"put {put_id!r} is not pending"))
             else:
-                self.discard(put)
+                self._discard(put_id, record)
                 results.append(None)
         return results
 
     def reclaim_expired(self) -> int:
         """Free PENDING puts whose writer never committed within ``put_timeout_s``."""
         now = self.clock()
-        expired = [p for p in self.pending.values() if p.deadline <= now]
-        for put in expired:
-            log.info("reclaiming put %d of %r: not committed in time", put.put_id, put.key[:64])
-            self.discard(put)
+        expired = [(i, rec) for i, rec in self.pending.items() if rec[2] <= now]
+        for put_id, record in expired:
+            log.info("reclaiming put %d of %r: not committed in time", put_id, record[0][:64])
+            self._discard(put_id, record)
         self.num_reclaimed += len(expired)
         return len(expired)
 
     # ================================================================ bookkeeping
     def discard(self, put: PendingPut) -> None:
         """Forget a pending put and free its space."""
-        del self.pending[put.put_id]
-        del self.pending_by_key[put.key]
-        self.space.release_all(put.replicas)
+        self._discard(put.put_id, self.pending[put.put_id])
+
+    def _discard(self, put_id: int, record: PendingRecord) -> None:
+        del self.pending[put_id]
+        del self.pending_by_key[record[0]]
+        self.space.release_all(_replicas_of(record))
 
     def on_node(self, node_id: str) -> list[PendingPut]:
         """Pending puts writing a replica on ``node_id``."""
-        return [p for p in self.pending.values() if any(r.node_id == node_id for r in p.replicas)]
+        return [
+            PendingPut.of(put_id, rec)
+            for put_id, rec in self.pending.items()
+            if node_id in _node_ids_of(rec)
+        ]
 
     def num_writing_on(self, node_ids: set[str]) -> int:
         """Pending puts writing a replica on any of ``node_ids``."""
-        return sum(
-            1 for p in self.pending.values() if any(r.node_id in node_ids for r in p.replicas)
-        )
+        return sum(1 for rec in self.pending.values() if not node_ids.isdisjoint(_node_ids_of(rec)))
 
     def writing_on(self, node_id: str) -> bool:
         """Whether a pending put writes on ``node_id`` (a drained node waits for it)."""
-        return any(r.node_id == node_id for p in self.pending.values() for r in p.replicas)
+        return any(node_id in _node_ids_of(rec) for rec in self.pending.values())

@@ -36,7 +36,7 @@ from kvstore.master.events import (
     event_to_wire,
 )
 from kvstore.master.leases import check_lease_tokens
-from kvstore.master.prefix import check_prompt_size
+from kvstore.master.prefix import Steps, check_prompt_size
 from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.polling import LoopAwake
 from kvstore.transports import check_transports
@@ -499,29 +499,71 @@ async def _serve_chunks(
     if verb != "kv_commit":
         return b"".join(parts)
     await asyncio.sleep(0)
-    _, num_indexed = svc.kv_commit([], [], namespace, tokens)  # index the committed prefix
+    # Index the committed prefix, a step of chunk_items blocks a turn.
+    num_indexed = await _run_steps(svc.kv_index_steps(namespace, tokens, chunk_items))
     body = [_PACK.pack_map_header(2), _PACK.pack("results"), *parts]
     body += [_PACK.pack("num_indexed"), _PACK.pack(num_indexed)]
     return b"".join(body)
 
 
+async def _run_steps(steps: Steps[Any]) -> Any:
+    """Run ``steps`` (``prefix.py``), one step a turn of the loop; return their result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        await asyncio.sleep(0)
+
+
 async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_items: int) -> bytes:
-    """``kv_match``: the match in one turn (bounded by the prompt limit), the replicas of its
-    blocks in chunks."""
+    """``kv_match`` of a long prompt: the match in steps of ``chunk_items`` blocks, then (unless
+    ``locate`` is false) the replicas of its blocks in chunks."""
     namespace = Namespace.from_dict(_arg(request.args, "namespace", dict))
     tokens = tokens_from_wire(request.args.get("tokens"))
-    match = svc.prefix.match(namespace, tokens, svc.objects.__contains__)
-    blocks: list[Any] = []
+    locate = _arg(request.args, "locate", bool) if "locate" in request.args else True
+    match = await _run_steps(svc.kv_match_steps(namespace, tokens, chunk_items))
+    parts = [
+        _PACK.pack_map_header(3),
+        _PACK.pack("num_tokens"),
+        _PACK.pack(match.num_tokens),
+        _PACK.pack("block_size"),
+        _PACK.pack(match.block_size),
+        _PACK.pack("blocks"),
+        _PACK.pack_array_header(len(match.blocks)),
+    ]
     for lo in range(0, len(match.blocks), chunk_items):
+        await asyncio.sleep(0)
+        chunk = match.blocks[lo : lo + chunk_items]
+        if not locate:  # a lookup: no locations, so no read leases
+            parts.append(_pack_items([[key, k, None] for key, k in chunk]))
+            continue
+        infos = svc.get_locations([key for key, _ in chunk])
+        parts.append(
+            _pack_items(
+                [
+                    [key, k, result_to_wire(info)]
+                    for (key, k), info in zip(chunk, infos, strict=True)
+                ]
+            )
+        )
+    return b"".join(parts)
+
+
+async def _take_releases_bounded(
+    svc: MasterService, args: dict[str, Any], chunk_items: int
+) -> None:
+    """:func:`_take_releases`, ``chunk_items`` tokens a turn of the loop (a client piggybacks
+    up to thousands after a big read). The whole list is checked first: a malformed one
+    refuses the request and releases nothing."""
+    if "release" not in args:
+        return
+    tokens = check_lease_tokens(args["release"], svc.config.max_batch)
+    del args["release"]
+    for lo in range(0, len(tokens), chunk_items):
         if lo:
             await asyncio.sleep(0)
-        chunk = match.blocks[lo : lo + chunk_items]
-        infos = svc.get_locations([key for key, _ in chunk])
-        blocks.extend(
-            [key, k, result_to_wire(info)] for (key, k), info in zip(chunk, infos, strict=True)
-        )
-    result = {"num_tokens": match.num_tokens, "block_size": match.block_size, "blocks": blocks}
-    return _PACK.pack(result)
+        svc.release_leases(tokens[lo : lo + chunk_items])
 
 
 def _is_large_kv_match(request: protocol.Request, chunk_items: int) -> bool:
@@ -541,7 +583,7 @@ async def dispatch_bounded(
     started, code, delegated = time.perf_counter(), 0, False
     try:
         if request.verb in HANDLERS:
-            _take_releases(svc, request.args)
+            await _take_releases_bounded(svc, request.args, chunk_items)
         if _is_large_kv_match(request, chunk_items):
             packed = await _serve_kv_match(svc, request, chunk_items)
         else:

@@ -23,7 +23,8 @@ Who owns what (each a class of its own module, one instance per master term)::
 
 Import order, lowest first; each module imports only modules above it in this list::
 
-    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore
+    events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore,
+    collector
     config, table, prefix
     membership
     space
@@ -61,9 +62,9 @@ from kvstore.master.config import MasterConfig
 from kvstore.master.events import EVENT_REMOVED, EventLog
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
 from kvstore.master.membership import Membership, Node
-from kvstore.master.prefix import PrefixIndex, PrefixMatch, check_prompt_size
+from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
-from kvstore.master.puts import PendingPut, Puts
+from kvstore.master.puts import PendingRecord, Puts
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
@@ -77,9 +78,13 @@ log = logging.getLogger(__name__)
 #: MasterConfig is re-exported: callers configure the service through this module.
 __all__ = ["MasterConfig", "MasterService", "ServiceSlot"]
 
-#: Hot objects :meth:`MasterService.tick` looks at to turn back into tuples (table.py): bounds
-#: the work of one tick (a few ms) while cooling a 65,536-key read batch within a few ticks.
-MAX_COOL_PER_TICK = 16384
+#: Hot objects one cooling step looks at to turn back into tuples (table.py): ~1 ms of work on
+#: the master's loop (a step of 16,384 held it 8-11 ms on an idle core, 20+ on a busy one).
+#: :meth:`MasterService.tick` runs one step; the daemon's housekeeping runs up to
+#: :data:`COOL_STEPS_PER_TICK` per tick, a turn of the loop each, so a 65,536-key read batch
+#: is cooled within a few ticks without holding the loop.
+COOL_STEP = 2048
+COOL_STEPS_PER_TICK = 8
 
 
 class MasterService:
@@ -152,7 +157,7 @@ class MasterService:
         self.hits_by_tier: collections.Counter[str] = collections.Counter()
         # The owners' tables, under the names the admin API, metrics and tests read.
         self.nodes: dict[str, Node] = self.membership.nodes
-        self.pending: dict[int, PendingPut] = self.puts.pending
+        self.pending: dict[int, PendingRecord] = self.puts.pending
         self.leases = self.space.leases
         self.deferred = self.space.deferred
         self.manifest_stamps = self.recovery.manifest_stamps
@@ -535,7 +540,17 @@ class MasterService:
             self._settle(task.task_id, ok=False)
         self.tiering.tick(now)
         self.replication.tick(now)
-        self.objects.cool(now, MAX_COOL_PER_TICK)
+        self.cool_step()
+
+    def cool_step(self) -> int:
+        """Turn up to :data:`COOL_STEP` hot objects that nothing else refers to back into
+        tuples (``ObjectTable.cool``). Returns how many were turned."""
+        return self.objects.cool(self.clock(), COOL_STEP)
+
+    def num_cool_steps_due(self) -> int:
+        """Cooling steps worth running after a tick's own (bounded by
+        :data:`COOL_STEPS_PER_TICK`): enough to look at every hot object once."""
+        return min(COOL_STEPS_PER_TICK, -(-self.objects.num_hot // COOL_STEP)) - 1
 
     def tasks_done(self, node_id: str, done: Sequence[object]) -> None:
         """A node reports tasks it ran: ``[task_id, code, message]`` each."""
@@ -608,6 +623,24 @@ class MasterService:
         check_prompt_size(namespace, tokens)
         results = self.put_end(put_ids, checksums)
         return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
+
+    def kv_index_steps(
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+    ) -> Steps[int]:
+        """Index a prompt's committed prefix in steps of ``step_blocks`` blocks (the RPC edge
+        serves a large ``kv_commit`` so: its ``put_end`` in chunks, then this, a step a turn).
+
+        Returns:
+            Steps whose result is the number of blocks newly indexed.
+        """
+        return self.prefix.index_steps(namespace, tokens, self.objects.__contains__, step_blocks)
+
+    def kv_match_steps(
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+    ) -> Steps[PrefixMatch]:
+        """The cached prefix of a prompt (``kv_match`` without locations), in steps of
+        ``step_blocks`` blocks (see ``PrefixIndex.match_steps``)."""
+        return self.prefix.match_steps(namespace, tokens, self.objects.__contains__, step_blocks)
 
     def kv_match(
         self, namespace: Namespace, tokens: np.ndarray, *, locate: bool = True

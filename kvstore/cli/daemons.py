@@ -22,6 +22,7 @@ from kvstore.master.daemon import (
     Master,
     MasterEndpoints,
     MasterOptions,
+    apply_collector_policy,
     install_stop_signals,
     serve_master,
 )
@@ -119,6 +120,7 @@ async def _up(args: argparse.Namespace) -> int:
     node_port = derived_port(args.port, args.node_port, 2)
     master = Master(options)
     endpoints = await master.start()
+    apply_collector_policy()  # as ``kvstore master`` does: this process runs a master too
     stop = asyncio.Event()
     install_stop_signals(stop)
     data_dir = Path(args.data_dir).resolve()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import Client
-from tests.support import Daemon
+from tests.support import Daemon, wait_until
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -162,3 +162,34 @@ def test_kill_9_of_up_takes_its_node_along_and_a_restart_on_the_same_dir_works(
         assert again.field("data").endswith(f":{node_port}")
     finally:
         assert again.stop() == 0
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of an unlabelled Prometheus sample ``name`` in an exposition ``text``."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in the metrics")
+
+
+def test_the_master_of_up_runs_with_the_collectors_policy(tmp_path: Path) -> None:
+    """``kvstore up`` runs a master in its own process, so it sets the master's collector
+    policy as ``kvstore master`` does: start-up frozen out of the full collections' way, and
+    the collections' pauses recorded (master/collector.py); and its loop's lag is sampled."""
+    up = Daemon(
+        ["up", "--port", "0", "--data-dir", str(tmp_path), "--dram", "32MiB"],
+        ready=r"kvstore up: ready",
+    )
+    try:
+        with urllib.request.urlopen(f"{up.field('admin')}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        assert _metric(text, "kvstore_gc_frozen_objects") > 1000, "start-up was not frozen"
+        assert 'kvstore_gc_collections_total{generation="2"}' in text
+
+        def lag_samples() -> float:
+            with urllib.request.urlopen(f"{up.field('admin')}/metrics", timeout=5) as r:
+                return _metric(r.read().decode(), "kvstore_loop_lag_seconds_count")
+
+        wait_until(lambda: lag_samples() > 0, timeout=30, what="the loop's lag sampled")
+    finally:
+        assert up.stop() == 0

@@ -24,6 +24,7 @@ from kvstore.master.server import (
     SWEEP_INTERVAL_S,
     ControlServer,
     _pack_items,
+    dispatch_bounded,
 )
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.types import ObjectInfo, SegmentSpec
@@ -110,6 +111,12 @@ def test_prompts_over_the_block_limit_are_refused_and_commit_nothing(live: Live)
     done = conn.call("kv_commit", {**at_limit, "put_ids": ids, "checksums": [1] * len(ids)})
     assert done["results"] == [[0, None]] * len(ids) and done["num_indexed"] == len(ids)
     assert conn.call("kv_match", at_limit)["num_tokens"] == len(ids)
+    # A lookup (``locate: false``) of a long prompt, served in steps too: no locations, so no
+    # read leases, as for a short one.
+    leased = live.svc.leases.num_outstanding
+    looked = conn.call("kv_match", {**at_limit, "locate": False})
+    assert looked["num_tokens"] == len(ids) and [b[2] for b in looked["blocks"]] == [None] * 4
+    assert live.svc.leases.num_outstanding == leased
     with pytest.raises(InvalidRequestError):  # over max_batch, as before
         conn.call("exists", {"keys": [b"k"] * (live.svc.config.max_batch + 1)})
 
@@ -197,3 +204,29 @@ def test_a_chunk_packs_like_its_items_one_by_one(n: int) -> None:
     those of packing every item alone (whatever the chunk's own header length)."""
     items = [[0, [i, [b"x" * (i % 7)]]] for i in range(n)]
     assert _pack_items(items) == b"".join(map(_PACK.pack, items))
+
+
+def test_piggybacked_releases_are_given_back_a_chunk_a_turn() -> None:
+    """A client piggybacks thousands of lease tokens after a big read: they are all given back
+    before the verb runs, at most a chunk of them per turn of the loop."""
+    svc = MasterService(MasterConfig())
+    svc.register("n1", "127.0.0.1", 9, b"s" * 32, [SegmentSpec("dram0", "dram", 1 << 30)])
+    n = 3 * CHUNK_ITEMS + 7
+    keys = [b"k%d" % i for i in range(n)]
+    tickets = svc.put_start(keys, [8] * n)
+    svc.put_end([t.put_id for t in tickets], [1] * n)  # type: ignore[union-attr]
+    tokens = [i.lease for i in svc.get_locations(keys)]  # type: ignore[union-attr]
+    assert svc.leases.num_outstanding == n
+    released: list[int] = []
+    release_leases = svc.release_leases
+
+    def traced(batch: Any) -> Any:
+        released.append(len(batch))
+        return release_leases(batch)
+
+    svc.release_leases = traced  # type: ignore[method-assign]
+    request = protocol.Request(1, "exists", {"keys": [b"k0"], "release": tokens})
+    reply = asyncio.run(dispatch_bounded(svc, request, chunk_items=CHUNK_ITEMS))
+    assert protocol.decode_response(reply[protocol.HEADER_SIZE :]).unwrap() == [True]
+    assert svc.leases.num_outstanding == 0 and sum(released) == n
+    assert max(released) <= CHUNK_ITEMS, released

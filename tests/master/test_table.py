@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from kvstore.master.service import MasterService
+from kvstore.master.service import COOL_STEP, MasterService
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.types import ObjectInfo
-from tests.master.test_tiering import KIB, FakeClock, make, put, run_tasks
+from tests.master.test_tiering import KIB, MIB, FakeClock, make, put, run_tasks
 
 
 @pytest.fixture
@@ -107,6 +107,25 @@ def test_tick_cools_read_objects_within_a_bound(clock: FakeClock) -> None:
     assert svc.objects[b"k3"].hits == 1, "a read's count survives the round trip"
 
 
+def test_cooling_a_big_read_batch_is_done_in_bounded_steps(clock: FakeClock) -> None:
+    """A step (``tick``'s own, then the daemon's, a turn of its loop each) looks at no more
+    than COOL_STEP hot objects, and the steps due cover every hot object once."""
+    svc = make(clock, dram=64 * MIB, nvme=0)
+    n = 3 * COOL_STEP + 5
+    keys = [b"k%d" % i for i in range(n)]
+    tickets = svc.put_start(keys, [KIB] * n)
+    assert svc.put_end([t.put_id for t in tickets], [1] * n) == [None] * n  # type: ignore[union-attr]
+    infos = svc.get_locations(keys)
+    svc.release_leases([i.lease for i in infos if isinstance(i, ObjectInfo)])
+    del infos
+    assert svc.objects.num_hot == n and svc.num_cool_steps_due() == 3
+    svc.tick()
+    assert svc.objects.num_hot == n - COOL_STEP, "a tick's own step is bounded"
+    assert svc.num_cool_steps_due() == 2
+    assert svc.cool_step() == COOL_STEP and svc.cool_step() == COOL_STEP
+    assert svc.num_cool_steps_due() == 0 and svc.cool_step() == 5 and svc.objects.num_hot == 0
+
+
 def test_a_move_switches_the_replica_of_a_hot_object(clock: FakeClock) -> None:
     svc = make(clock, dram=4 * KIB, nvme=64 * KIB, high_watermark=0.5, low_watermark=0.25)
     for i in range(4):
@@ -135,7 +154,7 @@ def test_mapping_verbs() -> None:
 
 FREEZE_CHECK = """
 import gc, sys, weakref
-from kvstore.master.daemon import YOUNG_GC_THRESHOLD, tune_collector
+from kvstore.master.collector import YOUNG_GC_THRESHOLD, tune_collector
 
 class Cycle:
     pass
