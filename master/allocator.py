@@ -46,6 +46,9 @@ class SpaceAllocator(Protocol):
 
     capacity: int
     used_bytes: int
+    #: The unit byte offsets come in (their alignment); 0 where offsets are ids, not positions
+    #: (what ``membership.Holding`` pages its index by).
+    offset_unit: int
 
     @property
     def free_bytes(self) -> int: ...
@@ -96,6 +99,7 @@ class OffsetAllocator:
             raise InvalidRequestError(f"alignment must be a power of two, got {alignment}")
         self.capacity = capacity - capacity % alignment
         self.alignment = alignment
+        self.offset_unit = alignment
         self._starts: list[int] = []  # sorted starts of free extents
         self._size_at: dict[int, int] = {}  # free extent start -> size
         self._by_size: list[tuple[int, int]] = []  # sorted (size, start) of free extents
