@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 #: Units per page of :class:`Holding` (a page is a list of this many slots: 2 KiB).
 HOLDING_PAGE_UNITS = 256
+_HOLDING_PAGE_SHIFT = 8
+_HOLDING_SLOT_MASK = HOLDING_PAGE_UNITS - 1
 
 
 class Holding(MutableMapping[int, bytes]):
@@ -49,26 +51,28 @@ class Holding(MutableMapping[int, bytes]):
             every entry in the dict (offsets that are ids, not byte positions).
     """
 
-    __slots__ = ("_unit_shift", "_big", "_pages", "_num_small")
+    __slots__ = ("_unit_shift", "_unit_mask", "_small_max", "_big", "_pages", "_num_small")
 
     def __init__(self, unit: int = 0) -> None:
         assert unit >= 0 and not unit & (unit - 1), "the unit is 0 or a power of two"
+        assert HOLDING_PAGE_UNITS == 1 << _HOLDING_PAGE_SHIFT
         self._unit_shift = unit.bit_length() - 1 if unit else -1
+        self._unit_mask = unit - 1 if unit else 0
+        self._small_max = unit if unit else -1  # the largest replica a page slot takes
         self._big: dict[int, bytes] = {}
         self._pages: dict[int, list[bytes | None]] = {}
         self._num_small = 0
 
     def add(self, offset: int, key: bytes, size: int) -> None:
         """Record the replica of ``key`` (``size`` bytes) at ``offset``."""
-        shift = self._unit_shift
-        if shift < 0 or size > 1 << shift or offset & ((1 << shift) - 1) or offset in self._big:
+        if size > self._small_max or offset & self._unit_mask or offset in self._big:
             self[offset] = key
             return
-        unit = offset >> shift
-        page = self._pages.get(unit // HOLDING_PAGE_UNITS)
+        unit = offset >> self._unit_shift
+        page = self._pages.get(unit >> _HOLDING_PAGE_SHIFT)
         if page is None:
-            page = self._pages[unit // HOLDING_PAGE_UNITS] = [None] * HOLDING_PAGE_UNITS
-        i = unit % HOLDING_PAGE_UNITS
+            page = self._pages[unit >> _HOLDING_PAGE_SHIFT] = [None] * HOLDING_PAGE_UNITS
+        i = unit & _HOLDING_SLOT_MASK
         if page[i] is None:
             self._num_small += 1
         page[i] = key

@@ -211,6 +211,7 @@ RECORD_FIELDS = (
 _PACK = struct.Struct("<QQBdIIIQqq")
 #: Where the place id sits in a cold record, and the size (scans read them in place).
 _PLACE_AT = struct.calcsize("<QQBdII")
+_pack = _PACK.pack
 _read_place = struct.Struct("<I").unpack_from
 _read_size = struct.Struct("<Q").unpack_from
 _MISSING = object()
@@ -237,6 +238,7 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
         # valid for as long as a record may hold it.
         self._places: list[_Place] = []
         self._place_ids: dict[_Place, int] = {}
+        self._last_place: tuple[str, str, str, int] = ("", "", "", -1)
 
     def place_id(self, node_id: str, segment: str, tier: str) -> int:
         """The small id cold records store for a replica's (node, segment, tier)."""
@@ -385,15 +387,26 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
     ) -> None:
         """Store a newly committed object (cold when it has one replica), replacing ``key``'s."""
         self._hot.pop(key, None)
-        rec = None
-        if len(replicas) == 1 and replicas[0].size == size:
-            rec = self._pack(size, checksum, replicas_wanted, now, 0, 0, replicas[0])
-        if rec is not None:
-            self._d[key] = rec
-        else:
-            self[key] = ObjectMeta(
-                key, size, checksum, replicas, replicas_wanted=replicas_wanted, last_access=now
-            )
+        if len(replicas) == 1:
+            # NOTE: _pack inlined: this runs once per key of every put_end.
+            node_id, segment, offset, rsize, stamp, tier, claim = replicas[0]
+            if rsize == size:
+                last = self._last_place
+                if node_id is last[0] and segment is last[1] and tier is last[2]:
+                    place = last[3]  # a batch's puts name the same strings: no lookup
+                else:
+                    place = self.place_id(node_id, segment, tier)
+                    self._last_place = (node_id, segment, tier, place)
+                try:
+                    self._d[key] = _pack(
+                        size, checksum, replicas_wanted, now, 0, 0, place, offset, stamp, claim
+                    )
+                    return
+                except struct.error:
+                    pass  # a field beyond the layout: the object stays hot
+        self[key] = ObjectMeta(
+            key, size, checksum, replicas, replicas_wanted=replicas_wanted, last_access=now
+        )
 
     def peek(self, key: bytes) -> ObjectMeta | None:
         """The object of ``key`` to *look at* (rank, count): a cold one is not made hot, and
