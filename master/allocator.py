@@ -151,9 +151,17 @@ class OffsetAllocator:
         if i == len(self._by_size):
             return None
         ext_size, start = self._by_size[i]
-        self._remove_free(start, ext_size, by_size_index=i)
         if ext_size > need:
-            self._add_free(start + need, ext_size - need)
+            # The extent keeps its place among the starts (nothing free lies inside it): only
+            # its start moves, and its size entry (a run of tiny puts splits one extent).
+            rest, rest_size = start + need, ext_size - need
+            self._starts[bisect.bisect_left(self._starts, start)] = rest
+            del self._size_at[start]
+            self._size_at[rest] = rest_size
+            del self._by_size[i]
+            bisect.insort(self._by_size, (rest_size, rest))
+        else:
+            self._remove_free(start, ext_size, by_size_index=i)
         self._record(start, need)
         return start
 
