@@ -13,6 +13,13 @@ search and an O(n) but memmove-fast insert, which beats any pure-Python balanced
 ~10^5 free extents a fragmented segment can reach. ``_starts`` finds a freed extent's neighbours
 for coalescing; ``_by_size`` finds the smallest extent that fits (best fit keeps large extents
 whole for large objects).
+
+Why one-unit allocations live in a bitmap, not in the ``start -> size`` dict of the others: a
+store of tiny objects (metadata, 16-byte values) has millions of them per segment, and a dict
+entry costs ~42 bytes an allocation (~70 with its int key) where their size is implied. A bit in
+a page of :data:`PAGE_UNITS` units says "a one-unit allocation starts here"; a page is made when
+its first bit is set and dropped when its last is cleared, so a segment of large objects keeps
+none, and a full page costs an eighth of a byte per allocation.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ from typing import Protocol
 from kvstore.errors import InvalidRequestError
 
 DEFAULT_ALIGNMENT = 64
+#: Alignment units per page of the one-unit bitmap (a page is ``PAGE_UNITS // 8`` bytes).
+PAGE_UNITS = 4096
+_PAGE_SHIFT = PAGE_UNITS.bit_length() - 1
+_EMPTY_PAGE = bytes(PAGE_UNITS // 8)
 
 
 class SpaceAllocator(Protocol):
@@ -35,6 +46,9 @@ class SpaceAllocator(Protocol):
 
     capacity: int
     used_bytes: int
+    #: The unit byte offsets come in (their alignment); 0 where offsets are ids, not positions
+    #: (what ``membership.Holding`` pages its index by).
+    offset_unit: int
 
     @property
     def free_bytes(self) -> int: ...
@@ -85,10 +99,13 @@ class OffsetAllocator:
             raise InvalidRequestError(f"alignment must be a power of two, got {alignment}")
         self.capacity = capacity - capacity % alignment
         self.alignment = alignment
+        self.offset_unit = alignment
         self._starts: list[int] = []  # sorted starts of free extents
         self._size_at: dict[int, int] = {}  # free extent start -> size
         self._by_size: list[tuple[int, int]] = []  # sorted (size, start) of free extents
-        self._allocated: dict[int, int] = {}  # allocated start -> reserved size
+        self._allocated: dict[int, int] = {}  # start -> reserved size, over one unit
+        self._unit_pages: dict[int, bytearray] = {}  # page -> bits of one-unit allocations
+        self._unit_shift = alignment.bit_length() - 1
         self.used_bytes = 0
         if self.capacity:
             self._add_free(0, self.capacity)
@@ -112,7 +129,13 @@ class OffsetAllocator:
         return max(a, (size + a - 1) // a * a)
 
     def is_allocated(self, offset: int) -> bool:
-        return offset in self._allocated
+        if offset in self._allocated:
+            return True
+        if offset < 0 or offset & (self.alignment - 1):
+            return False
+        unit = offset >> self._unit_shift
+        page = self._unit_pages.get(unit >> _PAGE_SHIFT)
+        return page is not None and bool(page[(unit & (PAGE_UNITS - 1)) >> 3] & 1 << (unit & 7))
 
     # ------------------------------------------------------------------ mutations
     def allocate(self, size: int) -> int | None:
@@ -128,11 +151,18 @@ class OffsetAllocator:
         if i == len(self._by_size):
             return None
         ext_size, start = self._by_size[i]
-        self._remove_free(start, ext_size, by_size_index=i)
         if ext_size > need:
-            self._add_free(start + need, ext_size - need)
-        self._allocated[start] = need
-        self.used_bytes += need
+            # The extent keeps its place among the starts (nothing free lies inside it): only
+            # its start moves, and its size entry (a run of tiny puts splits one extent).
+            rest, rest_size = start + need, ext_size - need
+            self._starts[bisect.bisect_left(self._starts, start)] = rest
+            del self._size_at[start]
+            self._size_at[rest] = rest_size
+            del self._by_size[i]
+            bisect.insort(self._by_size, (rest_size, rest))
+        else:
+            self._remove_free(start, ext_size, by_size_index=i)
+        self._record(start, need)
         return start
 
     def allocate_at(self, offset: int, size: int) -> bool:
@@ -155,8 +185,7 @@ class OffsetAllocator:
             self._add_free(start, offset - start)
         if start + ext_size > offset + need:
             self._add_free(offset + need, start + ext_size - offset - need)
-        self._allocated[offset] = need
-        self.used_bytes += need
+        self._record(offset, need)
         return True
 
     def free(self, offset: int) -> int:
@@ -170,7 +199,7 @@ class OffsetAllocator:
         """
         size = self._allocated.pop(offset, None)
         if size is None:
-            raise InvalidRequestError(f"offset {offset} is not allocated")
+            size = self._unrecord_unit(offset)
         self.used_bytes -= size
         start, end = offset, offset + size
         i = bisect.bisect_left(self._starts, start)
@@ -195,6 +224,38 @@ class OffsetAllocator:
         """Nothing to do: an extent a node holds is reserved by :meth:`allocate_at`."""
 
     # ------------------------------------------------------------------ internals
+    def _record(self, start: int, need: int) -> None:
+        """Remember a new allocation: a bit when it is one unit, a dict entry otherwise."""
+        self.used_bytes += need
+        if need != self.alignment:
+            self._allocated[start] = need
+            return
+        unit = start >> self._unit_shift
+        page = self._unit_pages.get(unit >> _PAGE_SHIFT)
+        if page is None:
+            page = self._unit_pages[unit >> _PAGE_SHIFT] = bytearray(_EMPTY_PAGE)
+        page[(unit & (PAGE_UNITS - 1)) >> 3] |= 1 << (unit & 7)
+
+    def _unrecord_unit(self, offset: int) -> int:
+        """Forget the one-unit allocation at ``offset``. Returns its reserved size.
+
+        Raises:
+            InvalidRequestError: no allocation starts at ``offset``.
+        """
+        page = None
+        if offset >= 0 and not offset & (self.alignment - 1):
+            unit = offset >> self._unit_shift
+            page = self._unit_pages.get(unit >> _PAGE_SHIFT)
+        if page is None:
+            raise InvalidRequestError(f"offset {offset} is not allocated")
+        i, bit = (unit & (PAGE_UNITS - 1)) >> 3, 1 << (unit & 7)
+        if not page[i] & bit:
+            raise InvalidRequestError(f"offset {offset} is not allocated")
+        page[i] &= ~bit & 0xFF
+        if page == _EMPTY_PAGE:
+            del self._unit_pages[unit >> _PAGE_SHIFT]
+        return self.alignment
+
     def _add_free(self, start: int, size: int) -> None:
         bisect.insort(self._starts, start)
         self._size_at[start] = size

@@ -21,6 +21,7 @@ class ByteBudget:
             raise InvalidRequestError(f"capacity must be >= 0, got {capacity}")
         self.capacity = capacity
         self.alignment = alignment
+        self.offset_unit = 0  # offsets are ids
         self.used_bytes = 0
         #: Bytes freed here that the node may not have deleted yet (its forget is in flight).
         #: lmdb still holds them, so ``used + limbo`` may not pass twice the capacity.

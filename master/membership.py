@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, ItemsView, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstore import grants
@@ -30,6 +30,119 @@ from kvstore.types import Location, SegmentSpec, node_state
 log = logging.getLogger(__name__)
 
 
+#: Units per page of :class:`Holding` (a page is a list of this many slots: 2 KiB).
+HOLDING_PAGE_UNITS = 256
+_HOLDING_PAGE_SHIFT = 8
+_HOLDING_SLOT_MASK = HOLDING_PAGE_UNITS - 1
+
+
+class Holding(MutableMapping[int, bytes]):
+    """Offset -> key of every committed replica in a segment (what eviction and drain walk).
+
+    Why not a plain dict: a segment of tiny objects holds millions of replicas, and a dict entry
+    with its int key costs ~70 bytes a replica. A replica that fits one allocation unit
+    (:meth:`add` of at most ``unit`` bytes) takes a slot in a page of :data:`HOLDING_PAGE_UNITS` units
+    instead (one pointer: ~8 bytes in a full page; its offset is the slot's position); larger
+    ones, which are sparse in offsets, keep dict entries. Pages are made on first use and
+    dropped when empty. Iteration yields the dict's entries, then the pages' in offset order.
+
+    Args:
+        unit: the allocation unit of the segment's offsets (its allocator's alignment); 0 keeps
+            every entry in the dict (offsets that are ids, not byte positions).
+    """
+
+    __slots__ = ("_unit_shift", "_unit_mask", "_small_max", "_big", "_pages", "_num_small")
+
+    def __init__(self, unit: int = 0) -> None:
+        assert unit >= 0 and not unit & (unit - 1), "the unit is 0 or a power of two"
+        assert HOLDING_PAGE_UNITS == 1 << _HOLDING_PAGE_SHIFT
+        self._unit_shift = unit.bit_length() - 1 if unit else -1
+        self._unit_mask = unit - 1 if unit else 0
+        self._small_max = unit if unit else -1  # the largest replica a page slot takes
+        self._big: dict[int, bytes] = {}
+        self._pages: dict[int, list[bytes | None]] = {}
+        self._num_small = 0
+
+    def add(self, offset: int, key: bytes, size: int) -> None:
+        """Record the replica of ``key`` (``size`` bytes) at ``offset``."""
+        if size > self._small_max or offset & self._unit_mask or offset in self._big:
+            self[offset] = key
+            return
+        unit = offset >> self._unit_shift
+        page = self._pages.get(unit >> _HOLDING_PAGE_SHIFT)
+        if page is None:
+            page = self._pages[unit >> _HOLDING_PAGE_SHIFT] = [None] * HOLDING_PAGE_UNITS
+        i = unit & _HOLDING_SLOT_MASK
+        if page[i] is None:
+            self._num_small += 1
+        page[i] = key
+
+    def _slot(self, offset: int) -> tuple[list[bytes | None] | None, int]:
+        shift = self._unit_shift
+        if shift < 0 or offset < 0 or offset & ((1 << shift) - 1):
+            return None, 0
+        unit = offset >> shift
+        return self._pages.get(unit // HOLDING_PAGE_UNITS), unit % HOLDING_PAGE_UNITS
+
+    def __getitem__(self, offset: int) -> bytes:
+        key = self._big.get(offset)
+        if key is not None:
+            return key
+        page, i = self._slot(offset)
+        key = page[i] if page is not None else None
+        if key is None:
+            raise KeyError(offset)
+        return key
+
+    def __setitem__(self, offset: int, key: bytes) -> None:
+        page, i = self._slot(offset)
+        if page is not None and page[i] is not None:
+            del self[offset]
+        self._big[offset] = key
+
+    def __delitem__(self, offset: int) -> None:
+        if self._big.pop(offset, None) is not None:
+            return
+        page, i = self._slot(offset)
+        if page is None or page[i] is None:
+            raise KeyError(offset)
+        page[i] = None
+        self._num_small -= 1
+        if page.count(None) == HOLDING_PAGE_UNITS:
+            del self._pages[(offset >> self._unit_shift) // HOLDING_PAGE_UNITS]
+
+    def __iter__(self) -> Iterator[int]:
+        return (offset for offset, _ in self._iter_items())
+
+    def __len__(self) -> int:
+        return len(self._big) + self._num_small
+
+    def items(self) -> ItemsView[int, bytes]:
+        """(offset, key) of every replica, without a lookup per entry."""
+        return _HoldingItems(self)
+
+    def _iter_items(self) -> Iterator[tuple[int, bytes]]:
+        yield from self._big.items()
+        shift = self._unit_shift
+        for p, page in list(self._pages.items()):
+            base = p * HOLDING_PAGE_UNITS
+            for i, key in enumerate(page):
+                if key is not None:
+                    yield (base + i) << shift, key
+
+    def __repr__(self) -> str:
+        return f"Holding({dict(self._iter_items())!r})"
+
+
+class _HoldingItems(ItemsView[int, bytes]):
+    """``Holding.items()``: iterates the pages directly."""
+
+    _mapping: Holding
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return self._mapping._iter_items()
+
+
 @dataclass(slots=True)
 class Segment:
     name: str
@@ -37,7 +150,7 @@ class Segment:
     allocator: SpaceAllocator
     shm_path: str = ""
     # offset -> key of every committed replica here (what eviction and drain walk).
-    holding: dict[int, bytes] = field(default_factory=dict)
+    holding: Holding = field(default_factory=Holding)
     # The newest write claim (grant expiry, wall ms) of any allocation freed here. Nodes order
     # the writes of reused bytes by that stamp (kvstore.grants.WriteClaims) and cannot order
     # equal ones, so space freed in the millisecond it was allocated (an eviction right after
@@ -88,6 +201,13 @@ def make_allocator(tier: str, capacity: int) -> SpaceAllocator:
     """The allocator of a segment: ids under a byte budget on NVMe (lmdb places values
     itself), byte extents elsewhere."""
     return ByteBudget(capacity) if tier == TIER_NVME else OffsetAllocator(capacity)
+
+
+def make_segment(spec: SegmentSpec) -> Segment:
+    """A registered segment: its allocator, and a holding index paged by its allocation unit
+    where offsets are byte positions."""
+    allocator = make_allocator(spec.tier, spec.capacity)
+    return Segment(spec.name, spec.tier, allocator, spec.shm_path, Holding(allocator.offset_unit))
 
 
 class Membership:
@@ -173,10 +293,7 @@ class Membership:
             host=host,
             port=port,
             secret=secret,
-            segments={
-                s.name: Segment(s.name, s.tier, make_allocator(s.tier, s.capacity), s.shm_path)
-                for s in segments
-            },
+            segments={s.name: make_segment(s) for s in segments},
             last_seen=self.clock(),
             transports=dict(transports or {}),
         )

@@ -67,7 +67,7 @@ class Space:
         """Record a committed replica in its segment's index (eviction and drain walk it)."""
         node = self.membership.nodes.get(replica.node_id)
         if node is not None:
-            node.segments[replica.segment].holding[replica.offset] = key
+            node.segments[replica.segment].holding.add(replica.offset, key, replica.size)
 
     def hold_until(self, obj: ObjectMeta, now: float) -> float:
         """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""

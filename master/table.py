@@ -1,32 +1,40 @@
-"""The object table: key -> committed object, most objects stored as one plain tuple.
+"""The object table: key -> committed object, most objects stored as one packed record.
 
 Why not one record object per key: the master holds millions of objects, and CPython's cyclic
 garbage collector walks every container object it tracks on each full collection. With a
 record, a list and a replica object per key that walk took seconds at a million objects (the
 master missed heartbeats and declared a live node dead) and cost ~500 bytes per object. A
-tuple holding only strings, ints and floats is *untracked* by the collector once it survived a
-young collection, so a table of such tuples costs the collector one dict, whatever its size.
+``bytes`` is not a container: the collector never tracks it, so a table of such records costs
+the collector one dict, whatever its size.
 
 So :class:`ObjectTable` keeps each object in one of two forms, in one dict:
 
-- **cold**: a plain tuple of its fields (:data:`RECORD_FIELDS`): an object with exactly one
-  replica, no reader, no pin, no task in flight. Every ``put_end`` commits this form; most
-  objects stay in it all their life.
-- **hot**: an :class:`ObjectMeta`, made from the tuple the first time code asks the table for the
+- **cold**: its fields (:data:`RECORD_FIELDS`) packed into one ``bytes`` of fixed layout
+  (:data:`_PACK`): an object with exactly one replica, no reader, no pin, no task in flight.
+  Every ``put_end`` commits this form; most objects stay in it all their life.
+- **hot**: an :class:`ObjectMeta`, made from the record the first time code asks the table for the
   object (``table[key]``, ``table.get(key)``): reads, pins, moves and copies work on it as on any
   record, and it keeps its identity for as long as anything refers to it (a read lease, a held
   free, a task). :meth:`ObjectTable.cool` turns hot objects that nothing else refers to and that
-  are back in the cold case into tuples again (the service calls it from ``tick``, a bounded
+  are back in the cold case into records again (the service calls it from ``tick``, a bounded
   number per call).
 
+Why packed bytes and not a tuple of the fields: the cold record is most of the master's memory
+per object. A 12-field tuple costs 136 bytes, plus an int object for each field that no other
+record shares (the checksum and the offset: ~64 bytes more); one ``bytes`` of the same fields
+costs 94, and ``struct`` unpacks it in one call when the object turns hot. The replica's node,
+segment and tier (strings every record of a segment shares) become one small *place id* into
+the table's own list of places, which only grows with the segments ever registered.
+
 Code that scans the whole table (node death, stats, metrics) uses the table's own scans
-(:meth:`ObjectTable.keys_on`, :meth:`ObjectTable.total_bytes`, ...), which read tuples in place
-instead of making a record of each.
+(:meth:`ObjectTable.keys_on`, :meth:`ObjectTable.total_bytes`, ...), which read records in place
+instead of making an ObjectMeta of each.
 """
 
 from __future__ import annotations
 
 import itertools
+import struct
 import sys
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import NamedTuple
@@ -185,7 +193,8 @@ class ObjectMeta:
         )
 
 
-#: The fields of a cold object's tuple, in order (the replica's size is the object's).
+#: The fields of a cold object's record, in order (the replica's size is the object's; its
+#: node, segment and tier are one place id: see :meth:`ObjectTable.place_id`).
 RECORD_FIELDS = (
     "size",
     "checksum",
@@ -193,74 +202,28 @@ RECORD_FIELDS = (
     "last_access",
     "hits",
     "hits_since_move",
-    "node_id",
-    "segment",
+    "place",
     "offset",
     "stamp",
-    "tier",
     "claim",
 )
-_Record = tuple[int, int, int, float, int, int, str, str, int, int, str, int]
+#: The layout of a cold record (little-endian, no padding): 61 bytes, a 94-byte ``bytes``.
+_PACK = struct.Struct("<QQBdIIIQqq")
+#: Where the place id sits in a cold record, and the size (scans read them in place).
+_PLACE_AT = struct.calcsize("<QQBdII")
+_pack = _PACK.pack
+_read_place = struct.Struct("<I").unpack_from
+_read_size = struct.Struct("<Q").unpack_from
 _MISSING = object()
 #: References to a hot ObjectMeta while :meth:`ObjectTable.cool` looks at it when nothing else
 #: refers to it: the table's dict, the loop variable and ``sys.getrefcount``'s argument.
 _UNREFERENCED = 3
-
-
-def _warm(key: bytes, rec: _Record) -> ObjectMeta:
-    """The ObjectMeta of a cold record (not stored anywhere)."""
-    size, checksum, wanted, last_access, hits, hsm, node_id, segment, offset, stamp, tier, claim = (
-        rec
-    )
-    meta = ObjectMeta.__new__(ObjectMeta)
-    meta.key = key
-    meta.size = size
-    meta.checksum = checksum
-    meta._reps = (node_id, segment, offset, size, stamp, tier, claim)
-    meta.replicas_wanted = wanted
-    meta.last_access = last_access
-    meta.hits = hits
-    meta.hits_since_move = hsm
-    meta.lease_until = 0.0
-    meta.readers = 0
-    meta.pin = PIN_NONE
-    meta.pin_until = 0.0
-    meta.busy = 0
-    return meta
-
-
-def _cold(meta: ObjectMeta, now: float) -> _Record | None:
-    """The tuple of ``meta`` when it is in the cold case now, else None."""
-    reps = meta._reps
-    if (
-        not reps
-        or type(reps[0]) is not str
-        or meta.readers
-        or meta.busy
-        or meta.lease_until > now
-        or (meta.pin != PIN_NONE and meta.pin_until > now)
-        or reps[3] != meta.size
-    ):
-        return None
-    node_id, segment, offset, _, stamp, tier, claim = reps
-    return (
-        meta.size,
-        meta.checksum,
-        meta.replicas_wanted,
-        meta.last_access,
-        meta.hits,
-        meta.hits_since_move,
-        node_id,
-        segment,
-        offset,
-        stamp,
-        tier,
-        claim,
-    )
+#: A place: the (node_id, segment, tier) of a replica.
+_Place = tuple[str, str, str]
 
 
 class ObjectTable(MutableMapping[bytes, ObjectMeta]):
-    """Committed objects by key: a mapping of ``ObjectMeta`` whose idle entries are tuples.
+    """Committed objects by key: a mapping of ``ObjectMeta`` whose idle entries are packed records.
 
     Reading an entry (``[]``, ``get``, ``pop``, ``values``, ``items``) hands out its
     ``ObjectMeta`` (made hot on first use); ``in``, ``len`` and iteration over keys never make
@@ -268,15 +231,103 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
     """
 
     def __init__(self) -> None:
-        self._d: dict[bytes, ObjectMeta | _Record] = {}
+        self._d: dict[bytes, ObjectMeta | bytes] = {}
         # Keys whose entry is an ObjectMeta, oldest first (cool() looks at them in turn).
         self._hot: dict[bytes, None] = {}
+        # The places cold records name by index (see place_id); never shrinks, so an id stays
+        # valid for as long as a record may hold it.
+        self._places: list[_Place] = []
+        self._place_ids: dict[_Place, int] = {}
+        self._last_place: tuple[str, str, str, int] = ("", "", "", -1)
+
+    def place_id(self, node_id: str, segment: str, tier: str) -> int:
+        """The small id cold records store for a replica's (node, segment, tier)."""
+        place = (node_id, segment, tier)
+        pid = self._place_ids.get(place)
+        if pid is None:
+            pid = self._place_ids[place] = len(self._places)
+            self._places.append(place)
+        return pid
+
+    def _warm(self, key: bytes, rec: bytes) -> ObjectMeta:
+        """The ObjectMeta of a cold record (not stored anywhere)."""
+        size, checksum, wanted, last_access, hits, hsm, place, offset, stamp, claim = _PACK.unpack(
+            rec
+        )
+        node_id, segment, tier = self._places[place]
+        meta = ObjectMeta.__new__(ObjectMeta)
+        meta.key = key
+        meta.size = size
+        meta.checksum = checksum
+        meta._reps = (node_id, segment, offset, size, stamp, tier, claim)
+        meta.replicas_wanted = wanted
+        meta.last_access = last_access
+        meta.hits = hits
+        meta.hits_since_move = hsm
+        meta.lease_until = 0.0
+        meta.readers = 0
+        meta.pin = PIN_NONE
+        meta.pin_until = 0.0
+        meta.busy = 0
+        return meta
+
+    def _pack(
+        self,
+        size: int,
+        checksum: int,
+        wanted: int,
+        last_access: float,
+        hits: int,
+        hsm: int,
+        reps: tuple,
+    ) -> bytes | None:
+        """The cold record of these fields, or None when one does not fit its layout (the
+        object then stays an ObjectMeta: nothing is lost, it only costs more)."""
+        node_id, segment, offset, _, stamp, tier, claim = reps
+        try:
+            return _PACK.pack(
+                size,
+                checksum,
+                wanted,
+                last_access,
+                hits,
+                hsm,
+                self.place_id(node_id, segment, tier),
+                offset,
+                stamp,
+                claim,
+            )
+        except struct.error:
+            return None
+
+    def _cold(self, meta: ObjectMeta, now: float) -> bytes | None:
+        """The cold record of ``meta`` when it is in the cold case now, else None."""
+        reps = meta._reps
+        if (
+            not reps
+            or type(reps[0]) is not str
+            or meta.readers
+            or meta.busy
+            or meta.lease_until > now
+            or (meta.pin != PIN_NONE and meta.pin_until > now)
+            or reps[3] != meta.size
+        ):
+            return None
+        return self._pack(
+            meta.size,
+            meta.checksum,
+            meta.replicas_wanted,
+            meta.last_access,
+            meta.hits,
+            meta.hits_since_move,
+            reps,
+        )
 
     # ------------------------------------------------------------ mapping
     def __getitem__(self, key: bytes) -> ObjectMeta:
         v = self._d[key]
-        if type(v) is tuple:
-            v = self._d[key] = _warm(key, v)
+        if type(v) is bytes:
+            v = self._d[key] = self._warm(key, v)
             self._hot[key] = None
         return v  # type: ignore[return-value]
 
@@ -285,8 +336,8 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
         v = self._d.get(key)
         if v is None:
             return default
-        if type(v) is tuple:
-            v = self._d[key] = _warm(key, v)
+        if type(v) is bytes:
+            v = self._d[key] = self._warm(key, v)
             self._hot[key] = None
         return v  # type: ignore[return-value]
 
@@ -310,7 +361,7 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
                 raise KeyError(key)
             return default  # type: ignore[return-value]
         self._hot.pop(key, None)
-        return _warm(key, v) if type(v) is tuple else v  # type: ignore[arg-type,return-value]
+        return self._warm(key, v) if type(v) is bytes else v  # type: ignore[arg-type,return-value]
 
     def __contains__(self, key: object) -> bool:
         return key in self._d
@@ -336,41 +387,42 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
     ) -> None:
         """Store a newly committed object (cold when it has one replica), replacing ``key``'s."""
         self._hot.pop(key, None)
-        if len(replicas) == 1 and replicas[0].size == size:
-            node_id, segment, offset, _, stamp, tier, claim = replicas[0]
-            self._d[key] = (
-                size,
-                checksum,
-                replicas_wanted,
-                now,
-                0,
-                0,
-                node_id,
-                segment,
-                offset,
-                stamp,
-                tier,
-                claim,
-            )
-        else:
-            self[key] = ObjectMeta(
-                key, size, checksum, replicas, replicas_wanted=replicas_wanted, last_access=now
-            )
+        if len(replicas) == 1:
+            # NOTE: _pack inlined: this runs once per key of every put_end.
+            node_id, segment, offset, rsize, stamp, tier, claim = replicas[0]
+            if rsize == size:
+                last = self._last_place
+                if node_id is last[0] and segment is last[1] and tier is last[2]:
+                    place = last[3]  # a batch's puts name the same strings: no lookup
+                else:
+                    place = self.place_id(node_id, segment, tier)
+                    self._last_place = (node_id, segment, tier, place)
+                try:
+                    self._d[key] = _pack(
+                        size, checksum, replicas_wanted, now, 0, 0, place, offset, stamp, claim
+                    )
+                    return
+                except struct.error:
+                    pass  # a field beyond the layout: the object stays hot
+        self[key] = ObjectMeta(
+            key, size, checksum, replicas, replicas_wanted=replicas_wanted, last_access=now
+        )
 
     def peek(self, key: bytes) -> ObjectMeta | None:
         """The object of ``key`` to *look at* (rank, count): a cold one is not made hot, and
         what this returns for it is a copy that changes nothing when changed."""
         v = self._d.get(key)
-        if v is None or type(v) is not tuple:
+        if v is None or type(v) is not bytes:
             return v  # type: ignore[return-value]
-        return _warm(key, v)
+        return self._warm(key, v)
 
     def keys_on(self, node_id: str) -> list[bytes]:
         """Keys with a replica on ``node_id`` (no record is made)."""
         out = []
+        places = {i for i, p in enumerate(self._places) if p[0] == node_id}
         for key, v in self._d.items():
-            if type(v) is tuple:
-                if v[6] == node_id:
+            if type(v) is bytes:
+                if _read_place(v, _PLACE_AT)[0] in places:
                     out.append(key)
             elif v.held_by(node_id):  # type: ignore[union-attr]
                 out.append(key)
@@ -378,7 +430,7 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
 
     def total_bytes(self) -> int:
         """Bytes of every committed object."""
-        return sum(v[0] if type(v) is tuple else v.size for v in self._d.values())  # type: ignore[union-attr,misc]
+        return sum(_read_size(v)[0] if type(v) is bytes else v.size for v in self._d.values())  # type: ignore[union-attr,misc]
 
     def hot_values(self) -> list[ObjectMeta]:
         """The objects in ``ObjectMeta`` form: the only ones that can be leased, pinned or
@@ -392,10 +444,10 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
         return len(self._hot)
 
     def cool(self, now: float, limit: int) -> int:
-        """Turn up to ``limit`` hot objects back into tuples, oldest first.
+        """Turn up to ``limit`` hot objects back into records, oldest first.
 
         One is turned only when nothing but the table refers to it (so no holder of the
-        ``ObjectMeta`` can tell) and it is in the cold case (see :func:`_cold`); the others
+        ``ObjectMeta`` can tell) and it is in the cold case (see :meth:`_cold`); the others
         go to the back of the queue.
 
         Returns:
@@ -405,7 +457,7 @@ class ObjectTable(MutableMapping[bytes, ObjectMeta]):
         done = 0
         for key in list(itertools.islice(hot, limit)):
             meta = d[key]
-            rec = _cold(meta, now) if sys.getrefcount(meta) <= _UNREFERENCED else None  # type: ignore[arg-type]
+            rec = self._cold(meta, now) if sys.getrefcount(meta) <= _UNREFERENCED else None  # type: ignore[arg-type]
             del hot[key]
             if rec is None:
                 hot[key] = None  # still hot: to the back

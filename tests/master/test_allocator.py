@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.allocator import OffsetAllocator
+from kvstore.master.allocator import PAGE_UNITS, OffsetAllocator
 
 CAP = 4096
 
@@ -71,3 +71,24 @@ def test_bad_use() -> None:
     with pytest.raises(InvalidRequestError):
         OffsetAllocator(1024, alignment=3)
     assert a.allocate(2048) is None
+
+
+def test_one_unit_allocations_across_pages_are_tracked_and_their_pages_dropped() -> None:
+    """One-unit allocations live in bitmap pages (allocator.py): each is known, a bad or second
+    free of one fails, and a page goes when its last allocation does."""
+    a = OffsetAllocator(3 * PAGE_UNITS * 64, alignment=64)
+    offs = [a.allocate(16) for _ in range(2 * PAGE_UNITS + 10)]
+    assert offs == [i * 64 for i in range(len(offs))] and all(a.is_allocated(o) for o in offs)
+    assert not a.is_allocated(offs[-1] + 64) and not a.is_allocated(32) and not a.is_allocated(-64)
+    big = a.allocate(1000)
+    assert big is not None and a.is_allocated(big)
+    for o in offs[::2]:
+        a.free(o)
+    for bad in (offs[0], 32, offs[-1] + 64 * 4, -64):
+        with pytest.raises(InvalidRequestError):
+            a.free(bad)
+    for o in offs[1::2]:
+        a.free(o)
+    a.free(big)
+    assert a.used_bytes == 0 and a.largest_free == a.capacity and not a._unit_pages
+    assert a.allocate_at(64 * 5, 1) and a.is_allocated(64 * 5) and a.used_bytes == 64

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore import grants
 from kvstore.errors import (
@@ -14,7 +16,14 @@ from kvstore.errors import (
 from kvstore.master.allocator import OffsetAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.config import MasterConfig
-from kvstore.master.membership import Membership, Node, make_allocator
+from kvstore.master.membership import (
+    HOLDING_PAGE_UNITS,
+    Holding,
+    Membership,
+    Node,
+    make_allocator,
+    make_segment,
+)
 from kvstore.master.table import Replica
 from kvstore.types import SegmentSpec
 from tests.master.fakes import FakeClock
@@ -175,3 +184,36 @@ def test_a_drained_node_retires_without_tombstones(members: Membership) -> None:
     node.retired = True
     assert members.retire("n1") is node
     assert not members.nodes and "n1" not in members.tombstones
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 3 * HOLDING_PAGE_UNITS), st.integers(0, 200)),
+        max_size=120,
+    )
+)
+def test_holding_is_the_mapping_a_dict_would_be(ops: list[tuple[bool, int, int]]) -> None:
+    """A segment's holding index (paged for one-unit replicas) answers as a plain dict."""
+    holding, model = Holding(64), {}
+    for add, unit, size in ops:
+        offset = unit * 64 + (size == 7)  # now and then an offset off the unit
+        if add:
+            holding.add(offset, b"k%d" % unit, size)
+            model[offset] = b"k%d" % unit
+        else:
+            assert holding.pop(offset, None) == model.pop(offset, None)
+        assert len(holding) == len(model) and holding == model
+        assert holding.get(offset) == model.get(offset)
+    assert sorted(holding.items()) == sorted(model.items()) and sorted(holding) == sorted(model)
+    for offset in list(model):
+        del holding[offset]
+    assert holding == {} and not holding._pages
+
+
+def test_a_segment_pages_its_holding_by_its_offset_unit() -> None:
+    dram, nvme = make_segment(DRAM), make_segment(NVME)
+    dram.holding.add(128, b"a", 16)
+    nvme.holding.add(2, b"b", 16)
+    assert dram.holding._pages and dram.holding == {128: b"a"}
+    assert not nvme.holding._pages and nvme.holding == {2: b"b"}, "ids are not byte positions"

@@ -20,7 +20,7 @@ def clock() -> FakeClock:
 
 
 def is_cold(svc: MasterService, key: bytes) -> bool:
-    return type(svc.objects._d[key]) is tuple
+    return type(svc.objects._d[key]) is bytes
 
 
 def test_a_commit_is_stored_cold_and_untracked_by_the_collector(clock: FakeClock) -> None:
