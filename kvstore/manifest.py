@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from kvstore.config import check_wire_key
 from kvstore.errors import InvalidRequestError, KVStoreError
+
+if TYPE_CHECKING:
+    from kvstore.grants import Grant
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,13 @@ class StoredObject:
 
     def to_wire(self) -> list[Any]:
         return [self.segment, self.offset, self.key, self.size, self.checksum, self.stamp]
+
+    @staticmethod
+    def written(grant: Grant, checksum: int) -> StoredObject:
+        """The object a completed write of ``grant`` stored: its version is the grant's expiry."""
+        return StoredObject(
+            grant.segment, grant.offset, grant.key, grant.size, checksum, grant.expires_ms
+        )
 
     @staticmethod
     def from_wire(obj: Any) -> StoredObject:

@@ -140,9 +140,7 @@ def write(
             if grant is not None and dest is None and err is None:
                 buf = memoryview(bytearray(length))
                 fs.recv_into(buf)
-                obj = StoredObject(
-                    grant.segment, grant.offset, grant.key, grant.size, checksum, grant.expires_ms
-                )
+                obj = StoredObject.written(grant, checksum)
                 tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
                 results.append([0, None])
                 continue
@@ -156,16 +154,7 @@ def write(
             fs.recv_into_before(dest, time.monotonic() + left_s, aborted)
             done.add(i)
             if start == 0 and length == grant.size:
-                stored.append(
-                    StoredObject(
-                        grant.segment,
-                        grant.offset,
-                        grant.key,
-                        grant.size,
-                        checksum,
-                        grant.expires_ms,
-                    )
-                )
+                stored.append(StoredObject.written(grant, checksum))
             results.append([0, None])
         for segment, batch in tier_items.items():
             now = server.clock_ms()
