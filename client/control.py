@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from kvstore import auth, protocol
 from kvstore.client.discovery import LeaderChannel
-from kvstore.client.pipeline import Pipeline, pipelined
+from kvstore.client.pipeline import Pipeline, close_released, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.config import Address
 from kvstore.errors import (
@@ -331,10 +331,7 @@ class FixedChannel:
             self._closed = True
             idle, self._idle = self._idle, []
             pipe, self._pipeline = self._pipeline, None
-        for conn in idle:
-            conn.close()
-        if pipe is not None:
-            pipe.close()
+        close_released(idle, pipe)
 
 
 def _left(deadline: float) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import auth, protocol
-from kvstore.client.pipeline import Pipeline, pipelined
+from kvstore.client.pipeline import Pipeline, close_released, pipelined
 from kvstore.client.releases import LeaseReturns
 from kvstore.config import Address
 from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
@@ -125,10 +125,7 @@ class LeaderChannel:
             self.address = None
             idle, self._idle = self._idle, []
             pipe, self._pipeline = self._pipeline, None
-        for conn in idle:
-            conn.close()
-        if pipe is not None:
-            pipe.close()
+        close_released(idle, pipe)
 
     def _pipe(self, address: Address, epoch: int | None) -> Pipeline:
         """The pipeline to the leader of ``epoch`` at ``address`` (opened if there is none).
@@ -251,8 +248,5 @@ class LeaderChannel:
             self._closed = True
             idle, self._idle = self._idle, []
             pipe, self._pipeline = self._pipeline, None
-        for conn in idle:
-            conn.close()
-        if pipe is not None:
-            pipe.close()
+        close_released(idle, pipe)
         self.resolver.close()

@@ -264,6 +264,18 @@ class Pipeline:
         self._conn.close()
 
 
+def close_released(idle: list[protocol.FramedSocket], pipe: Pipeline | None) -> None:
+    """Close the idle connections and the pipeline a control channel just let go of.
+
+    The channel swaps them out under its lock and calls this after releasing it: closing a
+    socket may block, and no lock is held across I/O.
+    """
+    for conn in idle:
+        conn.close()
+    if pipe is not None:
+        pipe.close()
+
+
 def _left(deadline: float) -> float:
     """Seconds until ``deadline`` (monotonic), at least a sliver (a socket timeout of 0 would
     make the socket non-blocking; a lock wait of 0 would not wait)."""
