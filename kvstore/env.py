@@ -176,6 +176,12 @@ def _seconds(env: Mapping[str, str], name: str) -> float | None:
     return value
 
 
+def read_poll_us(environ: Mapping[str, str] | None = None) -> float:
+    """``KVSTORE_POLL_US`` alone (µs), by :attr:`Env.poll_us`'s rule: every connection reads it
+    when it opens, so it must cost little and must not fail on another variable's bad value."""
+    return _poll_us((os.environ if environ is None else environ).get("KVSTORE_POLL_US") or None)
+
+
 def _poll_us(raw: str | None) -> float:
     """The one lenient variable: a tuning knob that a client library reads must never stop it,
     so a bad window means the default, and the window is clamped to ``0..MAX_POLL_US``."""

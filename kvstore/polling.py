@@ -31,7 +31,7 @@ import asyncio
 import os
 import time
 
-from kvstore.env import Env
+from kvstore.env import read_poll_us
 
 #: Waits that sleep at once after a poll that found nothing: for requests, for replies. With
 #: more busy processes than cores, polling for every reply (no backoff, no yield) cut four
@@ -46,8 +46,9 @@ POLL_MAX_BYTES = 256 << 10
 
 def poll_window() -> float:
     """The window in seconds, from ``$KVSTORE_POLL_US`` (a bad value means the default; at most
-    ``MAX_POLL_US``), read when a server or a connection starts (:class:`kvstore.env.Env`)."""
-    return Env.read().poll_us / 1e6
+    ``MAX_POLL_US``), read when a server or a connection starts (:func:`kvstore.env.read_poll_us`:
+    that variable alone, a connection does not parse the whole environment)."""
+    return read_poll_us() / 1e6
 
 
 class LoopAwake:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.env import DEFAULT_CHUNK_ITEMS, DEFAULT_POLL_US, Env, EnvError
+from kvstore.env import DEFAULT_CHUNK_ITEMS, DEFAULT_POLL_US, Env, EnvError, read_poll_us
 from kvstore.errors import InvalidRequestError
 
 
@@ -89,6 +89,15 @@ def test_a_bad_value_is_a_typed_error_naming_the_variable(variable: str, value: 
 )
 def test_the_poll_window_is_lenient_and_clamped(raw: str, want: float) -> None:
     assert Env.read({"KVSTORE_POLL_US": raw}).poll_us == want
+    assert read_poll_us({"KVSTORE_POLL_US": raw}) == want
+
+
+def test_a_connection_s_poll_window_ignores_other_variables_bad_values() -> None:
+    """Every connection reads the window when it opens: another variable's bad value is the
+    business of whoever reads that one, not a reason for a socket to fail."""
+    env = {"KVSTORE_POLL_US": "50", "KVSTORE_RDMA_PORT": "not-a-port"}
+    assert read_poll_us(env) == 50.0
+    assert read_poll_us({}) == DEFAULT_POLL_US == read_poll_us({"KVSTORE_POLL_US": ""})
 
 
 @pytest.mark.parametrize(
