@@ -550,16 +550,9 @@ async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_i
     return b"".join(parts)
 
 
-async def _take_releases_bounded(
-    svc: MasterService, args: dict[str, Any], chunk_items: int
-) -> None:
-    """:func:`_take_releases`, ``chunk_items`` tokens a turn of the loop (a client piggybacks
-    up to thousands after a big read). The whole list is checked first: a malformed one
-    refuses the request and releases nothing."""
-    if "release" not in args:
-        return
-    tokens = check_lease_tokens(args["release"], svc.config.max_batch)
-    del args["release"]
+async def _release_in_chunks(svc: MasterService, tokens: list[Any], chunk_items: int) -> None:
+    """Give back ``tokens`` (already checked), ``chunk_items`` a turn of the loop: a client
+    piggybacks up to thousands after a big read."""
     for lo in range(0, len(tokens), chunk_items):
         if lo:
             await asyncio.sleep(0)
@@ -582,8 +575,16 @@ async def dispatch_bounded(
     others)."""
     started, code, delegated = time.perf_counter(), 0, False
     try:
-        if request.verb in HANDLERS:
-            await _take_releases_bounded(svc, request.args, chunk_items)
+        if request.verb in HANDLERS and "release" in request.args:
+            # As _take_releases, bounded: the whole list is checked first (a malformed one
+            # refuses the request and releases nothing); a short one, the usual case, is
+            # given back at once, without a coroutine.
+            tokens = check_lease_tokens(request.args["release"], svc.config.max_batch)
+            del request.args["release"]
+            if len(tokens) <= chunk_items:
+                svc.release_leases(tokens)
+            else:
+                await _release_in_chunks(svc, tokens, chunk_items)
         if _is_large_kv_match(request, chunk_items):
             packed = await _serve_kv_match(svc, request, chunk_items)
         else:

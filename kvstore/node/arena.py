@@ -124,13 +124,12 @@ class DramTier(Tier):
         self.arena = arena
         self.capacity = arena.size
 
-    def _check(self, offset: int, size: int) -> None:
-        if offset < 0 or size < 0 or offset + size > self.arena.size:
-            raise OutOfRangeError("range lies outside the segment")
-
     def in_place(self, offset: int, size: int) -> memoryview:
-        self._check(offset, size)
-        return self.arena.view[offset : offset + size]
+        # Every read of a DRAM object comes through here: one call, the check inline.
+        arena = self.arena
+        if offset < 0 or size < 0 or offset + size > arena.size:
+            raise OutOfRangeError("range lies outside the segment")
+        return arena.view[offset : offset + size]
 
     def read(self, offset: int, size: int) -> memoryview:
         return self.in_place(offset, size)
