@@ -6,7 +6,8 @@ blocking sockets, ``kvstore.node.server``). Each connection of either runs the s
 for a frame, read its header and body within their deadlines, check them, dispatch the request,
 write the reply. The I/O of that loop differs (an awaited stream reader; a socket with
 timeouts), the rules do not, and the rules are what must never drift apart between the two.
-So they live here, once, in :class:`FrameSession`, which does no I/O:
+So they live here, once, in :class:`FrameSession`, which does no I/O of its own (its
+:meth:`~FrameSession.next_header` reads through the blocking socket a node hands it):
 
 * deadlines: once a frame's first byte has arrived, its header and body must arrive within
   ``protocol.frame_deadline_s`` (a half-sent frame holds no server); before the cluster token
@@ -27,6 +28,7 @@ share.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -63,7 +65,7 @@ def refuse(req_id: int, err: KVStoreError, header: protocol.FrameHeader) -> Refu
 
 
 class FrameSession:
-    """The serving rules for one connection (see the module docstring); no I/O.
+    """The serving rules for one connection (see the module docstring).
 
     Args:
         token: the cluster token the connection must prove first (None: no handshake).
@@ -115,6 +117,29 @@ class FrameSession:
         if header.kind != protocol.KIND_REQUEST:
             raise ProtocolError("expected a request frame")
         self.gate.check_header(header)  # nothing large before the token is proved
+
+    def next_header(self, fs: protocol.FramedSocket) -> tuple[protocol.FrameHeader, float]:
+        """A blocking server's next frame header, and when its body must be in.
+
+        The rules of :meth:`header_deadline`, :meth:`check_header` and :meth:`body_deadline`
+        in one call: a node serves every small read through here, and four calls a frame
+        showed in its profile. Authenticated, the connection idles as long as it likes
+        (``fs.wait_frame``); the frame's clock starts at its first byte.
+
+        Raises:
+            KVStoreError: the header is refused (answer with request id 0, then hang up).
+            TimeoutError, ConnectionError: the peer stalled or went away.
+        """
+        if self.gate.open:
+            fs.wait_frame()
+            started = time.monotonic()
+            header = fs.read_header(started + protocol.FRAME_TIMEOUT_S)
+            if header.kind != protocol.KIND_REQUEST:
+                raise ProtocolError("expected a request frame")
+            return header, started + protocol.frame_deadline_s(header.body_len)
+        header = fs.read_header(self.hello_by)
+        self.check_header(header)
+        return header, self.hello_by
 
     def open_request(
         self, header: protocol.FrameHeader, body: bytes | memoryview

@@ -228,13 +228,7 @@ class DataServer:
         try:
             while not self._stopped.is_set():
                 try:
-                    started = 0.0
-                    if session.authenticated:
-                        fs.wait_frame()  # idle as long as IDLE_TIMEOUT_S
-                        started = time.monotonic()
-                    header = fs.read_header(session.header_deadline(started))
-                    body_by = session.body_deadline(started, header)
-                    session.check_header(header)
+                    header, body_by = session.next_header(fs)  # idles up to IDLE_TIMEOUT_S
                 except KVStoreError as err:
                     fs.send_frame(protocol.encode_error(0, err))
                     return
