@@ -290,15 +290,30 @@ class ReadPipeline:
         rest: list[int] = []
         for j in todo:
             info = leased[j]
-            if info is not None and target.fits(j, info):
+            if info is not None and info.locations and target.fits(j, info):
                 js.append(j)
                 infos.append(info)
             else:
                 rest.append(j)
         if not js:
             return rest
-        self._read_answers(js, infos, target, results)
-        stale = [j for j in js if isinstance(results[j], KVStoreError)]
+        # The first replica only, and no replica fallback here: any failure sends the key on
+        # to the master's fresh answer (step 3), whose read (step 4) falls back and reports.
+        # (Step 4's machinery on this path cost a fifth of a leased 4 KiB read.)
+        items = [
+            ReadItem(info.locations[0], dest[: info.size])
+            for info, dest in zip(infos, target.places(js, infos), strict=True)
+        ]
+        self._data.read(items)
+        ok: list[int] = []
+        stale: list[int] = []
+        for j, info, item in zip(js, infos, items, strict=True):
+            if item.result is None and digest(item) == info.checksum:
+                results[j] = info.size
+                ok.append(j)
+            else:
+                stale.append(j)
+        target.finish(ok, results)
         if stale:
             self._cache.forget([keys[j] for j in stale])
             rest = sorted(rest + stale)

@@ -6,7 +6,6 @@ the nodes work in parallel; each reply's payload is ``recv_into`` its destinatio
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 from collections import defaultdict
@@ -137,10 +136,11 @@ class NodePool:
                     self.num_connects += 1
             if conn is None:
                 break
-            if not _dropped(conn):
+            # An idle connection has nothing to read: anything readable is its end (the node
+            # closed it while it sat here: its idle timeout, a restart), a reset or bytes out
+            # of step. A request sent on it would be lost, not refused, so it is not tried.
+            if not conn.readable_now():
                 return conn, True
-            # The node closed it while it sat here (its idle timeout, a restart): a request
-            # sent on it would be lost, not refused, so it is not tried at all.
             conn.close()
             replacing = True
         conn = protocol.FramedSocket.connect(endpoint[0], endpoint[1], timeout=self.timeout)
@@ -172,18 +172,6 @@ class NodePool:
                 for c in conns:
                     c.close()
             self._idle.clear()
-
-
-def _dropped(conn: protocol.FramedSocket) -> bool:
-    """Whether an idle connection was closed (or reset) by its peer.
-
-    An idle connection has nothing to read: anything readable is its end (EOF, a reset) or
-    bytes out of step, and either way it cannot carry a request. One ``poll`` with a zero
-    timeout, so a live connection costs a syscall and no wait.
-    """
-    poller = select.poll()
-    poller.register(conn.sock, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _io_error(endpoint: Endpoint, exc: BaseException) -> KVStoreError:

@@ -433,6 +433,16 @@ class FramedSocket:
         """Wait (under the socket's own timeout) until the next frame's first byte is here."""
         self._fill(1, poll=True)
 
+    def readable_now(self) -> bool:
+        """Whether anything is waiting to be read (bytes, the peer's end or a reset): one
+        ``poll(2)`` with a zero timeout on the socket's own poller, no wait."""
+        if self._rend > self._rpos:
+            return True
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(self._poller.poll(0))
+
     def _poll(self) -> bool:
         """Wait without sleeping until bytes arrive (True) or the poll window is over (False)."""
         # poll(2) with a zero timeout looks at the socket without taking its lock; reading in a
