@@ -36,6 +36,7 @@ MAX_TOKEN_BYTES = 4096
 #: Largest body a connection may send before it proved the token: a ``hello`` and its token.
 PRE_AUTH_MAX_BODY = MAX_TOKEN_BYTES + 1024
 #: Seconds a connection has, from accept, to complete its ``hello`` (token servers only).
+#: The default: each server takes its own from ``kvstore.serving.WireDeadlines``.
 HELLO_TIMEOUT_S = 5.0
 #: Connections per server that have not proved the token yet. A new one over the bound
 #: closes the oldest: a flood cannot lock out a client that sends its hello right away.

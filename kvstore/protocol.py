@@ -52,13 +52,15 @@ DEFAULT_MAX_BODY = 32 << 20
 DEFAULT_MAX_PAYLOAD = 1 << 40
 #: Seconds a frame's header and body have, once its first byte arrived, to arrive whole
 #: (plus :data:`MIN_FRAME_RATE` for a large body): a half-sent frame cannot hold a server.
+#: The default: each server takes its own from ``kvstore.serving.WireDeadlines``.
 FRAME_TIMEOUT_S = 10.0
 #: Bytes per second a large frame body must at least arrive at.
 MIN_FRAME_RATE = 1 << 20
 
 
 def frame_deadline_s(body_len: int) -> float:
-    """Seconds the rest of a frame (header and a body of ``body_len`` bytes) may take."""
+    """Seconds the rest of a frame (header and a body of ``body_len`` bytes) may take, at
+    the default deadlines (a server's own: ``kvstore.serving.WireDeadlines``)."""
     return FRAME_TIMEOUT_S + body_len / MIN_FRAME_RATE
 
 

@@ -9,9 +9,10 @@ timeouts), the rules do not, and the rules are what must never drift apart betwe
 So they live here, once, in :class:`FrameSession`, which does no I/O of its own (its
 :meth:`~FrameSession.next_header` reads through the blocking socket a node hands it):
 
-* deadlines: once a frame's first byte has arrived, its header and body must arrive within
-  ``protocol.frame_deadline_s`` (a half-sent frame holds no server); before the cluster token
-  is proved, the whole hello must arrive within ``auth.HELLO_TIMEOUT_S`` of the accept;
+* deadlines (:class:`WireDeadlines`, each server's option): once a frame's first byte has
+  arrived, its header and body must arrive within ``frame_s`` plus the body at ``min_rate``
+  (a half-sent frame holds no server); before the cluster token is proved, the whole hello must
+  arrive within ``hello_s`` of the accept;
 * what a header alone refuses: a frame that is not a request, anything large (or any payload)
   before the token is proved (``auth.Gate``); over-long bodies and payloads are refused while
   decoding the header, at the limits each server gives its reader;
@@ -28,16 +29,67 @@ share.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvstore import auth, protocol
-from kvstore.errors import KVStoreError, ProtocolError, UnknownVerbError
+from kvstore.errors import InvalidRequestError, KVStoreError, ProtocolError, UnknownVerbError
 
 #: A refused request's payload up to this size is read and dropped (the connection stays
 #: usable); a larger one is not read at all: the connection is closed after the answer.
 MAX_DISCARD = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class WireDeadlines:
+    """How long a server waits for a peer's bytes: a server option (``--frame-timeout``,
+    ``--hello-timeout``), the defaults those of the protocol (``protocol.FRAME_TIMEOUT_S``,
+    ``protocol.MIN_FRAME_RATE``, ``auth.HELLO_TIMEOUT_S``). Validated on creation.
+
+    Why an option and not only the module constants: an operator on a slow or lossy network
+    may need longer ones, a hardened edge shorter ones, and tests of the deadlines run the
+    servers with short ones instead of waiting out the defaults. Only servers read it: a
+    client's own timeouts are its own.
+
+    Attributes:
+        frame_s: seconds a frame's header and body have, once its first byte arrived.
+        hello_s: seconds a connection has, from accept, to complete its ``hello`` (servers
+            with a token only).
+        min_rate: bytes per second a large frame body must at least arrive at (it adds
+            ``body_len / min_rate`` to ``frame_s``).
+
+    Raises:
+        InvalidRequestError: a value that is not a finite number > 0.
+    """
+
+    frame_s: float = protocol.FRAME_TIMEOUT_S
+    hello_s: float = auth.HELLO_TIMEOUT_S
+    min_rate: float = protocol.MIN_FRAME_RATE
+
+    def __post_init__(self) -> None:
+        for name, what in (
+            ("frame_s", "--frame-timeout"),
+            ("hello_s", "--hello-timeout"),
+            ("min_rate", "the minimum frame rate"),
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise InvalidRequestError(f"{what} must be a finite number > 0, not {value!r}")
+
+    def frame_deadline_s(self, body_len: int) -> float:
+        """Seconds the rest of a frame (header and a body of ``body_len`` bytes) may take."""
+        return self.frame_s + body_len / self.min_rate
+
+
+#: The protocol's deadlines (what a server uses unless told otherwise).
+DEFAULT_DEADLINES = WireDeadlines()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,37 +125,40 @@ class FrameSession:
         payload_limits: the most payload bytes each verb takes (0: none), for a server that
             names its verbs; None: the server checks verbs itself and its header limits refuse
             every payload (the master).
+        deadlines: the server's wire deadlines.
     """
 
-    __slots__ = ("gate", "hello_by", "payload_limits")
+    __slots__ = ("deadlines", "gate", "hello_by", "payload_limits")
 
     def __init__(
         self,
         token: auth.Token | None,
         accepted_at: float,
         payload_limits: Mapping[str, int] | None = None,
+        deadlines: WireDeadlines = DEFAULT_DEADLINES,
     ) -> None:
         self.gate = auth.Gate(token)
+        self.deadlines = deadlines
         #: The whole hello must have arrived by this time (while not authenticated).
-        self.hello_by = accepted_at + auth.HELLO_TIMEOUT_S
+        self.hello_by = accepted_at + deadlines.hello_s
         self.payload_limits = payload_limits
 
     @property
     def authenticated(self) -> bool:
         """Whether the token is proved (or none is needed): frames may take their time to
-        start, and once started have :func:`protocol.frame_deadline_s`."""
+        start, and once started have :meth:`WireDeadlines.frame_deadline_s`."""
         return self.gate.open
 
     def header_deadline(self, started: float) -> float:
         """When the header of a frame whose first byte arrived at ``started`` must be in."""
         if self.gate.open:
-            return started + protocol.FRAME_TIMEOUT_S
+            return started + self.deadlines.frame_s
         return self.hello_by
 
     def body_deadline(self, started: float, header: protocol.FrameHeader) -> float:
         """When the body of a frame whose first byte arrived at ``started`` must be in."""
         if self.gate.open:
-            return started + protocol.frame_deadline_s(header.body_len)
+            return started + self.deadlines.frame_deadline_s(header.body_len)
         return self.hello_by
 
     def check_header(self, header: protocol.FrameHeader) -> None:
@@ -133,10 +188,11 @@ class FrameSession:
         if self.gate.open:
             fs.wait_frame()
             started = time.monotonic()
-            header = fs.read_header(started + protocol.FRAME_TIMEOUT_S)
+            deadlines = self.deadlines
+            header = fs.read_header(started + deadlines.frame_s)
             if header.kind != protocol.KIND_REQUEST:
                 raise ProtocolError("expected a request frame")
-            return header, started + protocol.frame_deadline_s(header.body_len)
+            return header, started + deadlines.frame_deadline_s(header.body_len)
         header = fs.read_header(self.hello_by)
         self.check_header(header)
         return header, self.hello_by

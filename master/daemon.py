@@ -33,6 +33,7 @@ from kvstore.master.server import CHUNK_ITEMS, ControlServer
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
 from kvstore.processes import ready_line
+from kvstore.serving import WireDeadlines
 from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class MasterOptions:
         ssl_context: serve the admin REST over HTTPS.
         chunk_items: items of a batch served per turn of the event loop
             (``KVSTORE_CHUNK_ITEMS``; see ``server.py``).
+        deadlines: how long the control server waits for a frame and for a hello
+            (``--frame-timeout``, ``--hello-timeout``).
         ha: join an HA group of masters through etcd (None: a plain, embedded master).
     """
 
@@ -65,6 +68,7 @@ class MasterOptions:
     public_reads: bool = True
     ssl_context: ssl.SSLContext | None = None
     chunk_items: int = CHUNK_ITEMS
+    deadlines: WireDeadlines = field(default_factory=WireDeadlines)
     ha: HAConfig | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +107,7 @@ class Master:
             observer=self.metrics,
             token=options.token,
             chunk_items=options.chunk_items,
+            deadlines=options.deadlines,
         )
         self.admin_settings = AdminSettings(token=options.token, public_reads=options.public_reads)
         self.ssl_context = options.ssl_context

@@ -630,6 +630,7 @@ class ControlServer:
         observer: RpcObserver | None = None,
         token: auth.Token | None = None,
         chunk_items: int = CHUNK_ITEMS,
+        deadlines: serving.WireDeadlines = serving.DEFAULT_DEADLINES,
     ) -> None:
         if chunk_items < 1:
             raise InvalidRequestError("chunk_items must be >= 1")
@@ -638,6 +639,8 @@ class ControlServer:
         self.fence = fence
         self.observer = observer
         self.token = token
+        #: How long a frame (and, before the token is proved, the hello) may take to arrive.
+        self.deadlines = deadlines
         self.host = host
         self.port = port
         self.max_body = max_body
@@ -734,7 +737,7 @@ class ControlServer:
         """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
         self._writers.add(writer)
         loop = asyncio.get_running_loop()
-        session = serving.FrameSession(self.token, loop.time())
+        session = serving.FrameSession(self.token, loop.time(), deadlines=self.deadlines)
         deadlines = self._deadlines
         if not session.authenticated:  # the whole hello must arrive, small, by this time
             deadlines[writer] = session.hello_by

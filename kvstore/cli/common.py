@@ -1,5 +1,5 @@
 """What every command group of the ``kvstore`` command shares: the help formatter, the event
-loop, the security flags and the one-line error text."""
+loop, the security and wire-deadline flags and the one-line error text."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import argparse
 import asyncio
 from collections.abc import Coroutine
 from typing import Any
+
+from kvstore import auth, protocol
+from kvstore.serving import WireDeadlines
 
 try:  # an optional speed-up: the standard loop serves as well
     import uvloop
@@ -68,6 +71,35 @@ def add_security_flags(p: argparse.ArgumentParser, tls: bool) -> None:
     if tls:
         p.add_argument("--tls-cert", default=None, help="PEM certificate: serve REST over HTTPS")
         p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
+def add_wire_flags(p: argparse.ArgumentParser) -> None:
+    """``--frame-timeout`` and ``--hello-timeout``: a server's wire deadlines
+    (:class:`~kvstore.serving.WireDeadlines`; read them back with :func:`wire_deadlines`)."""
+    p.add_argument(
+        "--frame-timeout",
+        type=float,
+        default=protocol.FRAME_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a request frame has, once its first byte arrived, to arrive whole (plus "
+        f"its body at {protocol.MIN_FRAME_RATE / (1 << 20):g} MiB/s); a half-sent one is dropped",
+    )
+    p.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=auth.HELLO_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a new connection has to prove the cluster token (with a token)",
+    )
+
+
+def wire_deadlines(args: argparse.Namespace) -> WireDeadlines:
+    """The wire deadlines :func:`add_wire_flags` parsed.
+
+    Raises:
+        InvalidRequestError: a value that is not a finite number > 0.
+    """
+    return WireDeadlines(frame_s=args.frame_timeout, hello_s=args.hello_timeout)
 
 
 def os_error_text(exc: OSError) -> str:

@@ -14,7 +14,13 @@ import sys
 from pathlib import Path
 
 from kvstore import auth
-from kvstore.cli.common import add_security_flags, derived_port, run_loop
+from kvstore.cli.common import (
+    add_security_flags,
+    add_wire_flags,
+    derived_port,
+    run_loop,
+    wire_deadlines,
+)
 from kvstore.config import Address, format_size, parse_size
 from kvstore.env import Env
 from kvstore.etcd import parse_endpoints
@@ -74,6 +80,7 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
         public_reads=args.public_reads,
         ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
         chunk_items=env.chunk_items,
+        deadlines=wire_deadlines(args),
         ha=ha,
     )
 
@@ -103,6 +110,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         public_reads=args.public_reads,
         shm=args.shm,
         ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
+        deadlines=wire_deadlines(args),
     )
     if args.master.startswith("etcd://"):
         serve_node_ha(args.master, args.etcd_prefix, args.etcd_ttl, options)
@@ -149,7 +157,8 @@ def node_argv(
     args: argparse.Namespace, control: str, node_port: int, data_dir: Path, parent_r: int
 ) -> list[str]:
     """The command line of the storage node ``kvstore up`` starts: the ``up`` flags that
-    concern a node (size, tiers, security, TLS) passed on, paths made absolute."""
+    concern a node (size, tiers, security, TLS, wire deadlines) passed on, paths made
+    absolute."""
 
     def absolute(path: str | None) -> str | None:
         return None if path is None else str(Path(path).resolve())
@@ -181,6 +190,10 @@ def node_argv(
         *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
         *([] if args.public_reads else ["--no-public-reads"]),
         *(["--shm"] if args.shm else []),
+        "--frame-timeout",
+        repr(args.frame_timeout),
+        "--hello-timeout",
+        repr(args.hello_timeout),
         *[str(a) for a in tls],
     ]
 
@@ -327,6 +340,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--advertise-host", default=None, help="host published to clients (default: --host)"
     )
     add_security_flags(p, tls=True)
+    add_wire_flags(p)
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
@@ -347,6 +361,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
     )
     add_security_flags(p, tls=True)
+    add_wire_flags(p)
     p.add_argument("--shm", action="store_true", help=SHM_HELP)
     # Internal (kvstore up): the read end of a pipe; EOF on it means the parent died.
     p.add_argument("--parent-pipe", type=int, default=None, help=argparse.SUPPRESS)
@@ -367,4 +382,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shm", action="store_true", help=SHM_HELP)
     _add_master_flags(p)
     add_security_flags(p, tls=True)
+    add_wire_flags(p)
     p.set_defaults(func=cmd_up)

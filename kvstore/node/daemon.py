@@ -9,7 +9,7 @@ import signal
 import ssl
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import auth, grants
@@ -25,6 +25,7 @@ from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.node.tiers import Tier
 from kvstore.processes import ready_line
 from kvstore.rdma import node as rdma_node
+from kvstore.serving import WireDeadlines
 from kvstore.transports import ShmOffer
 from kvstore.types import SegmentSpec
 
@@ -77,6 +78,8 @@ class NodeOptions:
     Attributes:
         shm: offer same-host clients of this user the arena file (the shm transport).
         admin_port: serve the node's small REST there (None: no REST).
+        deadlines: how long the data server waits for a frame and for a hello
+            (``--frame-timeout``, ``--hello-timeout``).
     """
 
     host: str
@@ -90,6 +93,7 @@ class NodeOptions:
     public_reads: bool = True
     shm: bool = False
     ssl_context: ssl.SSLContext | None = None
+    deadlines: WireDeadlines = field(default_factory=WireDeadlines)
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -130,7 +134,13 @@ class StorageNode:
         reclaim_stale_arenas(arena_path.parent)
         self.dram = ShmArena(arena_path, dram_bytes)
         self.server = DataServer(
-            {"dram": self.dram}, grants.new_secret(), host, port, tiers=tiers, token=token
+            {"dram": self.dram},
+            grants.new_secret(),
+            host,
+            port,
+            tiers=tiers,
+            token=token,
+            deadlines=options.deadlines,
         )
         specs = [SegmentSpec("dram", "dram", dram_bytes, str(self.dram.path))]
         specs += [SegmentSpec(t.segment, t.tier, t.capacity) for t in tiers.values()]

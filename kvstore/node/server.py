@@ -44,7 +44,7 @@ from kvstore.node.tiers import Tier
 log = logging.getLogger(__name__)
 
 #: A connection that sends nothing for this long (idle, or stalled mid-payload) is closed.
-#: A frame's header and body have a shorter deadline (protocol.frame_deadline_s).
+#: A frame's header and body have a shorter deadline (the server's serving.WireDeadlines).
 IDLE_TIMEOUT_S = 120.0
 
 #: A verb: ``(conn, request, payload_len, scratch)``. It answers on ``conn`` itself, after
@@ -63,6 +63,7 @@ class DataServer:
         clock_ms: wall-clock milliseconds, for grant expiry.
         tiers: the node's other tiers (NVMe, HBM) by segment name.
         token: the cluster token every connection must present first (None: no check).
+        deadlines: how long a frame (and, before the token is proved, the hello) may take.
 
     Verbs are registered with :meth:`register_verb` before :meth:`start`.
     """
@@ -76,10 +77,12 @@ class DataServer:
         clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
         tiers: dict[str, Tier] | None = None,
         token: auth.Token | None = None,
+        deadlines: serving.WireDeadlines = serving.DEFAULT_DEADLINES,
     ) -> None:
         #: The DRAM arenas (shared-memory files, for the shm and RDMA transports' offers).
         self.segments = segments
         self.token = token
+        self.deadlines = deadlines
         #: Every segment, by name: the DRAM arenas as tiers, then the other tiers.
         self.tiers: dict[str, Tier] = {name: DramTier(name, a) for name, a in segments.items()}
         self.tiers.update(tiers or {})
@@ -224,7 +227,9 @@ class DataServer:
         """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
         fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
         scratch = memoryview(bytearray(1 << 16))
-        session = serving.FrameSession(self.token, time.monotonic(), self._payload_limits)
+        session = serving.FrameSession(
+            self.token, time.monotonic(), self._payload_limits, self.deadlines
+        )
         try:
             while not self._stopped.is_set():
                 try:

@@ -1,7 +1,11 @@
 """Hostile or careless peers against a live master and node with a cluster token: connections
 that never say hello, huge frames before authentication, half-sent frames (slowloris) and
 payload lengths that do not fit the verb. Each is closed within its deadline, memory stays flat,
-and a legitimate client and ``/ready`` keep being served meanwhile."""
+and a legitimate client and ``/ready`` keep being served meanwhile.
+
+The servers run with short wire deadlines (``--frame-timeout``, ``--hello-timeout``), so the
+tests do not wait out the protocol's defaults; one test checks that each server keeps the
+deadlines it was given: not a moment shorter, and well before the defaults would run out."""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstore import auth, protocol
+from kvstore import auth, protocol, serving
 from kvstore.client import Client
 from kvstore.errors import ErrorCode
 from tests.support import Cluster, start_master
@@ -26,6 +30,11 @@ from tests.support import Cluster, start_master
 SECRET = "hostile-peers-token-0123456789abcdef"
 #: Generous slack over each server deadline: the test machine is shared and slow.
 SLACK_S = 20.0
+#: The servers' wire deadlines here: short (the defaults are 10 s and 5 s), and each far enough
+#: below its default that a server running the default instead is told apart.
+DEADLINES = serving.WireDeadlines(frame_s=2.0, hello_s=1.0)
+#: Clock skew allowed below a deadline (the servers' loop clock ticks in milliseconds).
+EARLY_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +42,14 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("hostile")
     token_file = tmp / "token"
     token_file.write_text(SECRET + "\n")
-    flags = ("--token-file", str(token_file))
+    flags = (
+        "--token-file",
+        str(token_file),
+        "--frame-timeout",
+        str(DEADLINES.frame_s),
+        "--hello-timeout",
+        str(DEADLINES.hello_s),
+    )
     c = Cluster(tmp, start_master(*flags), node_args=flags)
     try:
         c.add_node("32MiB")
@@ -134,7 +150,7 @@ def test_a_flood_of_silent_connections_is_bounded_and_closed(cluster: Cluster, p
         _legit_service_works(cluster)
         # The oldest pending connections were closed to keep the bound.
         assert _num_fds(pid) <= fds_before + auth.MAX_UNAUTHENTICATED + 32
-        _wait_all_closed(socks, auth.HELLO_TIMEOUT_S + SLACK_S)
+        _wait_all_closed(socks, DEADLINES.hello_s + SLACK_S)
         _legit_service_works(cluster)
     finally:
         _close(socks)
@@ -214,7 +230,7 @@ def test_half_sent_frames_are_dropped_within_the_deadline(
             if authenticated:
                 _hello(s)
             s.sendall(frame[:9])  # half a header, then nothing
-        deadline = protocol.FRAME_TIMEOUT_S if authenticated else auth.HELLO_TIMEOUT_S
+        deadline = DEADLINES.frame_s if authenticated else DEADLINES.hello_s
         _legit_service_works(cluster)
         _wait_all_closed(socks, deadline + SLACK_S)
     finally:
@@ -230,19 +246,47 @@ def test_a_half_sent_body_is_dropped_within_the_deadline(cluster: Cluster, plane
         for s in socks:
             _hello(s)
             s.sendall(frame[: protocol.HEADER_SIZE + 10])
-        _wait_all_closed(socks, protocol.frame_deadline_s(len(frame)) + SLACK_S)
+        _wait_all_closed(socks, DEADLINES.frame_deadline_s(len(frame)) + SLACK_S)
     finally:
         _close(socks)
 
 
-def test_idle_authenticated_connections_stay_open(cluster: Cluster) -> None:
+@pytest.mark.parametrize("plane", ["master", "node"])
+@pytest.mark.parametrize("authenticated", [True, False], ids=["after-hello", "before-hello"])
+def test_each_server_keeps_the_deadlines_it_was_given(
+    cluster: Cluster, plane: str, authenticated: bool
+) -> None:
+    """A half-sent header is dropped no sooner than the server's own deadline, and well before
+    the default one: the flags reached the server, and it holds to them."""
+    addr, _ = _targets(cluster)[plane]
+    if authenticated:
+        given, default = DEADLINES.frame_s, protocol.FRAME_TIMEOUT_S
+    else:
+        given, default = DEADLINES.hello_s, auth.HELLO_TIMEOUT_S
+    started = time.monotonic()  # before the accept: the hello's deadline counts from there
+    with socket.create_connection(addr, timeout=30) as s:
+        if authenticated:
+            _hello(s)
+            started = time.monotonic()  # before the frame's first byte
+        s.sendall(protocol.encode_request(1, "ping", {})[:9])
+        _wait_all_closed([s], default + SLACK_S)
+        took = time.monotonic() - started
+    assert given - EARLY_S <= took < default, (
+        f"closed after {took:.2f} s; the server was given {given} s (default {default} s)"
+    )
+
+
+@pytest.mark.parametrize("plane", ["master", "node"])
+def test_idle_authenticated_connections_stay_open(cluster: Cluster, plane: str) -> None:
     """Pools keep idle connections: no deadline between frames, only within one."""
-    addr, _ = _targets(cluster)["master"]
+    addr, _ = _targets(cluster)[plane]
     with socket.create_connection(addr, timeout=30) as s:
         _hello(s)
         fs = protocol.FramedSocket(s)
-        time.sleep(auth.HELLO_TIMEOUT_S + 1)  # not synchronisation: idling is the test
-        assert fs.call("ping", {})["role"] == "master"
+        assert fs.call("ping", {})["role"] == plane
+        # Idle past every deadline the server has (not synchronisation: idling is the test).
+        time.sleep(max(DEADLINES.frame_s, DEADLINES.hello_s) + 1)
+        assert fs.call("ping", {})["role"] == plane
 
 
 def test_node_ping_announcing_a_tebibyte_payload_is_refused_unread(cluster: Cluster) -> None:

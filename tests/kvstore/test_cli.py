@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import build_parser, main, version
-from kvstore.cli.daemons import node_argv
+from kvstore.cli.common import wire_deadlines
+from kvstore.cli.daemons import master_options, node_argv
 from kvstore.env import Env
 from kvstore.errors import InvalidRequestError
 from kvstore.master.daemon import MasterOptions
 from kvstore.node.daemon import NodeOptions
+from kvstore.serving import WireDeadlines
 
 
 def _parsers(parser: argparse.ArgumentParser, path: str = "kvstore"):
@@ -43,6 +45,18 @@ def test_every_flag_has_help() -> None:
         (["node", "--help"], ["--host", "(default: 127.0.0.1)", "(default: 512MiB)"]),
         (["up", "--help"], ["--dram", "(default: 512MiB)", "(default: port + 2)"]),
         (["master", "--help"], ["(default: 7700)", "(default: lru)", "(default: port + 1)"]),
+        *(
+            (
+                [cmd, "--help"],
+                [
+                    "--frame-timeout SECONDS",
+                    "is dropped (default: 10.0)",
+                    "--hello-timeout SECONDS",
+                    "(with a token) (default: 5.0)",
+                ],
+            )
+            for cmd in ("master", "node", "up")
+        ),
         (["--help"], ["--version", "(default: info)"]),
     ],
 )
@@ -104,6 +118,47 @@ def test_up_passes_its_tls_and_security_flags_to_its_node(tmp_path: Path) -> Non
     # and the node's own parser takes that command line
     node = build_parser(Env()).parse_args(argv[3:])
     assert node.tls_cert == str(Path("cert.pem").resolve()) and node.parent_pipe == 9
+
+
+def test_the_wire_deadline_flags_reach_the_options_of_master_and_node(tmp_path: Path) -> None:
+    flags = ["--frame-timeout", "2.5", "--hello-timeout", "0.75"]
+    want = WireDeadlines(frame_s=2.5, hello_s=0.75)
+    parser = build_parser(Env())
+    assert master_options(parser.parse_args(["master", *flags]), 0, Env()).deadlines == want
+    # `kvstore up`: its master takes them, and so does its node's command line
+    up = parser.parse_args(["up", *flags])
+    assert master_options(up, 0, Env()).deadlines == want
+    node = parser.parse_args(node_argv(up, "127.0.0.1:7700", 0, tmp_path, 9)[3:])
+    assert wire_deadlines(node) == want
+    # the defaults are the protocol's
+    assert wire_deadlines(parser.parse_args(["up"])) == WireDeadlines()
+
+
+@pytest.mark.parametrize("cmd", ["master", "node", "up"])
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--frame-timeout", "0"),
+        ("--frame-timeout", "-1"),
+        ("--frame-timeout", "nan"),
+        ("--hello-timeout", "0"),
+        ("--hello-timeout", "-0.5"),
+        ("--hello-timeout", "inf"),
+    ],
+)
+def test_a_bad_wire_deadline_stops_the_command_with_one_line(
+    cmd: str, flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before anything starts: no port is bound, no node is spawned."""
+    needs = {
+        "master": [],
+        "node": ["--master", "127.0.0.1:1", "--data-dir", str(tmp_path)],
+        "up": ["--data-dir", str(tmp_path)],
+    }
+    assert main([cmd, *needs[cmd], "--port", "0", f"{flag}={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvstore {cmd}: {flag} must be a finite number > 0, not {float(value)!r}"]
+    assert not list(tmp_path.iterdir())  # the node never started: nothing written
 
 
 def test_up_without_tls_gives_its_node_none(tmp_path: Path) -> None:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from kvstore import auth, protocol, serving
-from kvstore.errors import ErrorCode, KVStoreError, ProtocolError, UnauthenticatedError
+from kvstore.errors import (
+    ErrorCode,
+    InvalidRequestError,
+    KVStoreError,
+    ProtocolError,
+    UnauthenticatedError,
+)
 
 TOKEN = "a-cluster-token-of-some-length"
 LIMITS = {"write": 1 << 30, "ping": 0}
@@ -40,6 +46,37 @@ def test_deadlines_before_and_after_the_hello() -> None:
     assert s.header_deadline(150.0) == 150.0 + protocol.FRAME_TIMEOUT_S
     big = 8 << 20
     assert s.body_deadline(150.0, header(b"x" * big)) == 150.0 + protocol.frame_deadline_s(big)
+
+
+def test_a_session_keeps_its_server_s_deadlines() -> None:
+    deadlines = serving.WireDeadlines(frame_s=2.0, hello_s=0.5, min_rate=1000)
+    s = serving.FrameSession(auth.Token(TOKEN), accepted_at=100.0, deadlines=deadlines)
+    assert s.header_deadline(150.0) == s.body_deadline(150.0, header(b"x" * 10**6)) == 100.5
+    hello = body(auth.HELLO_VERB, {"token": TOKEN})
+    s.open_request(header(hello), hello)
+    assert s.header_deadline(150.0) == 152.0
+    assert s.body_deadline(150.0, header(b"x" * 3000)) == 150.0 + 2.0 + 3.0
+
+
+def test_the_default_deadlines_are_the_protocol_s() -> None:
+    d = serving.WireDeadlines()
+    assert (d.frame_s, d.hello_s, d.min_rate) == (
+        protocol.FRAME_TIMEOUT_S,
+        auth.HELLO_TIMEOUT_S,
+        protocol.MIN_FRAME_RATE,
+    )
+    assert d == serving.DEFAULT_DEADLINES
+    assert d.frame_deadline_s(8 << 20) == protocol.frame_deadline_s(8 << 20)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -1.0, float("nan"), float("inf"), True, "5"])
+@pytest.mark.parametrize(
+    ("field", "named"),
+    [("frame_s", "--frame-timeout"), ("hello_s", "--hello-timeout"), ("min_rate", "rate")],
+)
+def test_deadlines_must_be_finite_and_positive(field: str, named: str, bad: object) -> None:
+    with pytest.raises(InvalidRequestError, match=named):
+        serving.WireDeadlines(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_header_checks() -> None:
