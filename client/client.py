@@ -13,6 +13,7 @@ the parts that own it, each in a module of its own:
   replica fallback and byte ranges) behind every get and the KV-cache layer's loads;
 - :mod:`kvstore.client.puts`: the two-phase put of a batch (one :class:`PutBatch` record);
 - :mod:`kvstore.client.datapath`: the bytes to and from the nodes (shm, RDMA, TCP);
+- :mod:`kvstore.client.inplace`: zero-copy reads in a same-host node's shared memory;
 - :mod:`kvstore.client.locations` and :mod:`kvstore.client.releases`: the answers this client
   remembers, and the read leases it gives back;
 - :mod:`kvstore.client.staging`: CUDA tensors through pinned host buffers.
@@ -20,7 +21,8 @@ the parts that own it, each in a module of its own:
 The KV-cache layer (:mod:`kvstore.client.kvcache`), the KV event stream and the engine adapters
 use only the public methods here (the prefix verbs :meth:`Client.locate_prefix` and
 :meth:`Client.lookup_prefix`, :meth:`Client.batch_put` with a :class:`PromptCommit`,
-:meth:`Client.batch_read_located`, :meth:`Client.release_leases`, the event polls), never a
+:meth:`Client.batch_read_located`, :meth:`Client.batch_locate` and :meth:`Client.read_in_place`,
+:meth:`Client.release_leases`, the event polls), never a
 private member (tests/client/test_layers.py keeps it so).
 """
 
@@ -37,6 +39,7 @@ from kvstore import auth
 from kvstore.buffers import as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
 from kvstore.client.datapath import DataPath
+from kvstore.client.inplace import InPlaceReads
 from kvstore.client.locations import LocationCache
 from kvstore.client.puts import PromptCommit, PutBatch, Putter
 from kvstore.client.reads import LocatedRead, ReadPipeline
@@ -357,6 +360,26 @@ class Client:
             KeyNotFoundError, InvalidRequestError.
         """
         return _raise_if_error(self._reads.locate([encode_key(key)])[0])
+
+    def batch_locate(self, keys: Sequence[str | bytes]) -> list[ObjectInfo | KVStoreError]:
+        """:meth:`locate` of many keys in one master call: per key its answer (holding a read
+        lease: give them back with :meth:`release_leases` once done) or its error.
+
+        Raises:
+            InvalidRequestError: a malformed key or too many keys (nothing is located).
+        """
+        return self._reads.locate([encode_key(k) for k in keys])
+
+    def read_in_place(self, infos: Sequence[ObjectInfo]) -> InPlaceReads:
+        """Zero-copy reads of located objects (:meth:`batch_locate`): a read-only view of each
+        object's bytes in a same-host node's shared memory, checked against its checksum, or
+        None where there is none (read those with :meth:`batch_read_located`).
+
+        Use it as a context manager; copy out of the views, then ask ``intact()`` before
+        trusting the copies, then give the leases back. :mod:`kvstore.client.inplace` says why.
+        """
+        self._data.refresh_offers({loc.node_id for info in infos for loc in info.locations})
+        return InPlaceReads(infos, self._data.views)
 
     def release_lease(self, info: ObjectInfo) -> None:
         """Give back the read lease of an answer of :meth:`locate` (reads of it are done).

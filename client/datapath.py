@@ -28,6 +28,7 @@ from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
 from kvstore.errors import KVStoreError
+from kvstore.types import Location
 
 #: How often (seconds) an unknown node id may trigger a fresh ``node_transports`` call.
 REFRESH_INTERVAL_S = 1.0
@@ -139,6 +140,17 @@ class DataPath:
             rest = self.rdma.read(rest)
         if rest:
             self.tcp.read(rest)
+
+    def views(self, locations: Sequence[Location]) -> list[memoryview | None]:
+        """Read-only views, in this process's mappings of same-host arenas, of the granted
+        bytes at each location; None where shared memory does not serve it (see
+        :meth:`ShmTransport.view`). No copy and no call: what makes them safe to read is the
+        caller's (:class:`kvstore.client.inplace.InPlaceReads`)."""
+        if self.shm is None or not locations:
+            return [None] * len(locations)
+        checked: set[tuple[str, str]] = set()
+        with self._lock:  # the mapping table only: no round trip under it
+            return [self.shm.view(loc, checked) for loc in locations]
 
     def write(self, items: Sequence[WriteItem]) -> None:
         """Write each item's bytes to its location; sets ``item.result`` on failure.

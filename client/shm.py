@@ -35,6 +35,7 @@ from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_h
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
 from kvstore.pages import Prefaulter, enabled
 from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
+from kvstore.types import Location
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,22 @@ class ShmTransport:
             m.check()
             checked.add(key)
         return m.granted(grant, op)
+
+    def view(self, location: Location, checked: set[tuple[str, str]]) -> memoryview | None:
+        """A read-only view of a granted read's bytes in place (no copy), or None where shm
+        does not serve it (no mapping, the grant expired or is out of the file, the mapping
+        failed its check: dropped, as in :meth:`read`). ``checked``: the mappings already
+        checked in this batch (see :meth:`_granted`)."""
+        if not self._offers:
+            return None
+        try:
+            src = self._granted(location.node_id, location.grant, grants.OP_READ, checked)
+        except TransportUnavailableError as err:
+            self.drop(location.node_id, location.grant.segment, err)
+            return None
+        except OutOfRangeError:
+            return None
+        return src.toreadonly() if src is not None else None
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
         """Copy what shm can serve into each item's ``dest``; returns the items left for TCP."""

@@ -1,0 +1,105 @@
+"""Zero-copy reads in place (kvstore.client.inplace): views of same-host objects in the node's
+shared memory, checked by checksum, trusted only while their grants hold."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import grants
+from kvstore.client import Client
+from kvstore.client.inplace import InPlaceReads
+from kvstore.client.transport import checksum
+from kvstore.errors import ChecksumMismatchError, KeyNotFoundError
+from kvstore.types import Location, ObjectInfo
+
+SIZE = 64 << 10
+
+
+def _values(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(11)
+    return {f"inplace/{i}": rng.integers(0, 256, SIZE, dtype=np.uint8) for i in range(n)}
+
+
+def test_views_are_the_objects_bytes_and_go_on_exit(cluster_factory) -> None:
+    cluster = cluster_factory(node_args=("--shm",))
+    values = _values(4)
+    with Client.connect(cluster.address) as c:
+        c.batch_put(list(values), list(values.values()))
+        infos = c.batch_locate([*values, "inplace/missing"])
+        assert isinstance(infos[-1], KeyNotFoundError)
+        found = [i for i in infos if isinstance(i, ObjectInfo)]
+        with c.read_in_place(found) as reads:
+            assert all(v is not None and v.readonly for v in reads.views)
+            for v, want in zip(reads.views, values.values(), strict=True):
+                assert np.array_equal(np.frombuffer(v, np.uint8), want)
+            assert reads.intact()
+            held = reads.views[0]
+        assert reads.views == [None] * 4
+        with pytest.raises(ValueError):
+            bytes(held)  # released: the mapping is not pinned past the block
+        c.release_leases(found)
+
+
+def test_without_shared_memory_every_view_is_none(cluster_factory) -> None:
+    cluster = cluster_factory()  # node without --shm: reads go over TCP
+    values = _values(2)
+    with Client.connect(cluster.address) as c:
+        c.batch_put(list(values), list(values.values()))
+        infos = [i for i in c.batch_locate(list(values)) if isinstance(i, ObjectInfo)]
+        with c.read_in_place(infos) as reads:
+            assert reads.views == [None, None]
+        c.release_leases(infos)
+
+
+def test_a_corrupt_replica_gets_no_view_and_the_usual_read_refuses_it(cluster_factory) -> None:
+    cluster = cluster_factory(node_args=("--shm",))
+    values = _values(2)
+    with Client.connect(cluster.address) as c:
+        c.batch_put(list(values), list(values.values()))
+        infos = [i for i in c.batch_locate(list(values)) if isinstance(i, ObjectInfo)]
+        loc = infos[1].locations[0]
+        arena = Path("/dev/shm") / f"kvstore-{loc.node_id}.arena"
+        with open(arena, "r+b") as f:  # behind the store's back
+            f.seek(loc.grant.offset + 100)
+            f.write(b"\xff" * 16)
+        with c.read_in_place(infos) as reads:
+            assert reads.views[0] is not None and reads.views[1] is None
+        buf = np.empty(SIZE, np.uint8)
+        with pytest.raises(ChecksumMismatchError):
+            c.get_into("inplace/1", buf)
+        c.release_leases(infos)
+
+
+def _info(expires_ms: int, data: bytes) -> ObjectInfo:
+    g = grants.Grant(grants.OP_READ, b"k", "seg", 0, len(data), expires_ms, b"")
+    return ObjectInfo(len(data), checksum(memoryview(data)), [Location("n1", "h", 1, g)], 7)
+
+
+def test_intact_only_while_every_grant_holds() -> None:
+    data = b"x" * 4096
+    infos = [_info(10_000, data), _info(20_000, data)]
+    now = [9_000.0]
+    reads = InPlaceReads(infos, lambda locs: [memoryview(data) for _ in locs], lambda: now[0])
+    assert all(v is not None for v in reads.views)
+    assert reads.intact()
+    now[0] = 10_000.0  # the earliest grant ran out: a copy may have raced a reuse
+    assert not reads.intact()
+    reads.close()
+
+
+def test_views_of_the_wrong_size_or_no_location_are_refused() -> None:
+    data = b"y" * 4096
+    good, short = _info(10_000, data), _info(10_000, data)
+    nowhere = ObjectInfo(4096, good.checksum, [], 0)
+    views = {
+        id(good.locations[0]): memoryview(data),
+        id(short.locations[0]): memoryview(data[:100]),
+    }
+    reads = InPlaceReads(
+        [good, short, nowhere], lambda locs: [views[id(loc)] for loc in locs], lambda: 0.0
+    )
+    assert reads.views[0] is not None and reads.views[1] is None and reads.views[2] is None
+    reads.close()
