@@ -371,15 +371,16 @@ class Client:
         return self._reads.locate([encode_key(k) for k in keys])
 
     def read_in_place(self, infos: Sequence[ObjectInfo]) -> InPlaceReads:
-        """Zero-copy reads of located objects (:meth:`batch_locate`): a read-only view of each
-        object's bytes in a same-host node's shared memory, checked against its checksum, or
-        None where there is none (read those with :meth:`batch_read_located`).
+        """Zero-copy reads of located objects (:meth:`batch_locate`): each object's bytes in
+        place in a same-host node's shared memory (``view(i)``, checked against its checksum
+        when taken), where this process maps them (``mapped(i)``; read the others with
+        :meth:`batch_read_located`).
 
         Use it as a context manager; copy out of the views, then ask ``intact()`` before
         trusting the copies, then give the leases back. :mod:`kvstore.client.inplace` says why.
         """
         self._data.refresh_offers({loc.node_id for info in infos for loc in info.locations})
-        return InPlaceReads(infos, self._data.views)
+        return InPlaceReads(infos, self._data.views, self._reads.report_corrupt)
 
     def release_lease(self, info: ObjectInfo) -> None:
         """Give back the read lease of an answer of :meth:`locate` (reads of it are done).

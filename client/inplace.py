@@ -10,9 +10,11 @@ What makes a view safe to read is the read lease of its answer: while the lease 
 grant) holds, the master neither frees nor reuses the object's space, so the bytes under the
 view cannot change. Hence the three steps:
 
-1. each view is checked against the object's checksum when it is made (xxh3_64, as every read
-   is): a replica that fails it is not served in place; the usual read of that object finds the
-   same fault, reports it to the master and falls back to another replica;
+1. :meth:`InPlaceReads.view` checks an object's bytes against its checksum (xxh3_64, as every
+   read does) just before handing them out: the caller copies them right away, while they are
+   still in the CPU's cache from the check (one pass over memory, not two). A replica that
+   fails is not served (None) and is reported to the master when the reads close, as any
+   read reports one (the master drops it and copies a good replica back);
 2. the caller copies what it needs out of the views;
 3. then asks :meth:`InPlaceReads.intact`: True when every grant still holds *now*, so it held
    for the whole copy; False means a copy may have raced a reuse of the space: the caller treats
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
+from kvstore.client.reads import corrupt_report
 from kvstore.client.transport import checksum
 from kvstore.types import Location, ObjectInfo
 
@@ -39,6 +43,8 @@ class InPlaceReads:
     Args:
         infos: the located objects (answers of ``Client.batch_locate``, leases held).
         views_of: the data path's views of locations (``DataPath.views``).
+        report_corrupt: tells the master of replicas that failed their checksum (called once,
+            at :meth:`close`, with ``report_corrupt`` items of :mod:`kvstore.client.reads`).
         clock_ms: wall-clock milliseconds, the clock grants expire on.
 
     Use as a context manager: the views are released on exit and must not be kept.
@@ -48,29 +54,53 @@ class InPlaceReads:
         self,
         infos: Sequence[ObjectInfo],
         views_of: Callable[[Sequence[Location]], list[memoryview | None]],
+        report_corrupt: Callable[[list[list[Any]]], None] | None = None,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
         self._clock_ms = clock_ms
+        self._report = report_corrupt
+        self._corrupt: list[list[Any]] = []
         flat = [loc for info in infos for loc in info.locations]
         found = views_of(flat)
-        #: Per object: a read-only view of its bytes, or None (read it the usual way).
-        self.views: list[memoryview | None] = []
+        self._picks: list[tuple[ObjectInfo, Location, memoryview] | None] = []
         self._until_ms = float("inf")
         pos = 0
         for info in infos:
-            chosen: memoryview | None = None
+            pick = None
             for loc, view in zip(
                 info.locations, found[pos : pos + len(info.locations)], strict=True
             ):
                 if view is None:
                     continue
-                if chosen is None and len(view) == info.size and checksum(view) == info.checksum:
-                    chosen = view
+                if pick is None and len(view) == info.size:
+                    pick = (info, loc, view)
                     self._until_ms = min(self._until_ms, loc.grant.expires_ms)
                 else:
                     view.release()
             pos += len(info.locations)
-            self.views.append(chosen)
+            self._picks.append(pick)
+
+    def __len__(self) -> int:
+        return len(self._picks)
+
+    def mapped(self, i: int) -> bool:
+        """Whether object ``i`` is in memory this process has mapped (its bytes not checked
+        yet): the others are to be read the usual way."""
+        return self._picks[i] is not None
+
+    def view(self, i: int) -> memoryview | None:
+        """Object ``i``'s bytes in place, checked against its checksum now (copy them right
+        away: they are in cache from the check), or None: not mapped here, or corrupt."""
+        pick = self._picks[i]
+        if pick is None:
+            return None
+        info, loc, view = pick
+        if checksum(view) == info.checksum:
+            return view
+        self._corrupt.append(corrupt_report(loc, info.checksum))
+        view.release()
+        self._picks[i] = None
+        return None
 
     def intact(self) -> bool:
         """Whether every view's grant still holds now: called after the copies out of the
@@ -78,11 +108,15 @@ class InPlaceReads:
         return self._clock_ms() < self._until_ms
 
     def close(self) -> None:
-        """Release the views (a mapping cannot be unmapped while one is held)."""
-        for view in self.views:
-            if view is not None:
-                view.release()
-        self.views = [None] * len(self.views)
+        """Release the views (a mapping cannot be unmapped while one is held) and report the
+        replicas that failed their check (best effort, one master call)."""
+        for pick in self._picks:
+            if pick is not None:
+                pick[2].release()
+        self._picks = [None] * len(self._picks)
+        corrupt, self._corrupt = self._corrupt, []
+        if corrupt and self._report is not None:
+            self._report(corrupt)
 
     def __enter__(self) -> InPlaceReads:
         return self

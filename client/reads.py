@@ -44,7 +44,7 @@ from kvstore.errors import (
     KVStoreError,
     NodeUnavailableError,
 )
-from kvstore.types import ObjectInfo, result_from_wire
+from kvstore.types import Location, ObjectInfo, result_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,12 @@ class LocatedRead:
     verify: Callable[[ReadItem], bool] | None = None
     result: int | KVStoreError | None = None
     item: ReadItem | None = None
+
+
+def corrupt_report(location: Location, checksum: int) -> list[Any]:
+    """The master's ``report_corrupt`` item for a replica whose bytes failed ``checksum``."""
+    g = location.grant
+    return [g.key, location.node_id, g.segment, g.offset, checksum]
 
 
 def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
@@ -434,10 +440,7 @@ class ReadPipeline:
                         continue
                     # A corrupt replica: report it (the master drops it and copies a good one
                     # back) and read the next replica instead.
-                    g = item.location.grant
-                    corrupt.append(
-                        [g.key, item.location.node_id, g.segment, g.offset, rd.info.checksum]
-                    )
+                    corrupt.append(corrupt_report(item.location, rd.info.checksum))
                     err = ChecksumMismatchError(
                         "object bytes do not match their checksum (overwritten or corrupt)"
                     )
@@ -449,11 +452,12 @@ class ReadPipeline:
                     rd.result = err
             pending = retry
         if corrupt:
-            self._report_corrupt(corrupt)
+            self.report_corrupt(corrupt)
 
-    def _report_corrupt(self, reports: list[list[Any]]) -> None:
+    def report_corrupt(self, reports: list[list[Any]]) -> None:
         """Tell the master which replicas failed their checksum (best effort: a lost report
-        only delays the repair; the next reader reports again)."""
+        only delays the repair; the next reader reports again). Each report is ``[key,
+        node_id, segment, offset, checksum]`` (see :func:`corrupt_report`)."""
         self._cache.forget([r[0] for r in reports])
         try:
             self._control.call("report_corrupt", {"items": reports})

@@ -12,7 +12,7 @@ from kvstore import grants
 from kvstore.client import Client
 from kvstore.client.inplace import InPlaceReads
 from kvstore.client.transport import checksum
-from kvstore.errors import ChecksumMismatchError, KeyNotFoundError
+from kvstore.errors import KeyNotFoundError
 from kvstore.types import Location, ObjectInfo
 
 SIZE = 64 << 10
@@ -32,14 +32,15 @@ def test_views_are_the_objects_bytes_and_go_on_exit(cluster_factory) -> None:
         assert isinstance(infos[-1], KeyNotFoundError)
         found = [i for i in infos if isinstance(i, ObjectInfo)]
         with c.read_in_place(found) as reads:
-            assert all(v is not None and v.readonly for v in reads.views)
-            for v, want in zip(reads.views, values.values(), strict=True):
+            assert len(reads) == 4 and all(reads.mapped(i) for i in range(4))
+            views = [reads.view(i) for i in range(4)]
+            for v, want in zip(views, values.values(), strict=True):
+                assert v is not None and v.readonly
                 assert np.array_equal(np.frombuffer(v, np.uint8), want)
             assert reads.intact()
-            held = reads.views[0]
-        assert reads.views == [None] * 4
+        assert not reads.mapped(0) and reads.view(0) is None
         with pytest.raises(ValueError):
-            bytes(held)  # released: the mapping is not pinned past the block
+            bytes(views[0])  # released: the mapping is not pinned past the block
         c.release_leases(found)
 
 
@@ -50,11 +51,12 @@ def test_without_shared_memory_every_view_is_none(cluster_factory) -> None:
         c.batch_put(list(values), list(values.values()))
         infos = [i for i in c.batch_locate(list(values)) if isinstance(i, ObjectInfo)]
         with c.read_in_place(infos) as reads:
-            assert reads.views == [None, None]
+            assert not reads.mapped(0) and not reads.mapped(1)
+            assert reads.view(0) is None and reads.view(1) is None
         c.release_leases(infos)
 
 
-def test_a_corrupt_replica_gets_no_view_and_the_usual_read_refuses_it(cluster_factory) -> None:
+def test_a_corrupt_replica_gets_no_view_and_is_reported(cluster_factory) -> None:
     cluster = cluster_factory(node_args=("--shm",))
     values = _values(2)
     with Client.connect(cluster.address) as c:
@@ -66,11 +68,15 @@ def test_a_corrupt_replica_gets_no_view_and_the_usual_read_refuses_it(cluster_fa
             f.seek(loc.grant.offset + 100)
             f.write(b"\xff" * 16)
         with c.read_in_place(infos) as reads:
-            assert reads.views[0] is not None and reads.views[1] is None
-        buf = np.empty(SIZE, np.uint8)
-        with pytest.raises(ChecksumMismatchError):
-            c.get_into("inplace/1", buf)
+            assert reads.mapped(1), "mapped: the check comes when the bytes are taken"
+            assert reads.view(0) is not None and reads.view(1) is None
+            assert not reads.mapped(1)
         c.release_leases(infos)
+        # Reported on close: the master dropped its only replica, so the key is gone (a
+        # read would otherwise have found the same fault).
+        assert isinstance(c.batch_locate(["inplace/1"])[0], KeyNotFoundError)
+        buf = np.empty(SIZE, np.uint8)
+        assert c.get_into("inplace/0", buf) == SIZE and np.array_equal(buf, values["inplace/0"])
 
 
 def _info(expires_ms: int, data: bytes) -> ObjectInfo:
@@ -82,8 +88,10 @@ def test_intact_only_while_every_grant_holds() -> None:
     data = b"x" * 4096
     infos = [_info(10_000, data), _info(20_000, data)]
     now = [9_000.0]
-    reads = InPlaceReads(infos, lambda locs: [memoryview(data) for _ in locs], lambda: now[0])
-    assert all(v is not None for v in reads.views)
+    reads = InPlaceReads(
+        infos, lambda locs: [memoryview(data) for _ in locs], clock_ms=lambda: now[0]
+    )
+    assert reads.view(0) is not None and reads.view(1) is not None
     assert reads.intact()
     now[0] = 10_000.0  # the earliest grant ran out: a copy may have raced a reuse
     assert not reads.intact()
@@ -99,7 +107,23 @@ def test_views_of_the_wrong_size_or_no_location_are_refused() -> None:
         id(short.locations[0]): memoryview(data[:100]),
     }
     reads = InPlaceReads(
-        [good, short, nowhere], lambda locs: [views[id(loc)] for loc in locs], lambda: 0.0
+        [good, short, nowhere], lambda locs: [views[id(loc)] for loc in locs], clock_ms=lambda: 0.0
     )
-    assert reads.views[0] is not None and reads.views[1] is None and reads.views[2] is None
+    assert [reads.mapped(i) for i in range(3)] == [True, False, False]
+    assert reads.view(0) is not None and reads.view(1) is None and reads.view(2) is None
     reads.close()
+
+
+def test_a_view_that_fails_its_checksum_is_reported_once_on_close() -> None:
+    data = b"z" * 4096
+    info = _info(10_000, data)
+    wrong = ObjectInfo(info.size, info.checksum ^ 1, info.locations, info.lease)
+    reported: list[list[list]] = []
+    reads = InPlaceReads(
+        [wrong, info], lambda locs: [memoryview(data) for _ in locs], reported.append, lambda: 0.0
+    )
+    assert reads.view(0) is None and reads.view(1) is not None
+    assert reported == []
+    reads.close()
+    g = info.locations[0].grant
+    assert reported == [[[g.key, "n1", g.segment, g.offset, wrong.checksum]]]
