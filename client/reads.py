@@ -306,10 +306,7 @@ class ReadPipeline:
         # The first replica only, and no replica fallback here: any failure sends the key on
         # to the master's fresh answer (step 3), whose read (step 4) falls back and reports.
         # (Step 4's machinery on this path cost a fifth of a leased 4 KiB read.)
-        items = [
-            ReadItem(info.locations[0], dest[: info.size])
-            for info, dest in zip(infos, target.places(js, infos), strict=True)
-        ]
+        items = list(self._guess_items(list(zip(js, infos, strict=True)), target).values())
         self._data.read(items)
         ok: list[int] = []
         stale: list[int] = []

@@ -203,8 +203,6 @@ class ShmTransport:
         except TransportUnavailableError as err:
             self.drop(location.node_id, location.grant.segment, err)
             return None
-        except OutOfRangeError:
-            return None
         return src.toreadonly() if src is not None else None
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:

@@ -440,19 +440,20 @@ class FramedSocket:
         ``poll(2)`` with a zero timeout on the socket's own poller, no wait."""
         if self._rend > self._rpos:
             return True
+        return bool(self._ready()(0))
+
+    def _ready(self) -> Callable[[int], list[tuple[int, int]]]:
+        """``poll`` of this socket's own poller (made on first use, kept)."""
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.sock.fileno(), select.POLLIN)
-        return bool(self._poller.poll(0))
+        return self._poller.poll
 
     def _poll(self) -> bool:
         """Wait without sleeping until bytes arrive (True) or the poll window is over (False)."""
         # poll(2) with a zero timeout looks at the socket without taking its lock; reading in a
         # loop instead would take the lock each time and slow the peer's delivery of a stream.
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock.fileno(), select.POLLIN)
-        ready = self._poller.poll
+        ready = self._ready()
         deadline = time.perf_counter() + self.poll_window
         while not ready(0):
             if time.perf_counter() >= deadline:

@@ -180,12 +180,21 @@ def _release_leases(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.release_leases(_list(args, "tokens", int))
 
 
+def _pop_releases(svc: MasterService, args: dict[str, Any]) -> list[Any]:
+    """The read leases piggybacked on a request (``release``: tokens of leases the caller is
+    done with), taken out of its arguments. A malformed list refuses the whole request (raised
+    before anything is released)."""
+    if "release" not in args:
+        return []
+    tokens = check_lease_tokens(args["release"], svc.config.max_batch)
+    del args["release"]
+    return tokens
+
+
 def _take_releases(svc: MasterService, args: dict[str, Any]) -> None:
-    """Give back the read leases piggybacked on a request (``release``: tokens of leases the
-    caller is done with), before its verb runs. A malformed list refuses the whole request."""
-    if "release" in args:
-        tokens = check_lease_tokens(args["release"], svc.config.max_batch)
-        del args["release"]
+    """Give back the piggybacked read leases (:func:`_pop_releases`) before the verb runs."""
+    tokens = _pop_releases(svc, args)
+    if tokens:
         svc.release_leases(tokens)
 
 
@@ -576,11 +585,9 @@ async def dispatch_bounded(
     started, code, delegated = time.perf_counter(), 0, False
     try:
         if request.verb in HANDLERS and "release" in request.args:
-            # As _take_releases, bounded: the whole list is checked first (a malformed one
-            # refuses the request and releases nothing); a short one, the usual case, is
-            # given back at once, without a coroutine.
-            tokens = check_lease_tokens(request.args["release"], svc.config.max_batch)
-            del request.args["release"]
+            # As _take_releases, bounded: a short list, the usual case, is given back at once,
+            # without a coroutine.
+            tokens = _pop_releases(svc, request.args)
             if len(tokens) <= chunk_items:
                 svc.release_leases(tokens)
             else:
