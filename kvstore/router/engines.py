@@ -196,6 +196,8 @@ class Engine:
             cost=self.fit.cost(),
             decode_fitted=self.fit.decode.solve() is not None,
             local_cached_tokens=local_cached_tokens,
+            slots=self.slots.limit,
+            router_queued=len(self.slots.queue),
         )
 
 

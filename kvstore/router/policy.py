@@ -5,10 +5,11 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
 
 * predicted TTFT on a prefill (or kv_both) engine = max(queue wait, pool transfer of the
   ``c - l`` cached tokens beyond the engine's own hit, if any) + prefill of ``n`` tokens on top
-  of ``max(c, l)`` + one decode step of the batch
-  already running there; in P/D mode the decode engine then loads the whole prompt from the
-  pool (one more transfer). The terms are :class:`~kvstore.sim.cost.CostModel`'s,
-  with parameters fitted per engine (:mod:`.fit`). The queue wait is what the router itself
+  of ``max(c, l)`` + one decode step of the batch already running there; in P/D mode the
+  decode engine then loads the whole prompt from the pool (one more transfer). The terms are
+  :class:`~kvstore.sim.cost.CostModel`'s, with parameters fitted per engine (:mod:`.fit`).
+  On a kv_both engine a request holds its router slot to its last token, so the queue also
+  counts the wait for a slot once all are taken. The queue wait is what the router itself
   still has in flight there (its predicted prefill seconds) plus the engine's own waiting
   requests, each costed like this one.
 * the decode engine: among those whose KV after this request stays under the high watermark
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.sim.cost import CostModel
-from kvstore.sim.kvboth import least_loaded
+from kvstore.sim.kvboth import least_loaded, slot_wait_s
 from kvstore.sim.slo import SLOClass
 
 #: Watermarks on a decode engine's KV use (fraction of its KV blocks). The high one is the
@@ -62,6 +63,8 @@ class EngineView:
         decode_fitted: whether ``cost``'s decode terms come from measurements.
         local_cached_tokens: leading prompt tokens of the request at hand in the engine's own
             prefix cache (whole blocks, at most the prompt less its last token; 0: unknown).
+        slots: the router's slots on the engine (``--max-inflight``; 0: unbounded).
+        router_queued: the router's requests waiting for one of them.
     """
 
     name: str
@@ -77,6 +80,8 @@ class EngineView:
     cost: CostModel
     decode_fitted: bool = False
     local_cached_tokens: int = 0
+    slots: int = 0
+    router_queued: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +159,9 @@ def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTF
         handoff: P/D: add the decode engine's load of the prompt from the pool.
 
     Returns:
-        The estimate.
+        The estimate. Without ``handoff`` its queue includes the wait for one of the router's
+        slots there when all are taken (:func:`kvstore.sim.kvboth.slot_wait_s`: the answers
+        ahead must finish).
     """
     cost = view.cost
     # The engine's own cache is free; the pool's tokens beyond it are loaded (the connector is
@@ -164,7 +171,18 @@ def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTF
     n = max(request.prompt_tokens - max(local, pool), 1)
     c = request.prompt_tokens - n
     prefill = cost.prefill_s(n, c)
-    queue = view.router_prefill_s + view.num_waiting * prefill
+    slot_wait = (
+        0.0  # P/D: the prefill step holds its slot only for the prefill, counted in the queue
+        if handoff
+        else slot_wait_s(
+            view.slots,
+            view.router_inflight,
+            view.router_queued,
+            request.max_tokens,
+            cost.decode_step_s(view.slots, 0),
+        )
+    )
+    queue = view.router_prefill_s + view.num_waiting * prefill + slot_wait
     transfer = cost.transfer_s(max(0, min(pool, c) - local)) if pool > local else 0.0
     step = cost.decode_step_s(view.num_running, 0) if view.num_running else 0.0
     handoff_s = cost.transfer_s(request.prompt_tokens) if handoff else 0.0

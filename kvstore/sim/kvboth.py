@@ -25,7 +25,8 @@ This module puts the two together:
   estimate (:func:`estimate_ttft`): max(queue, pool load beyond the engine's own hit) +
   prefill of the tokens neither holds + one step of the polled running batch, where the
   queue is the router's predicted prefill seconds there plus the polled waiting requests,
-  each costed like this one. Its costs are the engine model's own (a router whose fit is
+  each costed like this one, plus the wait for a router slot when all are taken
+  (:func:`slot_wait_s`). Its costs are the engine model's own (a router whose fit is
   exact).
 * **Admission.** With ``admission_ttft_s`` a request whose estimate on the chosen engine
   exceeds it is rejected (the router's early rejection for the request's class; 10 s for
@@ -89,6 +90,30 @@ class EngineSnapshot:
     ttft_s: float
 
 
+def slot_wait_s(
+    slots: int, inflight: int, queued: int, answer_tokens: int, full_step_s: float
+) -> float:
+    """Predicted wait for one of an engine's router slots: zero while one is free, else the
+    slot releases needed before this request's turn, each a ``1/slots`` share of one answer's
+    decode in a full batch (``slots`` answers finish in the time of one).
+
+    Args:
+        slots: the engine's router slots (``--max-inflight``; 0: unbounded).
+        inflight: the router's requests holding a slot there.
+        queued: the router's requests queued for one there.
+        answer_tokens: tokens one answer generates (this request's ``max_tokens``, standing
+            in for those ahead of it).
+        full_step_s: one decode step of a batch of ``slots`` sequences.
+
+    Returns:
+        Seconds.
+    """
+    ahead = inflight + queued - slots + 1
+    if slots <= 0 or ahead <= 0:
+        return 0.0
+    return ahead * max(answer_tokens, 1) * full_step_s / slots
+
+
 def estimate_ttft(
     cost: StepCost,
     prompt_tokens: int,
@@ -97,6 +122,7 @@ def estimate_ttft(
     num_running: int,
     num_waiting: int,
     router_prefill_s: float,
+    slot_wait: float = 0.0,
 ) -> tuple[float, float]:
     """The live router's TTFT estimate (``kvstore.router.policy.estimate_ttft``) in step terms.
 
@@ -109,6 +135,7 @@ def estimate_ttft(
         num_running: the engine's running requests as polled.
         num_waiting: its waiting requests as polled.
         router_prefill_s: the router's predicted prefill seconds there.
+        slot_wait: :func:`slot_wait_s` there.
 
     Returns:
         ``(ttft_s, prefill_s)``.
@@ -117,7 +144,7 @@ def estimate_ttft(
     uncached = max(prompt_tokens - max(local, pool_tokens), 1)
     cached = prompt_tokens - uncached
     prefill = cost.prefill_s(uncached)
-    queue = router_prefill_s + num_waiting * prefill
+    queue = router_prefill_s + num_waiting * prefill + slot_wait
     transfer = (
         (min(pool_tokens, cached) - local) * cost.load_s_per_token if pool_tokens > local else 0.0
     )
@@ -381,6 +408,13 @@ def simulate_kv_both(
             running,
             waiting,
             router_prefill_s[engine_id],
+            slot_wait_s(
+                config.max_inflight,
+                inflight[engine_id],
+                len(pending[engine_id]),
+                request.output_length,
+                cost.step_s(config.max_inflight, 0),
+            ),
         )
         return EngineSnapshot(
             engine_id,

@@ -70,6 +70,20 @@ def test_ttft_is_queue_or_transfer_then_prefill_of_the_uncached_tokens() -> None
     assert idle.ttft_s == pytest.approx(0.640 + 0.41 + 1.0)  # + the decode engine's load
 
 
+def test_a_kv_both_engine_whose_slots_are_taken_costs_the_wait_for_one() -> None:
+    # 4 slots, all held and one more request queued: two answers of 100 tokens must finish
+    # first, a quarter of a full batch's decode (0.04 + 4 x 0.01 a step) each.
+    full = view("a", slots=4, router_inflight=4, router_queued=1)
+    e = estimate_ttft(full, shape(1000, 0, out=100), handoff=False)
+    assert e.queue_s == pytest.approx(2 * 100 * 0.08 / 4)
+    free = view("b", slots=4, router_inflight=3)
+    assert estimate_ttft(free, shape(1000, 0, out=100), handoff=False).queue_s == 0.0
+    choice = choose(shape(1000, 0, out=100), LOOSE, [full, free], None)
+    assert choice.prefill is not None and choice.prefill.engine == "b"  # not the first by name
+    # P/D: the prefill step holds its slot only for the prefill (already in the queue term).
+    assert estimate_ttft(full, shape(1000, 0, out=100), handoff=True).queue_s == 0.0
+
+
 def test_every_token_cached_still_computes_the_last_one() -> None:
     assert shape(64, 64).uncached_tokens == 1
 

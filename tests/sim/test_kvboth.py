@@ -14,6 +14,7 @@ from kvstore.sim.kvboth import (
     estimate_ttft,
     last_poll_s,
     simulate_kv_both,
+    slot_wait_s,
 )
 from kvstore.sim.trace import TraceRequest
 
@@ -143,6 +144,26 @@ def test_estimate_matches_the_live_router_terms() -> None:
     assert prefill == pytest.approx(0.01 + 4 * 0.0001)
     # queue 0.5 + 1 waiting x prefill; load of 64 tokens overlaps it; then one decode step of 2.
     assert ttft == pytest.approx(0.5 + prefill + prefill + 0.01 + 0.004)
+
+
+def test_a_request_waits_for_a_router_slot_when_all_are_taken() -> None:
+    assert slot_wait_s(4, 3, 0, 16, 0.1) == 0.0  # one slot free
+    assert slot_wait_s(4, 4, 0, 16, 0.1) == pytest.approx(16 * 0.1 / 4)  # the next to finish
+    assert slot_wait_s(4, 4, 2, 16, 0.1) == pytest.approx(3 * 16 * 0.1 / 4)  # two queued ahead
+    assert slot_wait_s(0, 9, 9, 16, 0.1) == 0.0  # unbounded
+    cost = StepCost(0.01, 0.002, 0.0001)
+    ttft, _ = estimate_ttft(cost, 100, 0, 0, 0, 0, 0.0, slot_wait=0.4)
+    assert ttft == pytest.approx(0.4 + 0.01 + 100 * 0.0001)
+
+
+def test_cache_aware_sends_a_burst_where_slots_are_free() -> None:
+    # One long answer holds engine 0's only slot (its first token long out, so no prefill of
+    # the router's is pending there) and no poll has seen it yet; a second request arrives: the
+    # live router's estimate (and so the simulated cache-aware policy) counts the wait for
+    # that slot instead of a tie that the first engine wins.
+    trace = [request(0.1, 10, 200), request(0.3, 10, 2, request_id=1)]
+    result = simulate_kv_both(trace, config(num_engines=2, policy="cache-aware", max_inflight=1))
+    assert result.prefill_ids.tolist() == [0, 1]
 
 
 @pytest.mark.parametrize(
