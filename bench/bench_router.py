@@ -39,6 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -80,12 +81,26 @@ ROUTER_START_S = 120.0
 #: Each engine's KV cache in 32-token blocks: vLLM logs "CPU KV cache size: 46,592 tokens" for
 #: SmolLM2 with VLLM_CPU_KVCACHE_SPACE=1 (GiB).
 ENGINE_CACHE_BLOCKS = 46_592 // 32
-#: The router admits by its own class (no X-SLO-Class is sent: its default, ``standard``).
+#: The router's own ``standard`` class (10 s TTFT): its admission with ``--admission router``.
 ROUTER_CLASS = next(c for c in DEFAULT_CLASSES if c.name == "standard")
 
 
-def sim_shape(policy: str, engine_model: str) -> SimShape:
-    """The live cluster as the simulator runs it."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One replay: its label, the simulator's policy, the router's ``--policy`` (None: the
+    router's default) and whether the router rejects early."""
+
+    label: str
+    policy: str
+    router_policy: str | None
+    early_rejection: bool = True
+
+
+def sim_shape(
+    policy: str, engine_model: str, admission_ttft_s: float | None = ROUTER_CLASS.ttft_s
+) -> SimShape:
+    """The live cluster as the simulator runs it (``admission_ttft_s`` None: no early
+    rejection)."""
     if engine_model == "pd":
         return SimShape(2, 2, policy, shared_pool=True, max_batch_size=MAX_NUM_SEQS)
     router = {f.name: f.default for f in dataclasses.fields(RouterConfig)}  # its defaults
@@ -99,7 +114,7 @@ def sim_shape(policy: str, engine_model: str) -> SimShape:
         poll_interval_s=router["poll_s"],
         max_inflight=router["max_inflight"],
         cache_blocks=ENGINE_CACHE_BLOCKS,
-        admission_ttft_s=ROUTER_CLASS.ttft_s,
+        admission_ttft_s=admission_ttft_s,
     )
 
 
@@ -151,15 +166,26 @@ class Router:
     """``kvstore router`` as a child process in front of the engines."""
 
     def __init__(
-        self, tmp: Path, policy: str | None, engines: dict[str, int], master: str, events: bool
+        self,
+        tmp: Path,
+        plan: Plan,
+        engines: dict[str, int],
+        master: str,
+        events: bool,
+        slo_config: Path | None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"router-{policy or 'default'}.log"
+        name = (plan.router_policy or "default") + ("" if plan.early_rejection else "-plain")
+        self.log_path = tmp / f"router-{name}.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
-        if policy is not None:
-            cmd += ["--policy", policy]
+        if plan.router_policy is not None:
+            cmd += ["--policy", plan.router_policy]
+        if not plan.early_rejection:
+            cmd += ["--no-early-rejection"]
+        if slo_config is not None:
+            cmd += ["--slo-config", str(slo_config)]
         for url, port in engines.items():
             cmd += ["--engine", url]
             if events:  # the engine's own prefix cache, from its vLLM KV events
@@ -223,6 +249,19 @@ def main() -> int:
         help="the simulator's engines: kv_both (as run here) or pd",
     )
     parser.add_argument(
+        "--admission",
+        choices=("slo", "router"),
+        default="slo",
+        help="the router rejects early by the SLO the run is judged by (slo: its default class "
+        "is --slo's targets) or by its own default class (router: standard, 10 s)",
+    )
+    parser.add_argument(
+        "--plain-baselines",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run round-robin and least-loaded as plain routers do (no early rejection)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="keep logs, results.json and plots here"
     )
     args = parser.parse_args()
@@ -245,7 +284,18 @@ def main() -> int:
     tmp_dir = tempfile.TemporaryDirectory(prefix="bench-router-")
     tmp = args.out or Path(tmp_dir.name)
     tmp.mkdir(parents=True, exist_ok=True)
-    runs: list[tuple[str, str, ReplayRun]] = []
+    runs: list[tuple[Plan, ReplayRun]] = []
+    slo_config = None
+    if args.admission == "slo":  # the router's default class: the targets the run is judged by
+        slo_config = tmp / "slo.json"
+        classes = [{"name": slo.name, "ttft_s": slo.ttft_s, "tbt_s": slo.tbt_s}]
+        slo_config.write_text(json.dumps({"classes": classes, "default_class": slo.name}))
+
+    def admission(plan: Plan) -> float | None:
+        if not plan.early_rejection:
+            return None
+        return slo.ttft_s if slo_config is not None else ROUTER_CLASS.ttft_s
+
     started = time.monotonic()
     with EmbeddedCluster(str(tmp / "pool"), "2GiB", extra=["--shm"]) as cluster:
         ports = [free_port(), free_port()]
@@ -258,15 +308,16 @@ def main() -> int:
                 f"pool {cluster.address}, engines {', '.join(urls)} "
                 f"(up in {time.monotonic() - started:.0f} s)"
             )
-            # (label, the simulator's policy, the router's --policy)
-            plan: list[tuple[str, str, str | None]] = [(p, p, p) for p in POLICIES]
+            plans = [Plan(p, p, p) for p in POLICIES]
+            if args.plain_baselines:
+                plans += [Plan(f"{p} (plain)", p, p, False) for p in POLICIES[1:]]
             if not has_policy:
-                plan = [
-                    ("router (its default)", "cache-aware", None)
+                plans = [
+                    Plan("router (its default)", "cache-aware", None)
                     if has_router
-                    else ("round-robin (client)", "round-robin", None)
+                    else Plan("round-robin (client)", "round-robin", None, False)
                 ]
-            for seed, (label, policy, router_policy) in enumerate(plan):
+            for seed, plan in enumerate(plans):
                 scale = ScaleConfig(
                     block_tokens=32,
                     max_output_tokens=args.max_output,
@@ -274,16 +325,17 @@ def main() -> int:
                     time_scale=args.time_scale,
                     seed=seed + 1,
                 )
-                shape = sim_shape(policy, args.engine_model)
+                shape = sim_shape(plan.policy, args.engine_model, admission(plan))
                 router = None
                 if has_router:
                     events = help_text is not None and "--engine-events" in help_text
                     router = Router(
                         tmp,
-                        router_policy,
+                        plan,
                         dict(zip(urls, ports, strict=True)),
                         cluster.address,
                         events,
+                        slo_config,
                     )
                 try:
                     if router is not None:
@@ -296,38 +348,47 @@ def main() -> int:
                     t0 = time.monotonic()
                     run = replay_trace(trace, scale, load, slo, shape)
                     print(
-                        f"{label}: {run.summary.num_ok}/{run.summary.num_requests} served "
+                        f"{plan.label}: {run.summary.num_ok}/{run.summary.num_requests} served "
                         f"in {time.monotonic() - t0:.0f} s"
                     )
-                    runs.append((label, policy, run))
+                    runs.append((plan, run))
                     if args.out is not None:
-                        config = {"policy": label, "targets": list(targets), "seed": seed + 1}
-                        write_outputs(args.out / policy, run, slo, config)
+                        config = {"policy": plan.label, "targets": list(targets), "seed": seed + 1}
+                        folder = plan.policy + ("" if plan.early_rejection else "-plain")
+                        write_outputs(args.out / folder, run, slo, config)
                 finally:
                     if router is not None:
                         router.stop()
         finally:
             for engine in engines:
                 engine.stop()
-    print_tables(runs, trace, slo, args)
+    print_tables(runs, trace, slo, args, admission)
     tmp_dir.cleanup()
     return 0
 
 
 def print_tables(
-    runs: list[tuple[str, str, ReplayRun]],
+    runs: list[tuple[Plan, ReplayRun]],
     trace: list[TraceRequest],
     slo: SLOClass,
     args: argparse.Namespace,
+    admission: Callable[[Plan], float | None],
 ) -> None:
     """The policy table, then every policy simulated with the first run's fitted costs."""
     print(
         f"\n{len(trace)} requests of {args.trace.name} (from {args.start}), time scale {args.time_scale:g}, "
         f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
-        f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s)"
+        f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s); the router rejects early by "
+        + (
+            "that SLO"
+            if args.admission == "slo"
+            else f"its own class (TTFT {ROUTER_CLASS.ttft_s:g} s)"
+        )
+        + " except the plain rows"
     )
     rows = []
-    for label, _, run in runs:
+    for plan, run in runs:
+        label = plan.label
         s, p = run.summary, run.prediction
         sim_goodput = p.goodput_rps if p else float("nan")
         sim_ttft = p.mean_ttft_s if p else float("nan")
@@ -370,8 +431,9 @@ def print_tables(
             rows,
         )
     )
-    for label, _, run in runs:
+    for plan, run in runs:
         if run.step_fit is not None:
+            label = plan.label
             c, f = run.step_fit.cost, run.step_fit
             print(
                 f"{label}: step = {c.step_base_s * 1e3:.1f} ms + {c.decode_s_per_seq * 1e3:.2f} "
@@ -379,18 +441,18 @@ def print_tables(
                 f"overhead {c.request_overhead_s * 1e3:.0f} ms (rmse {f.rmse * 1e3:.0f} ms, "
                 f"{f.num_gap_rows} gaps, {f.num_ttft_rows} idle TTFTs)"
             )
-    fitted = next((r for _, _, r in runs if r.fit is not None), None)
+    fitted = next((r for _, r in runs if r.fit is not None), None)
     if fitted is None or fitted.fit is None:
         return
     print("\nsimulator, every policy, cost model fitted from the first run:")
     sim_rows = []
     step = fitted.step_fit.cost if fitted.step_fit is not None else None
-    for policy in POLICIES:
-        shape = sim_shape(policy, args.engine_model)
+    for plan, _ in runs:
+        shape = sim_shape(plan.policy, args.engine_model, admission(plan))
         p = simulate_slice(fitted.requests, fitted.results, fitted.fit.cost, shape, slo, step)
         sim_rows.append(
             [
-                policy,
+                plan.label,
                 shape.sim_router,
                 p.goodput_rps,
                 p.mean_ttft_s * 1e3,
