@@ -33,6 +33,15 @@ ALLOWED_BELOW = {
 LAZY_ALLOWED = {
     # The router loads transformers (seconds); other subcommands should not wait for it.
     ("kvstore.cli.engines", "kvstore.router.app"),
+    # The master's modules (aiohttp, prometheus) are two thirds of the CLI's start-up; a
+    # ``kvstore node`` process (one per node, many per test run) never loads them.
+    ("kvstore.cli.daemons", "kvstore.master.daemon"),
+    ("kvstore.cli.daemons", "kvstore.master.ha"),
+    ("kvstore.cli.daemons", "kvstore.master.service"),
+    ("kvstore.cli.daemons", "kvstore.master.tiering"),
+    # ... and for the same reason, the vLLM demo and proxy (aiohttp) where they run.
+    ("kvstore.cli.engines", "kvstore.client.adapters.vllm_demo"),
+    ("kvstore.cli.engines", "kvstore.client.adapters.vllm_proxy"),
     # These need torch, which the pool itself does not; the demo imports them when it runs.
     ("kvstore.client.adapters.demo", "kvstore.client.adapters.models"),
     ("kvstore.client.adapters.demo", "kvstore.client.adapters.workers"),

@@ -12,6 +12,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvstore import auth
 from kvstore.cli.common import (
@@ -24,20 +25,12 @@ from kvstore.cli.common import (
 from kvstore.config import Address, format_size, parse_size
 from kvstore.env import Env
 from kvstore.etcd import parse_endpoints
-from kvstore.master.daemon import (
-    Master,
-    MasterEndpoints,
-    MasterOptions,
-    apply_collector_policy,
-    install_stop_signals,
-    serve_master,
-)
-from kvstore.master.ha import HAConfig
-from kvstore.master.service import MasterConfig
-from kvstore.master.tiering import TierConfig
 from kvstore.node.daemon import NodeOptions, serve_node
 from kvstore.node.follow import serve_node_ha
 from kvstore.processes import die_with_parent, parse_ready, ready_line
+
+if TYPE_CHECKING:
+    from kvstore.master.daemon import Master, MasterEndpoints, MasterOptions
 
 #: Seconds ``kvstore up`` waits for its node's ready line.
 READY_TIMEOUT_S = 60.0
@@ -49,6 +42,13 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
     Raises:
         InvalidRequestError: a bad value (the options and configs validate themselves).
     """
+    # NOTE: the master's modules (aiohttp, prometheus; two thirds of this command's start-up)
+    # are imported where a master runs, so that a ``kvstore node`` process never loads them.
+    from kvstore.master.daemon import MasterOptions
+    from kvstore.master.ha import HAConfig
+    from kvstore.master.service import MasterConfig
+    from kvstore.master.tiering import TierConfig
+
     ha = None
     if getattr(args, "etcd", None):
         ha = HAConfig(
@@ -86,6 +86,8 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
 
 
 def cmd_master(args: argparse.Namespace) -> int:
+    from kvstore.master.daemon import serve_master  # see master_options
+
     options = master_options(args, derived_port(args.port, args.admin_port, 1), Env.read())
     if options.ha is not None:
         asyncio.run(serve_master(options))  # grpc.aio (etcd) runs on the standard asyncio loop
@@ -120,6 +122,8 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    from kvstore.master.daemon import Master, apply_collector_policy, install_stop_signals
+
     # Checked here, before anything starts: the node child would only fail on them later.
     parse_size(args.dram)
     parse_size(args.nvme)

@@ -21,8 +21,6 @@ from pathlib import Path
 from kvstore.cli.common import run_loop
 from kvstore.client.adapters.demo import run_demo
 from kvstore.client.adapters.realmodel import fetch_model, model_dir, require_model
-from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
-from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy
 from kvstore.embedded import EmbeddedCluster
 from kvstore.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
@@ -62,6 +60,9 @@ def _demo_vllm(args: argparse.Namespace) -> int:
         )
         return 2
     model = require_model("smollm2", args.model_dir)
+    # NOTE: imported here, like the proxy below: they load aiohttp, which no daemon started
+    # through this command line (a storage node above all) should pay for at start-up.
+    from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the servers the way Ctrl-C does (finally blocks)
@@ -148,6 +149,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     for url in (args.prefill, args.decode):
         if not url.startswith(("http://", "https://")):
             raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
+    from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy  # see _demo_vllm
+
     config = ProxyConfig(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout)
     run_loop(serve_proxy(config, args.host, args.port))
     return 0

@@ -22,13 +22,15 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import InvalidRequestError
 
 from .workload import ReplayRequest, ScaleConfig, synthesize_prompt
+
+if TYPE_CHECKING:  # imported where a replay runs: ``kvstore replay``'s module is loaded by
+    # every ``kvstore`` command (each daemon's start-up), and aiohttp is a third of that.
+    import aiohttp
 
 REJECTED_STATUSES = frozenset({429, 503})
 CACHED_HEADER = "x-kvstore-cached-tokens"
@@ -164,6 +166,8 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
     Raises:
         InvalidRequestError: when the endpoint does not answer or lists no model.
     """
+    import aiohttp
+
     try:
         async with session.get(f"{url}/v1/models") as resp:
             if resp.status != 200:
@@ -193,6 +197,8 @@ async def _send(
     result: RequestResult,
     started: float,
 ) -> None:
+    import aiohttp
+
     sent = time.perf_counter()
     result.sent_s = sent - started
     usage: dict[str, Any] | None = None
@@ -260,6 +266,8 @@ async def replay_async(
     Returns:
         One result per request, in the same order.
     """
+    import aiohttp
+
     semaphore = asyncio.Semaphore(load.concurrency) if load.concurrency else None
     timeout = aiohttp.ClientTimeout(total=load.timeout_s)
     # No connection limit beyond ours: the default (100) would add a queue we do not measure.
@@ -322,6 +330,7 @@ def resolve_model(url: str, timeout_s: float = 30.0) -> str:
     Raises:
         InvalidRequestError: when the endpoint does not answer or lists no model.
     """
+    import aiohttp
 
     async def ask() -> str:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
