@@ -11,19 +11,28 @@ gets its own prompt seed: the same prefix structure with new tokens, so no run r
 of the one before. Without ``kvstore router`` it says so and replays once against the two
 engines directly, spreading requests round robin itself (a baseline without a router).
 
-It prints one table (goodput, TTFT p50/p90, hit rate, with the simulator's prediction of
-goodput and mean TTFT from a cost model fitted to that run, and their relative errors) and the
-simulator's prediction for every policy from the first run's fit. The simulator runs the
+Admission: every router rejects early (HTTP 429) a request whose predicted TTFT on the engine
+its policy chose is past the SLO the run is judged by (``--slo``: the router is given it as its
+default class; ``--admission router`` leaves it its own ``standard`` class, 10 s), so the first
+three rows differ only in the choice of engine. With ``--plain-baselines`` (the default)
+round-robin and least-loaded run again as plain routers do, without early rejection: every
+request is queued and served, however late.
+
+It prints one table (served, requests within the SLO, run seconds, goodput, TTFT p50/p90, hit
+rate, with the simulator's prediction of goodput and mean TTFT from a cost model fitted to that
+run, and their relative errors), cache-aware's gain over the best baseline of each kind, and the
+simulator's prediction for every row from the first run's fit. The simulator runs the
 engines as they are (``--engine-model kv_both``, the default): two continuous-batching
 engines, each step's cost fitted from the run's token times, behind the same policy with what
 the live router sees (load polled every 0.5 s, its 4 slots per engine, each engine's prefix
-cache of 1456 blocks and the pool, admission by the ``standard`` class's 10 s);
-``--engine-model pd`` gives the P/D model instead (FIFO prefill beside separate decode). Engines report their cached prompt tokens
-(``--enable-prompt-tokens-details``), so the hit rate is measured unless the router sends its
-own. Nothing is asserted about times.
+cache of 1456 blocks and the pool, the same admission or none);
+``--engine-model pd`` gives the P/D model instead (FIFO prefill beside separate decode).
+Engines report their cached prompt tokens (``--enable-prompt-tokens-details``), so the hit
+rate is measured unless the router sends its own. Nothing is asserted about times.
 
 Usage: ``.venv/bin/python bench/bench_router.py [--start 0] [--requests 24] [--time-scale 1.0]
-[--max-output 16] [--slo standard] [--engine-model kv_both|pd] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
+[--max-output 16] [--slo standard] [--admission slo|router] [--no-plain-baselines]
+[--engine-model kv_both|pd] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
 tests/adapters/vllm_servers.py).
 """
 
@@ -396,6 +405,8 @@ def print_tables(
             [
                 label,
                 f"{s.num_ok}/{s.num_requests}",
+                s.num_met,
+                s.duration_s,
                 s.goodput_rps,
                 sim_goodput,
                 error_text(sim_goodput, s.goodput_rps),
@@ -415,6 +426,8 @@ def print_tables(
             [
                 "policy",
                 "served",
+                "met SLO",
+                "run s",
                 "goodput r/s",
                 "sim goodput",
                 "error",
@@ -431,6 +444,7 @@ def print_tables(
             rows,
         )
     )
+    print_gains(runs)
     for plan, run in runs:
         if run.step_fit is not None:
             label = plan.label
@@ -465,6 +479,33 @@ def print_tables(
             ["policy", "sim router", "goodput r/s", "mean TTFT ms", "SLO met", "hit rate"], sim_rows
         )
     )
+
+
+def print_gains(runs: list[tuple[Plan, ReplayRun]]) -> None:
+    """Cache-aware against the best baseline: given the same early rejection, and as plain
+    routers run (goodput, and requests within the SLO)."""
+    ours = next((r for p, r in runs if p.policy == "cache-aware" and p.early_rejection), None)
+    if ours is None:
+        return
+    for plain in (False, True):
+        rivals = [
+            (p.label, r)
+            for p, r in runs
+            if p.policy != "cache-aware" and p.early_rejection != plain
+        ]
+        if not rivals:
+            continue
+        label, best = max(rivals, key=lambda lr: lr[1].summary.goodput_rps)
+        goodput = (
+            ours.summary.goodput_rps / best.summary.goodput_rps
+            if best.summary.goodput_rps
+            else float("inf")
+        )
+        met = ours.summary.num_met / best.summary.num_met if best.summary.num_met else float("inf")
+        print(
+            f"cache-aware vs the best {'plain ' if plain else ''}baseline ({label}): "
+            f"goodput {goodput:.2f}x, requests within the SLO {met:.2f}x"
+        )
 
 
 if __name__ == "__main__":
