@@ -15,7 +15,11 @@ What it does, in one run:
    The headline reads touch **distinct keys, each read once**, after the node is warm (what a
    decode engine does with the blocks a prefill wrote: no location cache or lease helps); reads
    that reread one hot key again and again (which flatter caches and leases) are a separate,
-   labelled table. Metadata rows: ``batch_put`` / ``batch_get`` of 1,000 x 16 B objects (keys/s),
+   labelled table. KV-cache level rows: a 512-token prompt's 64-token blocks in Llama-3-8B's
+   shape (8 MiB a block) and SmolLM2-135M's (1.4 MiB), each prompt new and each read once: the
+   raw ``batch_put_from`` / ``batch_get_into`` of its blocks on every system and, on kvstore,
+   ``KVCache.store`` / ``KVCache.load`` of the same bytes from per-layer K and V tensors, set
+   against its own raw batches and Mooncake's. Metadata rows: ``batch_put`` / ``batch_get`` of 1,000 x 16 B objects (keys/s),
    and the master's memory per object: its RSS before and after putting ``--objects`` (1M by
    default) 16 B objects into a fresh cluster, divided by their number;
    kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
@@ -299,6 +303,9 @@ PEERS_OF = {"kvstore-mcapi": ("mooncake",)}
 #: Systems whose master memory is measured (one kvstore master serves every kvstore client).
 MEMORY_SYSTEMS = {"kvstore": "kvstore", "mooncake": "mooncake", "redis": "redis"}
 METADATA = ("batch_put", "batch_get")
+#: The worker's KV-cache level rows (a prompt's blocks; kvstore's ``KVCache`` beside raw batches).
+KV_PREFIX = "kv: "
+KV_PROMPT = "512-token"
 
 
 def best(runs: list[dict]) -> dict:
@@ -350,7 +357,9 @@ def table(results: dict[str, dict], hot: bool) -> str:
     """GB/s per system of the distinct-key rows (``hot=False``) or the hot-key rows."""
     present = [s for s in SYSTEMS if s in results]
     keys = [
-        k for k in next(iter(results.values())) if k[0] not in METADATA and ("[hot" in k[0]) == hot
+        k
+        for k in next(iter(results.values()))
+        if k[0] not in METADATA and not k[0].startswith(KV_PREFIX) and ("[hot" in k[0]) == hot
     ]
     ratios = _ratios(results)
     head = ["workload", "size", *[f"{s} GB/s" for s in present]]
@@ -368,6 +377,41 @@ def table(results: dict[str, dict], hot: bool) -> str:
             r = results[s].get((op + suffix, "4KiB"))
             lat.append(f"{s}={r['p50_us']:.0f}" if r else f"{s}=-")
         lines.append(" ".join(lat))
+    return "\n".join(lines)
+
+
+def kv_table(results: dict[str, dict]) -> str:
+    """The KV-cache level rows: GB/s of a prompt's blocks per system, then each kvstore
+    client's ``KVCache.store`` / ``load`` against its own raw batch of the same bytes and
+    against Mooncake's ``batch_put_from`` / ``batch_get_into``."""
+    present = [s for s in SYSTEMS if s in results]
+    shapes = list(
+        dict.fromkeys(k[1] for r in results.values() for k in r if k[0].startswith(KV_PREFIX))
+    )
+    head = ["workload", "model", *[f"{s} GB/s" for s in present]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    pairs = (("batch_put_from", "KVCache.store"), ("batch_get_into", "KVCache.load"))
+    for shape in shapes:
+        for op in (name for pair in pairs for name in pair):
+            rows = {s: results[s].get((KV_PREFIX + op, shape)) for s in present}
+            if any(rows.values()):
+                cells = [op, shape, *_cells(rows, present, [], "gbps", ".3f")]
+                lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    mooncake = results.get("mooncake", {})
+    for shape in shapes:
+        for s in (s for s in present if s.startswith("kvstore")):
+            for raw, kv in pairs:
+                ours = results[s].get((KV_PREFIX + kv, shape))
+                if ours is None:
+                    continue
+                own = results[s].get((KV_PREFIX + raw, shape))
+                peer = mooncake.get((KV_PREFIX + raw, shape))
+                text = f"{shape} {s}: {kv} = "
+                text += f"{ours['gbps'] / own['gbps']:.0%} of its {raw}" if own else "-"
+                if peer:
+                    text += f", {ours['gbps'] / peer['gbps']:.2f}x mooncake's {raw}"
+                lines.append(text)
     return "\n".join(lines)
 
 
@@ -469,6 +513,11 @@ def main() -> None:
         print(table(results, hot=False))
         print("\n## Hot key: one key (one batch) reread every time (flatters caches and leases)\n")
         print(table(results, hot=True))
+        print(
+            f"\n## KV-cache level: a {KV_PROMPT} prompt's blocks (64 tokens, 2 bytes an element), "
+            "each prompt new, each read once\n"
+        )
+        print(kv_table(results))
     if results or memory:
         print("\n## Metadata: 1,000 x 16 B batches; master memory per object\n")
         print(metadata_table(results, memory))

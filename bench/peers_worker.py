@@ -10,6 +10,7 @@ operation over the median time).
 Reads of the headline rows touch **distinct keys, each once** (what a decode engine does with
 the KV blocks a prefill wrote): no location cache or read lease can help them. The rows marked
 ``[hot key]`` reread one key again and again (they flatter caches and leases; kept apart).
+Rows ``kv: ...`` are a prompt's KV blocks (:func:`run_kv`).
 ``--fill N`` instead puts N tiny objects and exits (the orchestrator measures the master's
 memory around it). It runs under the Python that has the system's
 client: the repo's venv for kvstore, the throwaway peers venv for Mooncake and Redis. It uses
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -84,6 +86,13 @@ class Kvstore:
     def remove(self, keys: list[str]) -> None:
         for lo in range(0, len(keys), 10_000):
             self.c.batch_remove(keys[lo : lo + 10_000])
+
+    def kvcache(self, name: str, layers: int, heads: int, dim: int) -> Any:
+        """A :class:`KVCache` of one model's shape (float16: bf16's bytes, numpy has no bf16)."""
+        from kvstore.client import KVCache, Namespace
+
+        ns = Namespace(name, "float16", layers, heads, dim, block_size=KV_BLOCK_TOKENS)
+        return KVCache(self.c, ns)
 
     def close(self) -> None:
         self.c.close()
@@ -306,12 +315,85 @@ def run(store: Any, tag: str) -> None:
         written += [k for i in range(-2, b_iters) for k in batch_keys(i)]
         store.remove(written)
         store.release()
+    run_kv(store, tag)
     run_metadata(store, tag)
 
 
 META_BATCH = 1000
 META_SIZE = 16
 META_ITERS = 30
+#: KV-cache level rows: (model, layers, KV heads, head dim) at 2 bytes an element, 64-token
+#: blocks: Llama-3-8B's block is 8 MiB, SmolLM2-135M's 1.4 MiB.
+KV_SHAPES = [("Llama-3-8B", 32, 8, 128), ("SmolLM2-135M", 30, 3, 64)]
+KV_BLOCK_TOKENS = 64
+KV_BLOCKS = 8  # a 512-token prompt
+KV_ITERS = 4
+
+
+def run_kv(store: Any, tag: str) -> None:
+    """A prompt's KV blocks, each prompt new (stores) and each read once (loads): the raw
+    ``batch_put_from`` / ``batch_get_into`` of its blocks on every system and, on kvstore,
+    ``KVCache.store`` / ``KVCache.load`` of the same bytes from the model's per-layer K and V
+    tensors (block keys, the prefix index, per-plane checksums, the layer-major <-> block-major
+    copies included). Rows are ``kv: ...``, sized by the KV bytes of one prompt."""
+    rng = np.random.default_rng(1)
+    for label, layers, heads, dim in KV_SHAPES:
+        tokens = KV_BLOCKS * KV_BLOCK_TOKENS
+        block = 2 * layers * heads * dim * 2 * KV_BLOCK_TOKENS
+        total = block * KV_BLOCKS
+        vals = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(KV_BLOCKS)]
+        bufs = [np.empty(block, dtype=np.uint8) for _ in range(KV_BLOCKS)]
+        for a in (*vals, *bufs):
+            store.register(a)
+        p = f"{tag}/kv/{label}"
+
+        def keys(i: int, p: str = p) -> list[str]:
+            return [f"{p}/{i}/{j}" for j in range(KV_BLOCKS)]
+
+        emit(
+            "kv: batch_put_from",
+            label,
+            total,
+            timed(lambda i: store.batch_put_from(keys(i), vals), KV_ITERS),
+        )
+        emit(
+            "kv: batch_get_into",
+            label,
+            total,
+            timed(lambda i: store.batch_get_into(keys(i), bufs), KV_ITERS),
+        )
+        if not all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True)):
+            raise SystemExit(f"{tag}: kv batch_get_into returned other bytes for {label}")
+        store.remove([k for i in range(-2, KV_ITERS) for k in keys(i)])
+        store.release()
+        if not hasattr(store, "kvcache"):
+            continue
+        # A namespace of this process's own: every kvstore client of a run shares one pool
+        # and one tag, and a prompt another one stored would be no new prompt here.
+        kv = store.kvcache(f"{tag}/{label}/{os.getpid()}", layers, heads, dim)
+
+        def kv_tensor() -> np.ndarray:
+            return rng.standard_normal((tokens, heads, dim), dtype=np.float32).astype(np.float16)
+
+        layers_in = [(kv_tensor(), kv_tensor()) for _ in range(layers)]
+        layers_out = [(np.empty_like(k), np.empty_like(v)) for k, v in layers_in]
+
+        def prompt(i: int, label: str = label) -> np.ndarray:
+            return np.random.default_rng([i + 10, len(label)]).integers(0, 50_000, tokens)
+
+        def kv_store(i: int) -> None:
+            if kv.store(prompt(i), layers_in) != tokens:
+                raise SystemExit(f"{tag}: KVCache.store stored part of a new prompt ({label})")
+
+        def kv_load(i: int) -> None:
+            if kv.load(prompt(i), layers_out) != tokens:
+                raise SystemExit(f"{tag}: KVCache.load found part of a stored prompt ({label})")
+
+        emit("kv: KVCache.store", label, total, timed(kv_store, KV_ITERS))
+        emit("kv: KVCache.load", label, total, timed(kv_load, KV_ITERS))
+        for (k, v), (k2, v2) in zip(layers_in, layers_out, strict=True):
+            if not (np.array_equal(k, k2) and np.array_equal(v, v2)):
+                raise SystemExit(f"{tag}: KVCache.load returned other KV for {label}")
 
 
 def run_metadata(store: Any, tag: str) -> None:
