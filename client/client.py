@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import auth
-from kvstore.buffers import as_bytes_view
+from kvstore.buffers import Segments, as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
 from kvstore.client.datapath import DataPath
 from kvstore.client.inplace import InPlaceReads
@@ -228,7 +228,8 @@ class Client:
     ) -> list[KVStoreError | None]:
         """Store many objects: one master call to allocate, one write per node, one to commit.
         CUDA tensors are staged through pinned host buffers first (see
-        :mod:`kvstore.client.staging`).
+        :mod:`kvstore.client.staging`). A value may be a :class:`~kvstore.buffers.Segments`:
+        the object is its pieces' concatenation, sent without joining them.
 
         Args:
             replicas: copies of each object on distinct nodes.
@@ -255,11 +256,11 @@ class Client:
     ) -> list[KVStoreError | None]:
         results: list[KVStoreError | None] = [None] * len(keys)
         wire_keys: list[bytes] = []
-        views: list[memoryview] = []
+        views: list[memoryview | Segments] = []
         index: list[int] = []
         for i, (k, v) in enumerate(zip(keys, values, strict=True)):
             try:
-                wk, view = encode_key(k), as_bytes_view(v)
+                wk, view = encode_key(k), v if type(v) is Segments else as_bytes_view(v)
             except KVStoreError as err:
                 results[i] = err
                 continue

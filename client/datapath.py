@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore import auth, rdma
+from kvstore.buffers import Segments
 from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
@@ -166,7 +167,11 @@ class DataPath:
         if written:
             self.tcp.call_per_node("shm_commit", written, _commit_args)
         if rest and self.rdma is not None:
-            placed, rest = self.rdma.write(rest)
+            # NOTE: RDMA writes from registered contiguous memory: an object given as pieces
+            # goes by TCP (gathered by sendmsg) rather than be joined here.
+            pieces = [i for i in rest if type(i.data) is Segments]
+            placed, rest = self.rdma.write([i for i in rest if type(i.data) is not Segments])
+            rest = [*rest, *pieces]
             if placed:
                 self.tcp.call_per_node("rdma_commit", placed, _commit_args)
         if rest:

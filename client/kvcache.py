@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.buffers import as_bytes_view
+from kvstore.buffers import Segments, as_bytes_view
 from kvstore.client.client import Client, PromptCommit
 from kvstore.client.reads import LocatedRead
 from kvstore.client.transport import ReadItem
@@ -241,29 +241,35 @@ class KVCache:
         else:
             rows = np.empty((n, self._object_bytes), dtype=np.uint8)
             rows[:, : self._block_bytes] = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1)
-        self._put_objects(tok[: end * bs], first_block, rows)
+        prefix = tok[: end * bs]
+        obj_keys, meta_key = self._object_keys(prefix, first_block)
+        for row, obj_key in zip(rows, obj_keys, strict=True):
+            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
+            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
+        self._put_objects(prefix, [*obj_keys, meta_key], list(rows))
         return n
 
-    def _put_objects(self, prefix: np.ndarray, first_block: int, rows: np.ndarray) -> None:
-        """Seal object rows for blocks ``first_block..`` of ``prefix`` (whole blocks: its checksum
-        table written after each row's planes, in place), store them with the prompt's meta object
-        and commit the prompt to the prefix index, in one batched put.
+    def _object_keys(self, prefix: np.ndarray, first_block: int) -> tuple[list[bytes], bytes]:
+        """The object keys of blocks ``first_block..`` of ``prefix`` (whole blocks), and the
+        key of the prompt's meta object."""
+        keys = block_keys(self.namespace, prefix)
+        digest = self.namespace.digest
+        return [kv_object_key(digest, k) for k in keys[first_block:]], kv_meta_key(digest, keys[-1])
+
+    def _put_objects(
+        self, prefix: np.ndarray, keys: list[bytes], objects: list[np.ndarray | Segments]
+    ) -> None:
+        """Store sealed block objects (each its planes, then its checksum table) and the
+        prompt's meta object (the last of ``keys``), and commit the prompt to the prefix index,
+        in one batched put.
 
         Raises:
             KVStoreError: a block could not be stored (another writer's equal block is no error:
                 equal keys, equal KV); blocks before it stay cached.
         """
-        bs = self.namespace.block_size
-        keys = block_keys(self.namespace, prefix)
-        obj_keys = [kv_object_key(self.namespace.digest, key) for key in keys[first_block:]]
-        for row, obj_key in zip(rows, obj_keys, strict=True):
-            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
-            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
         meta = encode_prompt_meta(self._ns_wire, prefix)
         results = self.client.batch_put(
-            [*obj_keys, kv_meta_key(self.namespace.digest, keys[-1])],
-            [*rows, meta],
-            prompt=PromptCommit(self.namespace, prefix),
+            keys, [*objects, meta], prompt=PromptCommit(self.namespace, prefix)
         )
         for r in results:
             if isinstance(r, KVStoreError) and not isinstance(
@@ -298,13 +304,18 @@ class KVCache:
         num_new = num_full - first_new
         if num_new == 0:
             return 0
-        staging = np.empty((num_new, self._object_bytes), dtype=np.uint8)
-        lo, hi = first_new * bs, num_full * bs
-        for layer, (k, v) in enumerate(views):
-            for which, src in enumerate((k, v)):
-                col = (2 * layer + which) * self._plane
-                staging[:, col : col + self._plane] = src[lo:hi].reshape(num_new, self._plane)
-        self._put_objects(tok[: num_full * bs], first_new, staging)
+        # No repacking: a block's object is its planes, each the block's tokens in one layer's
+        # K or V (contiguous rows of the caller's tensor), then its checksum table; the client
+        # sends the pieces as they lie (one sendmsg; in shared memory, one copy each).
+        prefix = tok[: num_full * bs]
+        obj_keys, meta_key = self._object_keys(prefix, first_new)
+        objects: list[np.ndarray | Segments] = []
+        for i, obj_key in enumerate(obj_keys):
+            lo = (first_new + i) * bs
+            planes = [src[lo : lo + bs] for k, v in views for src in (k, v)]
+            table = checksum_table(obj_key, planes, bs).view(np.uint8)
+            objects.append(Segments.of([*planes, table]))
+        self._put_objects(prefix, [*obj_keys, meta_key], objects)
         return num_new * bs
 
     # ------------------------------------------------------------------ load

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
@@ -68,7 +69,7 @@ class PutBatch:
     """
 
     keys: list[bytes]
-    views: list[memoryview]
+    views: list[memoryview | Segments]
     replicas: int = 1
     prompt: PromptCommit | None = None
     results: list[KVStoreError | None] = field(init=False)

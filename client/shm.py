@@ -31,6 +31,7 @@ from typing import Any
 import xxhash
 
 from kvstore import grants
+from kvstore.buffers import Segments
 from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_hash_target
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
 from kvstore.pages import Prefaulter, enabled
@@ -256,7 +257,13 @@ class ShmTransport:
                     continue
                 if len(dest) != len(item.data):
                     raise TransportUnavailableError("value does not match the grant")
-                dest[:] = item.data
+                if type(item.data) is Segments:
+                    at = 0
+                    for part in item.data.parts:
+                        dest[at : at + part.nbytes] = part
+                        at += part.nbytes
+                else:
+                    dest[:] = item.data
                 written.append(item)
             except TransportUnavailableError as err:
                 self.drop(loc.node_id, loc.grant.segment, err)

@@ -16,6 +16,7 @@ from typing import Any
 import xxhash
 
 from kvstore import auth, protocol
+from kvstore.buffers import Segments
 from kvstore.errors import (
     KVStoreError,
     KVTimeoutError,
@@ -31,7 +32,7 @@ Endpoint = tuple[str, int]
 @dataclass(slots=True)
 class WriteItem:
     location: Location
-    data: memoryview
+    data: memoryview | Segments
     checksum: int
     result: KVStoreError | None = None
 
@@ -48,9 +49,20 @@ class ReadItem:
     digest: int | None = None
 
 
-def checksum(view: memoryview) -> int:
-    """xxh3_64 of an object's bytes (the checksum stored with every object)."""
-    return xxhash.xxh3_64_intdigest(view)
+def checksum(view: memoryview | Segments) -> int:
+    """xxh3_64 of an object's bytes (the checksum stored with every object); of
+    :class:`Segments`, that of their concatenation (streamed, nothing joined)."""
+    if type(view) is not Segments:
+        return xxhash.xxh3_64_intdigest(view)
+    h = xxhash.xxh3_64()
+    for part in view.parts:
+        h.update(part)
+    return h.intdigest()
+
+
+def payload_parts(data: memoryview | Segments) -> tuple[memoryview, ...]:
+    """The buffers that send an object's bytes."""
+    return data.parts if type(data) is Segments else (data,)
 
 
 def digest(item: ReadItem) -> int:
@@ -253,7 +265,7 @@ class TcpTransport:
                     [i.location.grant.to_wire(), 0, len(i.data), i.checksum] for i in ex.items
                 ]
             }
-            self._send(ex, "write", args, [i.data for i in ex.items])
+            self._send(ex, "write", args, [p for i in ex.items for p in payload_parts(i.data)])
         for ex in exchanges.values():
             results = self._receive(ex)
             if results is None:

@@ -1,8 +1,11 @@
 """Turn the buffers users hand us (bytes, bytearray, memoryview, numpy arrays, CPU torch
-tensors) into flat byte memoryviews without copying."""
+tensors) into flat byte memoryviews without copying; :class:`Segments`, an object given as
+consecutive pieces."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
@@ -44,3 +47,32 @@ def as_bytes_view(obj: Any, *, writable: bool = False) -> memoryview:
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
     return view
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """One object's bytes given as consecutive pieces (a gather list): the object is their
+    concatenation, which the client never builds. A put sends the pieces with one ``sendmsg``
+    (TCP) or copies each to its place (shared memory); e.g. a KV block, whose planes are slices
+    of the engine's per-layer tensors.
+
+    Attributes:
+        parts: flat ``'B'`` views, in order.
+        nbytes: their total size.
+    """
+
+    parts: tuple[memoryview, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(buffers: Iterable[Any]) -> Segments:
+        """The pieces ``buffers`` (each any contiguous buffer, as :func:`as_bytes_view`).
+
+        Raises:
+            InvalidRequestError: a piece that is not a contiguous buffer.
+        """
+        parts = tuple(as_bytes_view(b) for b in buffers)
+        return Segments(parts, sum(p.nbytes for p in parts))
+
+    def __len__(self) -> int:
+        return self.nbytes

@@ -7,7 +7,7 @@ master drop a block from the right prefix tree when its object goes away.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgpack
 import numpy as np
@@ -103,7 +103,9 @@ def checksum_table_bytes(num_planes: int, block_size: int) -> int:
     return (num_planes * chunks_per_plane(block_size) + 1) * _U64.itemsize
 
 
-def checksum_table(key: bytes, planes: np.ndarray, block_size: int) -> np.ndarray:
+def checksum_table(
+    key: bytes, planes: np.ndarray | Sequence[np.ndarray], block_size: int
+) -> np.ndarray:
     """The checksum table stored after a block's planes.
 
     Why a table and not only the object checksum: the object checksum covers the whole block,
@@ -115,19 +117,25 @@ def checksum_table(key: bytes, planes: np.ndarray, block_size: int) -> np.ndarra
 
     Args:
         key: the block's object key.
-        planes: ``[num_planes, block_size * stride]`` uint8, the block's planes in object order.
+        planes: ``[num_planes, block_size * stride]`` uint8, the block's planes in object order,
+            or a sequence of them, each contiguous (e.g. slices of per-layer tensors).
         block_size: tokens per block.
 
     Returns:
         ``(num_planes * chunks + 1)`` little-endian uint64 checksums.
     """
     n = chunks_per_plane(block_size)
-    num_planes, plane_bytes = planes.shape
-    step = plane_bytes // n
-    table = np.empty(num_planes * n + 1, dtype=_U64)
-    flat = planes.reshape(num_planes * n, step)
-    for i in range(num_planes * n):
-        table[i] = xxhash.xxh3_64_intdigest(flat[i])
+    table = np.empty(len(planes) * n + 1, dtype=_U64)
+    if isinstance(planes, np.ndarray):
+        num_planes, plane_bytes = planes.shape
+        flat = planes.reshape(num_planes * n, plane_bytes // n)
+        for i in range(num_planes * n):
+            table[i] = xxhash.xxh3_64_intdigest(flat[i])
+    else:
+        for p, plane in enumerate(planes):
+            chunks = plane.reshape(n, -1)
+            for c in range(n):
+                table[p * n + c] = xxhash.xxh3_64_intdigest(chunks[c])
     table[-1] = xxhash.xxh3_64_intdigest(key + table[:-1].tobytes())
     return table
 

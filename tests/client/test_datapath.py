@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvstore.buffers import Segments
 from kvstore.client import datapath
 from kvstore.client.datapath import DataPath
 from kvstore.client.transport import ReadItem, WriteItem
@@ -103,3 +104,37 @@ def test_without_shm_or_rdma_nothing_is_asked(offers: Offers, monkeypatch) -> No
         assert offers.calls == 0
     finally:
         path.close()
+
+
+def test_an_object_given_as_pieces_goes_by_tcp_not_rdma() -> None:
+    # RDMA writes from registered contiguous memory; pieces are gathered by TCP's sendmsg.
+    class Rdma:
+        def __init__(self) -> None:
+            self.got: list[WriteItem] = []
+
+        def write(self, items: list[WriteItem]) -> tuple[list[WriteItem], list[WriteItem]]:
+            self.got = list(items)
+            return list(items), []
+
+    class Tcp:
+        def __init__(self) -> None:
+            self.written: list[WriteItem] = []
+            self.committed: list[WriteItem] = []
+
+        def write(self, items: list[WriteItem]) -> None:
+            self.written = list(items)
+
+        def call_per_node(self, verb: str, items: list[WriteItem], args: Any) -> None:
+            assert verb == "rdma_commit"
+            self.committed = list(items)
+
+    path = DataPath(1.0, Offers(), shm=False)
+    rdma, tcp, real_tcp = Rdma(), Tcp(), path.tcp
+    path.rdma, path.tcp = rdma, tcp  # type: ignore[assignment]
+    grant = Grant("w", b"k", "dram", 0, 3, 0, b"")
+    plain = WriteItem(Location("n1", "h", 1, grant), memoryview(b"abc"), 0)
+    pieces = WriteItem(Location("n1", "h", 1, grant), Segments.of([b"a", b"bc"]), 0)
+    path.write([plain, pieces])
+    assert rdma.got == [plain] and tcp.committed == [plain] and tcp.written == [pieces]
+    path.rdma, path.tcp = None, real_tcp
+    path.close()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvstore.buffers import Segments
 from kvstore.client.client import PrefixBlock
 from kvstore.client.kvcache import KVCache
 from kvstore.client.puts import PromptCommit
@@ -88,7 +89,10 @@ class FakeClient:
         prompt: PromptCommit | None = None,
     ) -> list[None]:
         for k, v in zip(keys, values, strict=True):
-            self.objects[k] = bytes(memoryview(v).cast("B"))
+            if isinstance(v, Segments):  # a block, given as its planes and table
+                self.objects[k] = b"".join(bytes(p) for p in v.parts)
+            else:
+                self.objects[k] = bytes(memoryview(v).cast("B"))
             self.checksums[k] = xxhash.xxh3_64_intdigest(self.objects[k])
         assert prompt is not None
         self.prompts.append((prompt.namespace, np.asarray(prompt.tokens)))

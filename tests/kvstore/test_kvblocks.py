@@ -32,3 +32,11 @@ def test_table_catches_flips_in_data_table_and_seal() -> None:
     raw[5] ^= 1
     assert not verify_chunks(b"kv/a", bytes(raw), first_two, bs, chunk), "a flipped table entry"
     assert not verify_chunks(b"kv/a", table.tobytes(), {0: planes[0, :5]}, bs, chunk), "partial"
+
+
+def test_a_table_from_separate_planes_equals_the_table_from_their_rows() -> None:
+    # KVCache.store seals a block from its planes as they lie in the engine's tensors.
+    bs, stride, num_planes = 64, 24, 6
+    rows = np.random.default_rng(1).integers(0, 256, (num_planes, bs * stride), dtype=np.uint8)
+    separate = [rows[p].reshape(bs, stride).copy() for p in range(num_planes)]
+    assert np.array_equal(checksum_table(b"kv/a", separate, bs), checksum_table(b"kv/a", rows, bs))
