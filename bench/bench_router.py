@@ -104,10 +104,13 @@ class Plan:
     router_policy: str | None
     early_rejection: bool = True
 
+    @property
+    def slug(self) -> str:
+        """Its name in file names: the policy, ``-plain`` without early rejection."""
+        return (self.router_policy or "default") + ("" if self.early_rejection else "-plain")
 
-def sim_shape(
-    policy: str, engine_model: str, admission_ttft_s: float | None = ROUTER_CLASS.ttft_s
-) -> SimShape:
+
+def sim_shape(policy: str, engine_model: str, admission_ttft_s: float | None) -> SimShape:
     """The live cluster as the simulator runs it (``admission_ttft_s`` None: no early
     rejection)."""
     if engine_model == "pd":
@@ -185,8 +188,7 @@ class Router:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        name = (plan.router_policy or "default") + ("" if plan.early_rejection else "-plain")
-        self.log_path = tmp / f"router-{name}.log"
+        self.log_path = tmp / f"router-{plan.slug}.log"
         self.log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
         if plan.router_policy is not None:
@@ -363,8 +365,7 @@ def main() -> int:
                     runs.append((plan, run))
                     if args.out is not None:
                         config = {"policy": plan.label, "targets": list(targets), "seed": seed + 1}
-                        folder = plan.policy + ("" if plan.early_rejection else "-plain")
-                        write_outputs(args.out / folder, run, slo, config)
+                        write_outputs(args.out / plan.slug, run, slo, config)
                 finally:
                     if router is not None:
                         router.stop()

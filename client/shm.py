@@ -31,8 +31,13 @@ from typing import Any
 import xxhash
 
 from kvstore import grants
-from kvstore.buffers import Segments
-from kvstore.client.transport import STREAM_CHUNK, ReadItem, WriteItem, stream_hash_target
+from kvstore.client.transport import (
+    STREAM_CHUNK,
+    ReadItem,
+    WriteItem,
+    payload_parts,
+    stream_hash_target,
+)
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
 from kvstore.pages import Prefaulter, enabled
 from kvstore.transports import ShmOffer, ShmSegment, check_same_host_file
@@ -257,13 +262,10 @@ class ShmTransport:
                     continue
                 if len(dest) != len(item.data):
                     raise TransportUnavailableError("value does not match the grant")
-                if type(item.data) is Segments:
-                    at = 0
-                    for part in item.data.parts:
-                        dest[at : at + part.nbytes] = part
-                        at += part.nbytes
-                else:
-                    dest[:] = item.data
+                at = 0
+                for part in payload_parts(item.data):  # an object given as pieces: each in place
+                    dest[at : at + len(part)] = part
+                    at += len(part)
                 written.append(item)
             except TransportUnavailableError as err:
                 self.drop(loc.node_id, loc.grant.segment, err)

@@ -126,16 +126,10 @@ def checksum_table(
     """
     n = chunks_per_plane(block_size)
     table = np.empty(len(planes) * n + 1, dtype=_U64)
-    if isinstance(planes, np.ndarray):
-        num_planes, plane_bytes = planes.shape
-        flat = planes.reshape(num_planes * n, plane_bytes // n)
-        for i in range(num_planes * n):
-            table[i] = xxhash.xxh3_64_intdigest(flat[i])
-    else:
-        for p, plane in enumerate(planes):
-            chunks = plane.reshape(n, -1)
-            for c in range(n):
-                table[p * n + c] = xxhash.xxh3_64_intdigest(chunks[c])
+    for p, plane in enumerate(planes):
+        chunks = plane.reshape(n, -1)
+        for c in range(n):
+            table[p * n + c] = xxhash.xxh3_64_intdigest(chunks[c])
     table[-1] = xxhash.xxh3_64_intdigest(key + table[:-1].tobytes())
     return table
 
