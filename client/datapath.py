@@ -138,7 +138,10 @@ class DataPath:
             with self._lock:  # memory copies only: no round trip under it
                 rest = self.shm.read(items)
         if rest and self.rdma is not None:
-            rest = self.rdma.read(rest)
+            # NOTE: RDMA reads into registered contiguous memory: a destination given as
+            # pieces goes by TCP (scattered by recvmsg_into), as a put given as pieces does.
+            pieces = [i for i in rest if type(i.dest) is Segments]
+            rest = [*self.rdma.read([i for i in rest if type(i.dest) is not Segments]), *pieces]
         if rest:
             self.tcp.read(rest)
 

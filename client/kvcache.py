@@ -77,8 +77,7 @@ class _Block:
 class _BlockRead:
     """What one read of one block brought: the bytes, as planes and checksum table."""
 
-    flat: np.ndarray  # what was read, in order
-    planes: np.ndarray  # [layers read, 2, tokens read, stride]
+    planes: np.ndarray | None  # [layers read, 2, tokens read, stride]; None: read in place
     table: np.ndarray  # the block's checksum table
     whole: bool  # the whole object was read (verified against the object checksum)
     error: KVStoreError | None = None
@@ -324,30 +323,48 @@ class KVCache:
         c = self._chunk_tokens
         return min(self.namespace.block_size, -(-num_tokens // c) * c)
 
-    def _read_blocks(self, blocks: list[_Block], layers: range) -> list[_BlockRead]:
+    def _read_blocks(
+        self,
+        blocks: list[_Block],
+        layers: range,
+        into: list[tuple[np.ndarray, np.ndarray]] | None = None,
+    ) -> list[_BlockRead]:
         """Read the given layers of each block, with its checksum table (or the whole object),
         through the client's read pipeline (replica fallback, corrupt replicas reported: the
-        master drops them, so a corrupt last replica makes the block a miss)."""
+        master drops them, so a corrupt last replica makes the block a miss).
+
+        With ``into`` (the caller's per-layer K/V byte views, block ``i`` at rows ``i *
+        block_size``), a whole block lands in place: its planes straight into those rows, its
+        table into a small buffer (no staging copy; a block that fails its check leaves its
+        rows written)."""
         bs = self.namespace.block_size
         reads: list[_BlockRead] = []
         located: list[tuple[_BlockRead, LocatedRead]] = []
-        for b in blocks:
+        for i, b in enumerate(blocks):
             n_read = self._tokens_read(b.num_tokens)
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
-            planes_len = len(layers) * 2 * n_read * self._stride
-            flat = np.empty(planes_len + self._table_bytes, dtype=np.uint8)
-            read = _BlockRead(
-                flat,
-                flat[:planes_len].reshape(len(layers), 2, n_read, self._stride),
-                flat[planes_len:],
-                whole,
-            )
+            if whole and into is not None:
+                table = np.empty(self._table_bytes, dtype=np.uint8)
+                read = _BlockRead(None, table, whole)
+                lo = i * bs
+                dest: memoryview | Segments = Segments.of(
+                    [*(src[lo : lo + bs] for k, v in into for src in (k, v)), table]
+                )
+            else:
+                planes_len = len(layers) * 2 * n_read * self._stride
+                flat = np.empty(planes_len + self._table_bytes, dtype=np.uint8)
+                read = _BlockRead(
+                    flat[:planes_len].reshape(len(layers), 2, n_read, self._stride),
+                    flat[planes_len:],
+                    whole,
+                )
+                dest = memoryview(flat)
             reads.append(read)
             if b.info.size != self._object_bytes:  # not a block of this layout: a miss
                 read.error = ChecksumMismatchError("block object has an unexpected size")
                 continue
             if whole:  # verified against the object checksum (one hash), by the pipeline
-                located.append((read, LocatedRead(b.info, memoryview(flat))))
+                located.append((read, LocatedRead(b.info, dest)))
                 continue
             ranges = [
                 [(2 * layer + which) * self._plane, n_read * self._stride]
@@ -356,7 +373,7 @@ class KVCache:
             ]
             ranges.append([self._block_bytes, self._table_bytes])
             verify = self._chunk_check(b, read, layers)
-            located.append((read, LocatedRead(b.info, memoryview(flat), ranges, verify)))
+            located.append((read, LocatedRead(b.info, dest, ranges, verify)))
         self.client.batch_read_located([rd for _, rd in located])
         for read, rd in located:
             if isinstance(rd.result, KVStoreError):
@@ -370,6 +387,7 @@ class KVCache:
         against the block's checksum table."""
 
         def verify(_item: ReadItem) -> bool:
+            assert read.planes is not None  # a range read is staged
             planes = {
                 2 * layer + which: read.planes[i, which]
                 for i, layer in enumerate(layers)
@@ -390,7 +408,9 @@ class KVCache:
 
         Returns:
             Tokens loaded: the longest prefix read back intact and verified (a lost or corrupt
-            block ends it early; a miss is always a correct answer).
+            block ends it early; a miss is always a correct answer). Whole blocks are read
+            straight into the buffers, so rows past the loaded prefix, up to the cached
+            prefix, may have been written too: only the first ``loaded`` tokens hold KV.
 
         Raises:
             InvalidRequestError: bad tokens, shapes, dtypes or read-only buffers.
@@ -401,7 +421,7 @@ class KVCache:
         if not blocks:
             return 0
         try:
-            reads = self._read_blocks(blocks, range(self.namespace.num_layers))
+            reads = self._read_blocks(blocks, range(self.namespace.num_layers), into=views)
         finally:
             self._give_back(blocks)
         bs = self.namespace.block_size
@@ -410,10 +430,12 @@ class KVCache:
             if read.error is not None:
                 break  # lost, corrupt or overwritten: stop here, the prefix before it is good
             n = b.num_tokens
+            loaded += n
+            if read.planes is None:
+                continue  # read in place
             for layer, (k, v) in enumerate(views):
                 k[i * bs : i * bs + n] = read.planes[layer, 0, :n]
                 v[i * bs : i * bs + n] = read.planes[layer, 1, :n]
-            loaded += n
         return loaded
 
     def load_layers(self, tokens: Any, layers_out: Sequence[Any]) -> Iterator[tuple[int, Any, Any]]:
@@ -449,6 +471,7 @@ class KVCache:
                 )
                 k, v = views[layer]
                 for i, (b, read) in enumerate(zip(blocks, reads, strict=True)):
+                    assert read.planes is not None  # one layer: a staged range read
                     k[i * bs : i * bs + b.num_tokens] = read.planes[0, 0, : b.num_tokens]
                     v[i * bs : i * bs + b.num_tokens] = read.planes[0, 1, : b.num_tokens]
                 kx, vx = layers_out[layer]

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache, same_replica
@@ -62,7 +63,8 @@ class LocatedRead:
     Attributes:
         info: where the object lives (replicas in order of preference).
         dest: the bytes to fill: the object's first ``info.size`` bytes, or, with ``ranges``,
-            the ranges one after another.
+            the ranges one after another; or the whole object's bytes given as pieces
+            (:class:`Segments`, exactly ``info.size`` bytes, no ``ranges``), filled in order.
         ranges: ``[[offset, length], ...]`` of the object to read (None: the whole object).
         verify: whether the bytes a read brought are intact (given the transport's item, whose
             ``digest`` is set where the transport hashed the bytes on the way). None: the whole
@@ -73,7 +75,7 @@ class LocatedRead:
     """
 
     info: ObjectInfo
-    dest: memoryview
+    dest: memoryview | Segments
     ranges: list[list[int]] | None = None
     verify: Callable[[ReadItem], bool] | None = None
     result: int | KVStoreError | None = None
@@ -408,6 +410,12 @@ class ReadPipeline:
                 rd.result = InvalidRequestError(
                     f"buffer of {len(rd.dest)} bytes is too small for an object of {rd.info.size}"
                 )
+            elif type(rd.dest) is Segments and (
+                rd.ranges is not None or len(rd.dest) != rd.info.size
+            ):
+                rd.result = InvalidRequestError(
+                    f"pieces of {len(rd.dest)} bytes must hold the whole object ({rd.info.size})"
+                )
             else:
                 assert rd.ranges is None or rd.verify is not None, "a range read needs a check"
                 pending.append((rd, 0))
@@ -416,7 +424,9 @@ class ReadPipeline:
             items = [
                 ReadItem(
                     rd.info.locations[r],
-                    rd.dest if rd.ranges is not None else rd.dest[: rd.info.size],
+                    rd.dest
+                    if rd.ranges is not None or type(rd.dest) is Segments
+                    else rd.dest[: rd.info.size],
                     rd.ranges,
                 )
                 for rd, r in pending

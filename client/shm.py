@@ -31,11 +31,12 @@ from typing import Any
 import xxhash
 
 from kvstore import grants
+from kvstore.buffers import Segments
 from kvstore.client.transport import (
-    STREAM_CHUNK,
     ReadItem,
     WriteItem,
     payload_parts,
+    stream_chunks,
     stream_hash_target,
 )
 from kvstore.errors import KVStoreError, OutOfRangeError, TransportUnavailableError
@@ -230,8 +231,12 @@ class ShmTransport:
                     if stream_hash_target(item):
                         item.digest = _copy_hashing(src, item.dest)
                     else:
-                        item.dest[:] = src
+                        at = 0
+                        for part in payload_parts(item.dest):  # given as pieces: each in place
+                            part[:] = src[at : at + len(part)]
+                            at += len(part)
                 else:
+                    assert type(item.dest) is not Segments, "range reads fill one buffer"
                     _copy_ranges(loc.grant, src, item.ranges, item.dest)
                 item.filled = len(item.dest)
             except OutOfRangeError as err:
@@ -273,14 +278,15 @@ class ShmTransport:
         return written, rest
 
 
-def _copy_hashing(src: memoryview, dest: memoryview) -> int:
+def _copy_hashing(src: memoryview, dest: memoryview | Segments) -> int:
     """Copy chunk by chunk, hashing each chunk while it is in cache (1.6x copy-then-hash at
     16 MiB here). Returns the xxh3_64 of the bytes copied."""
     h = xxhash.xxh3_64()
-    for pos in range(0, len(src), STREAM_CHUNK):
-        chunk = dest[pos : pos + STREAM_CHUNK]
-        chunk[:] = src[pos : pos + STREAM_CHUNK]
+    at = 0
+    for chunk in stream_chunks(dest):
+        chunk[:] = src[at : at + len(chunk)]
         h.update(chunk)
+        at += len(chunk)
     return h.intdigest()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ class WriteItem:
 @dataclass(slots=True)
 class ReadItem:
     location: Location
-    dest: memoryview  # exactly the bytes to fill
+    # exactly the bytes to fill; given as pieces (a scatter list, whole-object reads only), the
+    # object lands piece after piece (TCP: one ``recvmsg_into``; shm: a copy each; no RDMA)
+    dest: memoryview | Segments
     ranges: list[list[int]] | None = None
     result: KVStoreError | None = None
     filled: int = 0
@@ -61,7 +63,7 @@ def checksum(view: memoryview | Segments) -> int:
 
 
 def payload_parts(data: memoryview | Segments) -> tuple[memoryview, ...]:
-    """The buffers that send an object's bytes."""
+    """The buffers that hold an object's bytes (that send it, or that it lands in)."""
     return data.parts if type(data) is Segments else (data,)
 
 
@@ -77,6 +79,14 @@ STREAM_CHUNK = 256 << 10
 
 def stream_hash_target(item: ReadItem) -> bool:
     return item.ranges is None and len(item.dest) >= STREAM_HASH_MIN
+
+
+def stream_chunks(data: memoryview | Segments) -> Iterator[memoryview]:
+    """An object's bytes as consecutive views of at most ``STREAM_CHUNK`` bytes (a chunk never
+    spans two pieces): what a transport moves and hashes while it is still in cache."""
+    for part in payload_parts(data):
+        for pos in range(0, len(part), STREAM_CHUNK):
+            yield part[pos : pos + STREAM_CHUNK]
 
 
 @dataclass(slots=True)
@@ -360,17 +370,22 @@ class TcpTransport:
     @staticmethod
     def _fill(ex: _Exchange, run: list[ReadItem]) -> None:
         assert ex.conn is not None
-        if len(run) == 1 and stream_hash_target(run[0]):
-            # One large object: hash each chunk as it lands, while the node sends the next.
-            item, h, dest = run[0], xxhash.xxh3_64(), run[0].dest
-            for pos in range(0, len(dest), STREAM_CHUNK):
-                chunk = dest[pos : pos + STREAM_CHUNK]
+        small: list[memoryview] = []  # consecutive small objects: one scatter read for all
+        for item in run:
+            if not stream_hash_target(item):
+                small.extend(payload_parts(item.dest))
+                continue
+            if small:
+                ex.conn.recv_scatter(small)
+                small = []
+            # A large object: hash each chunk as it lands, while the node sends the next.
+            h = xxhash.xxh3_64()
+            for chunk in stream_chunks(item.dest):
                 ex.conn.recv_into(chunk)
                 h.update(chunk)
             item.digest = h.intdigest()
-            item.filled = len(dest)
-        elif run:
-            ex.conn.recv_scatter([i.dest for i in run])
-            for i in run:
-                i.filled = len(i.dest)
+        if small:
+            ex.conn.recv_scatter(small)
+        for item in run:
+            item.filled = len(item.dest)
         run.clear()

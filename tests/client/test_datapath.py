@@ -138,3 +138,32 @@ def test_an_object_given_as_pieces_goes_by_tcp_not_rdma() -> None:
     assert rdma.got == [plain] and tcp.committed == [plain] and tcp.written == [pieces]
     path.rdma, path.tcp = None, real_tcp
     path.close()
+
+
+def test_a_read_into_pieces_goes_by_tcp_not_rdma() -> None:
+    # RDMA reads into registered contiguous memory; pieces are scattered by TCP's recvmsg_into.
+    class Rdma:
+        def __init__(self) -> None:
+            self.got: list[ReadItem] = []
+
+        def read(self, items: list[ReadItem]) -> list[ReadItem]:
+            self.got = list(items)
+            return []
+
+    class Tcp:
+        def __init__(self) -> None:
+            self.got: list[ReadItem] = []
+
+        def read(self, items: list[ReadItem]) -> None:
+            self.got = list(items)
+
+    path = DataPath(1.0, Offers(), shm=False)
+    rdma, tcp, real_tcp = Rdma(), Tcp(), path.tcp
+    path.rdma, path.tcp = rdma, tcp  # type: ignore[assignment]
+    grant = Grant("r", b"k", "dram", 0, 3, 0, b"")
+    plain = ReadItem(Location("n1", "h", 1, grant), memoryview(bytearray(3)))
+    pieces = ReadItem(Location("n1", "h", 1, grant), Segments.of([bytearray(1), bytearray(2)]))
+    path.read([plain, pieces])
+    assert rdma.got == [plain] and tcp.got == [pieces]
+    path.rdma, path.tcp = None, real_tcp
+    path.close()

@@ -1,6 +1,8 @@
 """Objects given as pieces (``Segments``): stored as their concatenation, never joined by the
 client, over TCP (gathered by sendmsg) and through shared memory (each piece copied to its
-place); the node checks the checksum of the whole either way."""
+place); the node checks the checksum of the whole either way. And read into pieces: a whole
+object lands piece after piece (scattered by recvmsg_into, or copied each to its place), checked
+against the object checksum."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client, Segments
+from kvstore.client.reads import LocatedRead
 from kvstore.errors import InvalidRequestError
 
 CALL_TIMEOUT_S = 10.0
@@ -43,3 +46,54 @@ def test_an_object_put_as_pieces_reads_back_as_their_concatenation(
 def test_a_piece_that_is_not_a_buffer_is_refused() -> None:
     with pytest.raises(InvalidRequestError):
         Segments.of([b"ok", 42])
+
+
+def _landing(sizes: list[int]) -> list[np.ndarray]:
+    return [np.zeros(n, dtype=np.uint8) for n in sizes]
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_whole_object_is_read_into_pieces(cluster_factory, shm: bool) -> None:
+    # What KVCache.load does with a whole block: its planes land straight in the engine's
+    # per-layer tensors. Small objects in one batch (one scatter receive), and one large enough
+    # to be hashed while it moves (chunk by chunk, across the pieces).
+    cluster = cluster_factory(node_args=("--shm",) if shm else ())
+    with Client.connect(cluster.address, shm=shm, timeout=CALL_TIMEOUT_S) as c:
+        rng = np.random.default_rng(3)
+        values = {
+            "a": rng.integers(0, 256, 70_000, dtype=np.uint8).tobytes(),
+            "b": rng.integers(0, 256, 5, dtype=np.uint8).tobytes(),
+            "big": rng.integers(0, 256, (3 << 20) + 11, dtype=np.uint8).tobytes(),
+        }
+        assert c.batch_put(list(values), list(values.values())) == [None] * 3
+        infos = c.batch_locate(list(values))
+        cuts = {"a": [0, 1, 4096, 65_903], "b": [2, 0, 3], "big": [1 << 20, 7, (2 << 20) + 4]}
+        landings = {k: _landing(cuts[k]) for k in values}
+        reads = [
+            LocatedRead(info, Segments.of(landings[k]))
+            for k, info in zip(values, infos, strict=True)
+        ]
+        c.batch_read_located(reads)
+        c.release_leases(infos)
+        for (k, v), rd in zip(values.items(), reads, strict=True):
+            assert rd.result == len(v), rd.result
+            assert b"".join(p.tobytes() for p in landings[k]) == v
+
+
+def test_pieces_must_hold_exactly_the_whole_object(cluster_factory) -> None:
+    cluster = cluster_factory()
+    with Client.connect(cluster.address, timeout=CALL_TIMEOUT_S) as c:
+        c.put("k", b"0123456789")
+        info = c.locate("k")
+        short = _landing([4, 5])
+        long = _landing([4, 7])
+        ranged = _landing([4])
+        reads = [
+            LocatedRead(info, Segments.of(short)),
+            LocatedRead(info, Segments.of(long)),
+            LocatedRead(info, Segments.of(ranged), [[0, 4]], lambda _item: True),
+        ]
+        c.batch_read_located(reads)
+        c.release_lease(info)
+        assert all(isinstance(rd.result, InvalidRequestError) for rd in reads)
+        assert not any(p.any() for p in [*short, *long, *ranged])  # nothing written

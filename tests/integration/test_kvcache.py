@@ -249,6 +249,33 @@ def test_block_level_puts_load_back_by_key(cluster_factory) -> None:
             kv.put_blocks(tokens, 0, rows[0, :-1])  # not a whole block
 
 
+def test_a_flipped_byte_in_a_whole_block_ends_the_load_before_it(cluster_factory) -> None:
+    # Whole blocks land straight in the caller's tensors (no staging): a block that fails the
+    # object checksum still ends the match before it, and the tokens loaded are exactly those
+    # stored; the corrupt replica is reported and dropped.
+    cluster = cluster_factory(num_nodes=1, dram="64MiB")
+    with Client.connect(cluster.address) as c:
+        kv = KVCache(c, ns())
+        tokens = np.arange(700, 700 + 3 * BS)
+        layers = make_kv(tokens, seed=4)
+        assert kv.store(tokens, layers) == 3 * BS
+        out = empty_kv(len(tokens))
+        assert kv.load(tokens, out) == 3 * BS
+        for (k, v), (ko, vo) in zip(layers, out, strict=True):
+            assert np.array_equal(ko, k) and np.array_equal(vo, v)
+
+        key = kv_object_key(kv.namespace.digest, block_keys(kv.namespace, tokens)[1])
+        loc = c.locate(key).locations[0]
+        flip_arena_byte(cluster, loc.node_id, loc.grant.offset + 2 * BS * H * D * 2 + 9)
+        out = empty_kv(len(tokens))
+        assert kv.load(tokens, out) == BS, "the match ends before the corrupt block"
+        for (k, v), (ko, vo) in zip(layers, out, strict=True):
+            assert np.array_equal(ko[:BS], k[:BS]) and np.array_equal(vo[:BS], v[:BS])
+        assert kv.lookup(tokens) == BS
+        assert c.stats()["num_corrupt_replicas"] == 1
+        kv.close()
+
+
 @pytest.mark.parametrize("reader", ["load", "load_layers"])
 @pytest.mark.parametrize("where", ["plane", "table"])
 def test_a_flipped_byte_in_a_partial_block_is_never_loaded(cluster_factory, where, reader) -> None:
