@@ -2,11 +2,13 @@
 
 One embedded cluster (``kvstore up``: master and node processes), one lease-read client (TCP, or
 shared memory with ``--shm``), a :class:`KVCache` in Llama-3-8B's shape (32 layers, 8 KV heads,
-head size 128, float16, 64-token blocks: 8 MiB a block); after ``--warmup`` prompts stored and
+head size 128, float16, 64-token blocks: 8 MiB a block; ``--model smollm2``: SmolLM2-135M's, 30
+layers, 3 KV heads, head size 64: 1.4 MiB a block); after ``--warmup`` prompts stored and
 loaded, ``--prompts`` distinct prompts of ``--tokens`` tokens are stored, then loaded, each
 verified. Prints ms per prompt and GB/s for each, then the top of each profile by own time.
 
-Usage: ``.venv/bin/python bench/profile_kvcache.py [--shm] [--prompts 8] [--tokens 512]``
+Usage: ``.venv/bin/python bench/profile_kvcache.py [--shm] [--model llama3|smollm2] [--prompts 8]
+[--tokens 512]``
 """
 
 from __future__ import annotations
@@ -26,18 +28,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstore.client import Client, KVCache, Namespace  # noqa: E402
 from kvstore.embedded import EmbeddedCluster  # noqa: E402
 
-LAYERS, HEADS, DIM, BLOCK = 32, 8, 128, 64
+#: (layers, KV heads, head size) of each model's KV; blocks of 64 tokens.
+SHAPES = {"llama3": (32, 8, 128), "smollm2": (30, 3, 64)}
+BLOCK = 64
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shm", action="store_true", help="read and write through shared memory")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="llama3", help="the KV's shape")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512, help="a multiple of 64")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="profile lines to print")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
+    LAYERS, HEADS, DIM = SHAPES[args.model]  # noqa: N806
 
     def tensor() -> np.ndarray:
         shape = (args.tokens, HEADS, DIM)

@@ -141,6 +141,21 @@ class KVCache:
             out.append((views[0], views[1]))
         return out
 
+    def _block_pieces(
+        self, views: list[tuple[np.ndarray, np.ndarray]]
+    ) -> Callable[[int, np.ndarray], Segments]:
+        """``pieces(i, table)``: block ``i``'s object as pieces of the caller's tensors, its
+        planes (the block's rows of each layer's K, then V), then ``table``."""
+        flat = [memoryview(x.reshape(-1)) for pair in views for x in pair]
+        span = self.namespace.block_size * self._stride
+
+        def pieces(i: int, table: np.ndarray) -> Segments:
+            lo = i * span
+            parts = (*(mv[lo : lo + span] for mv in flat), memoryview(table))
+            return Segments(parts, len(flat) * span + table.nbytes)
+
+        return pieces
+
     # ------------------------------------------------------------------ lookup
     def _match(self, tokens: np.ndarray) -> tuple[int, list[_Block]]:
         """The cached prefix of ``tokens`` and where its blocks live, each with a read lease
@@ -309,11 +324,11 @@ class KVCache:
         prefix = tok[: num_full * bs]
         obj_keys, meta_key = self._object_keys(prefix, first_new)
         objects: list[np.ndarray | Segments] = []
-        for i, obj_key in enumerate(obj_keys):
-            lo = (first_new + i) * bs
+        pieces = self._block_pieces(views)
+        for i, obj_key in enumerate(obj_keys, first_new):
+            lo = i * bs
             planes = [src[lo : lo + bs] for k, v in views for src in (k, v)]
-            table = checksum_table(obj_key, planes, bs).view(np.uint8)
-            objects.append(Segments.of([*planes, table]))
+            objects.append(pieces(i, checksum_table(obj_key, planes, bs).view(np.uint8)))
         self._put_objects(prefix, [*obj_keys, meta_key], objects)
         return num_new * bs
 
@@ -340,16 +355,14 @@ class KVCache:
         bs = self.namespace.block_size
         reads: list[_BlockRead] = []
         located: list[tuple[_BlockRead, LocatedRead]] = []
+        pieces = self._block_pieces(into) if into is not None else None
         for i, b in enumerate(blocks):
             n_read = self._tokens_read(b.num_tokens)
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
-            if whole and into is not None:
+            if whole and pieces is not None:
                 table = np.empty(self._table_bytes, dtype=np.uint8)
                 read = _BlockRead(None, table, whole)
-                lo = i * bs
-                dest: memoryview | Segments = Segments.of(
-                    [*(src[lo : lo + bs] for k, v in into for src in (k, v)), table]
-                )
+                dest: memoryview | Segments = pieces(i, table)
             else:
                 planes_len = len(layers) * 2 * n_read * self._stride
                 flat = np.empty(planes_len + self._table_bytes, dtype=np.uint8)

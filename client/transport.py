@@ -73,7 +73,7 @@ def digest(item: ReadItem) -> int:
 
 
 #: Objects at least this large are hashed while they move, chunk by chunk.
-STREAM_HASH_MIN = 2 << 20
+STREAM_HASH_MIN = 512 << 10
 STREAM_CHUNK = 256 << 10
 
 
