@@ -163,6 +163,9 @@ class FixedChannel:
     def _pipe(self, deadline: float) -> tuple[Pipeline, bool]:
         """The current pipeline (a new one if there is none that works) and whether it was
         there before this call."""
+        current = self._pipeline
+        if current is not None:
+            current.check_idle()  # (no lock held: it may read what came while nobody waited)
         with self._lock:
             pipe = self._pipeline
             if pipe is not None and pipe.usable:

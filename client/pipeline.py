@@ -3,10 +3,14 @@
 A :class:`~kvstore.client.Client` shared by the worker threads of an engine sends every control
 request (``get_locations``, ``put_start``, ``put_end``, ...) on one :class:`Pipeline`: a thread
 writes its frame (a short send lock: the frame only, never a wait for the answer) and waits on
-a slot of its own; one reader thread per connection reads the replies and hands each to the slot
-of the request id it answers. The master serves a connection's requests one after another and
-answers them in order, so requests of many threads travel together (one ``recv`` of the master
-may take several) without a connection, an accept and a hello per thread.
+a slot of its own. One of the waiting threads at a time reads the connection (leader and
+followers): it hands each reply to the slot of the request id it answers until its own reply
+comes, then passes the reading on to another waiting thread, if any. The master serves a
+connection's requests one after another and answers them in order, so requests of many threads
+travel together (one ``recv`` of the master may take several) without a connection, an accept
+and a hello per thread; and a lone caller reads its own reply, with no thread in between (a
+reader thread that handed every reply on cost a thread wake-up per call: a master call after a
+pause took ~290 µs instead of ~190 here, ``bench/bench_store.py --small``).
 
 Failure rules:
 
@@ -15,9 +19,11 @@ Failure rules:
 - a call that timed out on a connection that has answered nothing since the call was sent
   retires the connection: new calls open a fresh one, the old one closes once its last waiter
   has its answer or its timeout (a master that is gone without a word cannot hold the client);
-- a broken connection (the master closed it, a send failed, a reply that is no frame) fails every
-  waiter on it at once with one typed error (:class:`MasterUnavailableError`, or the
-  :class:`ProtocolError`); the next call opens a new connection.
+- a broken connection (the master closed it, a send failed, a reply that is no frame, a reply
+  that stopped halfway) fails every waiter on it at once with one typed error
+  (:class:`MasterUnavailableError`, or the :class:`ProtocolError`); the next call opens a new
+  connection. With no call waiting nobody reads, so before a call goes on a connection,
+  :meth:`Pipeline.check_idle` reads what came meanwhile (a late reply, the master's hang-up).
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ from kvstore.errors import (
     ProtocolError,
 )
 
-#: How long a caller whose reply was just taken by the reader waits for the hand-over (the
-#: reader releases the slot right after it took it: this bound is never reached in practice).
-HANDOVER_S = 1.0
+#: Once a reply's header is here, its body must follow within this long (past the caller's own
+#: deadline if need be: a reply cut off halfway leaves the connection unreadable, so it breaks).
+BODY_GRACE_S = 1.0
+#: How long :meth:`Pipeline.check_idle` waits for the rest of a frame that began to arrive.
+IDLE_READ_S = 0.1
 
 
 #: Verbs served on a connection of their own, never on a pipeline: a long poll, or answers that
@@ -67,10 +75,6 @@ def pipelined(verb: str, args: dict[str, Any]) -> bool:
     return True
 
 
-#: A connection with nothing to read for this long is closed (the next call opens a new one).
-READER_IDLE_S = 3600.0
-
-
 def fresh_copy(err: KVStoreError) -> KVStoreError:
     """A new instance of ``err`` (same class, code and message): one error is raised in many
     threads, each with a traceback of its own."""
@@ -79,20 +83,28 @@ def fresh_copy(err: KVStoreError) -> KVStoreError:
 
 @dataclass(slots=True)
 class _Slot:
-    """Where the reply to one request lands. ``ready`` is held until it does."""
+    """Where the reply to one request lands. ``ready`` is held until it does, or until the
+    waiter is asked to take over the reading (``read_turn``)."""
 
     ready: threading.Lock
     sent_at: float = 0.0
     response: protocol.Response | None = None
     error: KVStoreError | None = None
+    read_turn: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.response is not None or self.error is not None
 
 
 class Pipeline:
     """A connection to the master shared by many threads. Thread-safe.
 
-    NOTE: lock order: ``_send_lock`` before ``_lock``; the reader takes ``_lock`` only. Neither
-    is held across a wait for a reply: ``_send_lock`` covers writing one frame (bounded by the
-    caller's deadline), ``_lock`` the table of waiting slots.
+    NOTE: lock order: ``_send_lock`` before ``_lock``. Neither is held across a wait for a
+    reply: ``_send_lock`` covers writing one frame (bounded by the caller's deadline), ``_lock``
+    the table of waiting slots and who reads (``_reading``: a thread reads, or has been asked
+    to). Whenever a call waits for its reply, some thread reads (or is about to): the reader
+    passes the reading on before it leaves.
 
     Args:
         conn: a connected, authenticated connection (its hello done); the pipeline owns it.
@@ -101,17 +113,17 @@ class Pipeline:
 
     def __init__(self, conn: protocol.FramedSocket, address: object) -> None:
         self.address = address
-        # The reader reads through ``conn`` (its read-ahead buffer), waiting up to
-        # READER_IDLE_S (close() wakes it); senders write through a duplicate of the socket,
-        # whose timeout they set per frame without touching the reader's. (Both keep a
-        # timeout: the two share the file's non-blocking flag, which a timeout sets.)
+        # Readers read through ``conn`` (its read-ahead buffer), each up to its own deadline;
+        # senders write through a duplicate of the socket, whose timeout they set per frame
+        # without touching the reader's. (Both keep a timeout: the two share the file's
+        # non-blocking flag, which a timeout sets.)
         self._conn = conn
-        conn.sock.settimeout(READER_IDLE_S)
         self._send_sock = conn.sock.dup()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._slots: dict[int, _Slot] = {}
+        self._reading = False
         self._error: KVStoreError | None = None
         self._retired = False
         self._closed = False
@@ -119,10 +131,6 @@ class Pipeline:
         # before it hung up: the cause given to the waiters.
         self._last_word: KVStoreError | None = None
         self.last_reply = time.monotonic()
-        self._reader = threading.Thread(
-            target=self._read_loop, name="kvstore-control-reader", daemon=True
-        )
-        self._reader.start()
 
     @property
     def usable(self) -> bool:
@@ -178,26 +186,52 @@ class Pipeline:
         return req_id, slot
 
     def wait(self, req_id: int, slot: _Slot, deadline: float, verb: str) -> Any:
-        """The result of request ``req_id``, by ``deadline``.
+        """The result of request ``req_id``, by ``deadline``. Reads the connection itself
+        when no other thread does.
 
         Raises:
             KVTimeoutError: no reply by ``deadline`` (this call alone; others go on).
             MasterUnavailableError, ProtocolError: the connection broke first.
             KVStoreError: whatever the master answered.
         """
-        if not slot.ready.acquire(timeout=_left(deadline)):
+        while not slot.done:
             with self._lock:
-                mine = self._slots.pop(req_id, None)
+                lead = not slot.done and not self._reading
+                if lead:
+                    self._reading = True
+            if lead:
+                self._read_for(slot, deadline)
+                if slot.done or time.monotonic() >= deadline:
+                    break
+                continue
+            if slot.ready.acquire(timeout=_left(deadline)):
+                if not slot.read_turn:
+                    break  # its reply (or the connection's end) landed
+                with self._lock:  # asked to take over the reading
+                    slot.read_turn = False
+                    if slot.done:  # (the connection broke meanwhile)
+                        self._pass_reading_locked()
+                        break
+                self._read_for(slot, deadline)
+                if slot.done or time.monotonic() >= deadline:
+                    break
+                continue
+            if time.monotonic() >= deadline:
+                break
+        if not slot.done:
+            with self._lock:
+                done = slot.done  # (landed just now)
+                mine = self._slots.pop(req_id, None) if not done else None
                 # Silent since this call was sent: the connection may be dead without a word.
                 if mine is not None and self.last_reply < mine.sent_at:
                     self._retired = True
+                if slot.read_turn:  # asked to read as it gave up: pass it on
+                    slot.read_turn = False
+                    self._pass_reading_locked()
                 close_now = self._retired and not self._slots
-            if mine is not None:
+            if not done:
                 if close_now:
                     self.close()
-                raise KVTimeoutError(f"master {self.address} did not answer {verb} in time")
-            # The reader took the reply (or failed the slot) just now: it is being handed over.
-            if not slot.ready.acquire(timeout=HANDOVER_S):
                 raise KVTimeoutError(f"master {self.address} did not answer {verb} in time")
         if slot.error is not None:
             raise fresh_copy(slot.error)
@@ -209,26 +243,47 @@ class Pipeline:
         req_id, slot = self.send(verb, args, deadline)
         return self.wait(req_id, slot, deadline, verb)
 
-    # ------------------------------------------------------------------ the reader
-    def _read_loop(self) -> None:
-        err: KVStoreError
+    def check_idle(self) -> None:
+        """With nobody reading, read what arrived meanwhile: replies to calls that timed out
+        (dropped), the master's last word, its hang-up (the connection is then broken, and the
+        caller opens a new one instead of sending on it). One ``poll(2)`` when nothing came."""
+        if self._reading or self._error is not None:
+            return
+        with self._lock:
+            if self._reading:
+                return
+            self._reading = True  # (the poll below is the reader's: one poller per socket)
+        self._read_for(None, time.monotonic() + IDLE_READ_S)
+
+    # ------------------------------------------------------------------ reading
+    def _read_for(self, slot: _Slot | None, deadline: float) -> None:
+        """Read replies, each to its slot, until ``slot`` has its own or ``deadline`` passes
+        (``slot`` None: only what is there already); then pass the reading on. The caller
+        took the reading (``_reading``)."""
+        err: KVStoreError | None = None
         try:
-            while True:
-                response, payload_len = self._conn.read_response()
-                if payload_len:
-                    raise ProtocolError(f"reply {response.req_id} carries an unexpected payload")
-                with self._lock:
-                    self.last_reply = time.monotonic()
-                    slot = self._slots.pop(response.req_id, None)
-                    close_now = self._retired and not self._slots
-                if slot is not None:
-                    slot.response = response
-                    slot.ready.release()
-                elif response.code:
-                    self._last_word = KVStoreError.from_wire([response.code, response.result])
-                if close_now:
-                    self.close()
+            while slot is None or not slot.done:
+                if slot is None and not self._conn.readable_now():
                     return
+                try:
+                    header = self._conn.read_header(deadline)
+                except TimeoutError:
+                    # Nothing more by this deadline (what came of a header stays read). The
+                    # next reader does not poll first: the master is slow, and a poll would
+                    # hold up this thread's way out (the GIL) for nothing.
+                    self._conn.sleep_through_next_wait()
+                    return
+                if header.kind != protocol.KIND_RESPONSE:
+                    raise ProtocolError("expected a response frame")
+                if header.payload_len:
+                    raise ProtocolError("a reply carries an unexpected payload")
+                try:
+                    body = self._conn.read_body(
+                        header, max(deadline, time.monotonic() + BODY_GRACE_S)
+                    )
+                except TimeoutError:
+                    raise ConnectionError("reply stopped halfway") from None
+                self._deliver(protocol.decode_response(body))
         except ProtocolError as exc:
             err = exc
         except (OSError, ConnectionError) as exc:
@@ -237,7 +292,38 @@ class Pipeline:
             )
         except BaseException as exc:  # noqa: BLE001 - no waiter may hang on a dead reader
             err = MasterUnavailableError(f"master {self.address}: reader failed: {exc!r}")
-        self._fail(err)
+            raise
+        finally:
+            if err is not None:
+                self._fail(err)
+            with self._lock:
+                self._pass_reading_locked()
+
+    def _deliver(self, response: protocol.Response) -> None:
+        """Hand ``response`` to the slot of the request it answers (dropped when that call gave
+        up waiting; kept as the master's last word when it names no request)."""
+        with self._lock:
+            self.last_reply = time.monotonic()
+            slot = self._slots.pop(response.req_id, None)
+            if slot is not None:
+                slot.response = response
+            close_now = self._retired and not self._slots
+        if slot is not None:
+            slot.ready.release()
+        elif response.code:
+            self._last_word = KVStoreError.from_wire([response.code, response.result])
+        if close_now:
+            self.close()
+
+    def _pass_reading_locked(self) -> None:
+        """The reader leaves: ask a waiting call to read in its place (none waiting: nobody
+        reads until the next call). Holding ``_lock``."""
+        for waiter in self._slots.values():
+            if not waiter.done and not waiter.read_turn:
+                waiter.read_turn = True
+                waiter.ready.release()
+                return
+        self._reading = False
 
     def _fail(self, err: KVStoreError) -> None:
         """Break the connection: every waiter gets ``err`` now, later calls at once."""
@@ -245,13 +331,16 @@ class Pipeline:
             if self._error is None:
                 self._error = err
             slots, self._slots = self._slots, {}
-        for slot in slots.values():
-            slot.error = err
+            for slot in slots.values():
+                slot.error = err
+            # A slot asked to read was released already (its waiter sees the error on waking).
+            waiting = [slot for slot in slots.values() if not slot.read_turn]
+        for slot in waiting:
             slot.ready.release()
         self.close()
 
     def close(self) -> None:
-        """Hang up. Waiters still waiting get MasterUnavailableError (through the reader)."""
+        """Hang up. Calls still waiting get MasterUnavailableError."""
         with self._lock:
             if self._closed:
                 return
@@ -259,9 +348,10 @@ class Pipeline:
             if self._error is None:
                 self._error = MasterUnavailableError(f"master {self.address}: connection closed")
         with contextlib.suppress(OSError):  # (already gone)
-            self._send_sock.shutdown(socket.SHUT_RDWR)  # wakes the reader out of its recv
+            self._send_sock.shutdown(socket.SHUT_RDWR)  # wakes a reader out of its recv
         self._send_sock.close()
         self._conn.close()
+        self._fail(self._error)
 
 
 def close_released(idle: list[protocol.FramedSocket], pipe: Pipeline | None) -> None:

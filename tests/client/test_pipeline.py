@@ -244,10 +244,18 @@ def test_a_silent_master_times_calls_out_each_on_its_own_deadline(cluster_factor
         try:
             first = threading.Thread(target=lambda: out.append(_timed(c.exists, "a")), daemon=True)
             out: list[tuple[Any, float, float]] = []
+            first_at = time.monotonic()
             first.start()
             wait_until(lambda: _waiting(c) == 1, timeout=timeout / 2, what="the first call sent")
             # A second wave, sent later: it must time out on its own later deadline, not with
-            # the first call.
+            # the first call. Later by a clear margin: a wait ends up to a millisecond or two
+            # past its deadline (socket timeouts count whole milliseconds), so deadlines closer
+            # than that have no order.
+            wait_until(
+                lambda: time.monotonic() - first_at > timeout / 10,
+                timeout=timeout / 2,
+                what="a tenth of the timeout passed",
+            )
             rest = _in_threads(3, lambda t: _timed(c.exists, f"b{t}"))
             first.join(timeout + JOIN_SLACK_S)
             assert not first.is_alive(), "a thread hung"
