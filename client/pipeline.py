@@ -83,13 +83,16 @@ def fresh_copy(err: KVStoreError) -> KVStoreError:
 
 @dataclass(slots=True)
 class _Slot:
-    """Where the reply to one request lands. ``ready`` is held until it does, or until the
-    waiter is asked to take over the reading (``read_turn``)."""
+    """Where the reply to one request lands. ``ready`` is set when it does, when the
+    connection breaks, or when the waiter is asked to take over the reading (``read_turn``).
+    ``waiting``: its thread waits on ``ready`` now (a call whose thread is busy elsewhere, e.g.
+    overlapping work with the answer, is never asked to read)."""
 
-    ready: threading.Lock
+    ready: threading.Event
     sent_at: float = 0.0
     response: protocol.Response | None = None
     error: KVStoreError | None = None
+    waiting: bool = False
     read_turn: bool = False
 
     @property
@@ -153,8 +156,7 @@ class Pipeline:
         """
         req_id = next(self._ids)  # (itertools.count: atomic under the GIL)
         frame = protocol.encode_request(req_id, verb, args)
-        slot = _Slot(threading.Lock())
-        slot.ready.acquire()
+        slot = _Slot(threading.Event())
         if not self._send_lock.acquire(timeout=_left(deadline)):
             raise KVTimeoutError(f"master {self.address}: could not send {verb} in time")
         try:
@@ -194,30 +196,24 @@ class Pipeline:
             MasterUnavailableError, ProtocolError: the connection broke first.
             KVStoreError: whatever the master answered.
         """
-        while not slot.done:
+        while not slot.done and time.monotonic() < deadline:
             with self._lock:
-                lead = not slot.done and not self._reading
+                if slot.done:
+                    break
+                # Handed the reading, or nobody reads: read (else wait to be woken).
+                lead = slot.read_turn or not self._reading
+                slot.read_turn = False
                 if lead:
                     self._reading = True
+                else:
+                    slot.waiting = True
+                    slot.ready.clear()  # (under the lock: a wake-up after this is not lost)
             if lead:
                 self._read_for(slot, deadline)
-                if slot.done or time.monotonic() >= deadline:
-                    break
                 continue
-            if slot.ready.acquire(timeout=_left(deadline)):
-                if not slot.read_turn:
-                    break  # its reply (or the connection's end) landed
-                with self._lock:  # asked to take over the reading
-                    slot.read_turn = False
-                    if slot.done:  # (the connection broke meanwhile)
-                        self._pass_reading_locked()
-                        break
-                self._read_for(slot, deadline)
-                if slot.done or time.monotonic() >= deadline:
-                    break
-                continue
-            if time.monotonic() >= deadline:
-                break
+            slot.ready.wait(_left(deadline))
+            with self._lock:
+                slot.waiting = False
         if not slot.done:
             with self._lock:
                 done = slot.done  # (landed just now)
@@ -309,7 +305,7 @@ class Pipeline:
                 slot.response = response
             close_now = self._retired and not self._slots
         if slot is not None:
-            slot.ready.release()
+            slot.ready.set()
         elif response.code:
             self._last_word = KVStoreError.from_wire([response.code, response.result])
         if close_now:
@@ -319,9 +315,9 @@ class Pipeline:
         """The reader leaves: ask a waiting call to read in its place (none waiting: nobody
         reads until the next call). Holding ``_lock``."""
         for waiter in self._slots.values():
-            if not waiter.done and not waiter.read_turn:
+            if waiter.waiting and not waiter.done and not waiter.read_turn:
                 waiter.read_turn = True
-                waiter.ready.release()
+                waiter.ready.set()
                 return
         self._reading = False
 
@@ -333,10 +329,8 @@ class Pipeline:
             slots, self._slots = self._slots, {}
             for slot in slots.values():
                 slot.error = err
-            # A slot asked to read was released already (its waiter sees the error on waking).
-            waiting = [slot for slot in slots.values() if not slot.read_turn]
-        for slot in waiting:
-            slot.ready.release()
+        for slot in slots.values():
+            slot.ready.set()
         self.close()
 
     def close(self) -> None:

@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstore import auth, protocol
 from kvstore.client import Client
-from kvstore.client.pipeline import pipelined
+from kvstore.client.pipeline import Pipeline, pipelined
 from kvstore.errors import (
     KeyNotFoundError,
     KVStoreError,
@@ -336,3 +337,35 @@ def test_large_batches_and_small_calls_from_many_threads(cluster_factory) -> Non
 
         assert _in_threads(NUM_THREADS, work) == [True] * NUM_THREADS
         assert c._control.num_connects == 1
+
+
+def test_a_call_busy_elsewhere_is_never_left_to_read(cluster_factory) -> None:
+    # A thread that sent a request and, before waiting for it, calls the master again (work
+    # overlapped with an answer may): while another thread reads, the reading must pass only to
+    # a call that waits. Handed to the busy one, nobody would read and the nested call would
+    # time out.
+    cluster = cluster_factory()
+    host, port = cluster.address.rsplit(":", 1)
+    conn = protocol.FramedSocket.connect(host, int(port), timeout=CALL_TIMEOUT_S)
+    auth.hello(conn, None)
+    pipe = Pipeline(conn, cluster.address)
+    try:
+
+        def other(_t: int) -> int:
+            for _ in range(300):
+                assert pipe.call("ping", {}, time.monotonic() + CALL_TIMEOUT_S)["role"] == "master"
+            return 300
+
+        def overlapping(_t: int) -> int:
+            for _ in range(100):
+                deadline = time.monotonic() + CALL_TIMEOUT_S
+                req_id, slot = pipe.send("ping", {}, deadline)
+                assert pipe.call("ping", {}, deadline)["role"] == "master"  # the nested call
+                assert pipe.wait(req_id, slot, deadline, "ping")["role"] == "master"
+            return 100
+
+        results = _in_threads(2, lambda t: other(t) if t else overlapping(t))
+        assert results == [100, 300], results
+        assert pipe.num_waiting == 0
+    finally:
+        pipe.close()
