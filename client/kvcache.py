@@ -21,7 +21,7 @@ fails its check ends the match there (``load``) or raises (``load_layers``): nev
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +59,22 @@ _TORCH_DTYPES = {
 }
 
 
+_DTYPE_NAMES: dict[Any, str] = {}  # dtype object -> its namespace name (asking numpy is slow)
+
+
 def _dtype_name(x: Any) -> str:
-    if type(x).__module__.startswith("torch"):
-        return _TORCH_DTYPES.get(str(x.dtype), str(x.dtype))
     dtype = getattr(x, "dtype", None)
-    return str(getattr(dtype, "name", dtype))
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # (TypeError: an unhashable dtype, never kept)
+        pass
+    if type(x).__module__.startswith("torch"):
+        name = _TORCH_DTYPES.get(str(dtype), str(dtype))
+    else:
+        name = str(getattr(dtype, "name", dtype))
+    if dtype is not None and isinstance(dtype, Hashable):
+        _DTYPE_NAMES[dtype] = name
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,20 +152,23 @@ class KVCache:
             out.append((views[0], views[1]))
         return out
 
-    def _block_pieces(
+    def _block_planes(
         self, views: list[tuple[np.ndarray, np.ndarray]]
-    ) -> Callable[[int, np.ndarray], Segments]:
-        """``pieces(i, table)``: block ``i``'s object as pieces of the caller's tensors, its
-        planes (the block's rows of each layer's K, then V), then ``table``."""
+    ) -> Callable[[int], tuple[memoryview, ...]]:
+        """``planes(i)``: block ``i``'s planes in the caller's tensors (the block's rows of each
+        layer's K, then V), as flat byte views."""
         flat = [memoryview(x.reshape(-1)) for pair in views for x in pair]
         span = self.namespace.block_size * self._stride
 
-        def pieces(i: int, table: np.ndarray) -> Segments:
+        def planes(i: int) -> tuple[memoryview, ...]:
             lo = i * span
-            parts = (*(mv[lo : lo + span] for mv in flat), memoryview(table))
-            return Segments(parts, len(flat) * span + table.nbytes)
+            return tuple(mv[lo : lo + span] for mv in flat)
 
-        return pieces
+        return planes
+
+    def _object(self, planes: tuple[memoryview, ...], table: np.ndarray) -> Segments:
+        """A block object as pieces: its planes where they lie, then its checksum table."""
+        return Segments((*planes, memoryview(table)), self._block_bytes + table.nbytes)
 
     # ------------------------------------------------------------------ lookup
     def _match(self, tokens: np.ndarray) -> tuple[int, list[_Block]]:
@@ -324,11 +338,12 @@ class KVCache:
         prefix = tok[: num_full * bs]
         obj_keys, meta_key = self._object_keys(prefix, first_new)
         objects: list[np.ndarray | Segments] = []
-        pieces = self._block_pieces(views)
+        block_planes = self._block_planes(views)
         for i, obj_key in enumerate(obj_keys, first_new):
             lo = i * bs
-            planes = [src[lo : lo + bs] for k, v in views for src in (k, v)]
-            objects.append(pieces(i, checksum_table(obj_key, planes, bs).view(np.uint8)))
+            rows = [src[lo : lo + bs] for k, v in views for src in (k, v)]
+            table = checksum_table(obj_key, rows, bs).view(np.uint8)
+            objects.append(self._object(block_planes(i), table))
         self._put_objects(prefix, [*obj_keys, meta_key], objects)
         return num_new * bs
 
@@ -355,14 +370,14 @@ class KVCache:
         bs = self.namespace.block_size
         reads: list[_BlockRead] = []
         located: list[tuple[_BlockRead, LocatedRead]] = []
-        pieces = self._block_pieces(into) if into is not None else None
+        block_planes = self._block_planes(into) if into is not None else None
         for i, b in enumerate(blocks):
             n_read = self._tokens_read(b.num_tokens)
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
-            if whole and pieces is not None:
+            if whole and block_planes is not None:
                 table = np.empty(self._table_bytes, dtype=np.uint8)
                 read = _BlockRead(None, table, whole)
-                dest: memoryview | Segments = pieces(i, table)
+                dest: memoryview | Segments = self._object(block_planes(i), table)
             else:
                 planes_len = len(layers) * 2 * n_read * self._stride
                 flat = np.empty(planes_len + self._table_bytes, dtype=np.uint8)
