@@ -538,6 +538,12 @@ class FramedSocket:
         total = len(view)
         if n == total:  # all read ahead already: no socket read
             return
+        # A small view reads ahead: one recv brings the bytes of the items after it too (a
+        # batch of tiny objects took a recv per object). Its own bytes are copied in from the
+        # read-ahead buffer at once; the others wait there for their own call.
+        ahead = total - n <= READ_AHEAD // 2
+        if ahead:
+            self._rpos = self._rend = 0  # (all taken: the whole buffer is free)
         sock = self.sock
         before = sock.gettimeout()
         try:
@@ -546,10 +552,14 @@ class FramedSocket:
                 if left <= 0 or cancelled():
                     raise TimeoutError(f"payload stopped after {n} of {total} bytes")
                 sock.settimeout(left if before is None else min(left, before))
-                got = sock.recv_into(view[n:])
+                got = sock.recv_into(self._rview[self._rend :] if ahead else view[n:])
                 if got == 0:
                     raise ConnectionError(f"peer closed after {n} of {total} bytes")
-                n += got
+                if ahead:
+                    self._rend += got
+                    n += self._take(view[n:])
+                else:
+                    n += got
         finally:
             sock.settimeout(before)
 

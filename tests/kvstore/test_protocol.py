@@ -179,6 +179,40 @@ def test_framed_sockets_read_ahead_and_poll(timeout: float | None, poll_window: 
         b.close()
 
 
+def test_small_reads_before_a_deadline_read_ahead_for_the_items_after_them() -> None:
+    """A node writes a batch of tiny objects with one ``recv_into_before`` each: the bytes read
+    ahead for one serve the next ones (then the peer's end is seen), large views and a frame
+    after the payload included; a deadline already past starts no socket read."""
+    import socket
+    import time
+
+    a, b = socket.socketpair()
+    receiver = protocol.FramedSocket(b)
+    items = [bytes([i]) * 16 for i in range(200)]
+    big = bytes(range(256)) * 256  # 64 KiB: straight into its view
+    try:
+        a.sendall(b"".join(items) + big)
+        protocol.FramedSocket(a).send_request("next", {}, ())
+        a.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 10
+        for item in items:
+            view = memoryview(bytearray(16))
+            receiver.recv_into_before(view, deadline, lambda: False)
+            assert bytes(view) == item
+        view = memoryview(bytearray(len(big)))
+        receiver.recv_into_before(view, deadline, lambda: False)
+        assert bytes(view) == big
+        header = receiver.read_header()
+        assert protocol.decode_request(receiver.read_body(header)).verb == "next"
+        with pytest.raises(TimeoutError):  # nothing buffered, and the deadline has passed
+            receiver.recv_into_before(memoryview(bytearray(1)), time.monotonic(), lambda: False)
+        with pytest.raises(TimeoutError):  # cancelled: likewise
+            receiver.recv_into_before(memoryview(bytearray(1)), deadline, lambda: True)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for raw, want in [
         ("0", 0.0),
