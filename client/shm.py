@@ -230,11 +230,13 @@ class ShmTransport:
                         raise TransportUnavailableError("destination does not match the grant")
                     if stream_hash_target(item):
                         item.digest = _copy_hashing(src, item.dest)
-                    else:
+                    elif type(item.dest) is Segments:  # given as pieces: each in place
                         at = 0
-                        for part in payload_parts(item.dest):  # given as pieces: each in place
+                        for part in item.dest.parts:
                             part[:] = src[at : at + len(part)]
                             at += len(part)
+                    else:
+                        item.dest[:] = src
                 else:
                     assert type(item.dest) is not Segments, "range reads fill one buffer"
                     _copy_ranges(loc.grant, src, item.ranges, item.dest)

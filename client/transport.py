@@ -373,7 +373,11 @@ class TcpTransport:
         small: list[memoryview] = []  # consecutive small objects: one scatter read for all
         for item in run:
             if not stream_hash_target(item):
-                small.extend(payload_parts(item.dest))
+                dest = item.dest
+                if type(dest) is Segments:
+                    small.extend(dest.parts)
+                else:
+                    small.append(dest)
                 continue
             if small:
                 ex.conn.recv_scatter(small)
