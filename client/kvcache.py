@@ -90,7 +90,6 @@ class _BlockRead:
 
     planes: np.ndarray | None  # [layers read, 2, tokens read, stride]; None: read in place
     table: np.ndarray  # the block's checksum table
-    whole: bool  # the whole object was read (verified against the object checksum)
     error: KVStoreError | None = None
 
 
@@ -376,7 +375,7 @@ class KVCache:
             whole = b.num_tokens == bs and len(layers) == self.namespace.num_layers
             if whole and block_planes is not None:
                 table = np.empty(self._table_bytes, dtype=np.uint8)
-                read = _BlockRead(None, table, whole)
+                read = _BlockRead(None, table)
                 dest: memoryview | Segments = self._object(block_planes(i), table)
             else:
                 planes_len = len(layers) * 2 * n_read * self._stride
@@ -384,7 +383,6 @@ class KVCache:
                 read = _BlockRead(
                     flat[:planes_len].reshape(len(layers), 2, n_read, self._stride),
                     flat[planes_len:],
-                    whole,
                 )
                 dest = memoryview(flat)
             reads.append(read)
