@@ -8,7 +8,7 @@ loaded, ``--prompts`` distinct prompts of ``--tokens`` tokens are stored, then l
 verified. Prints ms per prompt and GB/s for each, then the top of each profile by own time.
 
 Usage: ``.venv/bin/python bench/profile_kvcache.py [--shm] [--model llama3|smollm2] [--prompts 8]
-[--tokens 512]``
+[--tokens 512] [--no-profile]``
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=512, help="a multiple of 64")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=12, help="profile lines to print")
+    ap.add_argument(
+        "--no-profile", action="store_true", help="time only (cProfile inflates per-call costs)"
+    )
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     LAYERS, HEADS, DIM = SHAPES[args.model]  # noqa: N806
@@ -71,14 +74,16 @@ def main() -> int:
             for name, step in (("store", kv.store), ("load", kv.load)):
                 profile = cProfile.Profile()
                 t0 = time.perf_counter()
-                profile.enable()
+                if not args.no_profile:
+                    profile.enable()
                 for i in range(args.prompts):
                     if step(prompt(i), layers if name == "store" else out) != args.tokens:
                         raise SystemExit(f"{name} of prompt {i} did not cover it")
                 profile.disable()
                 each = (time.perf_counter() - t0) / args.prompts
                 print(f"{name}: {each * 1e3:.1f} ms a prompt ({nbytes / each / 1e9:.2f} GB/s)")
-                profiles.append((name, profile))
+                if not args.no_profile:
+                    profiles.append((name, profile))
             for (k, v), (k2, v2) in zip(layers, out, strict=True):
                 if not (np.array_equal(k, k2) and np.array_equal(v, v2)):
                     raise SystemExit("load returned other KV")

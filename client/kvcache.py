@@ -21,6 +21,7 @@ fails its check ends the match there (``load``) or raises (``load_layers``): nev
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from kvstore.kvblocks import (
     encode_prompt_meta,
     kv_meta_key,
     kv_object_key,
+    seal_block,
     verify_chunks,
 )
 from kvstore.types import ObjectInfo
@@ -165,9 +167,15 @@ class KVCache:
 
         return planes
 
-    def _object(self, planes: tuple[memoryview, ...], table: np.ndarray) -> Segments:
-        """A block object as pieces: its planes where they lie, then its checksum table."""
-        return Segments((*planes, memoryview(table)), self._block_bytes + table.nbytes)
+    def _object(
+        self,
+        planes: tuple[memoryview, ...],
+        table: np.ndarray,
+        seal: Callable[[], int] | None = None,
+    ) -> Segments:
+        """A block object as pieces: its planes where they lie, then its checksum table
+        (uint8; for a store, filled by ``seal``)."""
+        return Segments((*planes, memoryview(table)), self._block_bytes + table.nbytes, seal)
 
     # ------------------------------------------------------------------ lookup
     def _match(self, tokens: np.ndarray) -> tuple[int, list[_Block]]:
@@ -336,13 +344,15 @@ class KVCache:
         # sends the pieces as they lie (one sendmsg; in shared memory, one copy each).
         prefix = tok[: num_full * bs]
         obj_keys, meta_key = self._object_keys(prefix, first_new)
+        # Each block's checksum table is filled, and the block hashed, by its seal: the client
+        # runs the seals while the master answers put_start (see Segments.seal).
         objects: list[np.ndarray | Segments] = []
         block_planes = self._block_planes(views)
         for i, obj_key in enumerate(obj_keys, first_new):
-            lo = i * bs
-            rows = [src[lo : lo + bs] for k, v in views for src in (k, v)]
-            table = checksum_table(obj_key, rows, bs).view(np.uint8)
-            objects.append(self._object(block_planes(i), table))
+            planes = block_planes(i)
+            table = np.empty(self._table_bytes // 8, dtype="<u8")
+            seal = functools.partial(seal_block, obj_key, planes, bs, table)
+            objects.append(self._object(planes, table.view(np.uint8), seal))
         self._put_objects(prefix, [*obj_keys, meta_key], objects)
         return num_new * bs
 

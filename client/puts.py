@@ -54,6 +54,14 @@ class PromptCommit:
         return {"namespace": self.namespace.to_dict(), "tokens": tokens_to_wire(self.tokens)}
 
 
+def _seal(view: memoryview | Segments) -> int:
+    """The checksum of a value about to be written: its seal's, where it has one (which also
+    completes its bytes: see :attr:`Segments.seal`), else the hash of its bytes."""
+    if type(view) is Segments and view.seal is not None:
+        return view.seal()
+    return checksum(view)
+
+
 @dataclass(slots=True)
 class PutBatch:
     """One batch of puts in flight: what every step of :class:`Putter` reads and updates.
@@ -134,7 +142,7 @@ class Putter:
             reply, epoch = self._control.call_epoch("put_start", start)
         else:  # hash the values while the master answers
             reply, epoch = self._control.call_overlapped(
-                "put_start", start, lambda: batch.sums.extend(map(checksum, batch.views))
+                "put_start", start, lambda: batch.sums.extend(map(_seal, batch.views))
             )
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []

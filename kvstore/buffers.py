@@ -4,8 +4,8 @@ consecutive pieces."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
@@ -59,10 +59,16 @@ class Segments:
     Attributes:
         parts: flat ``'B'`` views, in order.
         nbytes: their total size.
+        seal: for a put whose bytes are finished late (a KV block's checksum table, see
+            :meth:`kvstore.client.KVCache.store`): called once, before any byte is sent, it
+            completes the pieces and returns the xxh3_64 of their concatenation, which the
+            client would otherwise compute itself. The client calls it while the master
+            answers ``put_start``. None: the pieces are complete (the client hashes them).
     """
 
     parts: tuple[memoryview, ...]
     nbytes: int
+    seal: Callable[[], int] | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
     def of(buffers: Iterable[Any]) -> Segments:

@@ -89,8 +89,10 @@ class FakeClient:
         prompt: PromptCommit | None = None,
     ) -> list[None]:
         for k, v in zip(keys, values, strict=True):
-            if isinstance(v, Segments):  # a block, given as its planes and table
+            if isinstance(v, Segments):  # a block: its planes, and the table its seal fills
+                sealed = v.seal() if v.seal is not None else None  # as Client runs it: first
                 self.objects[k] = b"".join(bytes(p) for p in v.parts)
+                assert sealed in (None, xxhash.xxh3_64_intdigest(self.objects[k]))
             else:
                 self.objects[k] = bytes(memoryview(v).cast("B"))
             self.checksums[k] = xxhash.xxh3_64_intdigest(self.objects[k])

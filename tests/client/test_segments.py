@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvstore.client import Client, Segments
 from kvstore.client.reads import LocatedRead
@@ -41,6 +42,32 @@ def test_an_object_put_as_pieces_reads_back_as_their_concatenation(
         # A single put and a small object (its pieces joined into one send) as well.
         c.put("small", Segments.of([b"ab", b"", b"cde"]))
         assert c.get("small") == b"abcde"
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_a_sealed_object_is_completed_by_its_seal_before_it_is_sent(
+    cluster_factory, shm: bool
+) -> None:
+    # KVCache.store's blocks: the checksum table (the last piece) is filled by the seal, which
+    # the client runs once while the master answers put_start, and whose checksum it sends.
+    cluster = cluster_factory(node_args=("--shm",) if shm else ())
+    with Client.connect(cluster.address, shm=shm, timeout=CALL_TIMEOUT_S) as c:
+        body = pieces(3)
+        tail = np.zeros(16, dtype=np.uint8)  # filled only by the seal
+        calls = []
+
+        def seal() -> int:
+            calls.append(1)
+            tail[:] = np.arange(16, dtype=np.uint8)
+            return xxhash.xxh3_64_intdigest(b"".join(p.tobytes() for p in [*body, tail]))
+
+        parts = Segments.of([*body, tail])
+        sealed = Segments(parts.parts, parts.nbytes, seal)
+        assert c.batch_put(["sealed", "plain"], [sealed, b"plain"]) == [None, None]
+        assert calls == [1]
+        expected = b"".join(p.tobytes() for p in body) + bytes(range(16))
+        assert c.get("sealed") == expected
+        assert c.locate("sealed").checksum == xxhash.xxh3_64_intdigest(expected)
 
 
 def test_a_piece_that_is_not_a_buffer_is_refused() -> None:

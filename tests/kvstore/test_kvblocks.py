@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
-from kvstore.kvblocks import checksum_table, checksum_table_bytes, chunks_per_plane, verify_chunks
+from kvstore.kvblocks import (
+    checksum_table,
+    checksum_table_bytes,
+    chunks_per_plane,
+    seal_block,
+    verify_chunks,
+)
 
 
 @pytest.mark.parametrize(
@@ -40,3 +47,17 @@ def test_a_table_from_separate_planes_equals_the_table_from_their_rows() -> None
     rows = np.random.default_rng(1).integers(0, 256, (num_planes, bs * stride), dtype=np.uint8)
     separate = [rows[p].reshape(bs, stride).copy() for p in range(num_planes)]
     assert np.array_equal(checksum_table(b"kv/a", separate, bs), checksum_table(b"kv/a", rows, bs))
+
+
+@pytest.mark.parametrize("block_size", [1, 6, 16, 64])
+def test_a_seal_fills_the_table_and_returns_the_whole_objects_checksum(block_size: int) -> None:
+    # KVCache.store hashes each block once, in the seal: its table must be the table readers
+    # check chunks against, and its checksum the xxh3_64 of the object as stored (planes, table).
+    stride, num_planes = 24, 6
+    rows = np.random.default_rng(2).integers(
+        0, 256, (num_planes, block_size * stride), dtype=np.uint8
+    )
+    table = np.zeros(checksum_table_bytes(num_planes, block_size) // 8, dtype="<u8")
+    digest = seal_block(b"kv/a", [memoryview(r) for r in rows], block_size, table)
+    assert np.array_equal(table, checksum_table(b"kv/a", rows, block_size))
+    assert digest == xxhash.xxh3_64_intdigest(rows.tobytes() + table.tobytes())
