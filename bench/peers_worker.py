@@ -327,7 +327,10 @@ META_ITERS = 30
 KV_SHAPES = [("Llama-3-8B", 32, 8, 128), ("SmolLM2-135M", 30, 3, 64)]
 KV_BLOCK_TOKENS = 64
 KV_BLOCKS = 8  # a 512-token prompt
+#: Timed prompts per KV row: at least KV_ITERS, and enough for KV_ROW_BUDGET bytes (a SmolLM2
+#: prompt is 11 MiB, ~5 ms: four of them gave medians 20% apart from run to run).
 KV_ITERS = 4
+KV_ROW_BUDGET = 192 << 20
 
 
 def run_kv(store: Any, tag: str) -> None:
@@ -341,6 +344,7 @@ def run_kv(store: Any, tag: str) -> None:
         tokens = KV_BLOCKS * KV_BLOCK_TOKENS
         block = 2 * layers * heads * dim * 2 * KV_BLOCK_TOKENS
         total = block * KV_BLOCKS
+        iters = max(KV_ITERS, KV_ROW_BUDGET // total)
         vals = [rng.integers(0, 256, block, dtype=np.uint8) for _ in range(KV_BLOCKS)]
         bufs = [np.empty(block, dtype=np.uint8) for _ in range(KV_BLOCKS)]
         for a in (*vals, *bufs):
@@ -354,17 +358,17 @@ def run_kv(store: Any, tag: str) -> None:
             "kv: batch_put_from",
             label,
             total,
-            timed(lambda i: store.batch_put_from(keys(i), vals), KV_ITERS),
+            timed(lambda i: store.batch_put_from(keys(i), vals), iters),
         )
         emit(
             "kv: batch_get_into",
             label,
             total,
-            timed(lambda i: store.batch_get_into(keys(i), bufs), KV_ITERS),
+            timed(lambda i: store.batch_get_into(keys(i), bufs), iters),
         )
         if not all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True)):
             raise SystemExit(f"{tag}: kv batch_get_into returned other bytes for {label}")
-        store.remove([k for i in range(-2, KV_ITERS) for k in keys(i)])
+        store.remove([k for i in range(-2, iters) for k in keys(i)])
         store.release()
         if not hasattr(store, "kvcache"):
             continue
@@ -389,8 +393,8 @@ def run_kv(store: Any, tag: str) -> None:
             if kv.load(prompt(i), layers_out) != tokens:
                 raise SystemExit(f"{tag}: KVCache.load found part of a stored prompt ({label})")
 
-        emit("kv: KVCache.store", label, total, timed(kv_store, KV_ITERS))
-        emit("kv: KVCache.load", label, total, timed(kv_load, KV_ITERS))
+        emit("kv: KVCache.store", label, total, timed(kv_store, iters))
+        emit("kv: KVCache.load", label, total, timed(kv_load, iters))
         for (k, v), (k2, v2) in zip(layers_in, layers_out, strict=True):
             if not (np.array_equal(k, k2) and np.array_equal(v, v2)):
                 raise SystemExit(f"{tag}: KVCache.load returned other KV for {label}")
