@@ -14,7 +14,9 @@ for every caller. The steps, each skipped where it has nothing to do:
    the master answers ``get_locations`` (a small batch only, ``SPECULATE_MAX_BYTES``); the fresh
    answer confirms the guess or the key is read again from it.
 3. **locate**: ``get_locations`` for the rest; each answer carries a read lease, given back to
-   the master as soon as the read is done (:mod:`kvstore.client.releases`).
+   the master as soon as the read is done (:mod:`kvstore.client.releases`). A large batch asks
+   in chunks of ``LOCATE_CHUNK`` keys, one ahead: the master locates a chunk while the one
+   before it is decoded and read (steps 3 and 4 overlap across processes).
 4. **read** (:meth:`ReadPipeline.read`): one data call per round; a replica that is gone or fails
    its checksum falls back to the next one, a corrupt one is reported to the master (which drops
    it and copies a good one back). Whole objects are verified against the object checksum; a
@@ -37,6 +39,7 @@ from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache, same_replica
+from kvstore.client.pipeline import PIPELINE_MAX_ITEMS
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.transport import ReadItem, digest
 from kvstore.errors import (
@@ -49,6 +52,9 @@ from kvstore.types import Location, ObjectInfo, result_from_wire
 
 log = logging.getLogger(__name__)
 
+#: A batch of more keys than this is located a chunk at a time, the next chunk's request in
+#: flight while a chunk is read (each chunk stays on the shared control pipeline).
+LOCATE_CHUNK = PIPELINE_MAX_ITEMS
 #: Reads of cached locations overlap the master's answer only up to this many bytes per call.
 SPECULATE_MAX_BYTES = 2 << 20
 #: Lease reads stop trusting a cached answer this long (or a quarter of the lease, if less) before
@@ -264,12 +270,11 @@ class ReadPipeline:
         lease_until, generation = self._stamp()
         # NOTE: large reads (where one round trip matters little) do not overlap.
         if not guessed or sum(info.size for _, info in guessed) > SPECULATE_MAX_BYTES:
+            if len(keys) > LOCATE_CHUNK:
+                self._read_in_chunks(keys, todo, target, results)
+                return
             infos = self.locate(keys)
-            done_with = self._cache.put_many(keys, infos, lease_until, generation)
-            try:
-                self._read_answers(todo, infos, target, results)
-            finally:
-                self._returns.give_back(done_with)
+            self._read_located(keys, todo, (lease_until, generation, infos), target, results)
             return
         guesses = self._guess_items(guessed, target)
         self._data.refresh_offers({item.location.node_id for item in guesses.values()})
@@ -282,6 +287,48 @@ class ReadPipeline:
             self._confirm(todo, infos, dict(guessed), guesses, target, results)
         finally:
             self._returns.give_back(done_with)
+
+    def _read_located(
+        self,
+        keys: list[bytes],
+        js: list[int],
+        answer: tuple[float, int, list[ObjectInfo | KVStoreError]],
+        target: _Target,
+        results: list[Any],
+    ) -> None:
+        """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered: cache the
+        answers, read them, give their leases back. ``answer``: the stamp taken before asking
+        (see :meth:`_stamp`), and the answers."""
+        lease_until, generation, infos = answer
+        done_with = self._cache.put_many(keys, infos, lease_until, generation)
+        try:
+            self._read_answers(js, infos, target, results)
+        finally:
+            self._returns.give_back(done_with)
+
+    def _read_in_chunks(
+        self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]
+    ) -> None:
+        """Steps 3 and 4 of a large batch, ``LOCATE_CHUNK`` keys at a time: each chunk's
+        ``get_locations`` is sent before the chunk ahead of it is decoded and read, so the
+        master works on the next answer while this process and the nodes work on this one."""
+        n = LOCATE_CHUNK
+        ahead: Callable[[], None] | None = None  # reads the chunk answered last
+        for lo in range(0, len(keys), n):
+            chunk = keys[lo : lo + n]
+            lease_until, generation = self._stamp()
+            if ahead is None:
+                reply = self._control.call("get_locations", {"keys": chunk})
+            else:
+                reply, _ = self._control.call_overlapped("get_locations", {"keys": chunk}, ahead)
+            stamp = (lease_until, generation)
+
+            def ahead(lo: int = lo, chunk: list[bytes] = chunk, stamp=stamp, reply=reply) -> None:
+                answer = (*stamp, decode_locations(reply))
+                self._read_located(chunk, todo[lo : lo + n], answer, target, results)
+
+        assert ahead is not None, "a chunked batch has keys"
+        ahead()
 
     def _read_leased(
         self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]

@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvstore.client.locations import LocationCache
-from kvstore.client.reads import LocatedRead, ReadPipeline
+from kvstore.client.reads import LOCATE_CHUNK, LocatedRead, ReadPipeline
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.transport import ReadItem
 from kvstore.errors import (
@@ -258,3 +258,42 @@ def test_node_transports_are_refreshed_before_a_data_read_never_inside(
     reads.get_into([b"a"], [memoryview(buf)])  # (FakeCluster.call asserts: not inside a read)
     reads.get_into([b"a"], [memoryview(buf)])  # speculative: the guess is read overlapped
     assert cluster.refreshed and all(r == {"n7"} for r in cluster.refreshed)
+
+
+def test_a_large_batch_is_located_a_chunk_ahead_of_its_reads(cluster: FakeCluster) -> None:
+    # The master locates chunk i+1 while chunk i is read: every read but the last runs inside
+    # the overlapped call that sends the next chunk's get_locations. Results stay in key order
+    # across chunks, a missing key in any chunk is that key's error, every lease goes back.
+    n = 2 * LOCATE_CHUNK + 10
+    keys = [b"k%d" % i for i in range(n)]
+    missing = {3, LOCATE_CHUNK + 1, n - 1}
+    for i, k in enumerate(keys):
+        if i not in missing:
+            cluster.put(k, b"v%d" % i)
+    reads, returned = pipeline(cluster)
+    data_read = cluster.read
+
+    def read(items: list[ReadItem]) -> None:
+        cluster.calls.append(f"read {len(items)}")
+        data_read(items)
+
+    cluster.read = read  # type: ignore[method-assign]
+    got = reads.get(keys)
+    for i, g in enumerate(got):
+        assert isinstance(g, KeyNotFoundError) if i in missing else g == b"v%d" % i
+    assert cluster.calls == [
+        "get_locations",
+        "overlapped",
+        f"read {LOCATE_CHUNK - 1}",
+        "get_locations",
+        "overlapped",
+        f"read {LOCATE_CHUNK - 1}",
+        "get_locations",
+        "read 9",
+    ]
+    assert sorted(returned) == list(range(1, n - len(missing) + 1))
+    bufs = [bytearray(8) for _ in keys]
+    into = reads.get_into(keys, [memoryview(b) for b in bufs])
+    for i, (r, b) in enumerate(zip(into, bufs, strict=True)):
+        if i not in missing:
+            assert r == len(b"v%d" % i) and bytes(b[:r]) == b"v%d" % i

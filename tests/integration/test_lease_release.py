@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kvstore.client import Client
+from kvstore.client.reads import LOCATE_CHUNK
+from kvstore.errors import KeyNotFoundError
 from tests.support import wait_until
 
 MIB = 1 << 20
@@ -85,3 +87,32 @@ def test_an_idle_reader_gives_its_leases_back_on_its_own(cluster) -> None:
         working = [f"w/{i}" for i in range(48)]  # 75 % of the pool, under the watermark
         assert writer.batch_put(working, [value("w", i) for i in range(48)]) == [None] * 48
         assert evictions(writer) == 0
+
+
+def test_a_batch_read_in_chunks_reads_every_key_and_gives_every_lease_back(cluster) -> None:
+    # More keys than one get_locations chunk: the chunks are located one ahead of their reads,
+    # on one connection; every key's result is its own, in order, and every lease comes back.
+    n = 2 * LOCATE_CHUNK + 7
+    keys = [f"c/{i}" for i in range(n)]
+    vals = [b"%d" % i * 3 for i in range(n)]
+    with Client.connect(cluster.address) as c:
+        assert c.batch_put(keys, vals) == [None] * n
+        gone = {5, LOCATE_CHUNK, n - 2}
+        assert c.batch_remove([keys[i] for i in gone]) == [None] * len(gone)
+        got = c.batch_get(keys)
+        bufs = [bytearray(16) for _ in keys]
+        into = c.batch_get_into(keys, bufs)
+        for i in range(n):
+            if i in gone:
+                assert isinstance(got[i], KeyNotFoundError) and isinstance(
+                    into[i], KeyNotFoundError
+                )
+            else:
+                assert got[i] == vals[i] and into[i] == len(vals[i])
+                assert bytes(bufs[i][: len(vals[i])]) == vals[i]
+        wait_until(
+            lambda: c.stats()["leases"]["num_outstanding"] == 0,
+            timeout=5.0,
+            what="the leases of both reads to come back",
+        )
+        assert c.stats()["leases"]["num_released"] == 2 * (n - len(gone))
