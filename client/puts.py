@@ -3,12 +3,15 @@
 A batch of puts is one :class:`PutBatch` record, the state every step reads and updates (keys,
 bytes, checksums, per-key results, nodes found dead), and :class:`Putter` runs it:
 
-1. ``put_start`` (one master call for the whole batch) allocates room and returns a write grant
+1. ``put_start`` (one master call for the batch) allocates room and returns a write grant
    per replica; the client hashes the values while the master answers.
 2. The bytes go straight to the nodes, one data call per node, all nodes at once.
 3. ``put_end`` commits what was written (``kv_commit`` for the KV-cache layer, which indexes the
    prompt in the same call: :class:`PromptCommit`); ``put_revoke`` gives back what was not. Both
    are pinned to the epoch of the ``put_start`` (a put id means nothing to another HA leader).
+
+A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time, one chunk
+ahead: the master allocates the next chunk while the nodes take this one.
 
 A write that failed because its node died is tried once more, elsewhere (the dead nodes are
 excluded from the second ``put_start``). The location cache forgets every key of the batch
@@ -17,6 +20,7 @@ before the first write and after the commit (see :meth:`Putter.run`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +30,7 @@ from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
+from kvstore.client.pipeline import PIPELINE_MAX_ITEMS
 from kvstore.client.transport import WriteItem, checksum
 from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
 from kvstore.keys import Namespace
@@ -34,6 +39,9 @@ from kvstore.types import PutTicket, result_from_wire
 
 #: put_start rounds per batch: the second retries, elsewhere, keys whose node died.
 MAX_ROUNDS = 2
+#: A plain batch of more keys than this is put a chunk at a time, the next chunk's put_start in
+#: flight while a chunk is written and committed (each chunk stays on the shared pipeline).
+PUT_CHUNK = PIPELINE_MAX_ITEMS
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +131,51 @@ class Putter:
             self._cache.forget(batch.keys)
 
     def _round(self, batch: PutBatch, todo: list[int]) -> list[int]:
-        """One put_start, the writes, and the commit of keys ``todo``.
+        """One put_start, the writes, and the commit of keys ``todo`` (of a large plain batch:
+        a chunk at a time, see :meth:`_round_in_chunks`).
 
         Returns:
             The keys to try again elsewhere (their node died); the dead nodes are added to
             ``batch.excluded``.
+        """
+        if batch.prompt is None and len(todo) > PUT_CHUNK:
+            return self._round_in_chunks(batch, todo)
+        reply, epoch = self._start(batch, todo, self._hasher(batch))
+        return self._write_and_commit(batch, todo, reply, epoch)
+
+    def _round_in_chunks(self, batch: PutBatch, todo: list[int]) -> list[int]:
+        """:meth:`_round` ``PUT_CHUNK`` keys at a time, one chunk ahead: each chunk's
+        ``put_start`` is sent before the chunk ahead of it is written and committed, so the
+        master allocates the next chunk while the nodes take this one. (A KV-cache put is never
+        cut: its ``kv_commit`` indexes the whole prompt at once.)"""
+        retry: list[int] = []
+        ahead: Callable[[], None] | None = None  # writes and commits the chunk answered last
+        for lo in range(0, len(todo), PUT_CHUNK):
+            chunk = todo[lo : lo + PUT_CHUNK]
+            reply, epoch = self._start(batch, chunk, ahead or self._hasher(batch))
+
+            def ahead(chunk: list[int] = chunk, reply: Any = reply, epoch: Any = epoch) -> None:
+                retry.extend(self._write_and_commit(batch, chunk, reply, epoch))
+
+        assert ahead is not None, "a chunked batch has keys"
+        ahead()
+        return retry
+
+    @staticmethod
+    def _hasher(batch: PutBatch) -> Callable[[], None] | None:
+        """What hashes (or seals) every value of the batch, run while the master answers the
+        first put_start; None once they are hashed (a later round)."""
+        if batch.sums:
+            return None
+        return lambda: batch.sums.extend(map(_seal, batch.views))
+
+    def _start(
+        self, batch: PutBatch, todo: list[int], work: Callable[[], None] | None
+    ) -> tuple[Any, int | None]:
+        """``put_start`` of keys ``todo``, with ``work()`` run while the master answers.
+
+        Returns:
+            The answer, and the epoch its commit is pinned to.
         """
         start: dict[str, Any] = {
             "keys": [batch.keys[j] for j in todo],
@@ -138,12 +186,18 @@ class Putter:
             start["replicas"] = batch.replicas
         if batch.prompt is not None:
             start["kv"] = True  # the KV-cache layer writes kv/ keys (see MasterService.put_start)
-        if batch.sums:  # a later round: hashed already
-            reply, epoch = self._control.call_epoch("put_start", start)
-        else:  # hash the values while the master answers
-            reply, epoch = self._control.call_overlapped(
-                "put_start", start, lambda: batch.sums.extend(map(_seal, batch.views))
-            )
+        if work is None:
+            return self._control.call_epoch("put_start", start)
+        return self._control.call_overlapped("put_start", start, work)
+
+    def _write_and_commit(
+        self, batch: PutBatch, todo: list[int], reply: Any, epoch: int | None
+    ) -> list[int]:
+        """The writes and the commit of keys ``todo``, whose put_start answered ``reply``.
+
+        Returns:
+            As :meth:`_round`.
+        """
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         for j, r in zip(todo, reply, strict=True):
@@ -177,7 +231,7 @@ class Putter:
             self._commit(batch, commit, epoch)
         for j, _ in revoke:
             batch.results[j] = failed[j]
-        batch.excluded.extend(sorted(dead_nodes))
+        batch.excluded.extend(sorted(dead_nodes.difference(batch.excluded)))
         return [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
 
     def _commit(

@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvstore.client.locations import LocationCache
-from kvstore.client.puts import PromptCommit, PutBatch, Putter
+from kvstore.client.puts import PUT_CHUNK, PromptCommit, PutBatch, Putter
 from kvstore.client.transport import WriteItem
 from kvstore.errors import NodeUnavailableError, NoSpaceError
 from kvstore.grants import Grant
@@ -156,3 +156,60 @@ def test_the_location_cache_forgets_every_key_put(cache: LocationCache) -> None:
     cache.put_many([b"a"], [ObjectInfo(1, 0, [loc])])
     run(FakeMaster(), FakeNodes(), batch_of((b"a", b"z")), cache)
     assert cache.get_many([b"a"]) == [None]
+
+
+class AnswersAtSend(FakeMaster):
+    """A master that answers a request as it arrives: an overlapped call's answer is decided
+    before the work that runs while it is in flight (as on the wire)."""
+
+    def call_overlapped(
+        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+    ) -> tuple[Any, int]:
+        reply = self.call(verb, args)
+        work()
+        return reply, EPOCH
+
+
+def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere(
+    cache: LocationCache,
+) -> None:
+    # Chunk i+1's put_start is in flight while chunk i is written and committed. The node dies
+    # after the first chunk is written: the chunks placed on it are revoked and, in the second
+    # round (again in chunks), put on the other node; the dead node is excluded once.
+    master, nodes = AnswersAtSend(), FakeNodes()
+    n = 2 * PUT_CHUNK + 5
+    batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(n)])
+    node_write = nodes.write
+
+    def write(items: list[WriteItem]) -> None:
+        if nodes.stored:
+            nodes.dead.add("n1")
+        node_write(items)
+
+    nodes.write = write  # type: ignore[method-assign]
+    run(master, nodes, batch, cache)
+    assert batch.results == [None] * n
+    assert master.verbs() == [
+        "put_start",  # chunk 1, the values hashed meanwhile
+        "put_start",  # chunk 2, sent before chunk 1 is written ...
+        "put_end",  # ... and chunk 1 committed
+        "put_start",  # chunk 3
+        "put_revoke",  # chunk 2: its node died
+        "put_revoke",  # chunk 3 likewise
+        "put_start",  # round 2: chunks 2 and 3's keys, on n2
+        "put_start",
+        "put_end",
+        "put_end",
+    ]
+    assert [len(a["keys"]) for v, a, _ in master.calls if v == "put_start"] == [
+        PUT_CHUNK,
+        PUT_CHUNK,
+        5,
+        PUT_CHUNK,
+        5,
+    ]
+    assert all(a["exclude"] == ["n1"] for v, a, _ in master.calls[6:] if v == "put_start")
+    assert batch.excluded == ["n1"]
+    for i in range(n):
+        node = "n1" if i < PUT_CHUNK else "n2"
+        assert nodes.stored[(node, b"k%d" % i)] == b"v%d" % i
