@@ -3,6 +3,7 @@ forgotten on this client's own writes, bounded, and every lease it took over giv
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 
 import pytest
@@ -193,3 +194,21 @@ def test_every_lease_is_given_back_exactly_once(ops: list[tuple[str, list[int]]]
         assert len(cache) <= cap
     cache.clear()
     assert sorted(given_back.tokens + to_reader) == issued
+
+
+def test_kept_answers_leave_the_garbage_collector_nothing_to_traverse() -> None:
+    # A reader of distinct keys keeps tens of thousands of answers: held as their records they
+    # were traversed by every full collection (~5 us of a client's ~13 us of CPU a key).
+    cache = LocationCache()
+    keys = [b"k%d" % i for i in range(5000)]
+    answers = [
+        ObjectInfo(10 + i, i, [loc(offset=i), loc("n2", offset=2 * i)], i + 1) for i in range(5000)
+    ]
+    want = answers[7]
+    gc.collect()
+    before = len(gc.get_objects())
+    cache.put_many(keys, answers)
+    del answers
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100, "kept answers are tracked by the collector"
+    assert cache.get_many([b"k7", b"missing"]) == [want, None]  # both replicas, in order
