@@ -295,12 +295,17 @@ class ReadPipeline:
         answer: tuple[float, int, list[ObjectInfo | KVStoreError]],
         target: _Target,
         results: list[Any],
+        *,
+        keep: bool = True,
     ) -> None:
         """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered: cache the
-        answers, read them, give their leases back. ``answer``: the stamp taken before asking
-        (see :meth:`_stamp`), and the answers."""
+        answers (unless not ``keep``), read them, give their leases back. ``answer``: the stamp
+        taken before asking (see :meth:`_stamp`), and the answers."""
         lease_until, generation, infos = answer
-        done_with = self._cache.put_many(keys, infos, lease_until, generation)
+        if keep:
+            done_with = self._cache.put_many(keys, infos, lease_until, generation)
+        else:
+            done_with = [i.lease for i in infos if type(i) is ObjectInfo and i.lease]
         try:
             self._read_answers(js, infos, target, results)
         finally:
@@ -311,8 +316,16 @@ class ReadPipeline:
     ) -> None:
         """Steps 3 and 4 of a large batch, ``LOCATE_CHUNK`` keys at a time: each chunk's
         ``get_locations`` is sent before the chunk ahead of it is decoded and read, so the
-        master works on the next answer while this process and the nodes work on this one."""
+        master works on the next answer while this process and the nodes work on this one.
+
+        Without lease reads a bulk read's answers are not kept as guesses for later speculative
+        reads (a guess only saves a small reread's latency, and keeping thousands of answers a
+        batch cost a client reading distinct keys ~3 us of CPU a key; a cached guess of one of
+        these keys may be older, which is harmless: every guess is checked against the
+        master's fresh answer). With lease reads they are kept: that is what lease reads are.
+        """
         n = LOCATE_CHUNK
+        keep = bool(self.lease_window)
         ahead: Callable[[], None] | None = None  # reads the chunk answered last
         for lo in range(0, len(keys), n):
             chunk = keys[lo : lo + n]
@@ -325,7 +338,7 @@ class ReadPipeline:
 
             def ahead(lo: int = lo, chunk: list[bytes] = chunk, stamp=stamp, reply=reply) -> None:
                 answer = (*stamp, decode_locations(reply))
-                self._read_located(chunk, todo[lo : lo + n], answer, target, results)
+                self._read_located(chunk, todo[lo : lo + n], answer, target, results, keep=keep)
 
         assert ahead is not None, "a chunked batch has keys"
         ahead()

@@ -297,3 +297,23 @@ def test_a_large_batch_is_located_a_chunk_ahead_of_its_reads(cluster: FakeCluste
     for i, (r, b) in enumerate(zip(into, bufs, strict=True)):
         if i not in missing:
             assert r == len(b"v%d" % i) and bytes(b[:r]) == b"v%d" % i
+
+
+@pytest.mark.parametrize("lease_reads", [False, True], ids=["guesses", "lease-reads"])
+def test_a_bulk_reads_answers_are_kept_only_with_lease_reads(
+    cluster: FakeCluster, lease_reads: bool
+) -> None:
+    # Without lease reads kept answers are only guesses for small rereads: a bulk read does not
+    # keep thousands of them (and gives every lease back); with lease reads it keeps them, and
+    # their leases, to read again without the master.
+    n = LOCATE_CHUNK + 1
+    keys = [b"k%d" % i for i in range(n)]
+    for k in keys:
+        cluster.put(k, k)
+    reads, returned = pipeline(cluster, lease_reads=lease_reads)
+    assert reads.get(keys) == keys
+    if lease_reads:
+        assert len(reads._cache) == n and returned == []
+        assert reads.get(keys) == keys and cluster.calls.count("get_locations") == 2
+    else:
+        assert len(reads._cache) == 0 and sorted(returned) == list(range(1, n + 1))
