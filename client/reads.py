@@ -336,7 +336,12 @@ class ReadPipeline:
                 reply, _ = self._control.call_overlapped("get_locations", {"keys": chunk}, ahead)
             stamp = (lease_until, generation)
 
-            def ahead(lo: int = lo, chunk: list[bytes] = chunk, stamp=stamp, reply=reply) -> None:
+            def ahead(
+                lo: int = lo,
+                chunk: list[bytes] = chunk,
+                stamp: tuple[float, int] = stamp,
+                reply: Any = reply,
+            ) -> None:
                 answer = (*stamp, decode_locations(reply))
                 self._read_located(chunk, todo[lo : lo + n], answer, target, results, keep=keep)
 
