@@ -113,6 +113,22 @@ def sign(
     )
 
 
+def sign_wire(
+    secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
+) -> list[object]:
+    """:func:`sign`'s grant in its wire form (``Grant.to_wire``), without the record: what a
+    master answering a batch sends per key."""
+    return [
+        op,
+        key,
+        segment,
+        offset,
+        size,
+        expires_ms,
+        _digest(secret, op, key, segment, offset, size, expires_ms),
+    ]
+
+
 def verify(secret: bytes, grant: Grant, op: str, now_ms: int) -> None:
     """Check a grant's signature, operation and expiry.
 

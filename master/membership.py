@@ -383,6 +383,18 @@ class Membership:
         )
         return Location(node.node_id, node.host, node.port, grant)
 
+    def location_wire(self, replica: Replica, key: bytes, op: str, expires_ms: int) -> list[object]:
+        """:meth:`location` in its wire form (``Location.to_wire``), without the records.
+
+        Raises:
+            KeyError: the replica's node is not registered.
+        """
+        node = self.nodes[replica.node_id]
+        grant = grants.sign_wire(
+            node.secret, op, key, replica.segment, replica.offset, replica.size, expires_ms
+        )
+        return [node.node_id, node.host, node.port, grant]
+
     def node_transports(self) -> dict[str, dict[str, object]]:
         """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
         return {n.node_id: n.transports for n in self.nodes.values()}

@@ -171,9 +171,9 @@ def _put_revoke(svc: MasterService, args: dict[str, Any]) -> Any:
 
 
 def _get_locations(svc: MasterService, args: dict[str, Any]) -> Any:
-    return [
-        result_to_wire(r) for r in _per_key(_list(args, "keys"), lambda k, _: svc.get_locations(k))
-    ]
+    # Answers come in their wire form; only a malformed key's error is still a record here.
+    answers = _per_key(_list(args, "keys"), lambda k, _: svc.get_locations_wire(k))
+    return [r.to_wire() if isinstance(r, KVStoreError) else r for r in answers]
 
 
 def _release_leases(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -547,15 +547,8 @@ async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_i
         if not locate:  # a lookup: no locations, so no read leases
             parts.append(_pack_items([[key, k, None] for key, k in chunk]))
             continue
-        infos = svc.get_locations([key for key, _ in chunk])
-        parts.append(
-            _pack_items(
-                [
-                    [key, k, result_to_wire(info)]
-                    for (key, k), info in zip(chunk, infos, strict=True)
-                ]
-            )
-        )
+        answers = svc.get_locations_wire([key for key, _ in chunk])
+        parts.append(_pack_items([[key, k, a] for (key, k), a in zip(chunk, answers, strict=True)]))
     return b"".join(parts)
 
 

@@ -50,6 +50,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -375,18 +376,33 @@ class MasterService:
         Raises:
             InvalidRequestError: a batch over the limit.
         """
+        return self._locate(keys, wire=False)
+
+    def get_locations_wire(self, keys: Sequence[bytes]) -> list[list[Any]]:
+        """:meth:`get_locations` with each answer in its wire form (``result_to_wire`` of the
+        ObjectInfo or the error), built without the records: what ``get_locations`` sends
+        (per key a grant, a location and an answer fewer to make and then encode: ~2 us of the
+        ~7 us a key the verb cost here).
+
+        Raises:
+            InvalidRequestError: a batch over the limit.
+        """
+        return self._locate(keys, wire=True)
+
+    def _locate(self, keys: Sequence[bytes], *, wire: bool) -> list[Any]:
         self.config.check_batch(keys)
         lease_s = self.tiering.config.lease_s
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
         found = [self.objects.get(key) for key in keys]
-        location = self.membership.location
+        location = self.membership.location_wire if wire else self.membership.location
         first_token = self.space.leases.grant(found, now + lease_s)
-        results: list[ObjectInfo | KVStoreError] = []
+        results: list[Any] = []
         for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
             if obj is None:
                 self.num_misses += 1
-                results.append(KeyNotFoundError(f"key {key[:64]!r} not found"))
+                err = KeyNotFoundError(f"key {key[:64]!r} not found")
+                results.append(err.to_wire() if wire else err)
                 continue
             self.num_hits += 1
             replicas = obj.replicas
@@ -395,7 +411,13 @@ class MasterService:
             obj.lease_until = max(obj.lease_until, now + lease_s)
             self.tiering.on_read(obj, now)
             locs = [location(r, key, grants.OP_READ, expires) for r in replicas]
-            results.append(ObjectInfo(obj.size, obj.checksum, locs, first_token + i))
+            token = first_token + i
+            if not wire:
+                results.append(ObjectInfo(obj.size, obj.checksum, locs, token))  # type: ignore[arg-type]
+            elif token:
+                results.append([0, [obj.size, obj.checksum, locs, token]])
+            else:
+                results.append([0, [obj.size, obj.checksum, locs]])
         return results
 
     def release_leases(self, tokens: object) -> list[bool]:

@@ -17,7 +17,7 @@ from kvstore.errors import (
     PutNotFoundError,
 )
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
-from kvstore.types import PutTicket, SegmentSpec
+from kvstore.types import ObjectInfo, PutTicket, SegmentSpec, result_to_wire
 from tests.master.fakes import FakeClock
 
 
@@ -207,3 +207,22 @@ def test_master_memory_per_tiny_object_stays_under_the_target(clock: FakeClock) 
         tracemalloc.stop()
     assert len(svc.objects) == num_objects
     assert per_object <= MAX_BYTES_PER_OBJECT, f"{per_object:.0f} B per object"
+
+
+def test_answers_built_in_wire_form_are_the_wire_form_of_the_answers(svc: MasterService) -> None:
+    # get_locations sends answers built straight in their wire form (no records): they must be
+    # exactly what the records encode to, misses included (only the lease tokens differ: each
+    # call takes leases of its own).
+    put(svc, b"a", 10, checksum=7)
+    put(svc, b"b", 20)
+    keys = [b"a", b"missing", b"b"]
+    records = [result_to_wire(r) for r in svc.get_locations(keys)]
+    wire = svc.get_locations_wire(keys)
+    assert wire[1] == records[1] and wire[1][0] != 0
+    for i in (0, 2):
+        assert wire[i][0] == records[i][0] == 0
+        assert wire[i][1][:3] == records[i][1][:3]  # size, checksum, locations with grants
+        assert wire[i][1][3] > 0 and wire[i][1][3] != records[i][1][3]  # a lease of its own
+        (loc,) = ObjectInfo.from_wire(wire[i][1]).locations
+        secret = {"n1": b"a" * 32, "n2": b"b" * 32}[loc.node_id]
+        grants.verify(secret, loc.grant, grants.OP_READ, 0)  # signed with the node's secret
