@@ -23,7 +23,7 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
-from kvstore.polling import POLL_MAX_BYTES
+from kvstore.polling import POLL_MAX_BYTES, POLL_MAX_ITEMS
 from kvstore.types import Location, result_from_wire
 
 Endpoint = tuple[str, int]
@@ -276,6 +276,8 @@ class TcpTransport:
                 ]
             }
             self._send(ex, "write", args, [p for i in ex.items for p in payload_parts(i.data)])
+            if ex.conn is not None and len(ex.items) > POLL_MAX_ITEMS:
+                ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
             results = self._receive(ex)
             if results is None:
@@ -315,7 +317,10 @@ class TcpTransport:
         for ex in exchanges.values():
             args = {"items": [[i.location.grant.to_wire(), i.ranges] for i in ex.items]}
             self._send(ex, "read", args, ())
-            if ex.conn is not None and sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES:
+            if ex.conn is not None and (
+                len(ex.items) > POLL_MAX_ITEMS
+                or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
+            ):
                 ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
             results = self._receive(ex)

@@ -15,7 +15,8 @@ in the kernel:
   the GIL and the CPU the master and node needed (``bench/bench_concurrency.py --threads 8``);
 - neither side polls around a large payload (over ``POLL_MAX_BYTES``) moving: measured here, a
   vCPU polling slows a copy on the other vCPU by a quarter (they share a physical core), and the
-  peer is busy with the payload anyway;
+  peer is busy with the payload anyway; nor does a client for the answer to a data request of
+  many items (over ``POLL_MAX_ITEMS``), which keeps the node busy longer than the window;
 - the master's event loop keeps turning (polling its sockets with a zero timeout) for up to the
   window after each request it answered (:class:`LoopAwake`), with the same backoff.
 
@@ -42,6 +43,10 @@ REPLY_BACKOFF = 3
 #: After sending a payload larger than this (or asking for one), a side sleeps through its next
 #: wait.
 POLL_MAX_BYTES = 256 << 10
+#: Likewise after sending a data request of more items than this: a node takes ~5 us an item, so
+#: the answer comes well after the window, and a client polling for it only took a core the node
+#: and the master needed (a chunk of 256 tiny reads or writes).
+POLL_MAX_ITEMS = 32
 
 
 def poll_window() -> float:
