@@ -40,16 +40,21 @@ from kvstore.types import Location, ObjectInfo
 #: Entries kept before the cache starts over (an entry is a few hundred bytes).
 MAX_ENTRIES = 65536
 
-#: A cached answer, flat: ``(size, checksum, lease, lease_until)``, then per replica ``node_id,
-#: host, port, op, key, segment, offset, size, expires_ms, signature``. One tuple of plain values
-#: and not the answer's own records: the garbage collector stops tracking such a tuple the first
-#: time it sees it, whereas tens of thousands of kept records (an ObjectInfo, its list, its
-#: Locations, their Grants) were traversed by every full collection: a client reading distinct
-#: keys spent ~5 us of its ~13 us of CPU a key in the collector (bench/bench_small.py, batch_get
-#: of 1,000 x 16 B). (Flat: a tuple holding tuples made after it is not untracked at once.)
+#: A cached answer, as put: flat, ``(size, checksum, lease, lease_until)`` then per replica
+#: ``node_id, host, port, op, key, segment, offset, size, expires_ms, signature``. One tuple of
+#: plain values and not the answer's own records: the garbage collector stops tracking such a
+#: tuple the first time it sees it, whereas tens of thousands of kept records (an ObjectInfo,
+#: its list, its Locations, their Grants) were traversed by every full collection: a client
+#: reading distinct keys spent ~5 us of its ~13 us of CPU a key in the collector
+#: (bench/bench_small.py, batch_get of 1,000 x 16 B). (Flat: a tuple holding tuples made after it
+#: is not untracked at once.) Once an answer is used from the cache it is kept as
+#: ``(ObjectInfo, lease_until)`` instead: a hot key's reread then costs no rebuilding of the
+#: records (~2 us a key: a tenth of a leased batch of 16 x 4 KiB), nor does a newer answer for
+#: it (a speculative reread's); only reread keys are kept so.
 _Entry = tuple[object, ...]
 _HEAD = 4  # size, checksum, lease, lease_until
 _REPLICA = 10  # fields of one replica
+_USED = 2  # the length of a used entry, (ObjectInfo, lease_until); a flat one is longer
 
 
 def _entry(info: ObjectInfo, lease_until: float) -> _Entry:
@@ -62,11 +67,21 @@ def _entry(info: ObjectInfo, lease_until: float) -> _Entry:
 
 
 def _info(e: _Entry) -> ObjectInfo:
+    if len(e) == _USED:
+        return e[0]  # type: ignore[return-value]
     locations = [
         Location(e[i], e[i + 1], e[i + 2], Grant(*e[i + 3 : i + _REPLICA]))  # type: ignore[arg-type]
         for i in range(_HEAD, len(e), _REPLICA)
     ]
     return ObjectInfo(e[0], e[1], locations, e[2])  # type: ignore[arg-type]
+
+
+def _lease(e: _Entry) -> int:
+    return e[0].lease if len(e) == _USED else e[2]  # type: ignore[attr-defined,return-value]
+
+
+def _until(e: _Entry) -> float:
+    return e[1] if len(e) == _USED else e[3]  # type: ignore[return-value]
 
 
 def same_replica(fresh: ObjectInfo, cached: ObjectInfo, read_from: Location) -> bool:
@@ -116,7 +131,22 @@ class LocationCache:
         """The cached answers whose lease holds at ``now`` (monotonic), None elsewhere."""
         with self._lock:
             got = [self._infos.get(k) for k in keys]
-        return [_info(g) if g is not None and g[3] > now else None for g in got]
+        out: list[ObjectInfo | None] = []
+        used: list[tuple[bytes, _Entry, ObjectInfo]] = []
+        for k, e in zip(keys, got, strict=True):
+            if e is None or _until(e) <= now:
+                out.append(None)
+                continue
+            info = _info(e)
+            out.append(info)
+            if len(e) != _USED:
+                used.append((k, e, info))
+        if used:
+            with self._lock:
+                for k, e, info in used:
+                    if self._infos.get(k) is e:  # not replaced or forgotten meanwhile
+                        self._infos[k] = (info, _until(e))
+        return out
 
     def put_many(
         self,
@@ -145,23 +175,25 @@ class LocationCache:
                 for k in keys:
                     old = self._infos.pop(k, None)
                     if old is not None:
-                        dropped.append(old[2])
+                        dropped.append(_lease(old))
             else:
                 if len(self._infos) + len(keys) > self.max_entries:
-                    dropped.extend(e[2] for e in self._infos.values())
+                    dropped.extend(map(_lease, self._infos.values()))
                     self._infos.clear()
                 for k, info in zip(keys, infos, strict=True):
                     if isinstance(info, ObjectInfo) and info.locations:
                         old = self._infos.get(k)
                         if old is None and len(self._infos) >= self.max_entries:
                             continue  # a batch larger than the bound: used once, not kept
-                        self._infos[k] = _entry(info, lease_until)
+                        # A key used from the cache before is reread: keep its records.
+                        hot = old is not None and len(old) == _USED
+                        self._infos[k] = (info, lease_until) if hot else _entry(info, lease_until)
                         if owns:
                             taken.add(info.lease)
                     else:
                         old = self._infos.pop(k, None)
                     if old is not None:
-                        dropped.append(old[2])
+                        dropped.append(_lease(old))
         if owns and dropped:
             self._give_back(dropped)  # type: ignore[misc]
         return [
@@ -177,7 +209,7 @@ class LocationCache:
             for k in keys:
                 old = self._infos.pop(k, None)
                 if old is not None:
-                    dropped.append(old[2])
+                    dropped.append(_lease(old))
         if self._give_back is not None and dropped:
             self._give_back(dropped)
 
@@ -185,7 +217,7 @@ class LocationCache:
         """Forget everything (giving owned leases back)."""
         with self._lock:
             self.generation += 1
-            dropped = [e[2] for e in self._infos.values()]
+            dropped = list(map(_lease, self._infos.values()))
             self._infos.clear()
         if self._give_back is not None and dropped:
             self._give_back(dropped)

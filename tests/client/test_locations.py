@@ -212,3 +212,29 @@ def test_kept_answers_leave_the_garbage_collector_nothing_to_traverse() -> None:
     gc.collect()
     assert len(gc.get_objects()) - before < 100, "kept answers are tracked by the collector"
     assert cache.get_many([b"k7", b"missing"]) == [want, None]  # both replicas, in order
+
+
+def test_a_reread_answer_is_kept_as_its_records_and_its_lease_still_goes_back_once() -> None:
+    # A hot key's rereads must not rebuild its records each time (a leased batch of 16 x 4 KiB
+    # lost a tenth to that); the answer kept so still owns its lease, given back once.
+    back = GiveBack()
+    cache = LocationCache(give_back=back)
+    cache.put_many([b"k"], [info(lease=9)], lease_until=100.0)
+    first = cache.leased_many([b"k"], 1.0)[0]
+    assert first == info(lease=9)
+    assert cache.leased_many([b"k"], 2.0)[0] is first and cache.get_many([b"k"])[0] is first
+    assert cache.leased_many([b"k"], 100.0) == [None]  # its lease as seen from here is over
+    cache.forget([b"k"])
+    assert back.tokens == [9] and cache.get_many([b"k"]) == [None]
+
+
+def test_a_newer_answer_for_a_reread_key_is_kept_as_its_records() -> None:
+    # A plain client's speculative reread of a hot key puts the master's fresh answer back:
+    # kept as its records, so the next reread does not rebuild them either.
+    cache = LocationCache()
+    cache.put_many([b"hot", b"cold"], [info(lease=1), info(lease=2)])
+    cache.get_many([b"hot"])  # used once: a reread key
+    fresh, newer_cold = info(lease=3, checksum=6), info(lease=4, checksum=6)
+    cache.put_many([b"hot", b"cold"], [fresh, newer_cold])
+    assert cache.get_many([b"hot"])[0] is fresh
+    assert cache.get_many([b"cold"])[0] == newer_cold  # rebuilt from its flat entry
