@@ -81,8 +81,12 @@ def test_fill_to_three_times_dram_then_past_every_tier(cluster_factory) -> None:
                 assert v == expected[k]
         stats = c.stats()
         ev = stats["eviction"]
-        assert misses > 0 and misses == ev["num_evictions"] + ev["num_sync_evictions"]
-        assert stats["num_objects"] + misses == len(expected) > first_phase
+        evicted = ev["num_evictions"] + ev["num_sync_evictions"]
+        # Every miss was evicted; every object is stored or was evicted. (Not misses ==
+        # evicted: the reads themselves promote hot NVMe objects, which can push others out
+        # after they were read, while a large batch is read a chunk at a time.)
+        assert 0 < misses <= evicted
+        assert stats["num_objects"] + evicted == len(expected) > first_phase
         assert stats["num_misses"] == misses
 
 
