@@ -102,15 +102,7 @@ def _digest(
 def sign(
     secret: bytes, op: str, key: bytes, segment: str, offset: int, size: int, expires_ms: int
 ) -> Grant:
-    return Grant(
-        op,
-        key,
-        segment,
-        offset,
-        size,
-        expires_ms,
-        _digest(secret, op, key, segment, offset, size, expires_ms),
-    )
+    return Grant(*sign_wire(secret, op, key, segment, offset, size, expires_ms))  # type: ignore[arg-type]
 
 
 def sign_wire(
