@@ -30,12 +30,14 @@ Failure rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvstore import protocol
 from kvstore.errors import (
@@ -62,6 +64,28 @@ EXCLUSIVE_VERBS = frozenset({"events", "events_snapshot", "list_keys"})
 PIPELINE_MAX_ITEMS = 256
 #: Likewise a request with a bytes argument longer than this (a long prompt's tokens).
 PIPELINE_MAX_BYTES = 4 * PIPELINE_MAX_ITEMS
+
+
+_Answer = TypeVar("_Answer")
+
+
+def one_chunk_ahead(
+    count: int,
+    size: int,
+    start: Callable[[slice, Callable[[], None] | None], _Answer],
+    finish: Callable[[slice, _Answer], None],
+) -> None:
+    """Run a batch of ``count`` items ``size`` at a time, one chunk ahead: ``start(chunk,
+    work)`` sends the master the request of ``chunk`` (a slice of the batch) and runs ``work``
+    while it is answered, then returns the answer; ``work`` is the ``finish(chunk, answer)`` of
+    the chunk before (None for the first). So the master works on a chunk while the caller
+    (and the nodes) work on the one before; the last chunk is finished here."""
+    ahead: Callable[[], None] | None = None
+    for lo in range(0, count, size):
+        chunk = slice(lo, lo + size)
+        ahead = functools.partial(finish, chunk, start(chunk, ahead))
+    if ahead is not None:
+        ahead()
 
 
 def pipelined(verb: str, args: dict[str, Any]) -> bool:

@@ -30,7 +30,7 @@ from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
-from kvstore.client.pipeline import PIPELINE_MAX_ITEMS
+from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.transport import WriteItem, checksum
 from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
 from kvstore.keys import Namespace
@@ -149,16 +149,12 @@ class Putter:
         master allocates the next chunk while the nodes take this one. (A KV-cache put is never
         cut: its ``kv_commit`` indexes the whole prompt at once.)"""
         retry: list[int] = []
-        ahead: Callable[[], None] | None = None  # writes and commits the chunk answered last
-        for lo in range(0, len(todo), PUT_CHUNK):
-            chunk = todo[lo : lo + PUT_CHUNK]
-            reply, epoch = self._start(batch, chunk, ahead or self._hasher(batch))
-
-            def ahead(chunk: list[int] = chunk, reply: Any = reply, epoch: Any = epoch) -> None:
-                retry.extend(self._write_and_commit(batch, chunk, reply, epoch))
-
-        assert ahead is not None, "a chunked batch has keys"
-        ahead()
+        one_chunk_ahead(
+            len(todo),
+            PUT_CHUNK,
+            lambda chunk, work: self._start(batch, todo[chunk], work or self._hasher(batch)),
+            lambda chunk, answer: retry.extend(self._write_and_commit(batch, todo[chunk], *answer)),
+        )
         return retry
 
     @staticmethod

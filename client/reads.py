@@ -39,7 +39,7 @@ from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache, same_replica
-from kvstore.client.pipeline import PIPELINE_MAX_ITEMS
+from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.transport import ReadItem, digest
 from kvstore.errors import (
@@ -274,7 +274,7 @@ class ReadPipeline:
                 self._read_in_chunks(keys, todo, target, results)
                 return
             infos = self.locate(keys)
-            self._read_located(keys, todo, (lease_until, generation, infos), target, results)
+            self._read_located(keys, todo, infos, (lease_until, generation), target, results)
             return
         guesses = self._guess_items(guessed, target)
         self._data.refresh_offers({item.location.node_id for item in guesses.values()})
@@ -292,18 +292,18 @@ class ReadPipeline:
         self,
         keys: list[bytes],
         js: list[int],
-        answer: tuple[float, int, list[ObjectInfo | KVStoreError]],
+        infos: list[ObjectInfo | KVStoreError],
+        stamp: tuple[float, int],
         target: _Target,
         results: list[Any],
         *,
         keep: bool = True,
     ) -> None:
-        """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered: cache the
-        answers (unless not ``keep``), read them, give their leases back. ``answer``: the stamp
-        taken before asking (see :meth:`_stamp`), and the answers."""
-        lease_until, generation, infos = answer
+        """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered ``infos``:
+        cache the answers (unless not ``keep``), read them, give their leases back. ``stamp``:
+        taken before asking (see :meth:`_stamp`)."""
         if keep:
-            done_with = self._cache.put_many(keys, infos, lease_until, generation)
+            done_with = self._cache.put_many(keys, infos, *stamp)
         else:
             done_with = [i.lease for i in infos if type(i) is ObjectInfo and i.lease]
         try:
@@ -324,29 +324,21 @@ class ReadPipeline:
         these keys may be older, which is harmless: every guess is checked against the
         master's fresh answer). With lease reads they are kept: that is what lease reads are.
         """
-        n = LOCATE_CHUNK
         keep = bool(self.lease_window)
-        ahead: Callable[[], None] | None = None  # reads the chunk answered last
-        for lo in range(0, len(keys), n):
-            chunk = keys[lo : lo + n]
-            lease_until, generation = self._stamp()
-            if ahead is None:
-                reply = self._control.call("get_locations", {"keys": chunk})
-            else:
-                reply, _ = self._control.call_overlapped("get_locations", {"keys": chunk}, ahead)
-            stamp = (lease_until, generation)
 
-            def ahead(
-                lo: int = lo,
-                chunk: list[bytes] = chunk,
-                stamp: tuple[float, int] = stamp,
-                reply: Any = reply,
-            ) -> None:
-                answer = (*stamp, decode_locations(reply))
-                self._read_located(chunk, todo[lo : lo + n], answer, target, results, keep=keep)
+        def start(chunk: slice, work: Callable[[], None] | None) -> tuple[tuple[float, int], Any]:
+            stamp = self._stamp()
+            args = {"keys": keys[chunk]}
+            if work is None:
+                return stamp, self._control.call("get_locations", args)
+            return stamp, self._control.call_overlapped("get_locations", args, work)[0]
 
-        assert ahead is not None, "a chunked batch has keys"
-        ahead()
+        def finish(chunk: slice, answer: tuple[tuple[float, int], Any]) -> None:
+            stamp, reply = answer
+            infos = decode_locations(reply)
+            self._read_located(keys[chunk], todo[chunk], infos, stamp, target, results, keep=keep)
+
+        one_chunk_ahead(len(keys), LOCATE_CHUNK, start, finish)
 
     def _read_leased(
         self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]

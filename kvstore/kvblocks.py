@@ -124,13 +124,9 @@ def checksum_table(
     Returns:
         ``(num_planes * chunks + 1)`` little-endian uint64 checksums.
     """
-    n = chunks_per_plane(block_size)
-    table = np.empty(len(planes) * n + 1, dtype=_U64)
-    for p, plane in enumerate(planes):
-        chunks = plane.reshape(n, -1)
-        for c in range(n):
-            table[p * n + c] = xxhash.xxh3_64_intdigest(chunks[c])
-    table[-1] = xxhash.xxh3_64_intdigest(key + table[:-1].tobytes())
+    table = np.empty(len(planes) * chunks_per_plane(block_size) + 1, dtype=_U64)
+    flat = [memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)) for p in planes]
+    _fill_table(key, flat, block_size, table, None)
     return table
 
 
@@ -140,7 +136,7 @@ def seal_block(key: bytes, planes: Sequence[memoryview], block_size: int, table:
     The same table as :func:`checksum_table`, and the xxh3_64 of the whole object (the planes,
     then the table) that a put sends with it: each plane is hashed whole right after its chunks,
     while its bytes are still in the CPU cache (this is the hashing of every block a
-    ``KVCache.store`` puts, so its loop stays lean: memoryview slices, no numpy per chunk).
+    ``KVCache.store`` puts).
 
     Args:
         key: the block's object key.
@@ -151,18 +147,31 @@ def seal_block(key: bytes, planes: Sequence[memoryview], block_size: int, table:
     Returns:
         The object checksum.
     """
+    whole = xxhash.xxh3_64()
+    _fill_table(key, planes, block_size, table, whole)
+    whole.update(table)
+    return whole.intdigest()
+
+
+def _fill_table(
+    key: bytes,
+    planes: Sequence[memoryview],
+    block_size: int,
+    table: np.ndarray,
+    whole: xxhash.xxh3_64 | None,
+) -> None:
+    """Fill ``table`` from flat plane views (memoryview slices, no numpy per chunk: this runs
+    for every block stored), feeding each whole plane to ``whole`` after its chunks."""
     n = chunks_per_plane(block_size)
     h64 = xxhash.xxh3_64_intdigest
-    whole = xxhash.xxh3_64()
     sums: list[int] = []
     for plane in planes:
         step = len(plane) // n
         sums.extend(map(h64, [plane[o : o + step] for o in range(0, step * n, step)]))
-        whole.update(plane)
+        if whole is not None:
+            whole.update(plane)
     table[:-1] = sums
     table[-1] = h64(key + table[:-1].tobytes())
-    whole.update(table)
-    return whole.intdigest()
 
 
 def verify_chunks(
