@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import threading
+import time
 
+import pytest
+
+from kvstore.client import releases
 from kvstore.client.locations import LocationCache
 from kvstore.client.releases import MAX_PIGGYBACK, LeaseReturns
 from kvstore.errors import MasterUnavailableError
@@ -59,6 +63,28 @@ def test_idle_tokens_are_flushed_on_their_own() -> None:
         returns.give_back([1, 2])
         assert sink.arrived.wait(WAIT_S)
         assert sink.sent == [[1, 2]] and returns.pending() == 0
+    finally:
+        returns.close()
+
+
+def test_a_flusher_gone_idle_is_woken_by_the_next_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A busy client's reads do not wake the flusher (it looks every delay_s on its own); once
+    # it has seen no token for BUSY_FOR_S it sleeps, and the next token must wake it.
+    monkeypatch.setattr(releases, "BUSY_FOR_S", 0.05)
+    monkeypatch.setattr(releases, "IDLE_WAIT_S", 60.0)  # only a wake-up flushes within WAIT_S
+    sink = Sink()
+    returns = LeaseReturns(sink, delay_s=0.01)
+    try:
+        returns.give_back([1])
+        assert sink.arrived.wait(WAIT_S)
+        sink.arrived.clear()
+        deadline = time.monotonic() + WAIT_S
+        while not returns.sleeping() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert returns.sleeping(), "idle past BUSY_FOR_S: the flusher sleeps until woken"
+        returns.give_back([2])
+        assert sink.arrived.wait(WAIT_S)
+        assert sink.sent == [[1], [2]]
     finally:
         returns.close()
 
