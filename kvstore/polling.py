@@ -7,8 +7,9 @@ in the kernel:
 
 - a :class:`~kvstore.protocol.FramedSocket` looks for bytes without blocking (``poll(2)`` with
   a zero timeout, then ``sched_yield`` so that a runnable thread on this CPU, perhaps the peer,
-  goes first) for up to the window before each wait for a frame; after a poll that found
-  nothing, the next waits sleep straight away: ``POLL_BACKOFF`` of them for a node waiting for
+  goes first) for up to the window before each wait for a frame (a server waiting for a
+  request: up to ``REQUEST_WINDOWS`` windows while it has its CPU to itself); after a poll
+  that found nothing, the next waits sleep straight away: ``POLL_BACKOFF`` of them for a node waiting for
   a client's next request, ``REPLY_BACKOFF`` for a client waiting for a reply;
 - of the threads of one process that wait for replies, one at a time polls (the others sleep
   in the kernel at once): eight threads of one shared client polling side by side fought over
@@ -18,7 +19,8 @@ in the kernel:
   peer is busy with the payload anyway; nor does a client for the answer to a data request of
   many items (over ``POLL_MAX_ITEMS``), which keeps the node busy longer than the window;
 - the master's event loop keeps turning (polling its sockets with a zero timeout) for up to the
-  window after each request it answered (:class:`LoopAwake`), with the same backoff.
+  window after each request it answered (:class:`LoopAwake`), with the same extension and
+  backoff.
 
 So idle connections and peers slower than the window cost nothing, and a busy client's next
 request (or reply) is read as soon as it lands. ``$KVSTORE_POLL_US`` sets the window in
@@ -49,6 +51,28 @@ POLL_MAX_BYTES = 256 << 10
 POLL_MAX_ITEMS = 32
 
 
+#: A server waiting for a client's next request polls up to this many windows, as long as it ran
+#: for most of the first (``SHARE_TO_EXTEND``): that request comes after the client's turn
+#: elsewhere (the master, another node) and its own work, not one round trip after the answer.
+#: With one window, a client alternating between master and node (every get) found both asleep:
+#: each poll ended before the client came back, the backoff followed, and every hop paid a
+#: wake-up (get of 4 KiB, p50: 290 us; with up to three windows 170-240 us). Unconditional,
+#: three windows cost four busy clients on two cores ~10% of their lease reads
+#: (bench/bench_concurrency.py): a poller that had to share its CPU stops after one.
+REQUEST_WINDOWS = 3
+#: The least share of the first window's wall time a poller must have run (its thread's CPU
+#: time) to poll on. Measured here: a median of 0.97 for a server that a lone client alternates
+#: with, 0.24-0.35 with four busy clients on two cores.
+SHARE_TO_EXTEND = 0.5
+
+
+def extend_poll(started: float, cpu_started: float, now: float) -> bool:
+    """Whether a poll that began at ``started`` (``time.perf_counter()``; the thread's CPU time
+    then: ``cpu_started``, ``time.thread_time()``) and found nothing by ``now`` may poll on: its
+    thread ran for most of that time (nobody else waited for its CPU)."""
+    return time.thread_time() - cpu_started >= SHARE_TO_EXTEND * (now - started)
+
+
 def poll_window() -> float:
     """The window in seconds, from ``$KVSTORE_POLL_US`` (a bad value means the default; at most
     ``MAX_POLL_US``), read when a server or a connection starts (:func:`kvstore.env.read_poll_us`:
@@ -67,6 +91,9 @@ class LoopAwake:
     def __init__(self, window: float | None = None) -> None:
         self.window = poll_window() if window is None else window
         self._deadline = 0.0
+        self._started = 0.0  # when the current window began, and the loop thread's CPU time
+        self._cpu_started = 0.0
+        self._extended = False
         self._running = False
         self._count = 0
         self._count_at_start = 0
@@ -77,7 +104,10 @@ class LoopAwake:
         self._count += 1
         if not self.window:
             return
-        self._deadline = time.perf_counter() + self.window
+        self._started = time.perf_counter()
+        self._cpu_started = time.thread_time()
+        self._deadline = self._started + self.window
+        self._extended = False
         if self._running:
             return
         if self._skip:
@@ -88,7 +118,12 @@ class LoopAwake:
         asyncio.get_running_loop().call_soon(self._turn)
 
     def _turn(self) -> None:
-        if time.perf_counter() < self._deadline:
+        now = time.perf_counter()
+        if now >= self._deadline and not self._extended:
+            self._extended = True  # (a request served meanwhile starts a window of its own)
+            if extend_poll(self._started, self._cpu_started, now):
+                self._deadline += self.window * (REQUEST_WINDOWS - 1)
+        if now < self._deadline:
             os.sched_yield()  # a runnable thread on this CPU goes first
             asyncio.get_running_loop().call_soon(self._turn)
             return

@@ -38,7 +38,14 @@ from typing import Any
 import msgpack
 
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError, ProtocolError
-from kvstore.polling import POLL_BACKOFF, POLL_MAX_BYTES, REPLY_BACKOFF, poll_window
+from kvstore.polling import (
+    POLL_BACKOFF,
+    POLL_MAX_BYTES,
+    REPLY_BACKOFF,
+    REQUEST_WINDOWS,
+    extend_poll,
+    poll_window,
+)
 
 MAGIC = b"KV"
 PROTOCOL_VERSION = 1
@@ -454,10 +461,19 @@ class FramedSocket:
         # poll(2) with a zero timeout looks at the socket without taking its lock; reading in a
         # loop instead would take the lock each time and slow the peer's delivery of a stream.
         ready = self._ready()
-        deadline = time.perf_counter() + self.poll_window
+        started = time.perf_counter()
+        deadline = started + self.poll_window
+        # A reply comes within one window or late; a request may come a little later (see
+        # kvstore.polling.REQUEST_WINDOWS): a server polls on while it had its CPU to itself.
+        extended = self.awaits_replies
+        cpu_started = 0.0 if extended else time.thread_time()
         while not ready(0):
-            if time.perf_counter() >= deadline:
-                return False
+            now = time.perf_counter()
+            if now >= deadline:
+                if extended or not extend_poll(started, cpu_started, now):
+                    return False
+                extended = True
+                deadline = started + self.poll_window * REQUEST_WINDOWS
             os.sched_yield()  # a runnable thread on this CPU (perhaps the peer) goes first
         return True
 

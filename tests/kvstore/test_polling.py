@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import time
 
 import pytest
 
-from kvstore.polling import POLL_BACKOFF, LoopAwake, poll_window
+from kvstore.polling import POLL_BACKOFF, REQUEST_WINDOWS, LoopAwake, extend_poll, poll_window
 
 WINDOW_S = 0.02
 
@@ -37,8 +38,8 @@ class CountingSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-ty
 
 
 def turns_per_round(window: float, rounds: int, again_after: float | None = None) -> list[int]:
-    """Per round: one request served, then an idle wait of two windows; how many times the loop
-    turned without sleeping meanwhile. ``again_after``: a second request that long after the
+    """Per round: one request served, then an idle wait a window longer than the longest poll
+    (``REQUEST_WINDOWS``); how many times the loop turned without sleeping meanwhile. ``again_after``: a second request that long after the
     first, in the first round only (a busy client)."""
     selector = CountingSelector()
     loop = asyncio.SelectorEventLoop(selector)
@@ -52,7 +53,7 @@ def turns_per_round(window: float, rounds: int, again_after: float | None = None
             if r == 0 and again_after is not None:
                 await asyncio.sleep(again_after)
                 awake.served()
-            await asyncio.sleep(2 * window + 0.01)
+            await asyncio.sleep((REQUEST_WINDOWS + 1) * window + 0.01)
             out.append(sum(1 for t in selector.timeouts if t == 0))
         return out
 
@@ -77,3 +78,15 @@ def test_a_request_keeps_the_loop_turning_then_it_backs_off() -> None:
 def test_a_client_that_comes_back_keeps_it_polling() -> None:
     turns = turns_per_round(WINDOW_S, 2, again_after=WINDOW_S / 3)
     assert turns[0] >= 3 and turns[1] >= 3, turns
+
+
+def test_a_poller_that_ran_polls_on_and_one_that_waited_for_its_cpu_does_not() -> None:
+    # Busy the whole time (as a poller alone on its CPU): it may poll on.
+    started, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - started < WINDOW_S:
+        pass
+    assert extend_poll(started, cpu, time.perf_counter())
+    # Not running for most of the window (as a poller other processes took the CPU from): stop.
+    started, cpu = time.perf_counter(), time.thread_time()
+    time.sleep(WINDOW_S)
+    assert not extend_poll(started, cpu, time.perf_counter())
