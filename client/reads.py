@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvstore import grants
 from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
@@ -95,11 +96,13 @@ def corrupt_report(location: Location, checksum: int) -> list[Any]:
 
 
 def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
-    """A ``get_locations`` answer: per key its :class:`ObjectInfo` or error."""
+    """A ``get_locations`` answer: per key its :class:`ObjectInfo` or error (its grants one-key
+    or references to the answer's batch grants, read in order)."""
     out: list[ObjectInfo | KVStoreError] = []
+    reader = grants.GrantReader(grants.open_batch_unverified, check=True)
     for r in reply:
         err, payload = result_from_wire(r)
-        out.append(err if err is not None else ObjectInfo.from_wire(payload))
+        out.append(err if err is not None else ObjectInfo.from_wire(payload, reader))
     return out
 
 
@@ -229,7 +232,9 @@ class ReadPipeline:
     def locate(self, keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
         """Where the objects live, each answer with a read lease: the caller gives it back
         (``LeaseReturns.give_back``) once its read is done."""
-        return decode_locations(self._control.call("get_locations", {"keys": keys}))
+        return decode_locations(
+            self._control.call("get_locations", {"keys": keys, "batch_grants": True})
+        )
 
     def _stamp(self) -> tuple[float, int]:
         """Taken just before asking the master where keys are: until when its read lease on
@@ -279,7 +284,9 @@ class ReadPipeline:
         guesses = self._guess_items(guessed, target)
         self._data.refresh_offers({item.location.node_id for item in guesses.values()})
         reply, _ = self._control.call_overlapped(
-            "get_locations", {"keys": keys}, lambda: self._data.read(list(guesses.values()))
+            "get_locations",
+            {"keys": keys, "batch_grants": True},
+            lambda: self._data.read(list(guesses.values())),
         )
         infos = decode_locations(reply)
         done_with = self._cache.put_many(keys, infos, lease_until, generation)
@@ -328,7 +335,7 @@ class ReadPipeline:
 
         def start(chunk: slice, work: Callable[[], None] | None) -> tuple[tuple[float, int], Any]:
             stamp = self._stamp()
-            args = {"keys": keys[chunk]}
+            args = {"keys": keys[chunk], "batch_grants": True}
             if work is None:
                 return stamp, self._control.call("get_locations", args)
             return stamp, self._control.call_overlapped("get_locations", args, work)[0]

@@ -15,7 +15,7 @@ from typing import Any
 
 import xxhash
 
-from kvstore import auth, protocol
+from kvstore import auth, grants, protocol
 from kvstore.buffers import Segments
 from kvstore.errors import (
     KVStoreError,
@@ -315,7 +315,8 @@ class TcpTransport:
         """Fill each item's ``dest`` from its location; sets ``item.result`` on failure."""
         exchanges = _by_node(items)
         for ex in exchanges.values():
-            args = {"items": [[i.location.grant.to_wire(), i.ranges] for i in ex.items]}
+            refs = grants.GrantRefs()  # a batch grant travels once per request
+            args = {"items": [[refs.wire(i.location.grant), i.ranges] for i in ex.items]}
             self._send(ex, "read", args, ())
             if ex.conn is not None and (
                 len(ex.items) > POLL_MAX_ITEMS

@@ -6,6 +6,23 @@ that secret (keyed BLAKE2b-128 over the operation, key, segment, offset, size an
 node recomputes the signature before it touches its arena, and checks every requested range
 against the granted ``[offset, offset + size)``. So no request can read or write bytes the master
 did not grant, and the node needs no round trip to the master to know it.
+
+A **batch grant** reads many objects of one node under one signature: ``[op, expires_ms, items,
+signature]`` where ``items`` is the msgpack encoding of ``[[key, segment, offset, size], ...]``
+and the signature covers a tag, the op, the expiry and those bytes. The master answers a
+``get_locations`` batch with one per node (asked for with ``batch_grants``), so it signs, the
+client decodes and the node verifies once per batch instead of once per key: the per-key grant
+was the largest per-key cost of a small read in all three processes. In a message a grant takes
+one of three wire forms, read in order:
+
+- ``[op, key, segment, offset, size, expires_ms, signature]``: a one-key grant;
+- ``[slot, index, batch]``: item ``index`` of ``batch`` (a batch grant's wire form), which is
+  slot ``slot`` of this message from here on;
+- ``[slot, index]``: item ``index`` of the batch given as slot ``slot`` earlier in the message.
+
+:class:`GrantBatcher` writes the master's, :class:`GrantRefs` a client's request to a node, and
+:class:`GrantReader` reads them (the node verifying each batch, memoised like one-key grants).
+Batch grants are read grants only: the write verbs take one-key grants.
 """
 
 from __future__ import annotations
@@ -23,12 +40,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from kvstore.errors import GrantInvalidError, KVStoreError, KVTimeoutError, OutOfRangeError
 
 OP_READ = "r"
 OP_WRITE = "w"
 SECRET_BYTES = 32
 _FIXED = struct.Struct("!1sQQQH")  # op, offset, size, expiry, then the key's length
+#: A batch grant's signed bytes start with this tag, never the first byte of a one-key grant's
+#: (its op, "r" or "w"): no signature of one kind verifies as the other.
+_BATCH_TAG = b"B"
+_BATCH_FIXED = struct.Struct("!1s1sQ")  # tag, op, expiry, then the packed items
+_PACK_ITEMS = msgpack.Packer(use_bin_type=True).pack
 
 
 def new_secret() -> bytes:
@@ -39,7 +63,9 @@ def new_secret() -> bytes:
 class Grant:
     """Permission for ``op`` on ``[offset, offset + size)`` of ``segment``, holding ``key``.
 
-    ``expires_ms`` is wall-clock milliseconds since the epoch.
+    ``expires_ms`` is wall-clock milliseconds since the epoch. A member of a batch grant has
+    ``batch`` (the batch's wire form, as a tuple) and its ``index`` there; its ``signature`` is
+    the batch's.
     """
 
     op: str
@@ -49,8 +75,13 @@ class Grant:
     size: int
     expires_ms: int
     signature: bytes
+    batch: tuple[Any, ...] | None = None
+    index: int = 0
 
     def to_wire(self) -> list[object]:
+        """The one-key wire form. A batch member has none of its own: it is sent as a reference
+        (:class:`GrantRefs`)."""
+        assert self.batch is None, "a batch grant's member is sent through GrantRefs"
         return [
             self.op,
             self.key,
@@ -153,7 +184,7 @@ class VerifiedGrants:
     def __init__(self, secret: bytes, max_entries: int = 1 << 14) -> None:
         self.secret = secret
         self.max_entries = max_entries
-        self._memo: dict[bytes, tuple[list[Any], Grant]] = {}
+        self._memo: dict[bytes, tuple[list[Any], Grant | Batch]] = {}
 
     def check(self, grant_wire: Any, op: str, now_ms: int, remember: bool = True) -> Grant:
         """The verified grant of ``grant_wire``.
@@ -183,6 +214,43 @@ class VerifiedGrants:
         self._memo[grant.signature] = (list(grant_wire), grant)
         return grant
 
+    def check_batch(self, batch_wire: Any, op: str, now_ms: int) -> Batch:
+        """The verified batch grant of ``batch_wire``, memoised (a client rereading under its
+        lease presents it again).
+
+        Raises:
+            GrantInvalidError: malformed, forged, for another operation, or expired.
+        """
+        if type(batch_wire) is not list or len(batch_wire) != 4:
+            raise GrantInvalidError("a batch grant must be a 4-item list")
+        sig = batch_wire[3]
+        hit = self._memo.get(sig) if type(sig) is bytes else None
+        if hit is not None and hit[0] == batch_wire:
+            batch = hit[1]
+        else:
+            op_, expires_ms, blob, sig = batch_wire
+            if (
+                (op_ != OP_READ and op_ != OP_WRITE)
+                or type(expires_ms) is not int
+                or type(blob) is not bytes
+                or type(sig) is not bytes
+                or not 0 <= expires_ms < 1 << 64
+            ):
+                raise GrantInvalidError("malformed batch grant")
+            expected = _batch_digest(self.secret, op_, expires_ms, blob)
+            if not hmac.compare_digest(expected, sig):
+                raise GrantInvalidError("batch grant signature does not verify")
+            # Signed by the master: its items are well formed (see sign_batch).
+            batch = Batch(op_, expires_ms, sig, tuple(batch_wire), msgpack.unpackb(blob))
+            if len(self._memo) >= self.max_entries:
+                self._drop_expired(now_ms)
+            self._memo[sig] = (list(batch_wire), batch)
+        if batch.op != op:
+            raise GrantInvalidError(f"grant is for op {batch.op!r}, not {op!r}")
+        if now_ms > batch.expires_ms:
+            raise GrantInvalidError("grant expired")
+        return batch
+
     def _drop_expired(self, now_ms: int) -> None:
         """Make room: drop expired grants, or everything when too few have expired."""
         entries = list(self._memo.items())  # one C call: other threads may insert meanwhile
@@ -202,6 +270,189 @@ def check_range(grant: Grant, start: int, length: int) -> None:
         or start + length > grant.size
     ):
         raise OutOfRangeError(f"range ({start!r}, {length!r}) outside object of {grant.size} bytes")
+
+
+# --------------------------------------------------------------------------- batch grants
+def _batch_digest(secret: bytes, op: str, expires_ms: int, blob: bytes) -> bytes:
+    h = _keyed(secret).copy()
+    h.update(_BATCH_FIXED.pack(_BATCH_TAG, op.encode(), expires_ms) + blob)
+    return h.digest()
+
+
+def sign_batch(secret: bytes, op: str, expires_ms: int, items: list[list[Any]]) -> list[Any]:
+    """A batch grant's wire form: ``op`` on each of ``items`` (``[key, segment, offset, size]``,
+    well formed: the node trusts what verifies) until ``expires_ms``."""
+    blob = _PACK_ITEMS(items)
+    return [op, expires_ms, blob, _batch_digest(secret, op, expires_ms, blob)]
+
+
+@dataclass(slots=True)
+class Batch:
+    """A batch grant opened: its op, expiry, signature, wire form and items."""
+
+    op: str
+    expires_ms: int
+    signature: bytes
+    wire: tuple[Any, ...]
+    items: list[Any]
+
+    def grant(self, index: Any, check: bool) -> Grant:
+        """The grant of item ``index`` (``check``: its fields are checked, as a client does
+        with an answer it has not verified).
+
+        Raises:
+            GrantInvalidError: no such item, or (``check``) a malformed one.
+        """
+        if type(index) is not int or not 0 <= index < len(self.items):
+            raise GrantInvalidError("malformed grant: no such item in its batch")
+        item = self.items[index]
+        if check and not (
+            type(item) is list
+            and len(item) == 4
+            and type(item[0]) is bytes
+            and type(item[1]) is str
+            and type(item[2]) is int
+            and type(item[3]) is int
+            and item[2] >= 0
+            and item[3] >= 0
+        ):
+            raise GrantInvalidError("malformed batch grant item")
+        key, segment, offset, size = item
+        return Grant(
+            self.op, key, segment, offset, size, self.expires_ms, self.signature, self.wire, index
+        )
+
+
+def open_batch_unverified(batch_wire: Any) -> Batch:
+    """A batch grant as a client reads it (it holds no secret: the node verifies).
+
+    Raises:
+        GrantInvalidError: malformed.
+    """
+    if type(batch_wire) is not list or len(batch_wire) != 4:
+        raise GrantInvalidError("a batch grant must be a 4-item list")
+    op, expires_ms, blob, sig = batch_wire
+    if (
+        (op != OP_READ and op != OP_WRITE)
+        or type(expires_ms) is not int
+        or type(blob) is not bytes
+        or type(sig) is not bytes
+    ):
+        raise GrantInvalidError("malformed batch grant")
+    try:
+        items = msgpack.unpackb(blob)
+    except ValueError as exc:  # msgpack's errors derive from it
+        raise GrantInvalidError(f"malformed batch grant items: {exc}") from None
+    if type(items) is not list:
+        raise GrantInvalidError("malformed batch grant items")
+    return Batch(op, expires_ms, sig, tuple(batch_wire), items)
+
+
+class GrantReader:
+    """Reads the grants of one message in order (see the module docstring): batch references
+    resolved against the batches given earlier in it.
+
+    ``open_batch(batch_wire)`` opens a batch: :func:`open_batch_unverified` on a client, the
+    node's :meth:`VerifiedGrants.check_batch` on a node (``check=False`` then: verified items
+    are the master's own). A batch that fails to open fails every reference to its slot.
+    """
+
+    __slots__ = ("_open", "_check", "_slots")
+
+    def __init__(self, open_batch: Callable[[Any], Batch], check: bool) -> None:
+        self._open = open_batch
+        self._check = check
+        self._slots: dict[Any, Batch | KVStoreError] = {}
+
+    def resolve(self, wire: Any) -> Grant | None:
+        """The grant a reference names, or None when ``wire`` is not a reference (a one-key
+        grant, for the caller to read).
+
+        Raises:
+            GrantInvalidError: a malformed reference or batch, or an unknown slot; any error of
+                ``open_batch`` for its batch.
+        """
+        if type(wire) is not list:
+            return None
+        n = len(wire)
+        if n != 2 and n != 3:
+            return None
+        if type(wire[0]) is not int:
+            raise GrantInvalidError("malformed grant: a batch slot must be an integer")
+        if n == 2:
+            batch = self._slots.get(wire[0])
+            if batch is None:
+                raise GrantInvalidError("malformed grant: its batch slot was not given before")
+        else:
+            try:
+                batch = self._open(wire[2])
+            except KVStoreError as err:
+                batch = err
+            self._slots[wire[0]] = batch
+        if isinstance(batch, KVStoreError):
+            raise batch
+        return batch.grant(wire[1], self._check)
+
+
+class GrantRefs:
+    """Writes the grants of one request to a node: a one-key grant whole, a member of a batch as
+    a reference, its batch given whole with the first."""
+
+    __slots__ = ("_slots",)
+
+    def __init__(self) -> None:
+        self._slots: dict[int, int] = {}  # id of a batch's wire form -> its slot
+
+    def wire(self, grant: Grant) -> list[Any]:
+        batch = grant.batch
+        if batch is None:
+            return [
+                grant.op,
+                grant.key,
+                grant.segment,
+                grant.offset,
+                grant.size,
+                grant.expires_ms,
+                grant.signature,
+            ]
+        slot = self._slots.get(id(batch))
+        if slot is None:
+            slot = self._slots[id(batch)] = len(self._slots)
+            return [slot, grant.index, list(batch)]
+        return [slot, grant.index]
+
+
+class GrantBatcher:
+    """Builds the master's answer's batch grants: one per node for ``op`` until ``expires_ms``.
+
+    :meth:`ref` gives an extent's reference as it goes (the first of each node's batch is the
+    one that will carry it); :meth:`sign` then signs each batch into its first reference.
+    """
+
+    __slots__ = ("op", "expires_ms", "_batches")
+
+    def __init__(self, op: str, expires_ms: int) -> None:
+        self.op = op
+        self.expires_ms = expires_ms
+        # node id -> (its secret, its items, its first reference)
+        self._batches: dict[str, tuple[bytes, list[list[Any]], list[Any]]] = {}
+
+    def ref(
+        self, node_id: str, secret: bytes, key: bytes, segment: str, offset: int, size: int
+    ) -> list[Any]:
+        batch = self._batches.get(node_id)
+        if batch is None:
+            first = [len(self._batches), 0]
+            self._batches[node_id] = (secret, [[key, segment, offset, size]], first)
+            return first
+        items = batch[1]
+        items.append([key, segment, offset, size])
+        return [batch[2][0], len(items) - 1]
+
+    def sign(self) -> None:
+        """Sign every batch into its first reference (call once, after the last :meth:`ref`)."""
+        for secret, items, first in self._batches.values():
+            first.append(sign_batch(secret, self.op, self.expires_ms, items))
 
 
 # --------------------------------------------------------------------------- write claims

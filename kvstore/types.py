@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ErrorCode, KVStoreError, ProtocolError
-from kvstore.grants import Grant
+from kvstore.grants import Grant, GrantReader
 
 
 # NOTE: the records made per key per operation (Location, PutTicket, ObjectInfo, and
@@ -30,14 +30,17 @@ class Location:
         return [self.node_id, self.host, self.port, self.grant.to_wire()]
 
     @staticmethod
-    def from_wire(obj: Any) -> Location:
-        """Raises ProtocolError (GrantInvalidError for the grant) when ``obj`` is malformed."""
+    def from_wire(obj: Any, reader: GrantReader | None = None) -> Location:
+        """``reader``: the message's reader of batch grant references (None: one-key grants).
+
+        Raises ProtocolError (GrantInvalidError for the grant) when ``obj`` is malformed."""
         if type(obj) is not list or len(obj) != 4:
             raise ProtocolError("location must be [node_id, host, port, grant]")
         node_id, host, port, grant = obj
         if type(node_id) is not str or type(host) is not str or type(port) is not int:
             raise ProtocolError("location must be [node_id: str, host: str, port: int, grant]")
-        return Location(node_id, host, port, Grant.from_wire(grant))
+        g = reader.resolve(grant) if reader is not None else None
+        return Location(node_id, host, port, g if g is not None else Grant.from_wire(grant))
 
 
 def _locations_to_wire(locations: list[Location]) -> list[Any]:
@@ -95,8 +98,10 @@ class ObjectInfo:
         return out
 
     @staticmethod
-    def from_wire(obj: Any) -> ObjectInfo:
-        """Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
+    def from_wire(obj: Any, reader: GrantReader | None = None) -> ObjectInfo:
+        """``reader``: as :meth:`Location.from_wire`.
+
+        Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
         if type(obj) is not list or len(obj) not in (3, 4):
             raise ProtocolError("object info must be [size, checksum, locations(, lease)]")
         size, checksum, locations = obj[0], obj[1], obj[2]
@@ -107,7 +112,7 @@ class ObjectInfo:
         lease = obj[3] if len(obj) == 4 else 0
         if type(lease) is not int or lease < 0:
             raise ProtocolError("an object's lease token must be an unsigned integer")
-        return ObjectInfo(size, checksum, [Location.from_wire(x) for x in locations], lease)
+        return ObjectInfo(size, checksum, [Location.from_wire(x, reader) for x in locations], lease)
 
 
 #: A storage node's state, one vocabulary for every report of it (``/api/v1/nodes``,

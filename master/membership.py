@@ -395,6 +395,21 @@ class Membership:
         )
         return [node.node_id, node.host, node.port, grant]
 
+    def location_ref(
+        self, batcher: grants.GrantBatcher, replica: Replica, key: bytes, op: str, expires_ms: int
+    ) -> list[object]:
+        """:meth:`location_wire` with the grant a reference into ``batcher``'s batch grant for
+        the replica's node (``op`` and ``expires_ms`` are the batcher's).
+
+        Raises:
+            KeyError: the replica's node is not registered.
+        """
+        node = self.nodes[replica.node_id]
+        ref = batcher.ref(
+            node.node_id, node.secret, key, replica.segment, replica.offset, replica.size
+        )
+        return [node.node_id, node.host, node.port, ref]
+
     def node_transports(self) -> dict[str, dict[str, object]]:
         """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""
         return {n.node_id: n.transports for n in self.nodes.values()}

@@ -47,6 +47,7 @@ NOTE: single-threaded by design; the master's event loop is the only caller.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -378,24 +379,36 @@ class MasterService:
         """
         return self._locate(keys, wire=False)
 
-    def get_locations_wire(self, keys: Sequence[bytes]) -> list[list[Any]]:
+    def get_locations_wire(
+        self, keys: Sequence[bytes], batch_grants: bool = False
+    ) -> list[list[Any]]:
         """:meth:`get_locations` with each answer in its wire form (``result_to_wire`` of the
         ObjectInfo or the error), built without the records: what ``get_locations`` sends
         (per key a grant, a location and an answer fewer to make and then encode: ~2 us of the
         ~7 us a key the verb cost here).
 
+        Args:
+            batch_grants: one batch grant per node for the whole answer, each replica's grant a
+                reference to it (see :mod:`kvstore.grants`), instead of a grant per replica.
+
         Raises:
             InvalidRequestError: a batch over the limit.
         """
-        return self._locate(keys, wire=True)
+        return self._locate(keys, wire=True, batch_grants=batch_grants)
 
-    def _locate(self, keys: Sequence[bytes], *, wire: bool) -> list[Any]:
+    def _locate(
+        self, keys: Sequence[bytes], *, wire: bool, batch_grants: bool = False
+    ) -> list[Any]:
         self.config.check_batch(keys)
         lease_s = self.tiering.config.lease_s
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
         found = [self.objects.get(key) for key in keys]
-        location = self.membership.location_wire if wire else self.membership.location
+        batcher = grants.GrantBatcher(grants.OP_READ, expires) if batch_grants else None
+        if batcher is not None:
+            location = functools.partial(self.membership.location_ref, batcher)
+        else:
+            location = self.membership.location_wire if wire else self.membership.location
         first_token = self.space.leases.grant(found, now + lease_s)
         results: list[Any] = []
         for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
@@ -418,6 +431,8 @@ class MasterService:
                 results.append([0, [obj.size, obj.checksum, locs, token]])
             else:
                 results.append([0, [obj.size, obj.checksum, locs]])
+        if batcher is not None:
+            batcher.sign()
         return results
 
     def release_leases(self, tokens: object) -> list[bool]:

@@ -288,8 +288,19 @@ class DataServer:
         except OutOfRangeError:
             raise OutOfRangeError("granted range lies outside the segment") from None
 
+    def grant_reader(self, op: str) -> grants.GrantReader:
+        """A reader of one request's batch grant references, verifying each batch for ``op``."""
+        now = self.clock_ms()
+        return grants.GrantReader(
+            lambda wire: self.verified.check_batch(wire, op, now), check=False
+        )
+
     def granted_view(
-        self, grant_wire: Any, op: str, remember: bool = True
+        self,
+        grant_wire: Any,
+        op: str,
+        remember: bool = True,
+        reader: grants.GrantReader | None = None,
     ) -> tuple[grants.Grant, memoryview]:
         """Check a grant for ``op`` and return it with the bytes it grants.
 
@@ -297,12 +308,16 @@ class DataServer:
             grant_wire: the grant as it came on the wire.
             op: ``grants.OP_READ`` or ``grants.OP_WRITE``.
             remember: keep the verified grant in the memo (reads reuse theirs).
+            reader: the request's reader of batch grant references (:meth:`grant_reader`;
+                None: one-key grants only).
 
         Raises:
             KVStoreError: the grant is invalid, expired or for another op; the segment is
                 not here or too small; a write to a tier without memory in place.
         """
-        grant = self.verified.check(grant_wire, op, self.clock_ms(), remember)
+        grant = reader.resolve(grant_wire) if reader is not None else None
+        if grant is None:
+            grant = self.verified.check(grant_wire, op, self.clock_ms(), remember)
         view = self.granted_bytes(grant)
         if view is not None:
             return grant, view

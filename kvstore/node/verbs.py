@@ -3,7 +3,8 @@
 ``write``  ``{"items": [[grant, start, length, checksum], ...]}`` + payload (the items' bytes,
            concatenated) → per item ``[code, None | message]``
 ``read``   ``{"items": [[grant, ranges | None], ...]}`` → per item ``[code, length | message]``
-           + payload (the valid items' ranges, concatenated)
+           + payload (the valid items' ranges, concatenated); a grant is one-key or a
+           reference to a batch grant given earlier in the items (``kvstore.grants``)
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
 A verb is a handler ``(conn, request, payload_len, scratch)`` registered on the
@@ -197,9 +198,10 @@ def read(
         raise InvalidRequestError("read takes items: [[grant, ranges | None], ...]")
     results: list[Any] = []
     views: list[memoryview] = []
+    reader = server.grant_reader(grants.OP_READ)
     for grant_wire, ranges in items:
         try:
-            grant, view = server.granted_view(grant_wire, grants.OP_READ)
+            grant, view = server.granted_view(grant_wire, grants.OP_READ, reader=reader)
             if ranges is None:
                 views.append(view)
                 results.append([0, len(view)])

@@ -264,3 +264,91 @@ def test_begin_many_stops_older_writes_and_never_waits_for_itself(
     assert isinstance(out[1], grants._Claim)  # no wait for its own stream
     assert isinstance(out[2], KVTimeoutError)
     assert time.monotonic() - t0 < 1.0  # one bounded wait, for `stalled` only
+
+
+# --------------------------------------------------------------------------- batch grants
+def _batch(op: str = grants.OP_READ, expires_ms: int = 1000) -> list[object]:
+    items = [[b"k%d" % i, "dram", 64 * i, 10 + i] for i in range(3)]
+    return grants.sign_batch(SECRET, op, expires_ms, items)
+
+
+def test_a_batch_grant_grants_each_of_its_items_and_is_verified_once() -> None:
+    node = grants.VerifiedGrants(SECRET)
+    batch = node.check_batch(_batch(), grants.OP_READ, now_ms=1000)
+    g = batch.grant(2, check=False)
+    assert (g.op, g.key, g.segment, g.offset, g.size, g.expires_ms) == (
+        grants.OP_READ,
+        b"k2",
+        "dram",
+        128,
+        12,
+        1000,
+    )
+    grants.check_range(g, 0, 12)
+    with pytest.raises(OutOfRangeError):
+        grants.check_range(g, 1, 12)
+    assert node.check_batch(_batch(), grants.OP_READ, now_ms=0) is batch  # memo: no BLAKE2b
+    with pytest.raises(GrantInvalidError, match="no such item"):
+        batch.grant(3, check=False)
+
+
+@pytest.mark.parametrize("field", [0, 1, 2, 3])
+def test_a_tampered_batch_grant_fails(field: int) -> None:
+    wire = _batch()
+    forged = {
+        0: grants.OP_WRITE,
+        1: 10**12,
+        2: wire[2].replace(b"k1", b"k9"),  # type: ignore[attr-defined]
+        3: bytes(16),
+    }
+    wire[field] = forged[field]
+    with pytest.raises(GrantInvalidError):
+        grants.VerifiedGrants(SECRET).check_batch(wire, wire[0], now_ms=0)  # type: ignore[arg-type]
+
+
+def test_a_batch_grant_expires_is_for_one_op_and_one_secret() -> None:
+    node = grants.VerifiedGrants(SECRET)
+    with pytest.raises(GrantInvalidError, match="expired"):
+        node.check_batch(_batch(), grants.OP_READ, now_ms=1001)
+    with pytest.raises(GrantInvalidError, match="not 'w'"):
+        node.check_batch(_batch(), grants.OP_WRITE, now_ms=0)
+    with pytest.raises(GrantInvalidError, match="does not verify"):
+        grants.VerifiedGrants(b"x" * 32).check_batch(_batch(), grants.OP_READ, now_ms=0)
+    for bad in ([], [grants.OP_READ, 1000, "items", b"s"], "batch"):
+        with pytest.raises(GrantInvalidError, match="batch grant"):
+            node.check_batch(bad, grants.OP_READ, now_ms=0)
+
+
+def test_references_are_read_in_order_and_a_bad_batch_fails_only_its_own() -> None:
+    client = grants.GrantReader(grants.open_batch_unverified, check=True)
+    members = [client.resolve([0, 0, _batch()]), client.resolve([0, 1]), client.resolve([0, 2])]
+    one_key = grants.sign(SECRET, grants.OP_READ, b"solo", "dram", 0, 4, 1000)
+    refs = grants.GrantRefs()
+    wires = [refs.wire(g) for g in [members[1], one_key, members[0], members[2]]]  # type: ignore[misc]
+    assert [len(w) for w in wires] == [3, 7, 2, 2]  # the batch travels once
+    node = grants.VerifiedGrants(SECRET)
+    reader = grants.GrantReader(lambda b: node.check_batch(b, grants.OP_READ, 0), check=False)
+    got = [reader.resolve(w) or node.check(w, grants.OP_READ, 0) for w in wires]
+    assert [g.key for g in got] == [b"k1", b"solo", b"k0", b"k2"]
+    # A reference before its batch, to no item, or to a batch that failed: refused, alone.
+    fresh = grants.GrantReader(lambda b: node.check_batch(b, grants.OP_READ, 0), check=False)
+    with pytest.raises(GrantInvalidError, match="not given before"):
+        fresh.resolve([0, 1])
+    forged = _batch()
+    forged[3] = bytes(16)
+    with pytest.raises(GrantInvalidError, match="does not verify"):
+        fresh.resolve([0, 0, forged])
+    with pytest.raises(GrantInvalidError, match="does not verify"):
+        fresh.resolve([0, 1])
+    assert fresh.resolve([1, 2, _batch()]).key == b"k2"  # type: ignore[union-attr]
+    with pytest.raises(GrantInvalidError, match="no such item"):
+        fresh.resolve([1, 3])
+    with pytest.raises(GrantInvalidError, match="integer"):
+        fresh.resolve([[0], 1])
+    assert fresh.resolve(one_key.to_wire()) is None  # a one-key grant: the caller's to read
+    # A client refuses a malformed item of an answer it cannot verify.
+    bad = grants.sign_batch(SECRET, grants.OP_READ, 1000, [[b"k", "dram", -1, 4]])
+    with pytest.raises(GrantInvalidError, match="malformed batch grant item"):
+        grants.GrantReader(grants.open_batch_unverified, check=True).resolve([0, 0, bad])
+    with pytest.raises(AssertionError):
+        members[0].to_wire()  # type: ignore[union-attr]

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore import auth, protocol
+from kvstore import auth, grants, protocol
+from kvstore.client.reads import decode_locations
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, tokens_to_wire
@@ -81,6 +82,20 @@ def test_chunked_batches_answer_like_unchunked_ones(live: Live) -> None:
     locs = conn.call("get_locations", {"keys": keys[:-1]})
     granted = [ObjectInfo.from_wire(r[1]).locations[0].grant.key for r in locs]
     assert granted == keys[:-1]  # in order, each its own key
+    # With batch grants each chunk signs its own batch (its slot numbers start again), and a
+    # node reading the answer in order verifies every key's grant.
+    locs = conn.call("get_locations", {"keys": keys[:-1], "batch_grants": True})
+    infos = decode_locations(locs)  # the client's own reading of the answer
+    assert [i.locations[0].grant.key for i in infos] == keys[:-1]  # type: ignore[union-attr]
+    node = grants.VerifiedGrants(b"s" * 32)
+    reader = grants.GrantReader(
+        lambda b: node.check_batch(b, grants.OP_READ, int(time.time() * 1000)), check=False
+    )
+    wires = [r[1][2][0][3] for r in locs]
+    assert sum(len(w) == 3 for w in wires) == 5  # one batch per chunk of CHUNK_ITEMS
+    assert [reader.resolve(w).key for w in wires] == keys[:-1]
+    with pytest.raises(InvalidRequestError, match="batch_grants"):
+        conn.call("get_locations", {"keys": keys[:1], "batch_grants": 1})
 
 
 def test_a_bad_item_anywhere_in_a_chunked_batch_changes_nothing(live: Live) -> None:

@@ -93,3 +93,36 @@ def test_granted_views_in_place_and_through_a_tier(server: DataServer) -> None:
         server.granted_view(grant(grants.OP_WRITE, "nvme", 3, 4), grants.OP_WRITE)
     with pytest.raises(GrantInvalidError):
         server.granted_view(grant(grants.OP_READ, "hbm", 0, 4), grants.OP_READ)
+
+
+def test_a_read_takes_batch_grants_by_reference_and_writes_refuse_them(
+    server: DataServer, conn: protocol.FramedSocket
+) -> None:
+    server.tiers["dram"].in_place(0, 12)[:] = b"abcdefghijkl"
+    items = [[b"k%d" % i, "dram", 4 * i, 4] for i in range(3)]
+    batch = grants.sign_batch(server.secret, grants.OP_READ, 2**62, items)
+    forged = list(batch)
+    forged[2] = grants.sign_batch(b"x" * 32, grants.OP_READ, 2**62, [[b"k", "dram", 0, 12]])[2]
+    one_key = grants.sign(server.secret, grants.OP_READ, b"o", "dram", 8, 4, 2**62).to_wire()
+    req = [
+        [[0, 2, batch], None],
+        [[1, 0, forged], None],  # its items changed: the signature no longer covers them
+        [[0, 0], [[1, 2]]],
+        [one_key, None],
+        [[1, 0], None],
+        [[0, 3], None],  # no such item
+    ]
+    conn.send_request("read", {"items": req})
+    response, payload = conn.read_response()
+    codes = [r[0] for r in response.unwrap()]
+    bad = int(GrantInvalidError.code)
+    assert codes == [0, bad, 0, 0, bad, bad]
+    body = memoryview(bytearray(payload))
+    conn.recv_into(body)
+    assert bytes(body) == b"ijkl" + b"bc" + b"ijkl"
+    # A batch grant reads only: a write takes one-key grants.
+    wbatch = grants.sign_batch(server.secret, grants.OP_WRITE, 2**62, items)
+    conn.send_request("write", {"items": [[[0, 0, wbatch], 0, 4, 0]]}, [b"EVIL"])
+    response, _ = conn.read_response()
+    assert response.unwrap()[0][0] == bad
+    assert bytes(server.tiers["dram"].in_place(0, 4)) == b"abcd"
