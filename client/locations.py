@@ -41,7 +41,8 @@ from kvstore.types import Location, ObjectInfo
 MAX_ENTRIES = 65536
 
 #: A cached answer, as put: flat, ``(size, checksum, lease, lease_until)`` then per replica
-#: ``node_id, host, port, op, key, segment, offset, size, expires_ms, signature``. One tuple of
+#: ``node_id, host, port, op, key, segment, offset, size, expires_ms, signature, batch, index``
+#: (the grant's fields: see kvstore.grants; a batch grant's wire form is a tuple). One tuple of
 #: plain values and not the answer's own records: the garbage collector stops tracking such a
 #: tuple the first time it sees it, whereas tens of thousands of kept records (an ObjectInfo,
 #: its list, its Locations, their Grants) were traversed by every full collection: a client
@@ -53,7 +54,7 @@ MAX_ENTRIES = 65536
 #: it (a speculative reread's); only reread keys are kept so.
 _Entry = tuple[object, ...]
 _HEAD = 4  # size, checksum, lease, lease_until
-_REPLICA = 10  # fields of one replica
+_REPLICA = 12  # fields of one replica
 _USED = 2  # the length of a used entry, (ObjectInfo, lease_until); a flat one is longer
 
 
@@ -62,7 +63,7 @@ def _entry(info: ObjectInfo, lease_until: float) -> _Entry:
     for loc in info.locations:
         g = loc.grant
         out += (loc.node_id, loc.host, loc.port, g.op, g.key, g.segment, g.offset, g.size)
-        out += (g.expires_ms, g.signature)
+        out += (g.expires_ms, g.signature, g.batch, g.index)
     return tuple(out)
 
 

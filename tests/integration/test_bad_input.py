@@ -129,13 +129,14 @@ def test_node_refuses_ungranted_and_out_of_range_access(live) -> None:
     forged = grants.Grant(
         good.op, good.key, good.segment, 0, 8 << 20, good.expires_ms, good.signature
     )
+    ref = grants.GrantRefs().wire(good)  # a member of the answer's batch grant, by reference
     cases = [
         (req("read", {"items": [[forged.to_wire(), None]]}), ErrorCode.GRANT_INVALID),
-        (req("read", {"items": [[good.to_wire(), [[0, good.size + 1]]]]}), ErrorCode.OUT_OF_RANGE),
-        (req("read", {"items": [[good.to_wire(), [[-1, 1]]]]}), ErrorCode.OUT_OF_RANGE),
+        (req("read", {"items": [[ref, [[0, good.size + 1]]]]}), ErrorCode.OUT_OF_RANGE),
+        (req("read", {"items": [[ref, [[-1, 1]]]]}), ErrorCode.OUT_OF_RANGE),
         # A read grant cannot write.
         (
-            req("write", {"items": [[good.to_wire(), 0, 4, 0]]}, payload_len=4) + b"EVIL",
+            req("write", {"items": [[ref, 0, 4, 0]]}, payload_len=4) + b"EVIL",
             ErrorCode.GRANT_INVALID,
         ),
     ]
@@ -172,7 +173,7 @@ def test_client_disconnecting_mid_write_changes_nothing(live) -> None:
         s.sendall(
             req(
                 "write",
-                {"items": [[info.locations[0].grant.to_wire(), 0, 1000, 0]]},
+                {"items": [[grants.GrantRefs().wire(info.locations[0].grant), 0, 1000, 0]]},
                 payload_len=1000,
             )
             + b"x" * 10
