@@ -228,15 +228,7 @@ class VerifiedGrants:
         if hit is not None and hit[0] == batch_wire:
             batch = hit[1]
         else:
-            op_, expires_ms, blob, sig = batch_wire
-            if (
-                (op_ != OP_READ and op_ != OP_WRITE)
-                or type(expires_ms) is not int
-                or type(blob) is not bytes
-                or type(sig) is not bytes
-                or not 0 <= expires_ms < 1 << 64
-            ):
-                raise GrantInvalidError("malformed batch grant")
+            op_, expires_ms, blob, sig = _batch_fields(batch_wire)
             expected = _batch_digest(self.secret, op_, expires_ms, blob)
             if not hmac.compare_digest(expected, sig):
                 raise GrantInvalidError("batch grant signature does not verify")
@@ -323,8 +315,8 @@ class Batch:
         )
 
 
-def open_batch_unverified(batch_wire: Any) -> Batch:
-    """A batch grant as a client reads it (it holds no secret: the node verifies).
+def _batch_fields(batch_wire: Any) -> tuple[str, int, bytes, bytes]:
+    """A batch grant's op, expiry, packed items and signature.
 
     Raises:
         GrantInvalidError: malformed.
@@ -337,8 +329,19 @@ def open_batch_unverified(batch_wire: Any) -> Batch:
         or type(expires_ms) is not int
         or type(blob) is not bytes
         or type(sig) is not bytes
+        or not 0 <= expires_ms < 1 << 64
     ):
         raise GrantInvalidError("malformed batch grant")
+    return op, expires_ms, blob, sig
+
+
+def open_batch_unverified(batch_wire: Any) -> Batch:
+    """A batch grant as a client reads it (it holds no secret: the node verifies).
+
+    Raises:
+        GrantInvalidError: malformed.
+    """
+    op, expires_ms, blob, sig = _batch_fields(batch_wire)
     try:
         items = msgpack.unpackb(blob)
     except ValueError as exc:  # msgpack's errors derive from it
