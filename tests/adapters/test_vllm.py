@@ -18,7 +18,13 @@ import pytest
 from kvstore.client import Client
 from kvstore.client.kvcache import KVCache
 from kvstore.keys import Namespace
-from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine, model_dir
+from tests.adapters.vllm_servers import (
+    VLLMServer,
+    assert_greedy_close,
+    kv_config,
+    missing_engine,
+    model_dir,
+)
 from tests.support import Cluster, start_master, wait_until
 
 pytestmark = [
@@ -220,7 +226,11 @@ def test_restarted_server_loads_from_the_warm_pool(
     engines.stop("a")
     engines.start(a=(kv_config("kv_both", engines.cluster.address), 1))
     a = engines.servers["a"]
-    assert a.complete(prompt, MAX_TOKENS) == engines.reference(prompt)
+    # Every full block now comes from the pool and only the last few tokens are computed: a
+    # split of the prompt that moves bf16 logits in their last bits, enough to turn a near tie
+    # here (on one host, from the landed code on). So: equal, or parting at a near tie.
+    got = a.complete_top(prompt, MAX_TOKENS)
+    assert_greedy_close(got, engines.servers["ref"].complete_top(prompt, MAX_TOKENS))
     assert _wait_metric(a, "vllm:kvstore_loaded_tokens", 0.0) >= (len(prompt) - 1) // BS * BS - BS
 
 

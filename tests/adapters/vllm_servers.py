@@ -22,6 +22,8 @@ from kvstore.errors import KVStoreError
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
 REQUEST_TIMEOUT_S = 180.0
+#: Top tokens per position compared at the first difference of two greedy completions.
+TOP_K = 5
 
 
 def vllm_python() -> Path:
@@ -51,6 +53,20 @@ def missing_engine() -> str | None:
 def kv_config(role: str, master: str, **extra: Any) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for the kvstore connector (as a dict)."""
     return json.loads(vllm_server.kv_transfer_config(master, role, **extra))
+
+
+def assert_greedy_close(got: list[tuple[int, set[int]]], want: list[tuple[int, set[int]]]) -> None:
+    """Two greedy completions of one prompt agree, up to a near tie: equal tokens, or, at the
+    first position where they part, each token among the other's top ``TOP_K`` (after that
+    their contexts differ, so nothing more is compared). vLLM's own tests compare so: in bf16
+    the last bits of the logits depend on how a prompt was split between cached (or loaded)
+    and computed tokens, and on the host's kernels, so a near tie may go either way. Wrong KV
+    parts at once, with a token far down the other's list."""
+    assert len(got) == len(want), (got, want)
+    for i, ((g, g_top), (w, w_top)) in enumerate(zip(got, want, strict=True)):
+        if g != w:
+            assert g in w_top and w in g_top, f"token {i}: {g} vs {w} (tops {g_top} / {w_top})"
+            return
 
 
 class VLLMServer(vllm_server.VLLMServer):
@@ -135,6 +151,29 @@ class VLLMServer(vllm_server.VLLMServer):
             },
         )
         return list(out["choices"][0]["token_ids"])
+
+    def complete_top(
+        self, prompt: list[int], max_tokens: int = 16, k: int = TOP_K
+    ) -> list[tuple[int, set[int]]]:
+        """:meth:`complete`, with the ``k`` most likely token ids at each position."""
+        out = self.post(
+            "/v1/completions",
+            {
+                "model": "smollm2",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+                "ignore_eos": True,
+                "logprobs": k,
+                "return_tokens_as_token_ids": True,  # top tokens as "token_id:N"
+            },
+        )
+        choice = out["choices"][0]
+        tops = [
+            {int(t.rpartition(":")[2]) for t in top} for top in choice["logprobs"]["top_logprobs"]
+        ]
+        return list(zip(choice["token_ids"], tops, strict=True))
 
     def ttft(self, prompt: list[int]) -> float:
         """Seconds to the first token of a one-token completion (the whole prefill)."""
