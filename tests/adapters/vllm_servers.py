@@ -137,39 +137,30 @@ class VLLMServer(vllm_server.VLLMServer):
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
+    def _greedy(self, prompt: list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
+        """The first choice of a greedy completion of a token-id prompt (``extra``: more
+        request fields)."""
+        body = {
+            "model": "smollm2",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+            **extra,
+        }
+        return self.post("/v1/completions", body)["choices"][0]
+
     def complete(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
         """Greedy completion of a token-id prompt; returns the generated token ids."""
-        out = self.post(
-            "/v1/completions",
-            {
-                "model": "smollm2",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "return_token_ids": True,
-                "ignore_eos": True,
-            },
-        )
-        return list(out["choices"][0]["token_ids"])
+        return list(self._greedy(prompt, max_tokens)["token_ids"])
 
     def complete_top(
         self, prompt: list[int], max_tokens: int = 16, k: int = TOP_K
     ) -> list[tuple[int, set[int]]]:
         """:meth:`complete`, with the ``k`` most likely token ids at each position."""
-        out = self.post(
-            "/v1/completions",
-            {
-                "model": "smollm2",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "return_token_ids": True,
-                "ignore_eos": True,
-                "logprobs": k,
-                "return_tokens_as_token_ids": True,  # top tokens as "token_id:N"
-            },
-        )
-        choice = out["choices"][0]
+        # (top tokens named "token_id:N")
+        choice = self._greedy(prompt, max_tokens, logprobs=k, return_tokens_as_token_ids=True)
         tops = [
             {int(t.rpartition(":")[2]) for t in top} for top in choice["logprobs"]["top_logprobs"]
         ]
