@@ -105,12 +105,15 @@ def test_a_shared_prefix_goes_to_the_engine_that_holds_it_locally(rig: Rig) -> N
     assert headers["x-kvstore-local-cached-tokens"] == "0"
     holder = headers["x-kvstore-engine"]
     # The holder's events reached the router (A's whole blocks), and the router's poll of
-    # the holder shows it idle again (a running request would weigh on its prediction).
+    # the holder shows it idle again (a running request would weigh on its prediction) and
+    # answering (a poll that timed out on a busy host leaves it out of the choice).
     wait_until(
         lambda: (
             metric(rig.router, "kvstore_router_engine_cached_blocks", f'"{holder}"')
             >= len(tok_a) // BS
             and metric(rig.router, "kvstore_router_engine_running", f'"{holder}"') == 0
+            and metric(rig.router, "kvstore_router_engine_waiting", f'"{holder}"') == 0
+            and metric(rig.router, "kvstore_router_engine_healthy", f'"{holder}"') == 1
         ),
         timeout=60,
         interval=0.1,
