@@ -163,9 +163,14 @@ def verify(secret: bytes, grant: Grant, op: str, now_ms: int) -> None:
     )
     if not hmac.compare_digest(expected, grant.signature):
         raise GrantInvalidError("grant signature does not verify")
-    if grant.op != op:
-        raise GrantInvalidError(f"grant is for op {grant.op!r}, not {op!r}")
-    if now_ms > grant.expires_ms:
+    _check_use(grant, op, now_ms)
+
+
+def _check_use(granted: Grant | Batch, op: str, now_ms: int) -> None:
+    """Raises GrantInvalidError unless ``granted`` (verified) is for ``op`` and unexpired."""
+    if granted.op != op:
+        raise GrantInvalidError(f"grant is for op {granted.op!r}, not {op!r}")
+    if now_ms > granted.expires_ms:
         raise GrantInvalidError("grant expired")
 
 
@@ -200,10 +205,7 @@ class VerifiedGrants:
             hit = self._memo.get(sig) if type(sig) is bytes else None
             if hit is not None and hit[0] == grant_wire:
                 grant = hit[1]
-                if grant.op != op:
-                    raise GrantInvalidError(f"grant is for op {grant.op!r}, not {op!r}")
-                if now_ms > grant.expires_ms:
-                    raise GrantInvalidError("grant expired")
+                _check_use(grant, op, now_ms)
                 return grant
         grant = Grant.from_wire(grant_wire)
         verify(self.secret, grant, op, now_ms)
@@ -237,10 +239,7 @@ class VerifiedGrants:
             if len(self._memo) >= self.max_entries:
                 self._drop_expired(now_ms)
             self._memo[sig] = (list(batch_wire), batch)
-        if batch.op != op:
-            raise GrantInvalidError(f"grant is for op {batch.op!r}, not {op!r}")
-        if now_ms > batch.expires_ms:
-            raise GrantInvalidError("grant expired")
+        _check_use(batch, op, now_ms)
         return batch
 
     def _drop_expired(self, now_ms: int) -> None:
@@ -409,15 +408,7 @@ class GrantRefs:
     def wire(self, grant: Grant) -> list[Any]:
         batch = grant.batch
         if batch is None:
-            return [
-                grant.op,
-                grant.key,
-                grant.segment,
-                grant.offset,
-                grant.size,
-                grant.expires_ms,
-                grant.signature,
-            ]
+            return grant.to_wire()
         slot = self._slots.get(id(batch))
         if slot is None:
             slot = self._slots[id(batch)] = len(self._slots)

@@ -173,9 +173,7 @@ def _put_revoke(svc: MasterService, args: dict[str, Any]) -> Any:
 def _get_locations(svc: MasterService, args: dict[str, Any]) -> Any:
     # Answers come in their wire form; only a malformed key's error is still a record here.
     # ``batch_grants``: one read grant per node, each replica's a reference (kvstore.grants).
-    batch = args.get("batch_grants", False)
-    if type(batch) is not bool:
-        raise InvalidRequestError("argument 'batch_grants' must be bool")
+    batch = _arg(args, "batch_grants", bool) if "batch_grants" in args else False
     answers = _per_key(_list(args, "keys"), lambda k, _: svc.get_locations_wire(k, batch))
     return [r.to_wire() if isinstance(r, KVStoreError) else r for r in answers]
 
