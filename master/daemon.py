@@ -6,7 +6,7 @@ What a master runs with is one frozen, validated :class:`MasterOptions` (like th
 of an HA group alike: the HA part only adds a leadership fence and an elector around the same
 :class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse). A process
 that runs a master sets the collector's policy once it has started (:func:`apply_collector_policy`,
-``collector.py``).
+``kvstore/collector.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvstore.auth import Token
+from kvstore.collector import tune_collector
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore
 from kvstore.master.admin import AdminRunner, AdminSettings, init_app
-from kvstore.master.collector import tune_collector
 from kvstore.master.ha import Elector, HAConfig, Leadership
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
@@ -206,7 +206,7 @@ class Master:
 
 def apply_collector_policy() -> None:
     """Set the collector's policy for a process that runs a master, once it has started
-    (``collector.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
+    (``kvstore/collector.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
     log.debug("froze %d start-up objects", tune_collector())
 
 

@@ -9,7 +9,7 @@ Two kinds of figures:
 * read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
   (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist;
-* the process's garbage collector (``kvstore_gc_*``, ``collector.py``): collections and the time
+* the process's garbage collector (``kvstore_gc_*``, ``kvstore/collector.py``): collections and the time
   they held the event loop, per generation, and the objects frozen at start-up (process-wide
   figures: every master of a process shows the same).
 
@@ -20,7 +20,6 @@ the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,9 +33,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore import protocol
+from kvstore import collector, protocol
 from kvstore.errors import ErrorCode
-from kvstore.master.collector import NUM_GENERATIONS, PAUSES
 from kvstore.master.server import HANDLERS
 from kvstore.master.service import MasterService, ServiceSlot
 
@@ -322,7 +320,7 @@ class _ServiceCollector(Collector):
             "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
         )
         yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
-        yield from _collector_families()
+        yield from collector.metric_families()
         prefix = stats.get("prefix") if isinstance(stats.get("prefix"), dict) else {}
         yield _gauge(
             "kvstore_prefix_match_hit_ratio",
@@ -345,35 +343,6 @@ class _ServiceCollector(Collector):
         yield _gauge(
             "kvstore_prefix_index_blocks", "Blocks in the prefix index", prefix.get("num_blocks", 0)
         )
-
-
-def _collector_families() -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """The process's garbage collector: what :data:`collector.PAUSES` recorded."""
-    families = (
-        CounterMetricFamily(
-            "kvstore_gc_collections", "Garbage collections, by generation", labels=["generation"]
-        ),
-        CounterMetricFamily(
-            "kvstore_gc_pause_seconds",
-            "Seconds garbage collections held the event loop, by generation",
-            labels=["generation"],
-        ),
-        GaugeMetricFamily(
-            "kvstore_gc_longest_pause_seconds",
-            "The longest garbage collection so far, by generation",
-            labels=["generation"],
-        ),
-    )
-    figures = (PAUSES.num_collections, PAUSES.seconds, PAUSES.longest_s)
-    for family, values in zip(families, figures, strict=True):
-        for gen in range(NUM_GENERATIONS):
-            family.add_metric([str(gen)], values[gen])
-        yield family
-    yield _gauge(
-        "kvstore_gc_frozen_objects",
-        "Objects frozen at start-up, out of the collector's sight",
-        gc.get_freeze_count(),
-    )
 
 
 def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import auth, grants
+from kvstore.collector import tune_collector
 from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
 from kvstore.node.admin import NodeAdmin
@@ -221,8 +222,10 @@ def serve_node(master: Address, options: NodeOptions) -> None:
 
 
 def run_until_stopped(node: StorageNode, master_label: str, stop: threading.Event) -> None:
-    """Print the ready line (:func:`~kvstore.processes.ready_line`), serve until ``stop`` (a
-    signal) or retirement, then stop the node."""
+    """Set the daemon's collector policy (:func:`~kvstore.collector.tune_collector`: this is
+    a node's own process), print the ready line (:func:`~kvstore.processes.ready_line`), serve
+    until ``stop`` (a signal) or retirement, then stop the node."""
+    log.debug("froze %d start-up objects", tune_collector())
     host = node.server.host
     admin = (
         {} if node.admin is None else {"admin": f"{node.admin.scheme}://{host}:{node.admin.port}"}

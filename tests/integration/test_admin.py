@@ -353,6 +353,15 @@ def test_node_rest(cluster: Cluster, client: Client) -> None:
     status, text = node_http("GET", "/metrics")
     assert status == 200 and "kvstore_node_writes_total" in text
     assert 'kvstore_node_segment_capacity_bytes{segment="dram",tier="dram"}' in text
+    # A node's own process sets the daemons' collector policy (kvstore/collector.py): start-up
+    # frozen out of the full collections' way, the collections' pauses recorded.
+    frozen = next(
+        float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("kvstore_gc_frozen_objects ")
+    )
+    assert frozen > 1000, "the node's start-up was not frozen"
+    assert 'kvstore_gc_collections_total{generation="2"}' in text
     assert node_http("GET", "/nope")[0] == 404
     assert node_http("POST", "/metrics", {})[0] == 405
 
