@@ -32,6 +32,7 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.transport import WriteItem, checksum
+from kvstore.collector import PausedCollector
 from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
@@ -117,18 +118,19 @@ class Putter:
         # (an answer looked up meanwhile may name the old object; see LocationCache.put_many).
         self._cache.forget(batch.keys)
         todo = list(range(len(batch.keys)))
-        try:
-            for round_ in range(MAX_ROUNDS):
-                if not todo:
-                    break
-                lost = {j: batch.results[j] for j in todo} if round_ else {}
-                todo = self._round(batch, todo)
-                for j, err in lost.items():
-                    # The retry found no other node: the truth is still that the node died.
-                    if isinstance(batch.results[j], NoSpaceError):
-                        batch.results[j] = err
-        finally:
-            self._cache.forget(batch.keys)
+        with PausedCollector():
+            try:
+                for round_ in range(MAX_ROUNDS):
+                    if not todo:
+                        break
+                    lost = {j: batch.results[j] for j in todo} if round_ else {}
+                    todo = self._round(batch, todo)
+                    for j, err in lost.items():
+                        # The retry found no other node: the truth is still that the node died.
+                        if isinstance(batch.results[j], NoSpaceError):
+                            batch.results[j] = err
+            finally:
+                self._cache.forget(batch.keys)
 
     def _round(self, batch: PutBatch, todo: list[int]) -> list[int]:
         """One put_start, the writes, and the commit of keys ``todo`` (of a large plain batch:

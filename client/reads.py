@@ -43,6 +43,7 @@ from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.transport import ReadItem, digest
+from kvstore.collector import PausedCollector
 from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
@@ -247,13 +248,15 @@ class ReadPipeline:
     def get_into(self, keys: list[bytes], dests: list[memoryview]) -> list[int | KVStoreError]:
         """Read each object into its buffer. Returns per key its size or its error."""
         results: list[Any] = [None] * len(keys)
-        self._run(keys, _IntoBuffers(dests), results)
+        with PausedCollector():
+            self._run(keys, _IntoBuffers(dests), results)
         return results
 
     def get(self, keys: list[bytes]) -> list[bytes | KVStoreError]:
         """Read each object into new ``bytes``. Returns per key its bytes or its error."""
         results: list[Any] = [None] * len(keys)
-        self._run(keys, _NewBytes(self._scratch), results)
+        with PausedCollector():
+            self._run(keys, _NewBytes(self._scratch), results)
         return results
 
     def _run(self, keys: list[bytes], target: _Target, results: list[Any]) -> None:
@@ -452,7 +455,7 @@ class ReadPipeline:
             LocatedRead(info, dest)
             for info, dest in zip(found, target.places(ok, found), strict=True)
         ]
-        self.read(reads)
+        self._read(reads)
         for j, rd in zip(ok, reads, strict=True):
             results[j] = rd.result
         target.finish(ok, results)
@@ -466,6 +469,10 @@ class ReadPipeline:
         falls back to the next one; a replica whose bytes fail the check is reported to the
         master once the batch is done (best effort).
         """
+        with PausedCollector():
+            self._read(reads)
+
+    def _read(self, reads: Sequence[LocatedRead]) -> None:
         pending: list[tuple[LocatedRead, int]] = []  # (read, replica number)
         for rd in reads:
             if not rd.info.locations:

@@ -4,6 +4,7 @@ elsewhere, the second phase pinned to the first's epoch, and the location cache 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -213,3 +214,13 @@ def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere
     for i in range(n):
         node = "n1" if i < PUT_CHUNK else "n2"
         assert nodes.stored[(node, b"k%d" % i)] == b"v%d" % i
+
+
+def test_a_put_runs_with_the_collector_paused_and_turns_it_back_on(cache: LocationCache) -> None:
+    assert gc.isenabled()
+    master, nodes = FakeMaster(), FakeNodes()
+    on_in_write: list[bool] = []
+    write = nodes.write
+    nodes.write = lambda items: (on_in_write.append(gc.isenabled()), write(items))[1]  # type: ignore[method-assign]
+    run(master, nodes, batch_of((b"a", b"x" * 10)), cache)
+    assert on_in_write == [False] and gc.isenabled()

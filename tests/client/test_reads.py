@@ -5,6 +5,7 @@ a data read."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KeyNotFoundError,
+    MasterUnavailableError,
     NodeUnavailableError,
 )
 from kvstore.grants import Grant
@@ -317,3 +319,37 @@ def test_a_bulk_reads_answers_are_kept_only_with_lease_reads(
         assert reads.get(keys) == keys and cluster.calls.count("get_locations") == 2
     else:
         assert len(reads._cache) == 0 and sorted(returned) == list(range(1, n + 1))
+
+
+def test_reads_run_with_the_collector_paused_and_leave_it_as_they_found_it(
+    cluster: FakeCluster,
+) -> None:
+    """A data call's per-key records die by reference counting; collections in the middle of
+    it would only promote them (kvstore.collector.PausedCollector)."""
+    assert gc.isenabled()
+    cluster.put(b"a", b"x" * 10)
+    on_in_read: list[bool] = []
+    read = cluster.read
+    cluster.read = lambda items: (on_in_read.append(gc.isenabled()), read(items))[1]  # type: ignore[method-assign]
+    reads, _ = pipeline(cluster)
+    assert reads.get([b"a"]) == [b"x" * 10]
+    assert reads.get_into([b"a"], [memoryview(bytearray(10))]) == [10]
+    located = LocatedRead(cluster.info(b"a"), memoryview(bytearray(10)))
+    reads.read([located])
+    assert located.result == 10
+    assert on_in_read == [False, False, False] and gc.isenabled()
+
+    gc.disable()  # an engine that runs without the collector keeps it off
+    try:
+        reads.get([b"a"])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def master_gone(verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        raise MasterUnavailableError("gone")
+
+    cluster.call = master_gone  # type: ignore[method-assign]
+    with pytest.raises(MasterUnavailableError):
+        reads.get([b"a"])
+    assert gc.isenabled(), "a call that failed left the collector off"
