@@ -9,6 +9,11 @@ Starts a real master and one storage node, each its own process (``kvstore maste
 Prints keys/s of each (best and median round) and, per key, the CPU µs spent in the master, the
 node and the client (from /proc and ``time.process_time``), so a change shows where it saved.
 
+Then the cyclic garbage collector's share: collections and their seconds in each process over
+the timed rounds (the client's through ``gc.callbacks``, master's and node's from their
+``kvstore_gc_*`` metrics). ``--heap N`` first gives the client N live container objects, as an
+engine's heap holds (the client runs inside one): a full collection walks all of them.
+
 ``--profile DIR``: the client runs under cProfile and master and node under py-spy (sampling,
 every thread; attached by PID, stopped with SIGINT so it writes its file); the top entries by
 own time of each are printed and the raw files kept in DIR.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -30,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from kvstore import protocol
 from kvstore.client import Client
@@ -134,13 +142,49 @@ def pyspy_top(path: Path, n: int) -> str:
     return f"  ({total} busy samples)\n" + "\n".join("  " + r for r in rows)
 
 
+class CollectorTime:
+    """A ``gc.callbacks`` hook: collections per generation and their seconds, while counting."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.collections = [0, 0, 0]
+        self.seconds = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if not self.counting:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections[info["generation"]] += 1
+
+
+def gc_metrics(admin: str) -> tuple[float, float] | None:
+    """A daemon's collections and their seconds (all generations) from its ``/metrics``; None
+    where it exports none."""
+    with urllib.request.urlopen(f"{admin}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = {"kvstore_gc_collections_total": 0.0, "kvstore_gc_pause_seconds_total": 0.0}
+    found = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in total:
+            total[name] += float(line.rsplit(" ", 1)[1])
+            found = True
+    return tuple(total.values()) if found else None  # type: ignore[return-value]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--keys", type=int, default=1000)
     ap.add_argument("--size", type=int, default=16)
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--heap", type=int, default=0, help="live objects the client holds")
     args = ap.parse_args()
+    heap = [[i] for i in range(args.heap)]  # noqa: F841 - held for the collector to walk
 
     tmp = tempfile.mkdtemp(prefix="bench-small-")
     master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
@@ -149,9 +193,13 @@ def main() -> int:
     try:
         address = field(mline, "control")
         node, nline = start(
-            ["node", "--master", address, "--port", "0", "--dram", "256MiB", "--data-dir", tmp],
+            [
+                *("node", "--master", address, "--port", "0", "--admin-port", "0"),
+                *("--dram", "256MiB", "--data-dir", tmp),
+            ],
             r"kvstore node ready",
         )
+        admins = {"master": field(mline, "admin"), "node": field(nline, "admin")}
         wait_warm(field(nline, "data"))
         client = Client.connect(address)
         value = bytes(range(256)) * (args.size // 256 + 1)
@@ -175,6 +223,9 @@ def main() -> int:
         put_rates: list[float] = []
         get_rates: list[float] = []
         cpu = collections.Counter[str]()
+        collector = CollectorTime()
+        gc.callbacks.append(collector)
+        daemon_gc = {name: gc_metrics(admin) for name, admin in admins.items()}
         for r in range(args.rounds):
             keys = [f"r{r}/k{i}".encode() for i in range(args.keys)]
             values = [value] * len(keys)
@@ -186,7 +237,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 if prof is not None:
                     prof.enable()
+                collector.counting = True
                 out = fn()
+                collector.counting = False
                 if prof is not None:
                     prof.disable()
                 dt = time.perf_counter() - t0
@@ -202,6 +255,17 @@ def main() -> int:
                 cpu[f"{phase} client"] += c1 - c0
                 cpu[f"{phase} wall"] += dt
         client.close()
+        gc.callbacks.remove(collector)
+        for name, admin in admins.items():
+            before, after = daemon_gc[name], gc_metrics(admin)
+            daemon_gc[name] = (
+                None
+                if before is None or after is None
+                else (
+                    after[0] - before[0],
+                    after[1] - before[1],
+                )
+            )
 
         n = args.rounds * args.keys
         print(f"bench_small: {args.rounds} rounds x {args.keys} keys x {args.size} B, TCP, 1 node")
@@ -216,6 +280,16 @@ def main() -> int:
                 f"| {cpu[f'{p} client'] / n * 1e6:6.1f} |"
             )
         print("(master / node / client: CPU µs per key; /proc tick resolution, 10 ms)")
+        young, middle, full = collector.collections
+        figures = [
+            f"client {young}/{middle}/{full} collections (gen 0/1/2), {collector.seconds:.3f} s"
+            f" ({collector.seconds / (2 * n) * 1e6:.2f} µs a key; heap {args.heap:,} objects)"
+        ]
+        for name, got in daemon_gc.items():
+            figures.append(
+                f"{name} -" if got is None else f"{name} {got[0]:.0f} collections, {got[1]:.3f} s"
+            )
+        print("collector over the timed rounds: " + "; ".join(figures))
 
         if prof is not None:
             for name, spy, out in spies:
