@@ -162,9 +162,11 @@ class PausedCollector:
     Thread-safe: a call that finds the collector off (another call's pause, or the engine's own
     ``gc.disable()``) leaves it as it is. A call turns it back on at its end even while calls of
     other threads still run (they run the rest of the way with it on), so in an engine whose
-    threads keep calls in flight the collector is never off for longer than one call. An engine
-    that turns its collector off (``gc.disable()``) while a call of another thread is in flight
-    may find it on again when that call returns.
+    threads keep calls in flight the collector is never off for longer than one call. A call that
+    waits out its timeouts (a master or node that does not answer) keeps it off that long: the
+    collections are late, no garbage is lost. An engine that turns its collector off
+    (``gc.disable()``) while a call of another thread is in flight may find it on again when
+    that call returns.
     """
 
     __slots__ = ("_mine",)
