@@ -24,7 +24,7 @@ import resource
 import time
 import tracemalloc
 
-from kvstore.collector import tune_collector
+from kvstore.collector import CollectorPauses, tune_collector
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import SegmentSpec
 
@@ -39,25 +39,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * resource.getpagesize()
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-class GcPauses:
-    """The cyclic collector's pauses, timed through ``gc.callbacks``."""
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self.longest_s = 0.0
-        self.num_full = 0
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-            return
-        took = time.perf_counter() - self._t0
-        self.total_s += took
-        self.longest_s = max(self.longest_s, took)
-        self.num_full += info.get("generation") == 2
 
 
 def run(num_objects: int, batch: int, trace: bool, daemon_gc: bool = False) -> dict[str, float]:
@@ -89,7 +70,7 @@ def run(num_objects: int, batch: int, trace: bool, daemon_gc: bool = False) -> d
     gc.collect()
     if daemon_gc:
         tune_collector()
-    pauses = GcPauses()
+    pauses = CollectorPauses()
     gc.callbacks.append(pauses)
     rss0 = _rss_bytes()
     if trace:
@@ -124,9 +105,9 @@ def run(num_objects: int, batch: int, trace: bool, daemon_gc: bool = False) -> d
         "worst_ms": worst * 1000,
         "full_gc_ms": full_gc * 1000,
         "tracked": len(gc.get_objects()),
-        "gc_total_s": pauses.total_s,
-        "gc_longest_ms": pauses.longest_s * 1000,
-        "gc_full": pauses.num_full,
+        "gc_total_s": sum(pauses.seconds),
+        "gc_longest_ms": max(pauses.longest_s) * 1000,
+        "gc_full": pauses.num_collections[2],
     }
 
 

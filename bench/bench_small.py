@@ -38,10 +38,10 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from kvstore import protocol
 from kvstore.client import Client
+from kvstore.collector import CollectorPauses
 from kvstore.processes import parse_ready
 
 READY_TIMEOUT_S = 30.0
@@ -142,25 +142,6 @@ def pyspy_top(path: Path, n: int) -> str:
     return f"  ({total} busy samples)\n" + "\n".join("  " + r for r in rows)
 
 
-class CollectorTime:
-    """A ``gc.callbacks`` hook: collections per generation and their seconds, while counting."""
-
-    def __init__(self) -> None:
-        self.counting = False
-        self.collections = [0, 0, 0]
-        self.seconds = 0.0
-        self._t0 = 0.0
-
-    def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        if not self.counting:
-            return
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._t0
-            self.collections[info["generation"]] += 1
-
-
 def gc_metrics(admin: str) -> tuple[float, float] | None:
     """A daemon's collections and their seconds (all generations) from its ``/metrics``; None
     where it exports none."""
@@ -223,8 +204,7 @@ def main() -> int:
         put_rates: list[float] = []
         get_rates: list[float] = []
         cpu = collections.Counter[str]()
-        collector = CollectorTime()
-        gc.callbacks.append(collector)
+        collector = CollectorPauses()  # the client's, while its calls run
         daemon_gc = {name: gc_metrics(admin) for name, admin in admins.items()}
         for r in range(args.rounds):
             keys = [f"r{r}/k{i}".encode() for i in range(args.keys)]
@@ -237,9 +217,9 @@ def main() -> int:
                 t0 = time.perf_counter()
                 if prof is not None:
                     prof.enable()
-                collector.counting = True
+                gc.callbacks.append(collector)
                 out = fn()
-                collector.counting = False
+                gc.callbacks.remove(collector)
                 if prof is not None:
                     prof.disable()
                 dt = time.perf_counter() - t0
@@ -255,7 +235,6 @@ def main() -> int:
                 cpu[f"{phase} client"] += c1 - c0
                 cpu[f"{phase} wall"] += dt
         client.close()
-        gc.callbacks.remove(collector)
         for name, admin in admins.items():
             before, after = daemon_gc[name], gc_metrics(admin)
             daemon_gc[name] = (
@@ -280,10 +259,11 @@ def main() -> int:
                 f"| {cpu[f'{p} client'] / n * 1e6:6.1f} |"
             )
         print("(master / node / client: CPU µs per key; /proc tick resolution, 10 ms)")
-        young, middle, full = collector.collections
+        young, middle, full = collector.num_collections
+        seconds = sum(collector.seconds)
         figures = [
-            f"client {young}/{middle}/{full} collections (gen 0/1/2), {collector.seconds:.3f} s"
-            f" ({collector.seconds / (2 * n) * 1e6:.2f} µs a key; heap {args.heap:,} objects)"
+            f"client {young}/{middle}/{full} collections (gen 0/1/2), {seconds:.3f} s"
+            f" ({seconds / (2 * n) * 1e6:.2f} µs a key; heap {args.heap:,} objects)"
         ]
         for name, got in daemon_gc.items():
             figures.append(
