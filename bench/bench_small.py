@@ -154,7 +154,9 @@ def gc_metrics(admin: str) -> tuple[float, float] | None:
         if name in total:
             total[name] += float(line.rsplit(" ", 1)[1])
             found = True
-    return tuple(total.values()) if found else None  # type: ignore[return-value]
+    if not found:
+        return None
+    return total["kvstore_gc_collections_total"], total["kvstore_gc_pause_seconds_total"]
 
 
 def main() -> int:
@@ -237,14 +239,8 @@ def main() -> int:
         client.close()
         for name, admin in admins.items():
             before, after = daemon_gc[name], gc_metrics(admin)
-            daemon_gc[name] = (
-                None
-                if before is None or after is None
-                else (
-                    after[0] - before[0],
-                    after[1] - before[1],
-                )
-            )
+            if before is not None and after is not None:
+                daemon_gc[name] = (after[0] - before[0], after[1] - before[1])
 
         n = args.rounds * args.keys
         print(f"bench_small: {args.rounds} rounds x {args.keys} keys x {args.size} B, TCP, 1 node")

@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 #: runs a full collection every few batches (67 while 1M objects were put, 9.4 s of pauses,
 #: the longest 185 ms: bench/bench_master_memory.py); at 10,000 they die young (1 full
 #: collection, 0.44 s in all, the longest 80 ms; put time 23.8 s -> 11.3 s, as with gc off).
-#: A node's write request keeps its items' claims and manifest records alive the same way: with
-#: CPython's defaults, 40 batches of 1,000 puts and 1,000 gets ran 4 full collections of ~50 ms
-#: each on the node's data threads (0.18 s in all); with this policy none (0.035 s in all:
-#: bench/bench_small.py --keys 1000 --size 16 --rounds 40).
+#: A node's write request keeps its items' claims and manifest records alive the same way: in
+#: bench/bench_small.py --keys 1000 --size 16 --rounds 40, with CPython's defaults, the node ran
+#: 4 full collections of ~50 ms each on its data threads (0.18 s in all, timed with
+#: gc.callbacks); with this policy none (0.035 s in all).
 YOUNG_GC_THRESHOLD = 10_000
 
 #: A collection that holds the loop longer than this is logged (at debug level).
@@ -99,11 +99,11 @@ def tune_collector() -> int:
     Why freeze (``gc.freeze``): a full collection walks every object the collector tracks.
     The master's object table tracks almost nothing (``table.py``), so the ~50,000 modules,
     classes and functions loaded at start-up are most of each full collection's work (~11 ms
-    each time) for objects that live as long as the process. ``gc.collect()`` runs first, so nothing that
-    is already garbage is frozen (frozen cyclic garbage is never collected); what start-up
-    created and a later term's fresh ``MasterService`` drops is freed by reference counting, so
-    at worst a cycle among those stays, once, never growing. Call it once, after start-up, in
-    every process that runs a master or a node.
+    each time) for objects that live as long as the process. ``gc.collect()`` runs first, so
+    nothing that is already garbage is frozen (frozen cyclic garbage is never collected); what
+    start-up created and a later term's fresh ``MasterService`` drops is freed by reference
+    counting, so at worst a cycle among those stays, once, never growing. Call it once, after
+    start-up, in every process that runs a master or a node.
 
     Returns:
         How many objects were frozen.
@@ -154,10 +154,11 @@ class PausedCollector:
     answer, its replicas and grants, the read items), all freed by reference counting when
     the call is done and none in a cycle. Collections in the middle of the call find them alive
     and promote them, and the promotions then start full collections of the engine's whole
-    heap: in a client reading batches of 1,000 distinct 16 B keys, 3,729 young and 31 full
-    collections (~12 ms each) held 0.63 s of 3.1 s of CPU, 2.6 µs a key (client CPU 12.9 ->
-    9.6 µs a key with the collector off for the calls: bench/bench_small.py). The collections
-    due meanwhile run at the next allocation after the call: deferred by one call, not skipped.
+    heap. ``bench/bench_small.py --keys 1000 --size 16 --rounds 40 --heap 2000000`` (a client
+    holding 2M objects, as an engine does): without the pause 1,283 young, 116 middle and 1 full
+    collections in its calls, ~3 µs a key, and 15-16 µs of client CPU a get; with it, 9-10 µs.
+    The collections due meanwhile run at the next allocation after the call: deferred by one
+    call, not skipped.
 
     Thread-safe: a call that finds the collector off (another call's pause, or the engine's own
     ``gc.disable()``) leaves it as it is. A call turns it back on at its end even while calls of
