@@ -159,6 +159,15 @@ def gc_metrics(admin: str) -> tuple[float, float] | None:
     return total["kvstore_gc_collections_total"], total["kvstore_gc_pause_seconds_total"]
 
 
+def gc_used(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> tuple[float, float] | None:
+    """Collections and seconds between two :func:`gc_metrics` readings (None: either had none)."""
+    if before is None or after is None:
+        return None
+    return after[0] - before[0], after[1] - before[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=10)
@@ -207,7 +216,7 @@ def main() -> int:
         get_rates: list[float] = []
         cpu = collections.Counter[str]()
         collector = CollectorPauses()  # the client's, while its calls run
-        daemon_gc = {name: gc_metrics(admin) for name, admin in admins.items()}
+        gc_before = {name: gc_metrics(admin) for name, admin in admins.items()}
         for r in range(args.rounds):
             keys = [f"r{r}/k{i}".encode() for i in range(args.keys)]
             values = [value] * len(keys)
@@ -237,10 +246,7 @@ def main() -> int:
                 cpu[f"{phase} client"] += c1 - c0
                 cpu[f"{phase} wall"] += dt
         client.close()
-        for name, admin in admins.items():
-            before, after = daemon_gc[name], gc_metrics(admin)
-            if before is not None and after is not None:
-                daemon_gc[name] = (after[0] - before[0], after[1] - before[1])
+        daemon_gc = {name: gc_used(gc_before[name], gc_metrics(a)) for name, a in admins.items()}
 
         n = args.rounds * args.keys
         print(f"bench_small: {args.rounds} rounds x {args.keys} keys x {args.size} B, TCP, 1 node")
