@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvstore import auth, rdma
+from kvstore import auth, grants, rdma
 from kvstore.buffers import Segments
 from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
@@ -181,5 +181,5 @@ class DataPath:
             self.tcp.write(rest)
 
 
-def _commit_args(item: WriteItem) -> list[Any]:
-    return [item.location.grant.to_wire(), item.checksum]
+def _commit_args(item: WriteItem, refs: grants.GrantRefs) -> list[Any]:
+    return [refs.wire(item.location.grant), item.checksum]

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstore import grants
 from kvstore.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
@@ -179,6 +180,7 @@ class Putter:
             "keys": [batch.keys[j] for j in todo],
             "sizes": [len(batch.views[j]) for j in todo],
             "exclude": batch.excluded,
+            "batch_grants": True,  # one write grant per node (kvstore.grants)
         }
         if batch.replicas != 1:
             start["replicas"] = batch.replicas
@@ -198,12 +200,13 @@ class Putter:
         """
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
+        reader = grants.GrantReader(grants.open_batch_unverified, check=True)
         for j, r in zip(todo, reply, strict=True):
             err, payload = result_from_wire(r)
             if err is not None:
                 batch.results[j] = err
                 continue
-            ticket = PutTicket.from_wire(payload)
+            ticket = PutTicket.from_wire(payload, reader)
             tickets.append((j, ticket))
             for loc in ticket.locations:
                 writes.append(WriteItem(loc, batch.views[j], batch.sums[j]))

@@ -270,9 +270,10 @@ class TcpTransport:
         """Write each item's bytes to its location; sets ``item.result`` on failure."""
         exchanges = _by_node(items)
         for ex in exchanges.values():
+            refs = grants.GrantRefs()  # a batch grant travels once per request
             args = {
                 "items": [
-                    [i.location.grant.to_wire(), 0, len(i.data), i.checksum] for i in ex.items
+                    [refs.wire(i.location.grant), 0, len(i.data), i.checksum] for i in ex.items
                 ]
             }
             self._send(ex, "write", args, [p for i in ex.items for p in payload_parts(i.data)])
@@ -288,13 +289,18 @@ class TcpTransport:
 
     # -------------------------------------------------------------- small per-item calls
     def call_per_node(
-        self, verb: str, items: Sequence[WriteItem], item_args: Callable[[WriteItem], Any]
+        self,
+        verb: str,
+        items: Sequence[WriteItem],
+        item_args: Callable[[WriteItem, grants.GrantRefs], Any],
     ) -> None:
-        """One ``verb`` request per node carrying ``item_args(item)`` per item, no payload;
+        """One ``verb`` request per node carrying ``item_args(item, refs)`` per item, no
+        payload (``refs``: the request's writer of grants, :class:`~kvstore.grants.GrantRefs`);
         sets each ``item.result`` (None on success), all nodes in flight together."""
         exchanges = _by_node(items)
         for ex in exchanges.values():
-            self._send(ex, verb, {"items": [item_args(i) for i in ex.items]}, ())
+            refs = grants.GrantRefs()
+            self._send(ex, verb, {"items": [item_args(i, refs) for i in ex.items]}, ())
         for ex in exchanges.values():
             results = self._receive(ex)
             if results is None:

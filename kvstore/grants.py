@@ -7,13 +7,14 @@ node recomputes the signature before it touches its arena, and checks every requ
 against the granted ``[offset, offset + size)``. So no request can read or write bytes the master
 did not grant, and the node needs no round trip to the master to know it.
 
-A **batch grant** reads many objects of one node under one signature: ``[op, expires_ms, items,
-signature]`` where ``items`` is the msgpack encoding of ``[[key, segment, offset, size], ...]``
-and the signature covers a tag, the op, the expiry and those bytes. The master answers a
-``get_locations`` batch with one per node (asked for with ``batch_grants``), so it signs, the
-client decodes and the node verifies once per batch instead of once per key: the per-key grant
-was the largest per-key cost of a small read in all three processes. In a message a grant takes
-one of three wire forms, read in order:
+A **batch grant** reads or writes many objects of one node under one signature: ``[op,
+expires_ms, items, signature]`` where ``items`` is the msgpack encoding of ``[[key, segment,
+offset, size], ...]`` and the signature covers a tag, the op, the expiry and those bytes. The
+master answers a ``get_locations`` batch with one read grant per node, and a ``put_start`` batch
+with one write grant per node and claim stamp (both asked for with ``batch_grants``), so it
+signs, the client decodes and the node verifies once per batch instead of once per key: the
+per-key grant was the largest per-key cost of a small read in all three processes. In a message
+a grant takes one of three wire forms, read in order:
 
 - ``[op, key, segment, offset, size, expires_ms, signature]``: a one-key grant;
 - ``[slot, index, batch]``: item ``index`` of ``batch`` (a batch grant's wire form), which is
@@ -22,7 +23,9 @@ one of three wire forms, read in order:
 
 :class:`GrantBatcher` writes the master's, :class:`GrantRefs` a client's request to a node, and
 :class:`GrantReader` reads them (the node verifying each batch, memoised like one-key grants).
-Batch grants are read grants only: the write verbs take one-key grants.
+A write grant's expiry is also its claim stamp (see :class:`WriteClaims`), so a write batch holds
+the items of one node with one stamp; its items share the signature, and a claim is named by the
+signature with its range (the master never grants overlapping ranges in one answer).
 """
 
 from __future__ import annotations
@@ -417,27 +420,35 @@ class GrantRefs:
 
 
 class GrantBatcher:
-    """Builds the master's answer's batch grants: one per node for ``op`` until ``expires_ms``.
+    """Builds the master's answer's batch grants for ``op``: one per node and expiry.
 
-    :meth:`ref` gives an extent's reference as it goes (the first of each node's batch is the
-    one that will carry it); :meth:`sign` then signs each batch into its first reference.
+    :meth:`ref` gives an extent's reference as it goes (the first of each batch is the one that
+    will carry it); :meth:`sign` then signs each batch into its first reference.
     """
 
-    __slots__ = ("op", "expires_ms", "_batches")
+    __slots__ = ("op", "_batches")
 
-    def __init__(self, op: str, expires_ms: int) -> None:
+    def __init__(self, op: str) -> None:
         self.op = op
-        self.expires_ms = expires_ms
-        # node id -> (its secret, its items, its first reference)
-        self._batches: dict[str, tuple[bytes, list[list[Any]], list[Any]]] = {}
+        # (node id, expiry) -> (its secret, its items, its first reference)
+        self._batches: dict[tuple[str, int], tuple[bytes, list[list[Any]], list[Any]]] = {}
 
     def ref(
-        self, node_id: str, secret: bytes, key: bytes, segment: str, offset: int, size: int
+        self,
+        node_id: str,
+        secret: bytes,
+        key: bytes,
+        segment: str,
+        offset: int,
+        size: int,
+        expires_ms: int,
     ) -> list[Any]:
-        batch = self._batches.get(node_id)
+        """The reference of ``op`` on ``[offset, offset + size)`` of ``segment`` on ``node_id``
+        until ``expires_ms``, an item of the batch of that node and expiry."""
+        batch = self._batches.get((node_id, expires_ms))
         if batch is None:
             first = [len(self._batches), 0]
-            self._batches[node_id] = (secret, [[key, segment, offset, size]], first)
+            self._batches[node_id, expires_ms] = (secret, [[key, segment, offset, size]], first)
             return first
         items = batch[1]
         items.append([key, segment, offset, size])
@@ -445,8 +456,8 @@ class GrantBatcher:
 
     def sign(self) -> None:
         """Sign every batch into its first reference (call once, after the last :meth:`ref`)."""
-        for secret, items, first in self._batches.values():
-            first.append(sign_batch(secret, self.op, self.expires_ms, items))
+        for (_, expires_ms), (secret, items, first) in self._batches.items():
+            first.append(sign_batch(secret, self.op, expires_ms, items))
 
 
 # --------------------------------------------------------------------------- write claims
@@ -547,7 +558,8 @@ class WriteClaims:
         stream: WriteStream | None = None,
     ) -> _Claim:
         """Claim ``[start, end)`` of ``segment`` for a writer whose allocation is ordered by
-        ``stamp`` (a grant's expiry) and named by ``signature``; see :meth:`begin`.
+        ``stamp`` (a grant's expiry) and named by ``signature`` with the range (the members of
+        a batch grant share its signature); see :meth:`begin`.
 
         Raises:
             GrantInvalidError, KVTimeoutError: as :meth:`begin`.

@@ -68,13 +68,15 @@ class PutTicket:
         return [self.put_id, _locations_to_wire(self.locations)]
 
     @staticmethod
-    def from_wire(obj: Any) -> PutTicket:
-        """Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
+    def from_wire(obj: Any, reader: GrantReader | None = None) -> PutTicket:
+        """``reader``: as :meth:`Location.from_wire`.
+
+        Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
         if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not int:
             raise ProtocolError("put ticket must be [put_id: int, locations]")
         if type(obj[1]) is not list:
             raise ProtocolError("a put ticket's locations must be a list")
-        return PutTicket(obj[0], [Location.from_wire(x) for x in obj[1]])
+        return PutTicket(obj[0], [Location.from_wire(x, reader) for x in obj[1]])
 
 
 @dataclass(slots=True)

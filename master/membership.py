@@ -399,14 +399,20 @@ class Membership:
         self, batcher: grants.GrantBatcher, replica: Replica, key: bytes, op: str, expires_ms: int
     ) -> list[object]:
         """:meth:`location_wire` with the grant a reference into ``batcher``'s batch grant for
-        the replica's node (``op`` and ``expires_ms`` are the batcher's).
+        the replica's node and ``expires_ms`` (``op`` is the batcher's).
 
         Raises:
             KeyError: the replica's node is not registered.
         """
         node = self.nodes[replica.node_id]
         ref = batcher.ref(
-            node.node_id, node.secret, key, replica.segment, replica.offset, replica.size
+            node.node_id,
+            node.secret,
+            key,
+            replica.segment,
+            replica.offset,
+            replica.size,
+            expires_ms,
         )
         return [node.node_id, node.host, node.port, ref]
 

@@ -137,7 +137,8 @@ class Puts:
         place: Place,
         replicas: int = 1,
         kv_blocks: bool = False,
-    ) -> list[PutTicket | KVStoreError]:
+        batcher: grants.GrantBatcher | None = None,
+    ) -> list[PutTicket | list[Any] | KVStoreError]:
         """Allocate room for each key; the client then writes the bytes straight to the node.
 
         Args:
@@ -146,9 +147,12 @@ class Puts:
             kv_blocks: the KV-cache layer is writing: keys under ``kv/`` and ``kvmeta/`` are
                 allowed, and one that is already stored gets ``ObjectExistsError`` (blocks are
                 immutable: the prefix index may be serving it).
+            batcher: a write :class:`~kvstore.grants.GrantBatcher`: each ticket comes in its
+                wire form, its grants references to the batch grants (signed here, at the end).
 
         Returns:
-            Per key, a ticket (put id and where to write) or the error for that key.
+            Per key, a ticket (put id and where to write; a wire form with ``batcher``) or the
+            error for that key.
 
         Raises:
             InvalidRequestError: a malformed batch or replica count.
@@ -158,7 +162,7 @@ class Puts:
             raise InvalidRequestError("keys and sizes differ in length")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
             raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
-        results: list[PutTicket | KVStoreError] = []
+        results: list[PutTicket | list[Any] | KVStoreError] = []
         # Once per batch: the grants' expiry base (each allocation's claim stamp is still
         # ordered after every claim on its bytes, see Segment.claim_stamp).
         base = self.space.claim_base()
@@ -171,14 +175,22 @@ class Puts:
                         )
                     if key in self.objects:
                         raise ObjectExistsError("this KV block is already stored")
-                results.append(self._start_one(key, size, replicas, place, base))
+                results.append(self._start_one(key, size, replicas, place, base, batcher))
             except KVStoreError as err:
                 results.append(err)
+        if batcher is not None:
+            batcher.sign()
         return results
 
     def _start_one(
-        self, key: bytes, size: int, num_replicas: int, place: Place, base: int
-    ) -> PutTicket:
+        self,
+        key: bytes,
+        size: int,
+        num_replicas: int,
+        place: Place,
+        base: int,
+        batcher: grants.GrantBatcher | None,
+    ) -> PutTicket | list[Any]:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
         if size > self.config.max_object_bytes:
@@ -203,6 +215,9 @@ class Puts:
         deadline = self.clock() + self.config.put_timeout_s
         self.pending[put_id] = sum(placed, (key, size, deadline, num_replicas))
         self.pending_by_key[key] = put_id
+        if batcher is not None:
+            ref = self.membership.location_ref
+            return [put_id, [ref(batcher, r, key, grants.OP_WRITE, expires) for r in placed]]
         location = self.membership.location
         return PutTicket(put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
 

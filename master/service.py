@@ -350,7 +350,27 @@ class MasterService:
             InvalidRequestError: a malformed batch or replica count.
         """
         place = self.tiering.placer(set(exclude_nodes))
-        return self.puts.start(keys, sizes, place, replicas, kv_blocks)
+        return self.puts.start(keys, sizes, place, replicas, kv_blocks)  # type: ignore[return-value]
+
+    def put_start_wire(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        exclude_nodes: Iterable[str] = (),
+        replicas: int = 1,
+        kv_blocks: bool = False,
+    ) -> list[list[Any] | KVStoreError]:
+        """:meth:`put_start` with each ticket in its wire form (``PutTicket.to_wire``) and its
+        write grants batched: one per node and claim stamp for the whole answer, each replica's
+        grant a reference to it (see :mod:`kvstore.grants`), so the master signs, the client
+        reads and the node verifies one grant a batch instead of one a key.
+
+        Raises:
+            InvalidRequestError: a malformed batch or replica count.
+        """
+        place = self.tiering.placer(set(exclude_nodes))
+        batcher = grants.GrantBatcher(grants.OP_WRITE)
+        return self.puts.start(keys, sizes, place, replicas, kv_blocks, batcher)  # type: ignore[return-value]
 
     def put_end(
         self, put_ids: Sequence[int], checksums: Sequence[int]
@@ -404,7 +424,7 @@ class MasterService:
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
         found = [self.objects.get(key) for key in keys]
-        batcher = grants.GrantBatcher(grants.OP_READ, expires) if batch_grants else None
+        batcher = grants.GrantBatcher(grants.OP_READ) if batch_grants else None
         if batcher is not None:
             location = functools.partial(self.membership.location_ref, batcher)
         else:

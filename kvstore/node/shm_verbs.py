@@ -9,6 +9,7 @@ commit the put at the master (``put_end``). So a write through shared memory is 
 checksummed and committed exactly like one over TCP.
 
 ``shm_commit``  ``{"items": [[grant, checksum], ...]}`` → per item ``[code, None | message]``
+(a grant one-key or a reference to a batch grant given earlier in the items: ``kvstore.grants``)
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> VerbHandler:
         ):
             raise InvalidRequestError(f"{req.verb} takes items: [[grant, checksum], ...]")
         results: list[Any] = []
+        reader = server.grant_reader(grants.OP_WRITE)
         for grant_wire, checksum in items:
             try:
-                grant, view = server.granted_view(grant_wire, grants.OP_WRITE)
+                grant, view = server.granted_view(grant_wire, grants.OP_WRITE, reader=reader)
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
                 # The range must still belong to this grant's allocation (and any older write

@@ -1,7 +1,7 @@
 """The data server's own verbs: ``write``, ``read``, ``ping``, ``manifest`` and ``stats``.
 
 ``write``  ``{"items": [[grant, start, length, checksum], ...]}`` + payload (the items' bytes,
-           concatenated) → per item ``[code, None | message]``
+           concatenated) → per item ``[code, None | message]``; a grant as in ``read``
 ``read``   ``{"items": [[grant, ranges | None], ...]}`` → per item ``[code, length | message]``
            + payload (the valid items' ranges, concatenated); a grant is one-key or a
            reference to a batch grant given earlier in the items (``kvstore.grants``)
@@ -89,12 +89,16 @@ def write(
     # its claims released) when the request is over.
     stream = grants.WriteStream(fs.sock)
     now = server.clock_ms()
+    reader = server.grant_reader(grants.OP_WRITE)
     plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
     wanted: list[tuple[grants.Grant, bool, grants.WriteStream | None]] = []
     for grant_wire, start, length, checksum in items:
         try:
-            # Write grants are used once: not worth a place in the memo of verified grants.
-            grant = server.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
+            grant = reader.resolve(grant_wire)
+            if grant is None:
+                # One-key write grants are used once: not worth a place in the memo of
+                # verified grants.
+                grant = server.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
             view = server.granted_bytes(grant)
             if view is None:  # a tier without memory to write into: whole objects only
                 if start != 0 or length != grant.size:

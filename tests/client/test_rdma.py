@@ -399,7 +399,7 @@ def test_loopback_write_commit_and_read(loopback) -> None:
     assert bytes(loopback.arena.view[4096 : 4096 + 5000]) == value.tobytes()  # one-sided
     assert len(loopback.server.manifest) == 0  # not committed yet
     loopback.tcp().call_per_node(
-        "rdma_commit", placed, lambda i: [i.location.grant.to_wire(), i.checksum]
+        "rdma_commit", placed, lambda i, refs: [refs.wire(i.location.grant), i.checksum]
     )
     assert w.result is None and len(loopback.server.manifest) == 1
     dest = np.zeros(5000, dtype=np.uint8)
@@ -420,7 +420,7 @@ def test_loopback_commit_checks_the_checksum(loopback) -> None:
     w = WriteItem(loopback.loc(grants.OP_WRITE, 0, 100), value, checksum=12345)
     placed, _ = t.write([w])
     loopback.tcp().call_per_node(
-        "rdma_commit", placed, lambda i: [i.location.grant.to_wire(), i.checksum]
+        "rdma_commit", placed, lambda i, refs: [refs.wire(i.location.grant), i.checksum]
     )
     assert isinstance(w.result, ChecksumMismatchError) and len(loopback.server.manifest) == 0
 

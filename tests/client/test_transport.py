@@ -332,11 +332,11 @@ def test_a_pooled_connection_the_node_closed_is_not_used(
     t = TcpTransport(timeout=WAIT_S)
     try:
         items = [WriteItem(node.location(4), memoryview(b"abcd"), 0)]
-        t.call_per_node("commit", items, lambda i: [i.location.grant.to_wire()])
+        t.call_per_node("commit", items, lambda i, refs: [refs.wire(i.location.grant)])
         assert items[0].result is None
         assert node.closed.acquire(timeout=WAIT_S), "the node did not hang up"
         for _ in range(3):
-            t.call_per_node("commit", items, lambda i: [i.location.grant.to_wire()])
+            t.call_per_node("commit", items, lambda i, refs: [refs.wire(i.location.grant)])
             assert items[0].result is None, items[0].result
             assert node.closed.acquire(timeout=WAIT_S)
         assert [r.verb for r in node.requests] == ["commit"] * 4
@@ -450,7 +450,7 @@ def test_a_per_item_call_answered_with_a_payload_is_refused(
     t = TcpTransport(timeout=WAIT_S)
     try:
         items = [WriteItem(node.location(4), memoryview(b"abcd"), 0)]
-        t.call_per_node("commit", items, lambda i: [])
+        t.call_per_node("commit", items, lambda i, refs: [])
         assert isinstance(items[0].result, ProtocolError)
         assert node.closed.acquire(timeout=WAIT_S)
     finally:
@@ -464,7 +464,7 @@ def test_per_item_call_results_map_to_their_items(
     t = TcpTransport(timeout=WAIT_S)
     try:
         items = [WriteItem(node.location(4, b"k%d" % i), memoryview(b"abcd"), i) for i in range(2)]
-        t.call_per_node("commit", items, lambda i: [i.checksum])
+        t.call_per_node("commit", items, lambda i, refs: [i.checksum])
         assert items[0].result is None
         assert items[1].result is not None and items[1].result.code == ErrorCode.CHECKSUM_MISMATCH
         assert node.requests[0].args == {"items": [[0], [1]]}

@@ -352,3 +352,48 @@ def test_references_are_read_in_order_and_a_bad_batch_fails_only_its_own() -> No
         grants.GrantReader(grants.open_batch_unverified, check=True).resolve([0, 0, bad])
     with pytest.raises(AssertionError):
         members[0].to_wire()  # type: ignore[union-attr]
+
+
+def test_the_batcher_signs_one_batch_per_node_and_expiry() -> None:
+    batcher = grants.GrantBatcher(grants.OP_WRITE)
+    other = b"o" * 32
+    refs = [
+        batcher.ref("n1", SECRET, b"a", "dram", 0, 8, 2000),
+        batcher.ref("n2", other, b"b", "dram", 0, 8, 2000),
+        batcher.ref("n1", SECRET, b"c", "dram", 64, 8, 3000),  # a later claim stamp
+        batcher.ref("n1", SECRET, b"d", "dram", 128, 8, 2000),
+    ]
+    batcher.sign()
+    assert [len(r) for r in refs] == [3, 3, 3, 2]  # three batches, each carried by its first
+    assert refs[3][0] == refs[0][0]
+    secrets = [SECRET, other, SECRET]
+    got = []
+    for ref in refs:
+        secret = secrets[ref[0]]
+        node = grants.VerifiedGrants(secret)
+        reader = grants.GrantReader(
+            lambda b, node=node: node.check_batch(b, grants.OP_WRITE, 1000), check=False
+        )
+        wire = ref if len(ref) == 3 else [ref[0], ref[1], refs[ref[0]][2]]
+        got.append(reader.resolve(wire))
+    assert [(g.key, g.offset, g.expires_ms) for g in got] == [
+        (b"a", 0, 2000),
+        (b"b", 0, 2000),
+        (b"c", 64, 3000),
+        (b"d", 128, 2000),
+    ]
+
+
+def test_claims_tell_apart_the_members_of_one_write_batch() -> None:
+    """Members of a batch share its signature: a claim is named by the signature and range."""
+    claims = grants.WriteClaims(lambda: 0)
+    batch = grants.open_batch_unverified(_batch(grants.OP_WRITE))
+    first, second = batch.grant(0, check=False), batch.grant(1, check=False)
+    assert first.signature == second.signature
+    a = claims.begin(first, None)
+    claims.end(a, None, complete=True)
+    b = claims.begin(second, None)  # another member: its own range, its own claim
+    claims.end(b, None, complete=True)
+    for used in (first, second):
+        with pytest.raises(GrantInvalidError, match="already used"):
+            claims.begin(used, None)

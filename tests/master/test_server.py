@@ -19,6 +19,7 @@ from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, tokens_to_wire
 from kvstore.master.prefix import MAX_PROMPT_BLOCKS
+from kvstore.master.puts import PendingPut
 from kvstore.master.server import (
     _PACK,
     CHUNK_ITEMS,
@@ -28,7 +29,7 @@ from kvstore.master.server import (
     dispatch_bounded,
 )
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
-from kvstore.types import ObjectInfo, SegmentSpec
+from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 from tests.support import wait_until
 
 NS = Namespace(model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=8, block_size=1)
@@ -96,6 +97,40 @@ def test_chunked_batches_answer_like_unchunked_ones(live: Live) -> None:
     assert [reader.resolve(w).key for w in wires] == keys[:-1]
     with pytest.raises(InvalidRequestError, match="batch_grants"):
         conn.call("get_locations", {"keys": keys[:1], "batch_grants": 1})
+
+
+def test_chunked_put_starts_batch_their_write_grants_per_chunk(live: Live) -> None:
+    conn = live.connect()
+    n = CHUNK_ITEMS * 2 + 3
+    keys = [b"w%d" % i for i in range(n)] + [b""]  # the last one is a bad key: its own error
+    reply = conn.call("put_start", {"keys": keys, "sizes": [8] * len(keys), "batch_grants": True})
+    assert all(r[0] == 0 for r in reply[:-1]) and reply[-1][0] != 0
+    # The client's reading of the answer: every ticket's grant is its own key's extent.
+    reader = grants.GrantReader(grants.open_batch_unverified, check=True)
+    tickets = [PutTicket.from_wire(r[1], reader) for r in reply[:-1]]
+    assert [t.locations[0].grant.key for t in tickets] == keys[:-1]
+    placed = [PendingPut.of(t.put_id, live.svc.puts.pending[t.put_id]).replicas[0] for t in tickets]
+    for t, r in zip(tickets, placed, strict=True):
+        g = t.locations[0].grant
+        assert (g.op, g.segment, g.offset, g.size, g.expires_ms) == (
+            "w",
+            "dram0",
+            r.offset,
+            8,
+            r.stamp,
+        )
+    # The node's: one batch per chunk, each verified once, every key's write grant in order.
+    node = grants.VerifiedGrants(b"s" * 32)
+    verified = grants.GrantReader(
+        lambda b: node.check_batch(b, grants.OP_WRITE, int(time.time() * 1000)), check=False
+    )
+    wires = [r[1][1][0][3] for r in reply[:-1]]
+    assert sum(len(w) == 3 for w in wires) == 3  # one batch per chunk of CHUNK_ITEMS
+    assert [verified.resolve(w).offset for w in wires] == [r.offset for r in placed]
+    ids = [t.put_id for t in tickets]
+    assert conn.call("put_end", {"put_ids": ids, "checksums": [1] * n}) == [[0, None]] * n
+    with pytest.raises(InvalidRequestError, match="batch_grants"):
+        conn.call("put_start", {"keys": [b"x"], "sizes": [8], "batch_grants": "yes"})
 
 
 def test_a_bad_item_anywhere_in_a_chunked_batch_changes_nothing(live: Live) -> None:

@@ -11,11 +11,13 @@ from kvstore import grants
 from kvstore.errors import (
     InvalidRequestError,
     KeyNotFoundError,
+    KVStoreError,
     NodeUnavailableError,
     NoSpaceError,
     ObjectBusyError,
     PutNotFoundError,
 )
+from kvstore.master.puts import PendingPut
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec, result_to_wire
 from tests.master.fakes import FakeClock
@@ -54,6 +56,37 @@ def test_two_phase_put_is_invisible_until_put_end(svc: MasterService) -> None:
     loc = info.locations[0]
     node = svc.nodes[loc.node_id]
     grants.verify(node.secret, loc.grant, grants.OP_READ, svc.wall_ms())
+
+
+def test_put_start_wire_batches_write_grants_per_node_and_claim_stamp(
+    svc: MasterService,
+) -> None:
+    # n2's bytes were last freed under a later claim: its allocations get a later stamp.
+    floor = svc.space.claim_base() + 60_000
+    svc.nodes["n2"].segments["dram"].reuse_floor = floor
+    keys = [b"a", b"b", b"c"]
+    answers = svc.put_start_wire(keys, [10, 20, 30], replicas=2)
+    assert not any(isinstance(a, KVStoreError) for a in answers)
+    refs = [loc[3] for a in answers for loc in a[1]]  # type: ignore[index]
+    assert sum(len(r) == 3 for r in refs) == 2  # one batch per node (each with its own stamp)
+    # Each node verifies its own batch with its secret, and every grant is its allocation's.
+    secrets = {"n1": b"a" * 32, "n2": b"b" * 32}
+    for a, key in zip(answers, keys, strict=True):
+        put = PendingPut.of(a[0], svc.puts.pending[a[0]])  # type: ignore[index]
+        for loc, r in zip(a[1], put.replicas, strict=True):  # type: ignore[index]
+            node = grants.VerifiedGrants(secrets[loc[0]])
+            batch = node.check_batch(
+                next(x[2] for x in refs if len(x) == 3 and x[0] == loc[3][0]),
+                grants.OP_WRITE,
+                svc.wall_ms(),
+            )
+            g = batch.grant(loc[3][1], check=False)
+            assert (g.key, g.segment, g.offset, g.size) == (key, r.segment, r.offset, put.size)
+            # An object's replicas share one stamp, after every claim on any of their bytes.
+            assert g.expires_ms == r.stamp == floor + 1
+    ids = [a[0] for a in answers]  # type: ignore[index]
+    assert svc.put_end(ids, [1, 2, 3]) == [None] * 3
+    assert svc.exists(keys) == [True] * 3
 
 
 def test_second_put_of_a_pending_key_is_busy_and_revoke_frees(svc: MasterService) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvstore import grants, protocol
 from kvstore.errors import (
@@ -95,7 +96,7 @@ def test_granted_views_in_place_and_through_a_tier(server: DataServer) -> None:
         server.granted_view(grant(grants.OP_READ, "hbm", 0, 4), grants.OP_READ)
 
 
-def test_a_read_takes_batch_grants_by_reference_and_writes_refuse_them(
+def test_a_read_takes_batch_grants_by_reference_and_a_write_refuses_a_read_batch(
     server: DataServer, conn: protocol.FramedSocket
 ) -> None:
     server.tiers["dram"].in_place(0, 12)[:] = b"abcdefghijkl"
@@ -120,9 +121,39 @@ def test_a_read_takes_batch_grants_by_reference_and_writes_refuse_them(
     body = memoryview(bytearray(payload))
     conn.recv_into(body)
     assert bytes(body) == b"ijkl" + b"bc" + b"ijkl"
-    # A batch grant reads only: a write takes one-key grants.
-    wbatch = grants.sign_batch(server.secret, grants.OP_WRITE, 2**62, items)
-    conn.send_request("write", {"items": [[[0, 0, wbatch], 0, 4, 0]]}, [b"EVIL"])
+    # A read batch grant writes nothing.
+    conn.send_request("write", {"items": [[[0, 0, batch], 0, 4, 0]]}, [b"EVIL"])
     response, _ = conn.read_response()
     assert response.unwrap()[0][0] == bad
     assert bytes(server.tiers["dram"].in_place(0, 4)) == b"abcd"
+
+
+def test_a_write_takes_write_batch_grants_by_reference_each_item_once(
+    server: DataServer, conn: protocol.FramedSocket
+) -> None:
+    items = [[b"w%d" % i, "dram", 4 * i, 4] for i in range(3)]
+    wbatch = grants.sign_batch(server.secret, grants.OP_WRITE, 2**62, items)
+    forged = list(wbatch)
+    forged[2] = grants.sign_batch(b"x" * 32, grants.OP_WRITE, 2**62, [[b"w", "dram", 0, 12]])[2]
+    a, c = xxhash.xxh3_64_intdigest(b"AAAA"), xxhash.xxh3_64_intdigest(b"CCCC")
+    req = [
+        [[0, 0, wbatch], 0, 4, a],
+        [[0, 2], 0, 4, c],
+        [[1, 0, forged], 0, 4, a],  # its items changed: the signature no longer covers them
+        [[0, 0], 0, 4, a],  # item 0 again: a write grant is used once
+        [[0, 7], 0, 4, a],  # no such item
+    ]
+    conn.send_request("write", {"items": req}, [b"AAAA", b"CCCC", b"EVIL", b"BAD!", b"BAD!"])
+    response, _ = conn.read_response()
+    bad = int(GrantInvalidError.code)
+    assert [r[0] for r in response.unwrap()] == [0, 0, bad, bad, bad]
+    assert bytes(server.tiers["dram"].in_place(0, 12))[:4] == b"AAAA"
+    assert bytes(server.tiers["dram"].in_place(8, 4)) == b"CCCC"
+    assert {(o.key, o.offset) for o in server.manifest.objects()} >= {
+        (b"w0", 0),
+        (b"w2", 8),
+    }
+    # A write batch grant reads nothing.
+    conn.send_request("read", {"items": [[[0, 1, wbatch], None]]})
+    response, _ = conn.read_response()
+    assert response.unwrap()[0][0] == bad
