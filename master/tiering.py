@@ -279,6 +279,10 @@ class TierManager:
             raise NoSpaceError(
                 f"an object of {size} bytes is larger than any tier segment ({largest} bytes)"
             )
+        if num_replicas == 1:
+            pick = self._place_one(size, cands)
+            if pick is not None:
+                return [pick]
         options: list[tuple[int, int, int, Segment, Node]] = []
         for i, n in enumerate(nodes):
             for seg in cands.segments[i]:
@@ -303,6 +307,24 @@ class TierManager:
         if len(picks) < num_replicas:
             raise NoSpaceError(self._blocked_reason(size, nodes))
         return picks
+
+    @staticmethod
+    def _place_one(size: int, cands: Candidates) -> tuple[Segment, Node] | None:
+        """The choice :meth:`place` makes for one replica where some segment has room without
+        eviction (fastest tier, then the most free bytes, then the first node), in one pass
+        without the list of options: it runs once per key of every put batch."""
+        best: tuple[Segment, Node] | None = None
+        best_rank, best_free = 0, 0
+        rank_of, slowest = TIER_RANK.get, len(TIER_ORDER)
+        for n, segments in zip(cands.nodes, cands.segments, strict=True):
+            for seg in segments:
+                alloc = seg.allocator
+                if alloc.largest_free >= alloc.reserved_size(size):
+                    rank, free = rank_of(seg.tier, slowest), alloc.free_bytes
+                    if best is None or rank < best_rank or rank == best_rank and free > best_free:
+                        best, best_rank, best_free = (seg, n), rank, free
+                    break
+        return best
 
     def _reserved(self, node: Node, size: int) -> int:
         seg = next(iter(node.segments.values()))

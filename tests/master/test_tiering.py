@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvstore import grants
@@ -512,3 +514,23 @@ def test_corrupt_replica_reports_drop_and_re_replicate(clock: FakeClock) -> None
     r = one.replicas[0]
     assert svc.report_corrupt([[b"one", r.node_id, r.segment, r.offset, one.checksum]]) == 1
     assert b"one" not in svc.objects
+
+
+def test_one_replica_goes_where_the_ranked_choice_of_several_puts_its_first(
+    clock: FakeClock,
+) -> None:
+    """A single replica takes the one-pass choice (fastest tier with room, then the most free
+    bytes, then the first node): the same segment the ranked path of a 2-replica put picks
+    first, whatever the nodes' fill."""
+    rng = random.Random(7)
+    for round_ in range(40):
+        svc = make(clock, nodes=3, dram=64 * KIB, nvme=256 * KIB)
+        for i in range(rng.randrange(0, 40)):
+            put(svc, b"fill%d-%d" % (round_, i), rng.choice([1, 4, 16]) * KIB)
+        place = svc.tiering.placer(set())
+        size = rng.choice([1, 8, 32]) * KIB
+        one = place(size, 1)
+        ranked = place(size, 2)
+        assert [(s.name, n.node_id) for s, n in one] == [
+            (ranked[0][0].name, ranked[0][1].node_id)
+        ], round_
