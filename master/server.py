@@ -154,10 +154,11 @@ def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     kv_blocks = args.get("kv") is True
     # ``batch_grants``: one write grant per node (and claim stamp), each replica's a reference.
     batch = _arg(args, "batch_grants", bool) if "batch_grants" in args else False
-    start = svc.put_start_wire if batch else svc.put_start
     results = _per_key(
         keys,
-        lambda valid, idx: start(valid, [sizes[i] for i in idx], exclude, replicas, kv_blocks),
+        lambda valid, idx: svc.put_start(
+            valid, [sizes[i] for i in idx], exclude, replicas, kv_blocks, batch
+        ),
     )
     return [result_to_wire(r) for r in results]
 

@@ -339,9 +339,16 @@ class MasterService:
         exclude_nodes: Iterable[str] = (),
         replicas: int = 1,
         kv_blocks: bool = False,
-    ) -> list[PutTicket | KVStoreError]:
+        batch_grants: bool = False,
+    ) -> list[PutTicket | list[Any] | KVStoreError]:
         """Allocate room for each key; the client then writes the bytes straight to the node
         (see ``Puts.start``; placement is the tier manager's).
+
+        Args:
+            batch_grants: each ticket in its wire form (``PutTicket.to_wire``), its write grants
+                batched: one per node and claim stamp for the whole answer, each replica's grant
+                a reference to it (see :mod:`kvstore.grants`), so the master signs, the client
+                reads and the node verifies one grant a batch instead of one a key.
 
         Returns:
             Per key, a ticket (put id and where to write) or the error for that key.
@@ -350,27 +357,8 @@ class MasterService:
             InvalidRequestError: a malformed batch or replica count.
         """
         place = self.tiering.placer(set(exclude_nodes))
-        return self.puts.start(keys, sizes, place, replicas, kv_blocks)  # type: ignore[return-value]
-
-    def put_start_wire(
-        self,
-        keys: Sequence[bytes],
-        sizes: Sequence[int],
-        exclude_nodes: Iterable[str] = (),
-        replicas: int = 1,
-        kv_blocks: bool = False,
-    ) -> list[list[Any] | KVStoreError]:
-        """:meth:`put_start` with each ticket in its wire form (``PutTicket.to_wire``) and its
-        write grants batched: one per node and claim stamp for the whole answer, each replica's
-        grant a reference to it (see :mod:`kvstore.grants`), so the master signs, the client
-        reads and the node verifies one grant a batch instead of one a key.
-
-        Raises:
-            InvalidRequestError: a malformed batch or replica count.
-        """
-        place = self.tiering.placer(set(exclude_nodes))
-        batcher = grants.GrantBatcher(grants.OP_WRITE)
-        return self.puts.start(keys, sizes, place, replicas, kv_blocks, batcher)  # type: ignore[return-value]
+        batcher = grants.GrantBatcher(grants.OP_WRITE) if batch_grants else None
+        return self.puts.start(keys, sizes, place, replicas, kv_blocks, batcher)
 
     def put_end(
         self, put_ids: Sequence[int], checksums: Sequence[int]

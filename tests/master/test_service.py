@@ -58,14 +58,14 @@ def test_two_phase_put_is_invisible_until_put_end(svc: MasterService) -> None:
     grants.verify(node.secret, loc.grant, grants.OP_READ, svc.wall_ms())
 
 
-def test_put_start_wire_batches_write_grants_per_node_and_claim_stamp(
+def test_put_start_batches_write_grants_per_node_and_claim_stamp(
     svc: MasterService,
 ) -> None:
     # n2's bytes were last freed under a later claim: its allocations get a later stamp.
     floor = svc.space.claim_base() + 60_000
     svc.nodes["n2"].segments["dram"].reuse_floor = floor
     keys = [b"a", b"b", b"c"]
-    answers = svc.put_start_wire(keys, [10, 20, 30], replicas=2)
+    answers = svc.put_start(keys, [10, 20, 30], replicas=2, batch_grants=True)
     assert not any(isinstance(a, KVStoreError) for a in answers)
     refs = [loc[3] for a in answers for loc in a[1]]  # type: ignore[index]
     assert sum(len(r) == 3 for r in refs) == 2  # one batch per node (each with its own stamp)
