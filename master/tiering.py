@@ -279,23 +279,17 @@ class TierManager:
             raise NoSpaceError(
                 f"an object of {size} bytes is larger than any tier segment ({largest} bytes)"
             )
-        if num_replicas == 1:
-            pick = self._place_one(size, cands)
-            if pick is not None:
-                return [pick]
-        options: list[tuple[int, int, int, Segment, Node]] = []
-        for i, n in enumerate(nodes):
-            for seg in cands.segments[i]:
-                alloc = seg.allocator
-                if alloc.largest_free >= alloc.reserved_size(size):
-                    rank = TIER_RANK.get(seg.tier, len(TIER_ORDER))
-                    options.append((rank, -alloc.free_bytes, i, seg, n))
-                    break
-        if len(options) > 1:
-            options.sort(key=lambda o: o[:3])
-        picks = [(seg, n) for _, _, _, seg, n in options[:num_replicas]]
+        # The best node with room first, then the best of the others: each node offers its
+        # fastest segment with room, ranked by tier, then free bytes, then node order.
+        picks: list[tuple[Segment, Node]] = []
+        chosen: list[str] = []  # (a list: it holds a replica count of ids, usually none)
+        while len(picks) < num_replicas:
+            pick = self._best_with_room(size, cands, chosen)
+            if pick is None:
+                break
+            picks.append(pick)
+            chosen.append(pick[1].node_id)
         if len(picks) < num_replicas:
-            chosen = {n.node_id for _, n in picks}
             for n in nodes:
                 if n.node_id in chosen:
                     continue
@@ -309,14 +303,19 @@ class TierManager:
         return picks
 
     @staticmethod
-    def _place_one(size: int, cands: Candidates) -> tuple[Segment, Node] | None:
-        """The choice :meth:`place` makes for one replica where some segment has room without
-        eviction (fastest tier, then the most free bytes, then the first node), in one pass
-        without the list of options: it runs once per key of every put batch."""
+    def _best_with_room(
+        size: int, cands: Candidates, chosen: list[str]
+    ) -> tuple[Segment, Node] | None:
+        """The best segment with room for ``size`` without eviction on a node not in ``chosen``:
+        each node's fastest segment with room, the fastest tier first, then the most free
+        bytes, then the first node. One pass, no list of options to sort: it runs once per
+        key of every put batch."""
         best: tuple[Segment, Node] | None = None
         best_rank, best_free = 0, 0
         rank_of, slowest = TIER_RANK.get, len(TIER_ORDER)
         for n, segments in zip(cands.nodes, cands.segments, strict=True):
+            if chosen and n.node_id in chosen:
+                continue
             for seg in segments:
                 alloc = seg.allocator
                 if alloc.largest_free >= alloc.reserved_size(size):

@@ -519,9 +519,9 @@ def test_corrupt_replica_reports_drop_and_re_replicate(clock: FakeClock) -> None
 def test_one_replica_goes_where_the_ranked_choice_of_several_puts_its_first(
     clock: FakeClock,
 ) -> None:
-    """A single replica takes the one-pass choice (fastest tier with room, then the most free
-    bytes, then the first node): the same segment the ranked path of a 2-replica put picks
-    first, whatever the nodes' fill."""
+    """A single replica goes to the best segment with room (fastest tier, then the most free
+    bytes, then the first node): the same segment a 2-replica put picks first, whatever the
+    nodes' fill."""
     rng = random.Random(7)
     for round_ in range(40):
         svc = make(clock, nodes=3, dram=64 * KIB, nvme=256 * KIB)
