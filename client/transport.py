@@ -89,6 +89,23 @@ def stream_chunks(data: memoryview | Segments) -> Iterator[memoryview]:
             yield part[pos : pos + STREAM_CHUNK]
 
 
+def stream_groups(data: memoryview | Segments) -> Iterator[list[memoryview]]:
+    """:func:`stream_chunks` gathered into runs of at most ``STREAM_CHUNK`` bytes: one scatter
+    read fills a run, then each of its views is hashed while still in cache. An object given
+    as many small pieces (a KV block's per-layer planes) costs a syscall a run, not a piece."""
+    group: list[memoryview] = []
+    size = 0
+    for chunk in stream_chunks(data):
+        if size + len(chunk) > STREAM_CHUNK and group:
+            yield group
+            group = []
+            size = 0
+        group.append(chunk)
+        size += len(chunk)
+    if group:
+        yield group
+
+
 @dataclass(slots=True)
 class _Exchange:
     endpoint: Endpoint
@@ -394,11 +411,15 @@ class TcpTransport:
             if small:
                 ex.conn.recv_scatter(small)
                 small = []
-            # A large object: hash each chunk as it lands, while the node sends the next.
+            # A large object: hash each run of chunks as it lands, while the node sends the next.
             h = xxhash.xxh3_64()
-            for chunk in stream_chunks(item.dest):
-                ex.conn.recv_into(chunk)
-                h.update(chunk)
+            for group in stream_groups(item.dest):
+                if len(group) == 1:
+                    ex.conn.recv_into(group[0])
+                else:
+                    ex.conn.recv_scatter(group)
+                for chunk in group:
+                    h.update(chunk)
             item.digest = h.intdigest()
         if small:
             ex.conn.recv_scatter(small)

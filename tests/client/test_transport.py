@@ -21,7 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import auth, grants, protocol
+from kvstore.buffers import Segments
 from kvstore.client.transport import (
+    STREAM_CHUNK,
     STREAM_HASH_MIN,
     NodePool,
     ReadItem,
@@ -29,6 +31,7 @@ from kvstore.client.transport import (
     WriteItem,
     checksum,
     digest,
+    stream_groups,
     stream_hash_target,
 )
 from kvstore.errors import (
@@ -182,6 +185,47 @@ def test_a_large_object_is_hashed_while_it_moves(node: Node, transport: TcpTrans
     transport.read([item])
     assert item.result is None and bytes(item.dest) == data
     assert item.digest == xxhash.xxh3_64_intdigest(data) == digest(item)
+
+
+#: A large object given as pieces of every kind: many small ones (a KV block's per-layer planes),
+#: one larger than a run, empty ones, uneven ones.
+PIECE_SIZES = [24 << 10] * 30 + [0, STREAM_CHUNK + 5, 7, 0, 100_000, 24 << 10, 3]
+
+
+def test_stream_groups_cut_pieces_into_runs_of_at_most_a_chunk_in_order() -> None:
+    data = bytearray(range(256)) * (sum(PIECE_SIZES) // 256 + 1)
+    pieces, at = [], 0
+    for n in PIECE_SIZES:
+        pieces.append(memoryview(data)[at : at + n])
+        at += n
+    groups = list(stream_groups(Segments(tuple(pieces), at)))
+    assert all(sum(map(len, g)) <= STREAM_CHUNK for g in groups)
+    assert b"".join(bytes(v) for g in groups for v in g) == bytes(data[:at])
+    # Runs are full: a run and the first view of the next would not fit in one chunk.
+    for g, after in zip(groups, groups[1:], strict=False):
+        assert sum(map(len, g)) + len(after[0]) > STREAM_CHUNK
+    assert len(groups) < len(PIECE_SIZES) // 3, "small pieces share a run (a syscall)"
+
+
+def test_a_large_object_read_into_many_pieces_lands_in_order_and_is_hashed(
+    node: Node, transport: TcpTransport
+) -> None:
+    total = sum(PIECE_SIZES)
+    assert total >= STREAM_HASH_MIN
+    data = bytes(range(251)) * (total // 251 + 1)
+    data = data[:total]
+    put(transport, node, [(b"pieces", 0, data)])
+    dest, pieces, at = bytearray(total), [], 0
+    for n in PIECE_SIZES:
+        pieces.append(memoryview(dest)[at : at + n])
+        at += n
+    item = ReadItem(
+        node.location(grants.OP_READ, b"pieces", 0, total), Segments(tuple(pieces), total)
+    )
+    transport.read([item])
+    assert item.result is None and item.filled == total
+    assert bytes(dest) == data
+    assert item.digest == xxhash.xxh3_64_intdigest(data)
 
 
 def test_a_refused_item_leaves_its_neighbours_intact(node: Node, transport: TcpTransport) -> None:
