@@ -88,6 +88,8 @@ def tokens_from_wire(raw: object) -> np.ndarray:
 #: not a multiple): a read of the first k tokens of a block reads whole chunks (k rounded up).
 CHUNKS_PER_PLANE = 4
 _U64 = np.dtype("<u8")
+#: Bytes of planes hashed together (whole, then by chunk) while they are in the CPU cache.
+HASH_RUN = 256 << 10
 
 
 def chunks_per_plane(block_size: int) -> int:
@@ -134,9 +136,8 @@ def seal_block(key: bytes, planes: Sequence[memoryview], block_size: int, table:
     """Fill a block's checksum table and return the object checksum, in one pass.
 
     The same table as :func:`checksum_table`, and the xxh3_64 of the whole object (the planes,
-    then the table) that a put sends with it: each plane is hashed whole right after its chunks,
-    while its bytes are still in the CPU cache (this is the hashing of every block a
-    ``KVCache.store`` puts).
+    then the table) that a put sends with it, in one pass over the bytes (see :func:`_fill_table`;
+    this is the hashing of every block a ``KVCache.store`` puts).
 
     Args:
         key: the block's object key.
@@ -160,16 +161,28 @@ def _fill_table(
     table: np.ndarray,
     whole: xxhash.xxh3_64 | None,
 ) -> None:
-    """Fill ``table`` from flat plane views (memoryview slices, no numpy per chunk: this runs
-    for every block stored), feeding each whole plane to ``whole`` after its chunks."""
+    """Fill ``table`` from flat plane views of one size (memoryview slices, no numpy per chunk:
+    this runs for every block stored), feeding every plane to ``whole`` in order.
+
+    The planes go in runs of about ``HASH_RUN`` bytes: each run's planes are hashed whole, then
+    its chunks, while the run is still in the CPU cache, the chunk hashes of a run from one
+    ``map``. (Plane by plane, chunks then the whole plane, hashed a SmolLM2 prompt's blocks,
+    60 planes of 24 KiB each, in 1.6-1.8 ms against 0.9-1.0 so; a Llama-3-8B prompt's in 5.8-6.2
+    against 5.2.)"""
     n = chunks_per_plane(block_size)
     h64 = xxhash.xxh3_64_intdigest
     sums: list[int] = []
-    for plane in planes:
-        step = len(plane) // n
-        sums.extend(map(h64, [plane[o : o + step] for o in range(0, step * n, step)]))
-        if whole is not None:
-            whole.update(plane)
+    if planes:
+        size = len(planes[0])
+        step = size // n
+        offsets = range(0, step * n, step)
+        per_run = max(1, HASH_RUN // max(size, 1))
+        for lo in range(0, len(planes), per_run):
+            run = planes[lo : lo + per_run]
+            if whole is not None:
+                for plane in run:
+                    whole.update(plane)
+            sums += map(h64, [plane[o : o + step] for plane in run for o in offsets])
     table[:-1] = sums
     table[-1] = h64(key + table[:-1].tobytes())
 

@@ -7,6 +7,7 @@ import pytest
 import xxhash
 
 from kvstore.kvblocks import (
+    HASH_RUN,
     checksum_table,
     checksum_table_bytes,
     chunks_per_plane,
@@ -60,4 +61,25 @@ def test_a_seal_fills_the_table_and_returns_the_whole_objects_checksum(block_siz
     table = np.zeros(checksum_table_bytes(num_planes, block_size) // 8, dtype="<u8")
     digest = seal_block(b"kv/a", [memoryview(r) for r in rows], block_size, table)
     assert np.array_equal(table, checksum_table(b"kv/a", rows, block_size))
+    assert digest == xxhash.xxh3_64_intdigest(rows.tobytes() + table.tobytes())
+
+
+def test_a_seal_over_planes_larger_than_a_cache_run_hashes_every_chunk_in_order() -> None:
+    # Planes are hashed in cache-sized runs (HASH_RUN): the table must still be each plane's
+    # chunks in order and the seal, and the checksum that of every plane then the table,
+    # whatever the split (7 planes of 100 KiB: runs of 2, 2, 2 and 1).
+    block_size, stride, num_planes = 64, 1600, 7
+    assert HASH_RUN // (block_size * stride) == 2  # two planes a run
+    rows = np.random.default_rng(3).integers(
+        0, 256, (num_planes, block_size * stride), dtype=np.uint8
+    )
+    n = chunks_per_plane(block_size)
+    step = block_size * stride // n
+    want = [
+        xxhash.xxh3_64_intdigest(r[o : o + step]) for r in rows for o in range(0, n * step, step)
+    ]
+    want.append(xxhash.xxh3_64_intdigest(b"kv/a" + np.array(want, dtype="<u8").tobytes()))
+    table = np.zeros(checksum_table_bytes(num_planes, block_size) // 8, dtype="<u8")
+    digest = seal_block(b"kv/a", [memoryview(r) for r in rows], block_size, table)
+    assert table.tolist() == want
     assert digest == xxhash.xxh3_64_intdigest(rows.tobytes() + table.tobytes())
