@@ -38,7 +38,8 @@ KEYS = st.builds(key_of, st.integers(0, 5), st.integers(0, 1 << 20)) | st.builds
 )
 KEY_OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.lists(KEYS, min_size=1, max_size=12, unique=True)),
+        # Up to SMALL_BATCH keys are placed one by one, more all at once: both.
+        st.tuples(st.just("add"), st.lists(KEYS, min_size=1, max_size=40, unique=True)),
         st.tuples(st.just("discard"), st.lists(KEYS, max_size=4)),
         st.tuples(st.just("discard_known"), st.integers(0, 1000)),
     ),
