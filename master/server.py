@@ -467,8 +467,10 @@ def _chunk_count(svc: MasterService, request: protocol.Request, chunk_items: int
     n = len(lists[0])
     if any(len(v) != n for v in lists) or n > svc.config.max_batch:
         return 0  # likewise
-    if n <= chunk_items and request.verb != "kv_commit":
-        return 0
+    if n <= chunk_items and (
+        request.verb != "kv_commit" or _prompt_blocks(request) in range(chunk_items + 1)
+    ):
+        return 0  # small: one go (a kv_commit's prompt too: it is indexed in one step anyway)
     for name, item in fields.items():
         if item is not None:
             _list(request.args, name, item)
@@ -546,7 +548,7 @@ async def _serve_kv_match(svc: MasterService, request: protocol.Request, chunk_i
         _PACK.pack_array_header(len(match.blocks)),
     ]
     for lo in range(0, len(match.blocks), chunk_items):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # after the match's steps, and between two chunks
         chunk = match.blocks[lo : lo + chunk_items]
         if not locate:  # a lookup: no locations, so no read leases
             parts.append(_pack_items([[key, k, None] for key, k in chunk]))
@@ -565,9 +567,19 @@ async def _release_in_chunks(svc: MasterService, tokens: list[Any], chunk_items:
         svc.release_leases(tokens[lo : lo + chunk_items])
 
 
+def _prompt_blocks(request: protocol.Request) -> int | None:
+    """The blocks of a KV request's prompt, from its raw arguments (None where they are
+    malformed: the handler refuses them, served in steps as a large prompt would be)."""
+    raw, namespace = request.args.get("tokens"), request.args.get("namespace")
+    block_size = namespace.get("block_size") if type(namespace) is dict else None
+    if type(raw) is not bytes or type(block_size) is not int or block_size < 1:
+        return None
+    return len(raw) // 4 // block_size
+
+
 def _is_large_kv_match(request: protocol.Request, chunk_items: int) -> bool:
-    raw = request.args.get("tokens")
-    return request.verb == "kv_match" and isinstance(raw, bytes) and len(raw) > 4 * chunk_items
+    """A ``kv_match`` of more blocks than one step takes (or malformed): served in steps."""
+    return request.verb == "kv_match" and _prompt_blocks(request) not in range(chunk_items + 1)
 
 
 async def dispatch_bounded(

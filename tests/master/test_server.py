@@ -280,3 +280,36 @@ def test_piggybacked_releases_are_given_back_a_chunk_a_turn() -> None:
     assert protocol.decode_response(reply[protocol.HEADER_SIZE :]).unwrap() == [True]
     assert svc.leases.num_outstanding == 0 and sum(released) == n
     assert max(released) <= CHUNK_ITEMS, released
+
+
+@pytest.mark.parametrize(("blocks", "stepped"), [(4, False), (5, True)])
+def test_a_prompt_of_more_blocks_than_a_chunk_is_indexed_and_matched_in_steps(
+    blocks: int, stepped: bool
+) -> None:
+    """A ``kv_commit`` whose prompt fits a chunk is served in one go, even with a put to
+    commit (no turn of the loop in between); a longer prompt is indexed a chunk of blocks a
+    turn, however few puts it commits. ``kv_match`` likewise. Both answer the same."""
+    svc = MasterService(MasterConfig())
+    svc.register("n1", "127.0.0.1", 9, b"s" * 32, [SegmentSpec("dram0", "dram", 1 << 30)])
+    tokens = np.arange(blocks, dtype=np.uint32)
+    keys = [kv_object_key(NS.digest, k) for k in block_keys(NS, tokens)]
+    ids = [t.put_id for t in svc.put_start(keys, [8] * blocks, kv_blocks=True)]  # type: ignore[union-attr]
+    svc.put_end(ids[:-1], [1] * (blocks - 1))
+    calls: list[str] = []
+    for name in ("kv_commit", "kv_index_steps", "kv_match", "kv_match_steps"):
+        method = getattr(svc, name)
+        setattr(svc, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
+    prompt = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(tokens)}
+
+    def call(verb: str, args: dict[str, Any]) -> Any:
+        request = protocol.Request(1, verb, args)
+        reply = asyncio.run(dispatch_bounded(svc, request, chunk_items=4))
+        return protocol.decode_response(reply[protocol.HEADER_SIZE :]).unwrap()
+
+    done = call("kv_commit", {**prompt, "put_ids": ids[-1:], "checksums": [1]})
+    assert done == {"results": [[0, None]], "num_indexed": blocks}
+    assert calls == (["kv_index_steps"] if stepped else ["kv_commit"])
+    calls.clear()
+    matched = call("kv_match", prompt)
+    assert matched["num_tokens"] == blocks and [b[0] for b in matched["blocks"]] == keys
+    assert calls == (["kv_match_steps"] if stepped else ["kv_match"])
