@@ -414,10 +414,7 @@ class TcpTransport:
             # A large object: hash each run of chunks as it lands, while the node sends the next.
             h = xxhash.xxh3_64()
             for group in stream_groups(item.dest):
-                if len(group) == 1:
-                    ex.conn.recv_into(group[0])
-                else:
-                    ex.conn.recv_scatter(group)
+                ex.conn.recv_scatter(group)
                 for chunk in group:
                     h.update(chunk)
             item.digest = h.intdigest()

@@ -136,8 +136,8 @@ def seal_block(key: bytes, planes: Sequence[memoryview], block_size: int, table:
     """Fill a block's checksum table and return the object checksum, in one pass.
 
     The same table as :func:`checksum_table`, and the xxh3_64 of the whole object (the planes,
-    then the table) that a put sends with it, in one pass over the bytes (see :func:`_fill_table`;
-    this is the hashing of every block a ``KVCache.store`` puts).
+    then the table) that a put sends with it, each byte read from memory once (see
+    :func:`_fill_table`; this is the hashing of every block a ``KVCache.store`` puts).
 
     Args:
         key: the block's object key.
@@ -176,7 +176,7 @@ def _fill_table(
         size = len(planes[0])
         step = size // n
         offsets = range(0, step * n, step)
-        per_run = max(1, HASH_RUN // max(size, 1))
+        per_run = max(1, HASH_RUN // size)
         for lo in range(0, len(planes), per_run):
             run = planes[lo : lo + per_run]
             if whole is not None:

@@ -467,9 +467,7 @@ def _chunk_count(svc: MasterService, request: protocol.Request, chunk_items: int
     n = len(lists[0])
     if any(len(v) != n for v in lists) or n > svc.config.max_batch:
         return 0  # likewise
-    if n <= chunk_items and (
-        request.verb != "kv_commit" or _prompt_blocks(request) in range(chunk_items + 1)
-    ):
+    if n <= chunk_items and (request.verb != "kv_commit" or _prompt_fits(request, chunk_items)):
         return 0  # small: one go (a kv_commit's prompt too: it is indexed in one step anyway)
     for name, item in fields.items():
         if item is not None:
@@ -567,19 +565,20 @@ async def _release_in_chunks(svc: MasterService, tokens: list[Any], chunk_items:
         svc.release_leases(tokens[lo : lo + chunk_items])
 
 
-def _prompt_blocks(request: protocol.Request) -> int | None:
-    """The blocks of a KV request's prompt, from its raw arguments (None where they are
-    malformed: the handler refuses them, served in steps as a large prompt would be)."""
+def _prompt_fits(request: protocol.Request, chunk_items: int) -> bool:
+    """Whether a KV request's prompt, read from its raw arguments, has at most ``chunk_items``
+    blocks (one step). Malformed arguments do not fit: served in steps, where the handler
+    refuses them as it would in one go."""
     raw, namespace = request.args.get("tokens"), request.args.get("namespace")
     block_size = namespace.get("block_size") if type(namespace) is dict else None
     if type(raw) is not bytes or type(block_size) is not int or block_size < 1:
-        return None
-    return len(raw) // 4 // block_size
+        return False
+    return len(raw) // 4 // block_size <= chunk_items
 
 
 def _is_large_kv_match(request: protocol.Request, chunk_items: int) -> bool:
     """A ``kv_match`` of more blocks than one step takes (or malformed): served in steps."""
-    return request.verb == "kv_match" and _prompt_blocks(request) not in range(chunk_items + 1)
+    return request.verb == "kv_match" and not _prompt_fits(request, chunk_items)
 
 
 async def dispatch_bounded(
