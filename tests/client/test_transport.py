@@ -192,13 +192,19 @@ def test_a_large_object_is_hashed_while_it_moves(node: Node, transport: TcpTrans
 PIECE_SIZES = [24 << 10] * 30 + [0, STREAM_CHUNK + 5, 7, 0, 100_000, 24 << 10, 3]
 
 
-def test_stream_groups_cut_pieces_into_runs_of_at_most_a_chunk_in_order() -> None:
-    data = bytearray(range(256)) * (sum(PIECE_SIZES) // 256 + 1)
+def as_pieces(buf: bytearray) -> Segments:
+    """The first ``sum(PIECE_SIZES)`` bytes of ``buf`` as consecutive pieces of those sizes."""
     pieces, at = [], 0
     for n in PIECE_SIZES:
-        pieces.append(memoryview(data)[at : at + n])
+        pieces.append(memoryview(buf)[at : at + n])
         at += n
-    groups = list(stream_groups(Segments(tuple(pieces), at)))
+    return Segments(tuple(pieces), at)
+
+
+def test_stream_groups_cut_pieces_into_runs_of_at_most_a_chunk_in_order() -> None:
+    data = bytearray(range(256)) * (sum(PIECE_SIZES) // 256 + 1)
+    at = sum(PIECE_SIZES)
+    groups = list(stream_groups(as_pieces(data)))
     assert all(sum(map(len, g)) <= STREAM_CHUNK for g in groups)
     assert b"".join(bytes(v) for g in groups for v in g) == bytes(data[:at])
     # Runs are full: a run and the first view of the next would not fit in one chunk.
@@ -215,13 +221,8 @@ def test_a_large_object_read_into_many_pieces_lands_in_order_and_is_hashed(
     data = bytes(range(251)) * (total // 251 + 1)
     data = data[:total]
     put(transport, node, [(b"pieces", 0, data)])
-    dest, pieces, at = bytearray(total), [], 0
-    for n in PIECE_SIZES:
-        pieces.append(memoryview(dest)[at : at + n])
-        at += n
-    item = ReadItem(
-        node.location(grants.OP_READ, b"pieces", 0, total), Segments(tuple(pieces), total)
-    )
+    dest = bytearray(total)
+    item = ReadItem(node.location(grants.OP_READ, b"pieces", 0, total), as_pieces(dest))
     transport.read([item])
     assert item.result is None and item.filled == total
     assert bytes(dest) == data
