@@ -68,6 +68,12 @@ class SpaceAllocator(Protocol):
         """Reserve room for ``size`` bytes: the offset, or None when there is no room."""
         ...
 
+    def allocate_many(self, size: int, count: int) -> list[int]:
+        """Reserve room for ``count`` objects of ``size`` bytes, as ``count`` calls of
+        :meth:`allocate` would (the same offsets): their offsets, fewer when room runs out.
+        At least ``largest_free // reserved_size(size)`` of them always fit."""
+        ...
+
     def allocate_at(self, offset: int, size: int) -> bool:
         """Reserve ``size`` bytes exactly at ``offset`` (re-admitting what a node reports)."""
         ...
@@ -150,20 +156,34 @@ class OffsetAllocator:
         i = bisect.bisect_left(self._by_size, (need, -1))
         if i == len(self._by_size):
             return None
-        ext_size, start = self._by_size[i]
-        if ext_size > need:
-            # The extent keeps its place among the starts (nothing free lies inside it): only
-            # its start moves, and its size entry (a run of tiny puts splits one extent).
-            rest, rest_size = start + need, ext_size - need
-            self._starts[bisect.bisect_left(self._starts, start)] = rest
-            del self._size_at[start]
-            self._size_at[rest] = rest_size
-            del self._by_size[i]
-            bisect.insort(self._by_size, (rest_size, rest))
-        else:
-            self._remove_free(start, ext_size, by_size_index=i)
+        start = self._take(i, need)
         self._record(start, need)
         return start
+
+    def allocate_many(self, size: int, count: int) -> list[int]:
+        """Reserve room for ``count`` objects of ``size`` bytes at once (a batch of puts of one
+        size): the offsets ``count`` calls of :meth:`allocate` would give, fewer when no free
+        extent fits the rest.
+
+        Best fit carves one object after another from the smallest extent that fits, and what
+        is left of it stays the smallest that fits until it is too small: so each extent gives
+        as many objects as it holds in one step, and runs of one-unit objects set their bits
+        page by page.
+        """
+        if size < 0:
+            raise InvalidRequestError(f"size must be >= 0, got {size}")
+        need = self.reserved_size(size)
+        out: list[int] = []
+        while len(out) < count:
+            i = bisect.bisect_left(self._by_size, (need, -1))
+            if i == len(self._by_size):
+                break
+            k = min(count - len(out), self._by_size[i][0] // need)
+            start = self._take(i, k * need)
+            offsets = range(start, start + k * need, need)
+            self._record_run(offsets, need)
+            out += offsets
+        return out
 
     def allocate_at(self, offset: int, size: int) -> bool:
         """Reserve exactly ``[offset, offset + reserved_size(size))`` if it is free.
@@ -235,6 +255,38 @@ class OffsetAllocator:
         if page is None:
             page = self._unit_pages[unit >> _PAGE_SHIFT] = bytearray(_EMPTY_PAGE)
         page[(unit & (PAGE_UNITS - 1)) >> 3] |= 1 << (unit & 7)
+
+    def _take(self, i: int, taken: int) -> int:
+        """Take the first ``taken`` bytes of the free extent ``_by_size[i]``: its start."""
+        ext_size, start = self._by_size[i]
+        if ext_size > taken:
+            # The extent keeps its place among the starts (nothing free lies inside it): only
+            # its start moves, and its size entry (a run of tiny puts splits one extent).
+            rest, rest_size = start + taken, ext_size - taken
+            self._starts[bisect.bisect_left(self._starts, start)] = rest
+            del self._size_at[start]
+            self._size_at[rest] = rest_size
+            del self._by_size[i]
+            bisect.insort(self._by_size, (rest_size, rest))
+        else:
+            self._remove_free(start, ext_size, by_size_index=i)
+        return start
+
+    def _record_run(self, offsets: range, need: int) -> None:
+        """:meth:`_record` of each of ``offsets`` (consecutive allocations of ``need`` bytes)."""
+        self.used_bytes += len(offsets) * need
+        if need != self.alignment:
+            self._allocated.update(dict.fromkeys(offsets, need))
+            return
+        shift, pages = self._unit_shift, self._unit_pages
+        page_no, page = -1, bytearray()
+        for unit in range(offsets.start >> shift, offsets.stop >> shift):
+            if unit >> _PAGE_SHIFT != page_no:
+                page_no = unit >> _PAGE_SHIFT
+                page = pages.get(page_no)
+                if page is None:
+                    page = pages[page_no] = bytearray(_EMPTY_PAGE)
+            page[(unit & (PAGE_UNITS - 1)) >> 3] |= 1 << (unit & 7)
 
     def _unrecord_unit(self, offset: int) -> int:
         """Forget the one-unit allocation at ``offset``. Returns its reserved size.

@@ -57,6 +57,16 @@ class ByteBudget:
         self.used_bytes += need
         return offset
 
+    def allocate_many(self, size: int, count: int) -> list[int]:
+        """:meth:`allocate` ``count`` times: fresh ids, fewer when the budget runs out."""
+        out: list[int] = []
+        while len(out) < count:
+            offset = self.allocate(size)
+            if offset is None:
+                break
+            out.append(offset)
+        return out
+
     def allocate_at(self, offset: int, size: int) -> bool:
         """Reserve ``size`` bytes under a known id (re-admitting what a node reports)."""
         need = self.reserved_size(size)

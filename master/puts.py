@@ -54,9 +54,11 @@ from kvstore.types import PutTicket
 
 log = logging.getLogger(__name__)
 
-#: Placement of one object: ``place(size, num_replicas)`` -> a segment on each of as many
-#: distinct nodes, with room (``tiering.TierManager.placer``).
-Place = Callable[[int, int], list[tuple[Segment, Node]]]
+#: Placement of a batch's objects of one size: ``place(size, num_replicas, count)`` -> a
+#: segment on each of as many distinct nodes, with room, and how many of the ``count`` objects
+#: of that size still to place (at least one) go there, allocated together
+#: (``tiering.TierManager.placer``).
+Place = Callable[[int, int, int], tuple[list[tuple[Segment, Node]], int]]
 
 
 #: A pending put as :attr:`Puts.pending` keeps it: ``(key, size, deadline, replicas_wanted,
@@ -162,64 +164,102 @@ class Puts:
             raise InvalidRequestError("keys and sizes differ in length")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
             raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
-        results: list[PutTicket | list[Any] | KVStoreError] = []
-        # Once per batch: the grants' expiry base (each allocation's claim stamp is still
-        # ordered after every claim on its bytes, see Segment.claim_stamp).
-        base = self.space.claim_base()
-        for key, size in zip(keys, sizes, strict=True):
+        results: list[PutTicket | list[Any] | KVStoreError | None] = [None] * len(keys)
+        by_size: dict[int, list[int]] = {}  # size -> positions of the keys to place
+        taken: set[bytes] = set()  # (a key twice in one batch: the second is busy)
+        for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             try:
-                if is_kv_key(key):
-                    if not kv_blocks:
-                        raise InvalidRequestError(
-                            "keys under kv/ and kvmeta/ are written by KVCache only"
-                        )
-                    if key in self.objects:
-                        raise ObjectExistsError("this KV block is already stored")
-                results.append(self._start_one(key, size, replicas, place, base, batcher))
+                self._check_start(key, size, kv_blocks, taken)
             except KVStoreError as err:
-                results.append(err)
+                results[i] = err
+                continue
+            taken.add(key)
+            by_size.setdefault(size, []).append(i)
+        # Once per batch: the grants' expiry base (each allocation's claim stamp is still
+        # ordered after every claim on its bytes, see Segment.claim_stamp) and the deadline.
+        base = self.space.claim_base()
+        deadline = self.clock() + self.config.put_timeout_s
+        for size, positions in by_size.items():
+            done = 0
+            while done < len(positions):
+                try:
+                    picks, k = place(size, replicas, len(positions) - done)
+                except KVStoreError as err:
+                    results[positions[done]] = err
+                    done += 1
+                    continue
+                run = positions[done : done + k]
+                self._start_run(keys, run, size, picks, base, deadline, batcher, results)
+                done += k
         if batcher is not None:
             batcher.sign()
-        return results
+        return results  # type: ignore[return-value]
 
-    def _start_one(
-        self,
-        key: bytes,
-        size: int,
-        num_replicas: int,
-        place: Place,
-        base: int,
-        batcher: grants.GrantBatcher | None,
-    ) -> PutTicket | list[Any]:
+    def _check_start(self, key: bytes, size: int, kv_blocks: bool, taken: set[bytes]) -> None:
+        """Raises the error a put of ``key`` gets before any placement (``taken``: keys
+        earlier in its batch)."""
+        if is_kv_key(key):
+            if not kv_blocks:
+                raise InvalidRequestError("keys under kv/ and kvmeta/ are written by KVCache only")
+            if key in self.objects:
+                raise ObjectExistsError("this KV block is already stored")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise InvalidRequestError(f"size must be a non-negative integer, got {size!r}")
         if size > self.config.max_object_bytes:
             raise InvalidRequestError(
                 f"object of {size} bytes exceeds the limit of {self.config.max_object_bytes}"
             )
-        if key in self.pending_by_key:
+        if key in self.pending_by_key or key in taken:
             raise ObjectBusyError("another put of this key is in flight")
-        picks = place(size, num_replicas)
+
+    def _start_run(
+        self,
+        keys: Sequence[bytes],
+        run: list[int],
+        size: int,
+        picks: list[tuple[Segment, Node]],
+        base: int,
+        deadline: float,
+        batcher: grants.GrantBatcher | None,
+        results: list[Any],
+    ) -> None:
+        """Start the puts of ``keys[i]`` for ``i`` in ``run`` (objects of ``size``), each
+        replica in the segment of its pick, allocated together; sets their ``results``."""
         if len(picks) == 1:
             expires = picks[0][0].claim_stamp(base)
         else:
             expires = max(segment.claim_stamp(base) for segment, _ in picks)
-        placed: list[Replica] = []
-        for segment, node in picks:
-            offset = segment.allocator.allocate(size)
-            assert offset is not None, "placement chose a segment without room"
-            placed.append(
-                Replica(node.node_id, segment.name, offset, size, stamp=expires, tier=segment.tier)
-            )
-        put_id = next(self._put_ids)
-        deadline = self.clock() + self.config.put_timeout_s
-        self.pending[put_id] = sum(placed, (key, size, deadline, num_replicas))
-        self.pending_by_key[key] = put_id
-        if batcher is not None:
-            ref = self.membership.location_ref
-            return [put_id, [ref(batcher, r, key, grants.OP_WRITE, expires) for r in placed]]
+        offsets = [segment.allocator.allocate_many(size, len(run)) for segment, _ in picks]
+        assert all(len(o) == len(run) for o in offsets), "placement chose a run without room"
+        head = (size, deadline, len(picks))
+        ref = batcher.ref if batcher is not None else None
         location = self.membership.location
-        return PutTicket(put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed])
+        for n, i in enumerate(run):
+            key = keys[i]
+            placed = [
+                Replica(node.node_id, segment.name, offs[n], size, expires, segment.tier)
+                for (segment, node), offs in zip(picks, offsets, strict=True)
+            ]
+            put_id = next(self._put_ids)
+            self.pending[put_id] = sum(placed, (key, *head))
+            self.pending_by_key[key] = put_id
+            if ref is None:
+                results[i] = PutTicket(
+                    put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed]
+                )
+                continue
+            results[i] = [
+                put_id,
+                [
+                    [
+                        node.node_id,
+                        node.host,
+                        node.port,
+                        ref(node.node_id, node.secret, key, r.segment, r.offset, size, expires),
+                    ]
+                    for (_, node), r in zip(picks, placed, strict=True)
+                ],
+            ]
 
     def end(self, put_ids: Sequence[int], checksums: Sequence[int]) -> list[KVStoreError | None]:
         """Commit puts: each object becomes visible now, replacing any earlier version."""

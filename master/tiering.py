@@ -133,6 +133,12 @@ def _check_marks(tier: str, high: object, low: object) -> None:
         )
 
 
+#: A run of objects of one size in a put batch is allocated together on one node until that
+#: node's segment has this many bytes less free than a rival's (see :meth:`TierManager.run_length`):
+#: objects this large or larger alternate between equally free nodes one by one, as before.
+RUN_BYTES = 16 << 10
+
+
 @dataclass(slots=True)
 class Candidates:
     """Where a batch of new objects may go (see :meth:`TierManager.candidates`)."""
@@ -242,13 +248,49 @@ class TierManager:
 
     def placer(self, excluded: set[str]) -> Place:
         """Placement for one batch of puts: :meth:`place` over the candidates of ``excluded``,
-        computed once (membership does not change within a batch)."""
+        computed once (membership does not change within a batch), and how many of the
+        batch's next objects of that size may follow the first there (:meth:`run_length`)."""
         cands = self.candidates(excluded)
 
-        def place(size: int, num_replicas: int) -> list[tuple[Segment, Node]]:
-            return self.place(size, excluded, num_replicas, cands)
+        def place(
+            size: int, num_replicas: int, count: int = 1
+        ) -> tuple[list[tuple[Segment, Node]], int]:
+            picks = self.place(size, excluded, num_replicas, cands)
+            return picks, self.run_length(picks, size, count, cands)
 
         return place
+
+    @staticmethod
+    def run_length(
+        picks: list[tuple[Segment, Node]], size: int, count: int, cands: Candidates
+    ) -> int:
+        """How many of ``count`` objects of ``size`` (at least 1) may go where one was just
+        placed (``picks``), allocated together: as many as one free extent of every chosen
+        segment holds (they surely fit), and no more than keep the objects spread as one
+        placement each would: a chosen segment takes objects until it has ``RUN_BYTES`` less
+        free than the roomiest segment of its tier on a node not chosen (one placement each
+        would alternate between them object by object)."""
+        if count <= 1:
+            return 1
+        chosen = [n.node_id for _, n in picks]
+        k = count
+        for seg, _ in picks:
+            alloc = seg.allocator
+            need = alloc.reserved_size(size)
+            k = min(k, alloc.largest_free // need)
+            rival = max(
+                (
+                    s.allocator.free_bytes
+                    for n, segments in zip(cands.nodes, cands.segments, strict=True)
+                    if n.node_id not in chosen
+                    for s in segments
+                    if s.tier == seg.tier and s.allocator.largest_free >= need
+                ),
+                default=None,
+            )
+            if rival is not None:
+                k = min(k, max(0, alloc.free_bytes - rival + RUN_BYTES) // need)
+        return max(1, k)
 
     def place(
         self,

@@ -92,3 +92,52 @@ def test_one_unit_allocations_across_pages_are_tracked_and_their_pages_dropped()
     a.free(big)
     assert a.used_bytes == 0 and a.largest_free == a.capacity and not a._unit_pages
     assert a.allocate_at(64 * 5, 1) and a.is_allocated(64 * 5) and a.used_bytes == 64
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 300)), max_size=40),
+    st.integers(0, 300),
+    st.integers(0, 80),
+)
+def test_a_run_allocated_together_gets_what_one_allocation_each_would(
+    ops: list[tuple[bool, int]], size: int, count: int
+) -> None:
+    """``allocate_many`` (a put batch's run of one size) gives the offsets, in order, of
+    ``count`` calls of ``allocate`` on the same free extents, fewer only when room runs out;
+    each is known as allocated, and freeing them one by one leaves what was there before."""
+    together, one_each = OffsetAllocator(CAP, alignment=64), OffsetAllocator(CAP, alignment=64)
+    live: list[int] = []
+    for is_alloc, n in ops:  # the same fragmented history on both
+        if is_alloc or not live:
+            off = together.allocate(n)
+            assert one_each.allocate(n) == off
+            if off is not None:
+                live.append(off)
+        else:
+            off = live.pop(n % len(live))
+            together.free(off)
+            one_each.free(off)
+    before = (together.used_bytes, together.num_free_extents, together.largest_free)
+    got = together.allocate_many(size, count)
+    expected = [one_each.allocate(size) for _ in range(count)]
+    assert got == [o for o in expected if o is not None]
+    assert None not in expected[: len(got)], "a run stops only where room runs out"
+    assert len(got) >= min(count, before[2] // together.reserved_size(size))
+    assert together.used_bytes == one_each.used_bytes
+    assert all(together.is_allocated(o) for o in got)
+    for off in got:
+        together.free(off)
+    assert (together.used_bytes, together.num_free_extents, together.largest_free) == before
+
+
+def test_a_run_of_one_unit_objects_crosses_bitmap_pages() -> None:
+    a = OffsetAllocator(3 * PAGE_UNITS * 64, alignment=64)
+    first = a.allocate(1000)
+    offs = a.allocate_many(16, 2 * PAGE_UNITS + 10)
+    assert offs == [1024 + i * 64 for i in range(2 * PAGE_UNITS + 10)]
+    assert all(a.is_allocated(o) for o in offs) and not a.is_allocated(offs[-1] + 64)
+    assert a.used_bytes == 1024 + 64 * len(offs)
+    for o in offs:
+        a.free(o)
+    assert first == 0 and not a._unit_pages and a.used_bytes == 1024

@@ -173,3 +173,10 @@ def test_both_allocators_keep_the_space_allocator_contract(allocator: SpaceAlloc
     assert allocator.allocate(A) is not None
     with pytest.raises(InvalidRequestError):
         allocator.free(first if in_limbo else 10**9)
+
+
+def test_a_run_of_ids_is_fresh_and_stops_where_the_budget_does() -> None:
+    budget = ByteBudget(4 * A)
+    first = budget.allocate(1)
+    assert budget.allocate_many(1, 10) == [first + 1, first + 2, first + 3]
+    assert budget.used_bytes == 4 * A and budget.allocate_many(1, 1) == []

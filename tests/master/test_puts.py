@@ -40,8 +40,11 @@ class Rig:
     space: Space
     puts: Puts
 
-    def place(self, size: int, num_replicas: int) -> list[tuple[Segment, Node]]:
-        """The first nodes whose DRAM segment has room."""
+    def place(
+        self, size: int, num_replicas: int, count: int = 1
+    ) -> tuple[list[tuple[Segment, Node]], int]:
+        """The first nodes whose DRAM segment has room, for as many objects as all their
+        largest free extents hold."""
         picks = []
         for node in self.members.nodes.values():
             seg = node.segments["dram"]
@@ -49,7 +52,9 @@ class Rig:
                 picks.append((seg, node))
         if len(picks) < num_replicas:
             raise NoSpaceError("no room")
-        return picks[:num_replicas]
+        picks = picks[:num_replicas]
+        fits = min(s.allocator.largest_free // s.allocator.reserved_size(size) for s, _ in picks)
+        return picks, min(count, fits)
 
     def dram(self, node_id: str) -> Segment:
         return self.members.nodes[node_id].segments["dram"]

@@ -19,6 +19,7 @@ from kvstore.errors import (
 )
 from kvstore.master.puts import PendingPut
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
+from kvstore.master.tiering import RUN_BYTES
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec, result_to_wire
 from tests.master.fakes import FakeClock
 
@@ -172,13 +173,39 @@ def test_batch_limit(clock: FakeClock) -> None:
 
 def test_a_batch_is_placed_key_by_key_on_one_view_of_the_nodes(svc: MasterService) -> None:
     """Candidates are computed once per batch, but each key still sees the room the keys
-    before it took: equal nodes share a batch evenly, and one that fills up is skipped."""
-    tickets = svc.put_start([b"a", b"b", b"c", b"d"], [4096] * 4)
+    before it took: equal nodes share a batch of objects of ``RUN_BYTES`` or more evenly,
+    and one that fills up is skipped."""
+    tickets = svc.put_start([b"a", b"b", b"c", b"d"], [RUN_BYTES] * 4)
     nodes = [t.locations[0].node_id for t in tickets if isinstance(t, PutTicket)]
     assert sorted(nodes) == ["n1", "n1", "n2", "n2"]
-    big = svc.put_start([b"e", b"f"], [(1 << 20) - 8192, (1 << 20) - 8192])
+    rest = (1 << 20) - 2 * RUN_BYTES
+    big = svc.put_start([b"e", b"f"], [rest, rest])
     assert {t.locations[0].node_id for t in big if isinstance(t, PutTicket)} == {"n1", "n2"}
     assert [type(t).__name__ for t in svc.put_start([b"g"], [4096])] == ["NoSpaceError"]
+
+
+def test_a_batch_of_small_objects_is_placed_in_runs_that_keep_the_nodes_even(
+    svc: MasterService,
+) -> None:
+    """Small objects of one size go to a node in runs allocated together (one placement a
+    run, not a key), and a run ends once its node has ``RUN_BYTES`` less free than the other:
+    so equal nodes still end a batch within a run of each other, and every object has bytes of
+    its own."""
+    n = 1000
+    keys = [b"s%d" % i for i in range(n)]
+    tickets = svc.put_start(keys, [100] * n)  # 128 bytes reserved each
+    assert all(isinstance(t, PutTicket) for t in tickets)
+    per_node = {"n1": 0, "n2": 0}
+    extents = set()
+    for t in tickets:
+        (loc,) = t.locations  # type: ignore[union-attr]
+        per_node[loc.node_id] += 1
+        extents.add((loc.node_id, loc.grant.offset))
+    assert len(extents) == n, "two objects share bytes"
+    assert abs(per_node["n1"] - per_node["n2"]) * 128 <= RUN_BYTES, per_node
+    assert min(per_node.values()) > 0
+    used = {n: svc.nodes[n].segments["dram"].allocator.used_bytes for n in per_node}
+    assert used == {n: c * 128 for n, c in per_node.items()}
 
 
 def test_a_new_term_is_a_fresh_service_with_the_same_settings(

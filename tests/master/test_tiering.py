@@ -529,8 +529,8 @@ def test_one_replica_goes_where_the_ranked_choice_of_several_puts_its_first(
             put(svc, b"fill%d-%d" % (round_, i), rng.choice([1, 4, 16]) * KIB)
         place = svc.tiering.placer(set())
         size = rng.choice([1, 8, 32]) * KIB
-        one = place(size, 1)
-        ranked = place(size, 2)
+        one, _ = place(size, 1)
+        ranked, _ = place(size, 2)
         assert [(s.name, n.node_id) for s, n in one] == [
             (ranked[0][0].name, ranked[0][1].node_id)
         ], round_
