@@ -78,7 +78,11 @@ class ControlChannel(Protocol):
         ...
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, int | None]:
         """:meth:`call_epoch` with ``work()`` run (holding no lock) while the master answers,
         where the channel can overlap them; ``work``'s error is raised after the answer."""
@@ -217,9 +221,14 @@ class FixedChannel:
                 raise
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, int | None]:
-        """Send ``verb``, run ``work()`` while the master answers, then read the answer.
+        """Send ``verb``, run ``work()`` while the master answers, then read the answer
+        (``pin_epoch``: as :meth:`call`, nothing to a fixed master).
 
         ``work`` runs holding no lock (it may itself call the master: its request goes on the
         same pipeline, its reply is matched by id).

@@ -162,13 +162,17 @@ class LeaderChannel:
         return self.call_epoch(verb, args, pin_epoch)[0]
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, int | None]:
         """``work()``, then :meth:`call_epoch`: no overlap here, because a call may move to
         another leader (and retry) until it is answered, and the retries live in
         :meth:`call_epoch`. ``work``'s error is raised before the call is sent."""
         work()
-        return self.call_epoch(verb, args)
+        return self.call_epoch(verb, args, pin_epoch)
 
     def call_epoch(
         self, verb: str, args: dict[str, Any], pin_epoch: int | None = None

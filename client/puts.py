@@ -144,20 +144,41 @@ class Putter:
         if batch.prompt is None and len(todo) > PUT_CHUNK:
             return self._round_in_chunks(batch, todo)
         reply, epoch = self._start(batch, todo, self._hasher(batch))
-        return self._write_and_commit(batch, todo, reply, epoch)
+        written, retry = self._write(batch, todo, reply, epoch)
+        if written or batch.prompt is not None:
+            self._commit(batch, written, epoch)
+        return retry
 
     def _round_in_chunks(self, batch: PutBatch, todo: list[int]) -> list[int]:
-        """:meth:`_round` ``PUT_CHUNK`` keys at a time, one chunk ahead: each chunk's
-        ``put_start`` is sent before the chunk ahead of it is written and committed, so the
-        master allocates the next chunk while the nodes take this one. (A KV-cache put is never
-        cut: its ``kv_commit`` indexes the whole prompt at once.)"""
+        """:meth:`_round` ``PUT_CHUNK`` keys at a time, two steps in flight: each chunk's
+        ``put_start`` is sent before the chunk ahead of it is written, and that chunk's commit
+        is sent before the next one is written (the master allocates the next chunk, then
+        commits the last one, while the nodes take this one; the client waits for neither).
+        (A KV-cache put is never cut: its ``kv_commit`` indexes the whole prompt at once.)"""
         retry: list[int] = []
+        # The chunk written last whose commit is not sent yet: its keys, and its epoch.
+        unsent: list[tuple[list[tuple[int, PutTicket]], int | None]] = []
+
+        def finish(chunk: slice, answer: tuple[Any, int | None]) -> None:
+            def write() -> None:
+                written, again = self._write(batch, todo[chunk], *answer)
+                retry.extend(again)
+                unsent.append((written, answer[1]))
+
+            if unsent and unsent[0][0]:
+                self._commit(batch, *unsent.pop(0), work=write)
+            else:
+                unsent.clear()
+                write()
+
         one_chunk_ahead(
             len(todo),
             PUT_CHUNK,
             lambda chunk, work: self._start(batch, todo[chunk], work or self._hasher(batch)),
-            lambda chunk, answer: retry.extend(self._write_and_commit(batch, todo[chunk], *answer)),
+            finish,
         )
+        if unsent and unsent[0][0]:
+            self._commit(batch, *unsent[0])
         return retry
 
     @staticmethod
@@ -190,13 +211,15 @@ class Putter:
             return self._control.call_epoch("put_start", start)
         return self._control.call_overlapped("put_start", start, work)
 
-    def _write_and_commit(
+    def _write(
         self, batch: PutBatch, todo: list[int], reply: Any, epoch: int | None
-    ) -> list[int]:
-        """The writes and the commit of keys ``todo``, whose put_start answered ``reply``.
+    ) -> tuple[list[tuple[int, PutTicket]], list[int]]:
+        """The writes of keys ``todo``, whose put_start answered ``reply``; what failed is
+        revoked (and its error set).
 
         Returns:
-            As :meth:`_round`.
+            The keys written, with their tickets (to commit), and the keys to try again
+            elsewhere (as :meth:`_round`).
         """
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
@@ -228,23 +251,29 @@ class Putter:
             self._control.call(
                 "put_revoke", {"put_ids": [t.put_id for _, t in revoke]}, pin_epoch=epoch
             )
-        if commit or batch.prompt is not None:
-            self._commit(batch, commit, epoch)
         for j, _ in revoke:
             batch.results[j] = failed[j]
         batch.excluded.extend(sorted(dead_nodes.difference(batch.excluded)))
-        return [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
+        return commit, [j for j, _ in revoke if isinstance(failed[j], NodeUnavailableError)]
 
     def _commit(
-        self, batch: PutBatch, commit: list[tuple[int, PutTicket]], epoch: int | None
+        self,
+        batch: PutBatch,
+        commit: list[tuple[int, PutTicket]],
+        epoch: int | None,
+        work: Callable[[], None] | None = None,
     ) -> None:
-        """``put_end`` (or ``kv_commit``, indexing the batch's prompt) of the written keys."""
+        """``put_end`` (or ``kv_commit``, indexing the batch's prompt) of the written keys;
+        ``work`` (a plain put's next writes) runs while the master answers."""
         args: dict[str, Any] = {
             "put_ids": [t.put_id for _, t in commit],
             "checksums": [batch.sums[j] for j, _ in commit],
         }
         # NOTE: pinned: a put id means nothing to another leader.
-        if batch.prompt is None:
+        if work is not None:
+            assert batch.prompt is None, "a KV-cache put commits once"
+            reply, _ = self._control.call_overlapped("put_end", args, work, pin_epoch=epoch)
+        elif batch.prompt is None:
             reply = self._control.call("put_end", args, pin_epoch=epoch)
         else:
             reply = self._control.call(

@@ -15,7 +15,7 @@ import xxhash
 from kvstore.client.locations import LocationCache
 from kvstore.client.puts import PUT_CHUNK, PromptCommit, PutBatch, Putter
 from kvstore.client.transport import WriteItem
-from kvstore.errors import NodeUnavailableError, NoSpaceError
+from kvstore.errors import NodeUnavailableError, NoSpaceError, PutNotFoundError
 from kvstore.grants import Grant
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
@@ -63,10 +63,14 @@ class FakeMaster:
         return self.call(verb, args, pin_epoch), EPOCH
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, int]:
         work()
-        return self.call(verb, args), EPOCH
+        return self.call(verb, args, pin_epoch), EPOCH
 
     def verbs(self) -> list[str]:
         return [v for v, _, _ in self.calls]
@@ -164,9 +168,13 @@ class AnswersAtSend(FakeMaster):
     before the work that runs while it is in flight (as on the wire)."""
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, int]:
-        reply = self.call(verb, args)
+        reply = self.call(verb, args, pin_epoch)
         work()
         return reply, EPOCH
 
@@ -174,9 +182,10 @@ class AnswersAtSend(FakeMaster):
 def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere(
     cache: LocationCache,
 ) -> None:
-    # Chunk i+1's put_start is in flight while chunk i is written and committed. The node dies
-    # after the first chunk is written: the chunks placed on it are revoked and, in the second
-    # round (again in chunks), put on the other node; the dead node is excluded once.
+    # Chunk i+1's put_start is in flight while chunk i is written, and chunk i-1's put_end
+    # while chunk i is written. The node dies after the first chunk is written: the chunks
+    # placed on it are revoked and, in the second round (again in chunks), put on the other
+    # node; the dead node is excluded once.
     master, nodes = AnswersAtSend(), FakeNodes()
     n = 2 * PUT_CHUNK + 5
     batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(n)])
@@ -192,16 +201,17 @@ def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere
     assert batch.results == [None] * n
     assert master.verbs() == [
         "put_start",  # chunk 1, the values hashed meanwhile
-        "put_start",  # chunk 2, sent before chunk 1 is written ...
-        "put_end",  # ... and chunk 1 committed
-        "put_start",  # chunk 3
+        "put_start",  # chunk 2, sent before chunk 1 is written
+        "put_start",  # chunk 3, sent before chunk 2 is written ...
+        "put_end",  # ... and chunk 1's commit, sent before chunk 2 is written
         "put_revoke",  # chunk 2: its node died
-        "put_revoke",  # chunk 3 likewise
+        "put_revoke",  # chunk 3 likewise (nothing of either to commit)
         "put_start",  # round 2: chunks 2 and 3's keys, on n2
         "put_start",
-        "put_end",
-        "put_end",
+        "put_end",  # the first chunk of round 2, while its second is written
+        "put_end",  # the last chunk, once written
     ]
+    assert all(pinned == EPOCH for v, _, pinned in master.calls if v == "put_end")
     assert [len(a["keys"]) for v, a, _ in master.calls if v == "put_start"] == [
         PUT_CHUNK,
         PUT_CHUNK,
@@ -224,3 +234,38 @@ def test_a_put_runs_with_the_collector_paused_and_turns_it_back_on(cache: Locati
     nodes.write = lambda items: (on_in_write.append(gc.isenabled()), write(items))[1]  # type: ignore[method-assign]
     run(master, nodes, batch_of((b"a", b"x" * 10)), cache)
     assert on_in_write == [False] and gc.isenabled()
+
+
+class RefusesSomeCommits(AnswersAtSend):
+    """Answers ``put_end`` of the put ids in ``refuse`` with an error."""
+
+    def __init__(self, refuse: set[int]) -> None:
+        super().__init__()
+        self.refuse = refuse
+
+    def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        if verb != "put_end":
+            return super().call(verb, args, pin_epoch)
+        self.calls.append((verb, args, pin_epoch))
+        return [
+            result_to_wire(PutNotFoundError("timed out") if p in self.refuse else None)
+            for p in args["put_ids"]
+        ]
+
+
+def test_every_chunks_commit_answer_reaches_its_keys(cache: LocationCache) -> None:
+    """A chunk's put_end is answered while the next chunk is written (and the last one's
+    after the batch is written): each key's result is its own commit's answer, in order."""
+    n = 3 * PUT_CHUNK + 7
+    refuse = {2, PUT_CHUNK + 1, 3 * PUT_CHUNK + 7}  # put ids start at 1: one key per commit
+    master, nodes = RefusesSomeCommits(refuse), FakeNodes()
+    batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(n)])
+    run(master, nodes, batch, cache)
+    assert [v for v in master.verbs() if v == "put_end"] == ["put_end"] * 4
+    ends = [a for v, a, _ in master.calls if v == "put_end"]
+    assert [len(a["put_ids"]) for a in ends] == [PUT_CHUNK] * 3 + [7]
+    assert sorted(p for a in ends for p in a["put_ids"]) == list(range(1, n + 1))
+    failed = [i for i, r in enumerate(batch.results) if r is not None]
+    assert failed == [p - 1 for p in sorted(refuse)]
+    assert all(isinstance(batch.results[i], PutNotFoundError) for i in failed)
+    assert len(nodes.stored) == n

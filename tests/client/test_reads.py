@@ -79,7 +79,11 @@ class FakeCluster:
         return self.call(verb, args), None
 
     def call_overlapped(
-        self, verb: str, args: dict[str, Any], work: Callable[[], None]
+        self,
+        verb: str,
+        args: dict[str, Any],
+        work: Callable[[], None],
+        pin_epoch: int | None = None,
     ) -> tuple[Any, None]:
         self.calls.append("overlapped")
         work()
