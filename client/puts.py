@@ -10,8 +10,9 @@ bytes, checksums, per-key results, nodes found dead), and :class:`Putter` runs i
    prompt in the same call: :class:`PromptCommit`); ``put_revoke`` gives back what was not. Both
    are pinned to the epoch of the ``put_start`` (a put id means nothing to another HA leader).
 
-A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time, one chunk
-ahead: the master allocates the next chunk while the nodes take this one.
+A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time, two steps in
+flight: the master allocates the next chunk, and commits the last one, while the nodes take
+this one.
 
 A write that failed because its node died is tried once more, elsewhere (the dead nodes are
 excluded from the second ``put_start``). The location cache forgets every key of the batch

@@ -167,8 +167,8 @@ class OffsetAllocator:
 
         Best fit carves one object after another from the smallest extent that fits, and what
         is left of it stays the smallest that fits until it is too small: so each extent gives
-        as many objects as it holds in one step, and runs of one-unit objects set their bits
-        page by page.
+        as many objects as it holds in one step, and a run of one-unit objects looks up each
+        bitmap page once.
         """
         if size < 0:
             raise InvalidRequestError(f"size must be >= 0, got {size}")
