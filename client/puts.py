@@ -157,20 +157,23 @@ class Putter:
         commits the last one, while the nodes take this one; the client waits for neither).
         (A KV-cache put is never cut: its ``kv_commit`` indexes the whole prompt at once.)"""
         retry: list[int] = []
-        # The chunk written last whose commit is not sent yet: its keys, and its epoch.
-        unsent: list[tuple[list[tuple[int, PutTicket]], int | None]] = []
+        # The chunk written last, its commit not sent yet: its written keys, and its epoch.
+        unsent: tuple[list[tuple[int, PutTicket]], int | None] | None = None
 
         def finish(chunk: slice, answer: tuple[Any, int | None]) -> None:
+            nonlocal unsent
+            last, unsent = unsent, None
+
             def write() -> None:
+                nonlocal unsent
                 written, again = self._write(batch, todo[chunk], *answer)
                 retry.extend(again)
-                unsent.append((written, answer[1]))
+                unsent = (written, answer[1]) if written else None
 
-            if unsent and unsent[0][0]:
-                self._commit(batch, *unsent.pop(0), work=write)
-            else:
-                unsent.clear()
+            if last is None:
                 write()
+            else:
+                self._commit(batch, *last, work=write)
 
         one_chunk_ahead(
             len(todo),
@@ -178,8 +181,8 @@ class Putter:
             lambda chunk, work: self._start(batch, todo[chunk], work or self._hasher(batch)),
             finish,
         )
-        if unsent and unsent[0][0]:
-            self._commit(batch, *unsent[0])
+        if unsent is not None:
+            self._commit(batch, *unsent)
         return retry
 
     @staticmethod

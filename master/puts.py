@@ -30,6 +30,7 @@ as a whole (a node's death).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -232,8 +233,10 @@ class Puts:
         offsets = [segment.allocator.allocate_many(size, len(run)) for segment, _ in picks]
         assert all(len(o) == len(run) for o in offsets), "placement chose a run without room"
         head = (size, deadline, len(picks))
-        ref = batcher.ref if batcher is not None else None
-        location = self.membership.location
+        if batcher is not None:
+            location = functools.partial(self.membership.location_ref, batcher)
+        else:
+            location = self.membership.location
         for n, i in enumerate(run):
             key = keys[i]
             placed = [
@@ -243,23 +246,10 @@ class Puts:
             put_id = next(self._put_ids)
             self.pending[put_id] = sum(placed, (key, *head))
             self.pending_by_key[key] = put_id
-            if ref is None:
-                results[i] = PutTicket(
-                    put_id, [location(r, key, grants.OP_WRITE, expires) for r in placed]
-                )
-                continue
-            results[i] = [
-                put_id,
-                [
-                    [
-                        node.node_id,
-                        node.host,
-                        node.port,
-                        ref(node.node_id, node.secret, key, r.segment, r.offset, size, expires),
-                    ]
-                    for (_, node), r in zip(picks, placed, strict=True)
-                ],
-            ]
+            locations = [location(r, key, grants.OP_WRITE, expires) for r in placed]
+            results[i] = (
+                [put_id, locations] if batcher is not None else PutTicket(put_id, locations)
+            )
 
     def end(self, put_ids: Sequence[int], checksums: Sequence[int]) -> list[KVStoreError | None]:
         """Commit puts: each object becomes visible now, replacing any earlier version."""
