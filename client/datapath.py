@@ -27,7 +27,7 @@ from kvstore import auth, grants, rdma
 from kvstore.buffers import Segments
 from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
-from kvstore.client.transport import ReadItem, TcpTransport, WriteItem
+from kvstore.client.transport import InFlight, ReadItem, TcpTransport, WriteItem
 from kvstore.errors import KVStoreError
 from kvstore.types import Location
 
@@ -133,6 +133,12 @@ class DataPath:
     # ---------------------------------------------------------------- bytes
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest``; sets ``item.result`` on failure."""
+        self.read_end(self.read_begin(items))
+
+    def read_begin(self, items: Sequence[ReadItem]) -> InFlight:
+        """The first half of :meth:`read`: shared memory and RDMA read now, TCP requests are
+        sent without waiting for the replies. Must be followed by :meth:`read_end` of what it
+        returns, errors or not: only then are all the items filled."""
         rest: Sequence[ReadItem] = items
         if items and self.shm is not None:
             with self._lock:  # memory copies only: no round trip under it
@@ -142,8 +148,12 @@ class DataPath:
             # pieces goes by TCP (scattered by recvmsg_into), as a put given as pieces does.
             pieces = [i for i in rest if type(i.dest) is Segments]
             rest = [*self.rdma.read([i for i in rest if type(i.dest) is not Segments]), *pieces]
-        if rest:
-            self.tcp.read(rest)
+        return self.tcp.read_begin(rest) if rest else []
+
+    def read_end(self, in_flight: InFlight) -> None:
+        """The second half of :meth:`read`: wait for the TCP replies and fill their items."""
+        if in_flight:
+            self.tcp.read_end(in_flight)
 
     def views(self, locations: Sequence[Location]) -> list[memoryview | None]:
         """Read-only views, in this process's mappings of same-host arenas, of the granted

@@ -42,7 +42,7 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.releases import LeaseReturns
-from kvstore.client.transport import ReadItem, digest
+from kvstore.client.transport import InFlight, ReadItem, digest
 from kvstore.collector import PausedCollector
 from kvstore.errors import (
     ChecksumMismatchError,
@@ -90,6 +90,20 @@ class LocatedRead:
     item: ReadItem | None = None
 
 
+@dataclass(slots=True)
+class _Round:
+    """A round of reads sent (:meth:`ReadPipeline._send_round`): per read its replica number,
+    the transport items and what the data path has in flight for them."""
+
+    pending: list[tuple[LocatedRead, int]]
+    items: list[ReadItem]
+    in_flight: InFlight
+
+
+def _nothing() -> None:
+    pass
+
+
 def corrupt_report(location: Location, checksum: int) -> list[Any]:
     """The master's ``report_corrupt`` item for a replica whose bytes failed ``checksum``."""
     g = location.grant
@@ -108,21 +122,25 @@ def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
 
 
 class Scratch:
-    """A per-thread receive buffer for reads into new ``bytes``, grown on demand and kept (up to
-    ``MAX_SCRATCH`` bytes) so its pages stay mapped between calls: a fresh bytearray per object
-    would cost zeroing and page faults on top of the one copy out."""
+    """Per-thread receive buffers for reads into new ``bytes``, grown on demand and kept (up to
+    ``MAX_SCRATCH`` bytes) so their pages stay mapped between calls: a fresh bytearray per
+    object would cost zeroing and page faults on top of the one copy out. Two per thread
+    (``slot`` 0 and 1): a chunked batch reads one chunk while the one before is still read."""
 
     MAX_SCRATCH = 64 << 20
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def get(self, size: int) -> memoryview:
-        buf = getattr(self._local, "buf", None)
+    def get(self, size: int, slot: int = 0) -> memoryview:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = [None, None]
+        buf = bufs[slot]
         if buf is None or len(buf) < size:
             buf = bytearray(size)
             if size <= self.MAX_SCRATCH:
-                self._local.buf = buf
+                bufs[slot] = buf
         return memoryview(buf)
 
 
@@ -164,20 +182,24 @@ class _IntoBuffers:
 
 
 class _NewBytes:
-    """New ``bytes`` (``batch_get``): each round reads into the thread's scratch buffer and
-    copies every object out once. Not speculative: the destination is sized from the answer."""
+    """New ``bytes`` (``batch_get``): each round reads into one of the thread's two scratch
+    buffers, in turn, and copies every object out once (a round's views are released before
+    the round after next takes the same buffer). Not speculative: the destination is sized
+    from the answer."""
 
     speculative = False
 
     def __init__(self, scratch: Scratch) -> None:
         self._scratch = scratch
         self._views: dict[int, memoryview] = {}
+        self._slot = 0
 
     def fits(self, j: int, info: ObjectInfo) -> bool:
         return True
 
     def places(self, js: list[int], infos: list[ObjectInfo]) -> list[memoryview]:
-        buf = self._scratch.get(sum(info.size for info in infos))
+        buf = self._scratch.get(sum(info.size for info in infos), self._slot)
+        self._slot ^= 1
         out: list[memoryview] = []
         pos = 0
         for j, info in zip(js, infos, strict=True):
@@ -312,14 +334,38 @@ class ReadPipeline:
         """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered ``infos``:
         cache the answers (unless not ``keep``), read them, give their leases back. ``stamp``:
         taken before asking (see :meth:`_stamp`)."""
+        self._begin_located(keys, js, infos, stamp, target, results, keep=keep)()
+
+    def _begin_located(
+        self,
+        keys: list[bytes],
+        js: list[int],
+        infos: list[ObjectInfo | KVStoreError],
+        stamp: tuple[float, int],
+        target: _Target,
+        results: list[Any],
+        *,
+        keep: bool = True,
+    ) -> Callable[[], None]:
+        """:meth:`_read_located` up to the nodes' replies: returns the rest (to call exactly
+        once, whatever happens meanwhile), which takes the replies and gives the leases back."""
         if keep:
             done_with = self._cache.put_many(keys, infos, *stamp)
         else:
             done_with = [i.lease for i in infos if type(i) is ObjectInfo and i.lease]
         try:
-            self._read_answers(js, infos, target, results)
-        finally:
+            end_answers = self._begin_answers(js, infos, target, results)
+        except BaseException:
             self._returns.give_back(done_with)
+            raise
+
+        def end() -> None:
+            try:
+                end_answers()
+            finally:
+                self._returns.give_back(done_with)
+
+        return end
 
     def _read_in_chunks(
         self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]
@@ -327,6 +373,8 @@ class ReadPipeline:
         """Steps 3 and 4 of a large batch, ``LOCATE_CHUNK`` keys at a time: each chunk's
         ``get_locations`` is sent before the chunk ahead of it is decoded and read, so the
         master works on the next answer while this process and the nodes work on this one.
+        The nodes' replies to a chunk are taken after the next chunk's reads are sent, so the
+        nodes read a chunk while this process decodes the next one.
 
         Without lease reads a bulk read's answers are not kept as guesses for later speculative
         reads (a guess only saves a small reread's latency, and keeping thousands of answers a
@@ -343,12 +391,26 @@ class ReadPipeline:
                 return stamp, self._control.call("get_locations", args)
             return stamp, self._control.call_overlapped("get_locations", args, work)[0]
 
-        def finish(chunk: slice, answer: tuple[tuple[float, int], Any]) -> None:
-            stamp, reply = answer
-            infos = decode_locations(reply)
-            self._read_located(keys[chunk], todo[chunk], infos, stamp, target, results, keep=keep)
+        reading: Callable[[], None] | None = None  # the rest of the chunk being read
 
-        one_chunk_ahead(len(keys), LOCATE_CHUNK, start, finish)
+        def finish(chunk: slice, answer: tuple[tuple[float, int], Any]) -> None:
+            nonlocal reading
+            before, reading = reading, None
+            try:
+                stamp, reply = answer
+                infos = decode_locations(reply)
+                reading = self._begin_located(
+                    keys[chunk], todo[chunk], infos, stamp, target, results, keep=keep
+                )
+            finally:
+                if before is not None:
+                    before()
+
+        try:
+            one_chunk_ahead(len(keys), LOCATE_CHUNK, start, finish)
+        finally:
+            if reading is not None:
+                reading()
 
     def _read_leased(
         self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]
@@ -441,6 +503,17 @@ class ReadPipeline:
         results: list[Any],
     ) -> None:
         """Step 4 for keys ``js`` whose answers are ``infos``: read each into its destination."""
+        self._begin_answers(js, infos, target, results)()
+
+    def _begin_answers(
+        self,
+        js: list[int],
+        infos: Sequence[ObjectInfo | KVStoreError],
+        target: _Target,
+        results: list[Any],
+    ) -> Callable[[], None]:
+        """:meth:`_read_answers` up to the nodes' replies: returns the rest (to call exactly
+        once), which takes the replies and sets the results."""
         ok: list[int] = []
         found: list[ObjectInfo] = []
         for j, info in zip(js, infos, strict=True):
@@ -450,15 +523,20 @@ class ReadPipeline:
                 ok.append(j)
                 found.append(info)
         if not ok:
-            return
+            return _nothing
         reads = [
             LocatedRead(info, dest)
             for info, dest in zip(found, target.places(ok, found), strict=True)
         ]
-        self._read(reads)
-        for j, rd in zip(ok, reads, strict=True):
-            results[j] = rd.result
-        target.finish(ok, results)
+        sent = self._read_begin(reads)
+
+        def end() -> None:
+            self._read_end(sent)
+            for j, rd in zip(ok, reads, strict=True):
+                results[j] = rd.result
+            target.finish(ok, results)
+
+        return end
 
     # ---------------------------------------------------------------- step 4: the read
     def read(self, reads: Sequence[LocatedRead]) -> None:
@@ -473,6 +551,11 @@ class ReadPipeline:
             self._read(reads)
 
     def _read(self, reads: Sequence[LocatedRead]) -> None:
+        self._read_end(self._read_begin(reads))
+
+    def _read_begin(self, reads: Sequence[LocatedRead]) -> _Round:
+        """:meth:`read`'s first round sent (see :meth:`DataPath.read_begin`): for
+        :meth:`_read_end`, which must follow whatever happens meanwhile."""
         pending: list[tuple[LocatedRead, int]] = []  # (read, replica number)
         for rd in reads:
             if not rd.info.locations:
@@ -490,20 +573,32 @@ class ReadPipeline:
             else:
                 assert rd.ranges is None or rd.verify is not None, "a range read needs a check"
                 pending.append((rd, 0))
+        return self._send_round(pending)
+
+    def _send_round(self, pending: list[tuple[LocatedRead, int]]) -> _Round:
+        """Send a round of reads: each ``(read, r)`` from its ``r``-th replica."""
+        items = [
+            ReadItem(
+                rd.info.locations[r],
+                rd.dest
+                if rd.ranges is not None or type(rd.dest) is Segments
+                else rd.dest[: rd.info.size],
+                rd.ranges,
+            )
+            for rd, r in pending
+        ]
+        if not items:
+            return _Round(pending, items, [])
+        self._data.refresh_offers({item.location.node_id for item in items})
+        return _Round(pending, items, self._data.read_begin(items))
+
+    def _read_end(self, sent: _Round) -> None:
+        """Take a round's replies and check them; replicas that fail fall back to the next
+        one, round after round (see :meth:`read`)."""
         corrupt: list[list[Any]] = []
-        while pending:
-            items = [
-                ReadItem(
-                    rd.info.locations[r],
-                    rd.dest
-                    if rd.ranges is not None or type(rd.dest) is Segments
-                    else rd.dest[: rd.info.size],
-                    rd.ranges,
-                )
-                for rd, r in pending
-            ]
-            self._data.refresh_offers({item.location.node_id for item in items})
-            self._data.read(items)
+        while sent.pending:
+            pending, items = sent.pending, sent.items
+            self._data.read_end(sent.in_flight)
             retry: list[tuple[LocatedRead, int]] = []
             for (rd, r), item in zip(pending, items, strict=True):
                 rd.item = item
@@ -528,7 +623,7 @@ class ReadPipeline:
                     retry.append((rd, r + 1))
                 else:
                     rd.result = err
-            pending = retry
+            sent = self._send_round(retry)
         if corrupt:
             self.report_corrupt(corrupt)
 

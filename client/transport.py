@@ -116,6 +116,11 @@ class _Exchange:
     items: list[Any] = field(default_factory=list)
 
 
+#: Reads whose requests are sent and whose replies are not yet taken (:meth:`TcpTransport.
+#: read_begin`'s answer, for :meth:`TcpTransport.read_end`).
+InFlight = list[_Exchange]
+
+
 def _by_node(items: Sequence[Any]) -> dict[Endpoint, _Exchange]:
     """One exchange per node, holding that node's items in order."""
     exchanges: dict[Endpoint, _Exchange] = {}
@@ -336,6 +341,12 @@ class TcpTransport:
     # -------------------------------------------------------------- reads
     def read(self, items: Sequence[ReadItem]) -> None:
         """Fill each item's ``dest`` from its location; sets ``item.result`` on failure."""
+        self.read_end(self.read_begin(items))
+
+    def read_begin(self, items: Sequence[ReadItem]) -> InFlight:
+        """The first half of :meth:`read`: send each node its request and return without
+        waiting, so the caller works while the nodes do. Every call must be followed by
+        :meth:`read_end` of what it returns (which fills the items), errors or not."""
         exchanges = _by_node(items)
         for ex in exchanges.values():
             refs = grants.GrantRefs()  # a batch grant travels once per request
@@ -346,7 +357,11 @@ class TcpTransport:
                 or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
             ):
                 ex.conn.sleep_through_next_wait()
-        for ex in exchanges.values():
+        return list(exchanges.values())
+
+    def read_end(self, exchanges: InFlight) -> None:
+        """The second half of :meth:`read`: take each node's reply into its items."""
+        for ex in exchanges:
             results = self._receive(ex)
             if results is None:
                 continue

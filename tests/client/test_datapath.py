@@ -154,8 +154,12 @@ def test_a_read_into_pieces_goes_by_tcp_not_rdma() -> None:
         def __init__(self) -> None:
             self.got: list[ReadItem] = []
 
-        def read(self, items: list[ReadItem]) -> None:
+        def read_begin(self, items: list[ReadItem]) -> list[ReadItem]:
             self.got = list(items)
+            return self.got
+
+        def read_end(self, in_flight: list[ReadItem]) -> None:
+            assert in_flight is self.got
 
     path = DataPath(1.0, Offers(), shm=False)
     rdma, tcp, real_tcp = Rdma(), Tcp(), path.tcp

@@ -41,6 +41,9 @@ class FakeCluster:
         self.refreshed: list[set[str]] = []
         self.next_lease = 1
         self.in_data_read = False
+        # Whether a data read fills its items when sent (as shm and RDMA do), not when its
+        # replies are taken (as TCP does).
+        self.fill_when_sent = False
         # ControlChannel attributes
         self.timeout = 5.0
         self.epoch = None
@@ -115,6 +118,16 @@ class FakeCluster:
                         pos += n
         finally:
             self.in_data_read = False
+
+    def read_begin(self, items: list[ReadItem]) -> list[ReadItem]:
+        if self.fill_when_sent:
+            self.read(items)
+            return []
+        return list(items)
+
+    def read_end(self, in_flight: list[ReadItem]) -> None:
+        if in_flight:
+            self.read(in_flight)
 
 
 @pytest.fixture
@@ -267,9 +280,11 @@ def test_node_transports_are_refreshed_before_a_data_read_never_inside(
 
 
 def test_a_large_batch_is_located_a_chunk_ahead_of_its_reads(cluster: FakeCluster) -> None:
-    # The master locates chunk i+1 while chunk i is read: every read but the last runs inside
-    # the overlapped call that sends the next chunk's get_locations. Results stay in key order
-    # across chunks, a missing key in any chunk is that key's error, every lease goes back.
+    # The master locates chunk i+1 while chunk i is read: every read but the last is sent
+    # inside the overlapped call that sends the next chunk's get_locations, and the nodes'
+    # replies to chunk i are taken only after chunk i+1's reads are sent. Results stay in key
+    # order across chunks, a missing key in any chunk is that key's error, every lease goes
+    # back.
     n = 2 * LOCATE_CHUNK + 10
     keys = [b"k%d" % i for i in range(n)]
     missing = {3, LOCATE_CHUNK + 1, n - 1}
@@ -277,25 +292,32 @@ def test_a_large_batch_is_located_a_chunk_ahead_of_its_reads(cluster: FakeCluste
         if i not in missing:
             cluster.put(k, b"v%d" % i)
     reads, returned = pipeline(cluster)
-    data_read = cluster.read
+    begin, end = cluster.read_begin, cluster.read_end
 
-    def read(items: list[ReadItem]) -> None:
-        cluster.calls.append(f"read {len(items)}")
-        data_read(items)
+    def read_begin(items: list[ReadItem]) -> list[ReadItem]:
+        cluster.calls.append(f"send {len(items)}")
+        return begin(items)
 
-    cluster.read = read  # type: ignore[method-assign]
+    def read_end(in_flight: list[ReadItem]) -> None:
+        cluster.calls.append(f"take {len(in_flight)}")
+        end(in_flight)
+
+    cluster.read_begin, cluster.read_end = read_begin, read_end  # type: ignore[method-assign]
     got = reads.get(keys)
     for i, g in enumerate(got):
         assert isinstance(g, KeyNotFoundError) if i in missing else g == b"v%d" % i
     assert cluster.calls == [
         "get_locations",
         "overlapped",
-        f"read {LOCATE_CHUNK - 1}",
+        f"send {LOCATE_CHUNK - 1}",
         "get_locations",
         "overlapped",
-        f"read {LOCATE_CHUNK - 1}",
+        f"send {LOCATE_CHUNK - 1}",
+        f"take {LOCATE_CHUNK - 1}",
         "get_locations",
-        "read 9",
+        "send 9",
+        f"take {LOCATE_CHUNK - 1}",
+        "take 9",
     ]
     assert sorted(returned) == list(range(1, n - len(missing) + 1))
     bufs = [bytearray(8) for _ in keys]
@@ -303,6 +325,26 @@ def test_a_large_batch_is_located_a_chunk_ahead_of_its_reads(cluster: FakeCluste
     for i, (r, b) in enumerate(zip(into, bufs, strict=True)):
         if i not in missing:
             assert r == len(b"v%d" % i) and bytes(b[:r]) == b"v%d" % i
+
+
+@pytest.mark.parametrize("lease_reads", [False, True], ids=["plain", "lease-reads"])
+def test_a_chunk_filled_as_it_is_sent_does_not_overwrite_the_chunk_before(
+    cluster: FakeCluster, lease_reads: bool
+) -> None:
+    # Through shared memory (or RDMA) a read fills its buffers when it is sent: chunk i+1's
+    # bytes land before chunk i's are copied out into new bytes, so the two chunks' buffers
+    # must not overlap. With lease reads, keys read under lease first take a buffer too.
+    cluster.fill_when_sent = True
+    n = 3 * LOCATE_CHUNK + 1
+    keys = [b"k%d" % i for i in range(n)]
+    for i, k in enumerate(keys):
+        cluster.put(k, bytes([i % 251]) * (1 + i % 7))
+    reads, _ = pipeline(cluster, lease_reads=lease_reads)
+    expected = [bytes([i % 251]) * (1 + i % 7) for i in range(n)]
+    assert reads.get(keys) == expected
+    assert reads.get(keys[: LOCATE_CHUNK // 2] + [b"new"] + keys[LOCATE_CHUNK // 2 :])[
+        LOCATE_CHUNK // 2 + 1 :
+    ] == expected[LOCATE_CHUNK // 2 :]
 
 
 @pytest.mark.parametrize("lease_reads", [False, True], ids=["guesses", "lease-reads"])
