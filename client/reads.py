@@ -115,9 +115,13 @@ def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
     or references to the answer's batch grants, read in order)."""
     out: list[ObjectInfo | KVStoreError] = []
     reader = grants.GrantReader(grants.open_batch_unverified, check=True)
+    from_wire = ObjectInfo.from_wire
     for r in reply:
+        if type(r) is list and len(r) == 2 and type(r[0]) is int and r[0] == 0:
+            out.append(from_wire(r[1], reader))  # (the common case: result_from_wire's first test)
+            continue
         err, payload = result_from_wire(r)
-        out.append(err if err is not None else ObjectInfo.from_wire(payload, reader))
+        out.append(err if err is not None else from_wire(payload, reader))
     return out
 
 

@@ -380,7 +380,11 @@ class GrantReader:
         if type(wire) is not list:
             return None
         n = len(wire)
-        if n != 2 and n != 3:
+        if n == 2:  # the common case first: a later member of a batch opened already
+            batch = self._slots.get(wire[0]) if type(wire[0]) is int else None
+            if type(batch) is Batch:
+                return batch.grant(wire[1], self._check)
+        elif n != 3:
             return None
         if type(wire[0]) is not int:
             raise GrantInvalidError("malformed grant: a batch slot must be an integer")

@@ -114,6 +114,8 @@ class ObjectInfo:
         lease = obj[3] if len(obj) == 4 else 0
         if type(lease) is not int or lease < 0:
             raise ProtocolError("an object's lease token must be an unsigned integer")
+        if len(locations) == 1:  # (most objects: no comprehension's frame for one replica)
+            return ObjectInfo(size, checksum, [Location.from_wire(locations[0], reader)], lease)
         return ObjectInfo(size, checksum, [Location.from_wire(x, reader) for x in locations], lease)
 
 
