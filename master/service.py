@@ -419,19 +419,26 @@ class MasterService:
             location = self.membership.location_wire if wire else self.membership.location
         first_token = self.space.leases.grant(found, now + lease_s)
         results: list[Any] = []
+        until = now + lease_s
+        hits_by_tier, on_read, op = self.hits_by_tier, self.tiering.on_read, grants.OP_READ
+        misses = 0
         for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
             if obj is None:
-                self.num_misses += 1
+                misses += 1
                 err = KeyNotFoundError(f"key {key[:64]!r} not found")
                 results.append(err.to_wire() if wire else err)
                 continue
-            self.num_hits += 1
             replicas = obj.replicas
-            if replicas:
-                self.hits_by_tier[replicas[0].tier] += 1
-            obj.lease_until = max(obj.lease_until, now + lease_s)
-            self.tiering.on_read(obj, now)
-            locs = [location(r, key, grants.OP_READ, expires) for r in replicas]
+            if obj.lease_until < until:
+                obj.lease_until = until
+            on_read(obj, now)
+            if len(replicas) == 1:  # (most objects: no comprehension's frame for one replica)
+                hits_by_tier[replicas[0].tier] += 1
+                locs = [location(replicas[0], key, op, expires)]
+            else:
+                if replicas:
+                    hits_by_tier[replicas[0].tier] += 1
+                locs = [location(r, key, op, expires) for r in replicas]
             token = first_token + i
             if not wire:
                 results.append(ObjectInfo(obj.size, obj.checksum, locs, token))  # type: ignore[arg-type]
@@ -439,6 +446,8 @@ class MasterService:
                 results.append([0, [obj.size, obj.checksum, locs, token]])
             else:
                 results.append([0, [obj.size, obj.checksum, locs]])
+        self.num_misses += misses
+        self.num_hits += len(keys) - misses
         if batcher is not None:
             batcher.sign()
         return results
