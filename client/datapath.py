@@ -172,6 +172,12 @@ class DataPath:
         Writes through shm or RDMA are committed by the node (``shm_commit``/``rdma_commit``:
         grant and checksum checked there) before this returns, as a TCP write is acknowledged.
         """
+        self.write_end(self.write_begin(items))
+
+    def write_begin(self, items: Sequence[WriteItem]) -> InFlight:
+        """The first half of :meth:`write`: shared memory and RDMA writes are done (and
+        committed) now, TCP writes are sent without waiting for their acknowledgements. Must
+        be followed by :meth:`write_end` of what it returns, errors or not."""
         rest: Sequence[WriteItem] = items
         written: list[WriteItem] = []
         if items and self.shm is not None:
@@ -187,8 +193,12 @@ class DataPath:
             rest = [*rest, *pieces]
             if placed:
                 self.tcp.call_per_node("rdma_commit", placed, _commit_args)
-        if rest:
-            self.tcp.write(rest)
+        return self.tcp.write_begin(rest) if rest else []
+
+    def write_end(self, in_flight: InFlight) -> None:
+        """The second half of :meth:`write`: wait for the TCP acknowledgements."""
+        if in_flight:
+            self.tcp.write_end(in_flight)
 
 
 def _commit_args(item: WriteItem, refs: grants.GrantRefs) -> list[Any]:

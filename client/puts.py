@@ -10,9 +10,9 @@ bytes, checksums, per-key results, nodes found dead), and :class:`Putter` runs i
    prompt in the same call: :class:`PromptCommit`); ``put_revoke`` gives back what was not. Both
    are pinned to the epoch of the ``put_start`` (a put id means nothing to another HA leader).
 
-A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time, two steps in
-flight: the master allocates the next chunk, and commits the last one, while the nodes take
-this one.
+A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time, every process
+busy at once: the master allocates the next chunk, and commits the one before last, while the
+nodes take this one and the client sends it and takes the acknowledgements of the one before.
 
 A write that failed because its node died is tried once more, elsewhere (the dead nodes are
 excluded from the second ``put_start``). The location cache forgets every key of the batch
@@ -33,7 +33,7 @@ from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
-from kvstore.client.transport import WriteItem, checksum
+from kvstore.client.transport import InFlight, WriteItem, checksum
 from kvstore.collector import PausedCollector
 from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
 from kvstore.keys import Namespace
@@ -100,6 +100,17 @@ class PutBatch:
         self.results = [None] * len(self.keys)
 
 
+@dataclass(slots=True)
+class _Writes:
+    """A chunk's writes sent (:meth:`Putter._write_begin`): the tickets they write, in order,
+    their items, the epoch of their put_start and what the data path has in flight."""
+
+    tickets: list[tuple[int, PutTicket]]
+    items: list[WriteItem]
+    epoch: int | None
+    in_flight: InFlight
+
+
 class Putter:
     """Runs put batches for one client. Thread-safe (no state of its own beyond its parts).
 
@@ -151,36 +162,58 @@ class Putter:
         return retry
 
     def _round_in_chunks(self, batch: PutBatch, todo: list[int]) -> list[int]:
-        """:meth:`_round` ``PUT_CHUNK`` keys at a time, two steps in flight: each chunk's
-        ``put_start`` is sent before the chunk ahead of it is written, and that chunk's commit
-        is sent before the next one is written (the master allocates the next chunk, then
-        commits the last one, while the nodes take this one; the client waits for neither).
-        (A KV-cache put is never cut: its ``kv_commit`` indexes the whole prompt at once.)"""
+        """:meth:`_round` ``PUT_CHUNK`` keys at a time, three steps in flight: each chunk's
+        ``put_start`` is sent before the chunk ahead of it is written; that chunk's writes are
+        sent before the acknowledgements of the chunk before it are taken, and the commit of
+        the one before that is sent first. So the master allocates and commits while the nodes
+        take a chunk and the client sends the next; nobody waits for a whole step. A chunk is
+        committed only once its writes are acknowledged. (A KV-cache put is never cut: its
+        ``kv_commit`` indexes the whole prompt at once.)"""
         retry: list[int] = []
-        # The chunk written last, its commit not sent yet: its written keys, and its epoch.
+        # The chunk whose writes are in flight, and the chunk acknowledged last whose commit
+        # is not sent yet (its written keys and its epoch).
+        writing: _Writes | None = None
         unsent: tuple[list[tuple[int, PutTicket]], int | None] | None = None
 
-        def finish(chunk: slice, answer: tuple[Any, int | None]) -> None:
+        def acknowledged(writes: _Writes) -> None:
             nonlocal unsent
+            written, again = self._write_end(batch, writes)
+            retry.extend(again)
+            unsent = (written, writes.epoch) if written else None
+
+        def finish(chunk: slice, answer: tuple[Any, int | None]) -> None:
+            nonlocal writing, unsent
             last, unsent = unsent, None
 
             def write() -> None:
-                nonlocal unsent
-                written, again = self._write(batch, todo[chunk], *answer)
-                retry.extend(again)
-                unsent = (written, answer[1]) if written else None
+                nonlocal writing
+                before, writing = writing, None
+                writing = self._write_begin(batch, todo[chunk], *answer)
+                if before is not None:
+                    acknowledged(before)
 
             if last is None:
                 write()
             else:
                 self._commit(batch, *last, work=write)
 
-        one_chunk_ahead(
-            len(todo),
-            PUT_CHUNK,
-            lambda chunk, work: self._start(batch, todo[chunk], work or self._hasher(batch)),
-            finish,
-        )
+        try:
+            one_chunk_ahead(
+                len(todo),
+                PUT_CHUNK,
+                lambda chunk, work: self._start(batch, todo[chunk], work or self._hasher(batch)),
+                finish,
+            )
+        except BaseException:
+            if writing is not None:  # (not committed: the master takes the space back)
+                self._data.write_end(writing.in_flight)
+            raise
+        if writing is not None:
+            writes, last = writing, unsent
+            if last is None:
+                acknowledged(writes)
+            else:
+                self._commit(batch, *last, work=lambda: acknowledged(writes))
         if unsent is not None:
             self._commit(batch, *unsent)
         return retry
@@ -225,6 +258,13 @@ class Putter:
             The keys written, with their tickets (to commit), and the keys to try again
             elsewhere (as :meth:`_round`).
         """
+        return self._write_end(batch, self._write_begin(batch, todo, reply, epoch))
+
+    def _write_begin(
+        self, batch: PutBatch, todo: list[int], reply: Any, epoch: int | None
+    ) -> _Writes:
+        """:meth:`_write` up to the nodes' acknowledgements (see :meth:`DataPath.write_begin`):
+        for :meth:`_write_end`, which must follow."""
         tickets: list[tuple[int, PutTicket]] = []
         writes: list[WriteItem] = []
         reader = grants.GrantReader(grants.open_batch_unverified, check=True)
@@ -238,10 +278,17 @@ class Putter:
             for loc in ticket.locations:
                 writes.append(WriteItem(loc, batch.views[j], batch.sums[j]))
         self._data.refresh_offers({w.location.node_id for w in writes})
-        self._data.write(writes)
+        return _Writes(tickets, writes, epoch, self._data.write_begin(writes))
+
+    def _write_end(
+        self, batch: PutBatch, sent: _Writes
+    ) -> tuple[list[tuple[int, PutTicket]], list[int]]:
+        """:meth:`_write`'s second half: take the acknowledgements, revoke what failed."""
+        self._data.write_end(sent.in_flight)
+        tickets, epoch = sent.tickets, sent.epoch
         failed: dict[int, KVStoreError] = {}
         dead_nodes: set[str] = set()
-        w = iter(writes)
+        w = iter(sent.items)
         for j, ticket in tickets:
             for _loc in ticket.locations:
                 item = next(w)

@@ -290,6 +290,12 @@ class TcpTransport:
     # -------------------------------------------------------------- writes
     def write(self, items: Sequence[WriteItem]) -> None:
         """Write each item's bytes to its location; sets ``item.result`` on failure."""
+        self.write_end(self.write_begin(items))
+
+    def write_begin(self, items: Sequence[WriteItem]) -> InFlight:
+        """The first half of :meth:`write`: send each node its request (bytes and all) and
+        return without waiting for the acknowledgements. Every call must be followed by
+        :meth:`write_end` of what it returns, errors or not."""
         exchanges = _by_node(items)
         for ex in exchanges.values():
             refs = grants.GrantRefs()  # a batch grant travels once per request
@@ -301,7 +307,11 @@ class TcpTransport:
             self._send(ex, "write", args, [p for i in ex.items for p in payload_parts(i.data)])
             if ex.conn is not None and len(ex.items) > POLL_MAX_ITEMS:
                 ex.conn.sleep_through_next_wait()
-        for ex in exchanges.values():
+        return list(exchanges.values())
+
+    def write_end(self, exchanges: InFlight) -> None:
+        """The second half of :meth:`write`: take each node's acknowledgement into its items."""
+        for ex in exchanges:
             results = self._receive(ex)
             if results is None:
                 continue

@@ -121,8 +121,12 @@ def test_an_object_given_as_pieces_goes_by_tcp_not_rdma() -> None:
             self.written: list[WriteItem] = []
             self.committed: list[WriteItem] = []
 
-        def write(self, items: list[WriteItem]) -> None:
+        def write_begin(self, items: list[WriteItem]) -> list[WriteItem]:
             self.written = list(items)
+            return self.written
+
+        def write_end(self, in_flight: list[WriteItem]) -> None:
+            assert in_flight is self.written
 
         def call_per_node(self, verb: str, items: list[WriteItem], args: Any) -> None:
             assert verb == "rdma_commit"

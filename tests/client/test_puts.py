@@ -94,6 +94,14 @@ class FakeNodes:
                 assert item.checksum == xxhash.xxh3_64_intdigest(item.data)
                 self.stored[(node, item.location.grant.key)] = bytes(item.data)
 
+    # As TCP: the bytes are taken, and acknowledged, once the sender waits for them.
+    def write_begin(self, items: list[WriteItem]) -> list[WriteItem]:
+        return list(items)
+
+    def write_end(self, in_flight: list[WriteItem]) -> None:
+        if in_flight:
+            self.write(in_flight)
+
 
 def run(master: FakeMaster, nodes: FakeNodes, batch: PutBatch, cache: LocationCache) -> None:
     Putter(master, nodes, cache).run(batch)  # type: ignore[arg-type]
@@ -182,10 +190,10 @@ class AnswersAtSend(FakeMaster):
 def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere(
     cache: LocationCache,
 ) -> None:
-    # Chunk i+1's put_start is in flight while chunk i is written, and chunk i-1's put_end
-    # while chunk i is written. The node dies after the first chunk is written: the chunks
-    # placed on it are revoked and, in the second round (again in chunks), put on the other
-    # node; the dead node is excluded once.
+    # Chunk i+1's put_start is in flight while chunk i is written, and chunk i-2's put_end
+    # while chunk i is sent and chunk i-1 acknowledged. The node dies after the first chunk is
+    # written: the chunks placed on it are revoked and, in the second round (again in
+    # chunks), put on the other node; the dead node is excluded once.
     master, nodes = AnswersAtSend(), FakeNodes()
     n = 2 * PUT_CHUNK + 5
     batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(n)])
@@ -203,13 +211,13 @@ def test_a_large_batch_is_put_a_chunk_ahead_and_a_dead_nodes_chunks_go_elsewhere
         "put_start",  # chunk 1, the values hashed meanwhile
         "put_start",  # chunk 2, sent before chunk 1 is written
         "put_start",  # chunk 3, sent before chunk 2 is written ...
-        "put_end",  # ... and chunk 1's commit, sent before chunk 2 is written
+        "put_end",  # ... and chunk 1's commit, once it is acknowledged, with chunk 3 sent
         "put_revoke",  # chunk 2: its node died
         "put_revoke",  # chunk 3 likewise (nothing of either to commit)
         "put_start",  # round 2: chunks 2 and 3's keys, on n2
         "put_start",
-        "put_end",  # the first chunk of round 2, while its second is written
-        "put_end",  # the last chunk, once written
+        "put_end",  # the first chunk of round 2, while its second is acknowledged
+        "put_end",  # the last chunk, once acknowledged
     ]
     assert all(pinned == EPOCH for v, _, pinned in master.calls if v == "put_end")
     assert [len(a["keys"]) for v, a, _ in master.calls if v == "put_start"] == [
@@ -251,6 +259,43 @@ class RefusesSomeCommits(AnswersAtSend):
             result_to_wire(PutNotFoundError("timed out") if p in self.refuse else None)
             for p in args["put_ids"]
         ]
+
+
+def test_a_chunk_is_sent_before_the_one_before_is_acknowledged_and_committed_after(
+    cache: LocationCache,
+) -> None:
+    # The nodes take chunk i while the client sends chunk i+1; a chunk is committed only once
+    # its writes are acknowledged (nothing acknowledged to the caller before that).
+    master, nodes = FakeMaster(), FakeNodes()
+    events: list[tuple[str, bytes]] = []
+    begin, end, call = nodes.write_begin, nodes.write_end, master.call
+
+    def write_begin(items: list[WriteItem]) -> list[WriteItem]:
+        events.append(("send", items[0].location.grant.key))
+        return begin(items)
+
+    def write_end(in_flight: list[WriteItem]) -> None:
+        end(in_flight)
+        events.append(("ack", in_flight[0].location.grant.key))
+
+    def master_call(verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        if verb == "put_end":
+            events.append(("commit", b"k%d" % (args["put_ids"][0] - 1)))
+        return call(verb, args, pin_epoch)
+
+    nodes.write_begin, nodes.write_end = write_begin, write_end  # type: ignore[method-assign]
+    master.call = master_call  # type: ignore[method-assign]
+    n = 4 * PUT_CHUNK
+    batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(n)])
+    run(master, nodes, batch, cache)
+    assert batch.results == [None] * n and len(nodes.stored) == n
+    firsts = [b"k%d" % (c * PUT_CHUNK) for c in range(4)]
+    at = {event: i for i, event in enumerate(events)}
+    assert len(events) == 12
+    for c, key in enumerate(firsts):
+        assert at["send", key] < at["ack", key] < at["commit", key]
+        if c + 1 < len(firsts):
+            assert at["send", firsts[c + 1]] < at["ack", key]
 
 
 def test_every_chunks_commit_answer_reaches_its_keys(cache: LocationCache) -> None:
