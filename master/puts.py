@@ -71,6 +71,8 @@ _REPLICA_FIELDS = len(Replica._fields)
 
 
 def _replicas_of(record: PendingRecord) -> list[Replica]:
+    if len(record) == _REPLICAS + _REPLICA_FIELDS:  # (most puts: one replica, no comprehension)
+        return [Replica._make(record[_REPLICAS:])]
     return [
         Replica._make(record[i : i + _REPLICA_FIELDS])
         for i in range(_REPLICAS, len(record), _REPLICA_FIELDS)
@@ -237,16 +239,22 @@ class Puts:
             location = functools.partial(self.membership.location_ref, batcher)
         else:
             location = self.membership.location
+        (segment, node), op = picks[0], grants.OP_WRITE
         for n, i in enumerate(run):
             key = keys[i]
-            placed = [
-                Replica(node.node_id, segment.name, offs[n], size, expires, segment.tier)
-                for (segment, node), offs in zip(picks, offsets, strict=True)
-            ]
             put_id = next(self._put_ids)
-            self.pending[put_id] = sum(placed, (key, *head))
+            if len(picks) == 1:  # (most puts: one replica, no comprehensions)
+                r = Replica(node.node_id, segment.name, offsets[0][n], size, expires, segment.tier)
+                self.pending[put_id] = (key, *head, *r)
+                locations = [location(r, key, op, expires)]
+            else:
+                placed = [
+                    Replica(node.node_id, segment.name, offs[n], size, expires, segment.tier)
+                    for (segment, node), offs in zip(picks, offsets, strict=True)
+                ]
+                self.pending[put_id] = sum(placed, (key, *head))
+                locations = [location(r, key, op, expires) for r in placed]
             self.pending_by_key[key] = put_id
-            locations = [location(r, key, grants.OP_WRITE, expires) for r in placed]
             results[i] = (
                 [put_id, locations] if batcher is not None else PutTicket(put_id, locations)
             )
@@ -258,6 +266,7 @@ class Puts:
             raise InvalidRequestError("put_ids and checksums differ in length")
         results: list[KVStoreError | None] = []
         space, objects, pending = self.space, self.objects, self.pending
+        now = self.clock()  # (once per batch: its objects are committed together)
         for put_id, checksum in zip(put_ids, checksums, strict=True):
             record = pending.get(put_id) if isinstance(put_id, int) else None
             if record is None:
@@ -272,7 +281,6 @@ class Puts:
             key, size, _, replicas_wanted = record[:_REPLICAS]
             del self.pending_by_key[key]
             replicas = _replicas_of(record)
-            now = self.clock()
             old = objects.get(key)
             if old is not None:
                 space.release_all(old.replicas, hold_until=space.hold_until(old, now), lease_of=old)
