@@ -302,7 +302,8 @@ class TcpTransport:
             args = {
                 "items": [
                     [refs.wire(i.location.grant), 0, len(i.data), i.checksum] for i in ex.items
-                ]
+                ],
+                "short": True,  # a success acknowledged by None alone
             }
             self._send(ex, "write", args, [p for i in ex.items for p in payload_parts(i.data)])
             if ex.conn is not None and len(ex.items) > POLL_MAX_ITEMS:
@@ -316,7 +317,8 @@ class TcpTransport:
             if results is None:
                 continue
             for item, r in zip(ex.items, results, strict=True):
-                item.result, _ = result_from_wire(r)
+                if r is not None:  # (None: written, as asked; else the node's full answer)
+                    item.result, _ = result_from_wire(r)
             self._finish(ex)
 
     # -------------------------------------------------------------- small per-item calls
@@ -360,7 +362,10 @@ class TcpTransport:
         exchanges = _by_node(items)
         for ex in exchanges.values():
             refs = grants.GrantRefs()  # a batch grant travels once per request
-            args = {"items": [[refs.wire(i.location.grant), i.ranges] for i in ex.items]}
+            args = {
+                "items": [[refs.wire(i.location.grant), i.ranges] for i in ex.items],
+                "short": True,  # a success answered by its length alone
+            }
             self._send(ex, "read", args, ())
             if ex.conn is not None and (
                 len(ex.items) > POLL_MAX_ITEMS
@@ -393,7 +398,8 @@ class TcpTransport:
         expected = 0
         lengths: list[int | None] = []  # None: an error result, no bytes follow
         for item, r in zip(ex.items, results, strict=True):
-            err, length = result_from_wire(r)
+            # A length alone: a success, as asked (else the node's full answer)
+            err, length = (None, r) if type(r) is int else result_from_wire(r)
             if err is not None:
                 item.result = err
                 lengths.append(None)

@@ -5,6 +5,10 @@
 ``read``   ``{"items": [[grant, ranges | None], ...]}`` → per item ``[code, length | message]``
            + payload (the valid items' ranges, concatenated); a grant is one-key or a
            reference to a batch grant given earlier in the items (``kvstore.grants``)
+
+Both take ``"short": true`` too: then a success is answered by its value alone (``None`` for
+a write, the length for a read), not ``[0, value]``; an error as always. (A client asks for
+it; a node that predates it ignores the flag and answers in full, which the client also reads.)
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
 A verb is a handler ``(conn, request, payload_len, scratch)`` registered on the
@@ -87,6 +91,7 @@ def write(
     # NOTE: one WriteStream for the whole request: its items share one socket, and fencing
     # any of them shuts that socket down, so they stop together anyway. It is stopped (and
     # its claims released) when the request is over.
+    ok: Any = None if req.args.get("short") is True else [0, None]  # a success's answer
     stream = grants.WriteStream(fs.sock)
     now = server.clock_ms()
     reader = server.grant_reader(grants.OP_WRITE)
@@ -147,7 +152,7 @@ def write(
                 fs.recv_into(buf)
                 obj = StoredObject.written(grant, checksum)
                 tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
-                results.append([0, None])
+                results.append(ok)
                 continue
             if grant is None or dest is None:
                 fs.discard(length, scratch)
@@ -160,7 +165,7 @@ def write(
             done.add(i)
             if start == 0 and length == grant.size:
                 stored.append(StoredObject.written(grant, checksum))
-            results.append([0, None])
+            results.append(ok)
         for segment, batch in tier_items.items():
             now = server.clock_ms()
             live = []
@@ -173,7 +178,7 @@ def write(
                     live.append((i, obj, buf))
             errs = server.store_objects(segment, [(obj, buf) for _, obj, buf in live])
             for (i, _, _), e in zip(live, errs, strict=True):
-                results[i] = result_to_wire(e)
+                results[i] = ok if e is None else result_to_wire(e)
                 if e is None:
                     done.add(i)
     finally:
@@ -200,6 +205,7 @@ def read(
     items = req.args.get("items")
     if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 2 for i in items):
         raise InvalidRequestError("read takes items: [[grant, ranges | None], ...]")
+    short = req.args.get("short") is True  # a success answered by its length alone
     results: list[Any] = []
     views: list[memoryview] = []
     reader = server.grant_reader(grants.OP_READ)
@@ -208,7 +214,7 @@ def read(
             grant, view = server.granted_view(grant_wire, grants.OP_READ, reader=reader)
             if ranges is None:
                 views.append(view)
-                results.append([0, len(view)])
+                results.append(len(view) if short else [0, len(view)])
                 continue
             if not isinstance(ranges, list) or len(ranges) > MAX_RANGES_PER_ITEM:
                 raise InvalidRequestError(
@@ -221,7 +227,8 @@ def read(
                 grants.check_range(grant, r[0], r[1])
                 item_views.append(view[r[0] : r[0] + r[1]])
             views.extend(item_views)
-            results.append([0, sum(len(v) for v in item_views)])
+            length = sum(len(v) for v in item_views)
+            results.append(length if short else [0, length])
         except KVStoreError as err:
             results.append(err.to_wire())
     total = sum(map(len, views))

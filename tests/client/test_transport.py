@@ -446,16 +446,19 @@ def test_a_reply_out_of_step_fails_the_items_and_drops_the_connection(
         t.close()
 
 
+@pytest.mark.parametrize("answers", [[2, 6, 3], [[0, 2], [0, 6], [0, 3]]], ids=["short", "in-full"])
 def test_a_wrong_length_fails_that_item_and_keeps_the_framing(
-    scripted: Callable[[Handler], ScriptedNode],
+    scripted: Callable[[Handler], ScriptedNode], answers: list[Any]
 ) -> None:
     # The node says 6 bytes for a 4-byte item: that item fails, its bytes are skipped, and the
-    # items after it still get theirs.
-    node = scripted(_reply([[0, 2], [0, 6], [0, 3]], b"AAbbbbbbCCC"))
+    # items after it still get theirs. The client asks for short answers (lengths alone) and
+    # also reads full ones (a node that predates them).
+    node = scripted(_reply(answers, b"AAbbbbbbCCC"))
     t = TcpTransport(timeout=WAIT_S)
     try:
         items = [ReadItem(node.location(n), memoryview(bytearray(n))) for n in (2, 4, 3)]
         t.read(items)
+        assert node.requests[0].args["short"] is True
         assert isinstance(items[1].result, ProtocolError)
         assert (items[0].result, bytes(items[0].dest)) == (None, b"AA")
         assert (items[2].result, bytes(items[2].dest)) == (None, b"CCC")
@@ -513,6 +516,29 @@ def test_per_item_call_results_map_to_their_items(
         assert items[0].result is None
         assert items[1].result is not None and items[1].result.code == ErrorCode.CHECKSUM_MISMATCH
         assert node.requests[0].args == {"items": [[0], [1]]}
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(
+    "answers",
+    [
+        [None, [int(ErrorCode.CHECKSUM_MISMATCH), "bad"]],
+        [[0, None], [int(ErrorCode.CHECKSUM_MISMATCH), "bad"]],
+    ],
+    ids=["short", "in-full"],
+)
+def test_write_acknowledgements_short_or_in_full_map_to_their_items(
+    scripted: Callable[[Handler], ScriptedNode], answers: list[Any]
+) -> None:
+    node = scripted(_reply(answers))
+    t = TcpTransport(timeout=WAIT_S)
+    try:
+        items = [WriteItem(node.location(4, b"k%d" % i), memoryview(b"abcd"), i) for i in range(2)]
+        t.write(items)
+        assert node.requests[0].args["short"] is True
+        assert items[0].result is None
+        assert items[1].result is not None and items[1].result.code == ErrorCode.CHECKSUM_MISMATCH
     finally:
         t.close()
 

@@ -157,3 +157,41 @@ def test_a_write_takes_write_batch_grants_by_reference_each_item_once(
     conn.send_request("read", {"items": [[[0, 1, wbatch], None]]})
     response, _ = conn.read_response()
     assert response.unwrap()[0][0] == bad
+
+
+def test_asked_short_a_success_is_answered_by_its_value_alone_an_error_in_full(
+    server: DataServer, conn: protocol.FramedSocket
+) -> None:
+    # What a client asks for ("short": true): a write's success is None, a read's its length,
+    # in memory and on NVMe alike; errors keep their [code, message]. Unasked, as before.
+    def grant(op: str, key: bytes, segment: str, offset: int, size: int) -> list[object]:
+        return grants.sign(server.secret, op, key, segment, offset, size, 2**62).to_wire()
+
+    stale = grants.sign(b"x" * 32, grants.OP_WRITE, b"s", "dram", 8, 4, 2**62).to_wire()
+    req = [
+        [grant(grants.OP_WRITE, b"a", "dram", 0, 4), 0, 4, xxhash.xxh3_64_intdigest(b"AAAA")],
+        [stale, 0, 4, 0],
+        [grant(grants.OP_WRITE, b"n", "nvme", 1, 4), 0, 4, xxhash.xxh3_64_intdigest(b"NNNN")],
+    ]
+    conn.send_request("write", {"items": req, "short": True}, [b"AAAA", b"EVIL", b"NNNN"])
+    response, _ = conn.read_response()
+    bad = int(GrantInvalidError.code)
+    got = response.unwrap()
+    assert got[0] is None and got[1][0] == bad and got[2] is None
+    reads = [
+        [grant(grants.OP_READ, b"a", "dram", 0, 4), None],
+        [grant(grants.OP_READ, b"a", "dram", 0, 4), [[1, 2]]],
+        [stale, None],
+        [grant(grants.OP_READ, b"n", "nvme", 1, 4), None],
+    ]
+    conn.send_request("read", {"items": reads, "short": True})
+    response, payload = conn.read_response()
+    got = response.unwrap()
+    assert got[:2] == [4, 2] and got[2][0] == bad and got[3] == 4
+    body = memoryview(bytearray(payload))
+    conn.recv_into(body)
+    assert bytes(body) == b"AAAA" + b"AA" + b"NNNN"
+    conn.send_request("read", {"items": reads[:1]})
+    response, payload = conn.read_response()
+    assert response.unwrap() == [[0, 4]]
+    conn.recv_into(memoryview(bytearray(payload)))
