@@ -187,8 +187,8 @@ class Putter:
 
             def write() -> None:
                 nonlocal writing
-                before, writing = writing, None
-                writing = self._write_begin(batch, todo[chunk], *answer)
+                sent = self._write_begin(batch, todo[chunk], *answer)
+                before, writing = writing, sent  # (whatever raises, writing is in flight)
                 if before is not None:
                     acknowledged(before)
 

@@ -16,7 +16,8 @@ for every caller. The steps, each skipped where it has nothing to do:
 3. **locate**: ``get_locations`` for the rest; each answer carries a read lease, given back to
    the master as soon as the read is done (:mod:`kvstore.client.releases`). A large batch asks
    in chunks of ``LOCATE_CHUNK`` keys, one ahead: the master locates a chunk while the one
-   before it is decoded and read (steps 3 and 4 overlap across processes).
+   before it is decoded and read, and the nodes read a chunk while the next one is decoded
+   (steps 3 and 4 overlap across processes).
 4. **read** (:meth:`ReadPipeline.read`): one data call per round; a replica that is gone or fails
    its checksum falls back to the next one, a corrupt one is reported to the master (which drops
    it and copies a good one back). Whole objects are verified against the object checksum; a

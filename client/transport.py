@@ -116,8 +116,8 @@ class _Exchange:
     items: list[Any] = field(default_factory=list)
 
 
-#: Reads whose requests are sent and whose replies are not yet taken (:meth:`TcpTransport.
-#: read_begin`'s answer, for :meth:`TcpTransport.read_end`).
+#: Reads or writes whose requests are sent and whose replies are not yet taken (what
+#: :meth:`TcpTransport.read_begin` and ``write_begin`` return, for ``read_end``/``write_end``).
 InFlight = list[_Exchange]
 
 

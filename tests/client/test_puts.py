@@ -15,7 +15,12 @@ import xxhash
 from kvstore.client.locations import LocationCache
 from kvstore.client.puts import PUT_CHUNK, PromptCommit, PutBatch, Putter
 from kvstore.client.transport import WriteItem
-from kvstore.errors import NodeUnavailableError, NoSpaceError, PutNotFoundError
+from kvstore.errors import (
+    MasterUnavailableError,
+    NodeUnavailableError,
+    NoSpaceError,
+    PutNotFoundError,
+)
 from kvstore.grants import Grant
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
@@ -296,6 +301,37 @@ def test_a_chunk_is_sent_before_the_one_before_is_acknowledged_and_committed_aft
         assert at["send", key] < at["ack", key] < at["commit", key]
         if c + 1 < len(firsts):
             assert at["send", firsts[c + 1]] < at["ack", key]
+
+
+def test_a_master_lost_mid_batch_leaves_no_write_in_flight(cache: LocationCache) -> None:
+    # The third put_start fails: the batch raises, and the writes sent before it (chunk 2's,
+    # in flight at the nodes) are taken first (no connection left mid-reply); what was not
+    # committed stays uncommitted (the master takes its space back after the put timeout).
+    master, nodes = FakeMaster(), FakeNodes()
+    sent: list[int] = []
+    taken: list[int] = []
+    begin, end, call = nodes.write_begin, nodes.write_end, master.call
+
+    def write_begin(items: list[WriteItem]) -> list[WriteItem]:
+        sent.append(len(items))
+        return begin(items)
+
+    def write_end(in_flight: list[WriteItem]) -> None:
+        taken.append(len(in_flight))
+        end(in_flight)
+
+    def master_call(verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
+        if verb == "put_start" and master.verbs().count("put_start") == 2:
+            raise MasterUnavailableError("master gone")
+        return call(verb, args, pin_epoch)
+
+    nodes.write_begin, nodes.write_end = write_begin, write_end  # type: ignore[method-assign]
+    master.call = master_call  # type: ignore[method-assign]
+    batch = batch_of(*[(b"k%d" % i, b"v%d" % i) for i in range(4 * PUT_CHUNK)])
+    with pytest.raises(MasterUnavailableError):
+        run(master, nodes, batch, cache)
+    assert sent == taken == [PUT_CHUNK, PUT_CHUNK]
+    assert [len(a["put_ids"]) for v, a, _ in master.calls if v == "put_end"] == []
 
 
 def test_every_chunks_commit_answer_reaches_its_keys(cache: LocationCache) -> None:
