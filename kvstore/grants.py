@@ -648,8 +648,21 @@ class WriteClaims:
         Raises:
             GrantInvalidError: as :meth:`begin`.
         """
-        starts = self._starts.setdefault(segment, [])
-        claims = self._claims.setdefault(segment, {})
+        starts = self._starts.get(segment)
+        if starts is None:
+            starts = self._starts[segment] = []
+            self._claims[segment] = {}
+        claims = self._claims[segment]
+        if not starts or (starts[-1] < start and claims[starts[-1]].end <= start):
+            # Past every claim (a fresh allocation above the last claimed byte): nothing to
+            # check or fence, and the claim goes last.
+            mine = _Claim(start, end, stamp, signature)
+            starts.append(start)
+            claims[start] = mine
+            self._num += 1
+            if stream is not None:
+                mine.streams.append(stream)
+            return mine, []
         i = bisect.bisect_left(starts, start)
         if i and claims[starts[i - 1]].end > start:
             i -= 1

@@ -4,6 +4,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvstore import grants
 from kvstore.errors import GrantInvalidError, KVTimeoutError, OutOfRangeError
@@ -147,6 +149,73 @@ def test_claims_refuse_stale_and_used_grants() -> None:
     claims.end(claims.begin(_w(1512, 10, 5500, b"y"), None), None, complete=True)  # no overlap
     now[0] = 7000  # every claim expired: nothing left to fence
     claims.end(claims.begin(_w(0, 2000, 9000, b"z"), None), None, complete=True)
+
+
+class _ClaimsModel:
+    """The claim rules of WriteClaims, by brute force over a list: what a claim of ``[start,
+    end)`` with ``stamp`` and ``sig`` answers ("ok", "used" or "stale") and leaves claimed."""
+
+    def __init__(self) -> None:
+        self.claims: list[list[object]] = []  # [start, end, stamp, sig, done]
+
+    def claim(self, start: int, end: int, stamp: int, sig: bytes, now: int) -> str:
+        over = [c for c in self.claims if c[0] < end and start < c[1]]  # type: ignore[operator]
+        mine = None
+        for c in over:
+            if c[2] < now and c[3] != sig:  # type: ignore[operator]
+                continue
+            if c[3] == sig and (c[0], c[1]) == (start, end):
+                if c[4]:
+                    return "used"
+                mine = c
+            elif c[2] >= stamp:  # type: ignore[operator]
+                return "stale"
+        self.claims = [c for c in self.claims if c is mine or c not in over]
+        if mine is None:
+            self.claims.append([start, end, stamp, sig, True])
+        mine = mine or self.claims[-1]
+        mine[4] = True
+        return "ok"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 40),  # start, in units of 8 bytes
+            st.integers(1, 6),  # length
+            st.integers(0, 5),  # stamp (the grant's expiry)
+            st.integers(0, 3),  # which signature
+            st.integers(0, 2),  # how far the clock moved before it
+        ),
+        max_size=40,
+    )
+)
+def test_claims_answer_as_the_rules_say_whatever_the_order(
+    steps: list[tuple[int, int, int, int, int]],
+) -> None:
+    # Rising offsets (a fresh arena: a claim past every other), reused ones and overlaps in any
+    # order: each claim is granted or refused as the rules say, and what stays claimed is the
+    # same, however it was found.
+    now = [0]
+    claims = grants.WriteClaims(lambda: now[0])
+    model = _ClaimsModel()
+    for start, length, stamp, sig, tick in steps:
+        now[0] += tick
+        a, b = start * 8, (start + length) * 8
+        want = model.claim(a, b, stamp, b"s%d" % sig, now[0])
+        try:
+            c = claims.claim("dram", a, b, stamp, b"s%d" % sig)
+        except GrantInvalidError as err:
+            assert want == ("used" if "already used" in err.message else "stale")
+        else:
+            assert want == "ok"
+            claims.end(c, None, complete=True)
+        live = sorted(
+            (c.start, c.end, c.stamp, c.signature) for c in claims._claims["dram"].values()
+        )
+        assert live == sorted((c[0], c[1], c[2], c[3]) for c in model.claims)  # type: ignore[misc]
+        assert claims._starts["dram"] == sorted(claims._claims["dram"])
 
 
 def test_a_newer_write_stops_an_older_stream_first() -> None:
