@@ -269,10 +269,13 @@ class Putter:
         writes: list[WriteItem] = []
         reader = grants.GrantReader(grants.open_batch_unverified, check=True)
         for j, r in zip(todo, reply, strict=True):
-            err, payload = result_from_wire(r)
-            if err is not None:
-                batch.results[j] = err
-                continue
+            if type(r) is list and len(r) == 2 and type(r[0]) is int and r[0] == 0:
+                payload = r[1]  # (the common case: result_from_wire's first test)
+            else:
+                err, payload = result_from_wire(r)
+                if err is not None:
+                    batch.results[j] = err
+                    continue
             ticket = PutTicket.from_wire(payload, reader)
             tickets.append((j, ticket))
             for loc in ticket.locations:

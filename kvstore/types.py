@@ -74,9 +74,12 @@ class PutTicket:
         Raises ProtocolError (GrantInvalidError for a grant) when ``obj`` is malformed."""
         if type(obj) is not list or len(obj) != 2 or type(obj[0]) is not int:
             raise ProtocolError("put ticket must be [put_id: int, locations]")
-        if type(obj[1]) is not list:
+        locations = obj[1]
+        if type(locations) is not list:
             raise ProtocolError("a put ticket's locations must be a list")
-        return PutTicket(obj[0], [Location.from_wire(x, reader) for x in obj[1]])
+        if len(locations) == 1:  # (most puts: no comprehension's frame for one replica)
+            return PutTicket(obj[0], [Location.from_wire(locations[0], reader)])
+        return PutTicket(obj[0], [Location.from_wire(x, reader) for x in locations])
 
 
 @dataclass(slots=True)
