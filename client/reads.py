@@ -309,7 +309,7 @@ class ReadPipeline:
                 self._read_in_chunks(keys, todo, target, results)
                 return
             infos = self.locate(keys)
-            self._read_located(keys, todo, infos, (lease_until, generation), target, results)
+            self._begin_located(keys, todo, infos, (lease_until, generation), target, results)()
             return
         guesses = self._guess_items(guessed, target)
         self._data.refresh_offers({item.location.node_id for item in guesses.values()})
@@ -325,22 +325,6 @@ class ReadPipeline:
         finally:
             self._returns.give_back(done_with)
 
-    def _read_located(
-        self,
-        keys: list[bytes],
-        js: list[int],
-        infos: list[ObjectInfo | KVStoreError],
-        stamp: tuple[float, int],
-        target: _Target,
-        results: list[Any],
-        *,
-        keep: bool = True,
-    ) -> None:
-        """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered ``infos``:
-        cache the answers (unless not ``keep``), read them, give their leases back. ``stamp``:
-        taken before asking (see :meth:`_stamp`)."""
-        self._begin_located(keys, js, infos, stamp, target, results, keep=keep)()
-
     def _begin_located(
         self,
         keys: list[bytes],
@@ -352,8 +336,11 @@ class ReadPipeline:
         *,
         keep: bool = True,
     ) -> Callable[[], None]:
-        """:meth:`_read_located` up to the nodes' replies: returns the rest (to call exactly
-        once, whatever happens meanwhile), which takes the replies and gives the leases back."""
+        """Steps 3 and 4 for keys ``js`` (``keys``: theirs) once the master answered ``infos``,
+        up to the nodes' replies: cache the answers (unless not ``keep``) and send their reads.
+        Returns the rest (to call exactly once, whatever happens meanwhile), which takes the
+        replies and gives the leases back. ``stamp``: taken before asking (see
+        :meth:`_stamp`)."""
         if keep:
             done_with = self._cache.put_many(keys, infos, *stamp)
         else:
