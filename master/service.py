@@ -417,9 +417,9 @@ class MasterService:
             location = functools.partial(self.membership.location_ref, batcher)
         else:
             location = self.membership.location_wire if wire else self.membership.location
-        first_token = self.space.leases.grant(found, now + lease_s)
-        results: list[Any] = []
         until = now + lease_s
+        first_token = self.space.leases.grant(found, until)
+        results: list[Any] = []
         hits_by_tier, on_read, op = self.hits_by_tier, self.tiering.on_read, grants.OP_READ
         misses = 0
         for i, (key, obj) in enumerate(zip(keys, found, strict=True)):
