@@ -89,21 +89,34 @@ def stream_chunks(data: memoryview | Segments) -> Iterator[memoryview]:
             yield part[pos : pos + STREAM_CHUNK]
 
 
-def stream_groups(data: memoryview | Segments) -> Iterator[list[memoryview]]:
+def stream_groups(data: memoryview | Segments) -> list[list[memoryview]]:
     """:func:`stream_chunks` gathered into runs of at most ``STREAM_CHUNK`` bytes: one scatter
     read fills a run, then each of its views is hashed while still in cache. An object given
-    as many small pieces (a KV block's per-layer planes) costs a syscall a run, not a piece."""
+    as many small pieces (a KV block's per-layer planes) costs a syscall a run, not a piece.
+    (A plain loop: a piece that fits a chunk is taken as it is, not sliced; this runs for
+    every piece of every large object read.)"""
+    groups: list[list[memoryview]] = []
     group: list[memoryview] = []
     size = 0
-    for chunk in stream_chunks(data):
-        if size + len(chunk) > STREAM_CHUNK and group:
-            yield group
-            group = []
-            size = 0
-        group.append(chunk)
-        size += len(chunk)
+    for part in payload_parts(data):
+        n = len(part)
+        if n <= STREAM_CHUNK:
+            if size + n > STREAM_CHUNK:
+                groups.append(group)
+                group, size = [], 0
+            group.append(part)
+            size += n
+            continue
+        for pos in range(0, n, STREAM_CHUNK):
+            chunk = part[pos : pos + STREAM_CHUNK]
+            if size + len(chunk) > STREAM_CHUNK and group:
+                groups.append(group)
+                group, size = [], 0
+            group.append(chunk)
+            size += len(chunk)
     if group:
-        yield group
+        groups.append(group)
+    return groups
 
 
 @dataclass(slots=True)
