@@ -29,7 +29,7 @@ private member (tests/client/test_layers.py keeps it so).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -439,16 +439,23 @@ class Client:
             )
         return out
 
-    def lookup_prefix(self, namespace: Namespace, tokens: np.ndarray) -> int:
+    def lookup_prefix(
+        self, namespace: Namespace, tokens: np.ndarray, *, work: Callable[[], None] | None = None
+    ) -> int:
         """Leading tokens of ``tokens`` whose KV is cached in ``namespace`` (token-granular).
 
         One master call, and it takes no read leases (a lookup holds no block from eviction):
-        a block may still go before a later load, which then loads less.
+        a block may still go before a later load, which then loads less. ``work``, if given,
+        runs while the master answers (its error is raised once the answer is read).
 
         Raises:
             InvalidRequestError: bad tokens or namespace.
         """
-        reply = self._control.call("kv_match", {**_match_args(namespace, tokens), "locate": False})
+        args = {**_match_args(namespace, tokens), "locate": False}
+        if work is None:
+            reply = self._control.call("kv_match", args)
+        else:
+            reply, _ = self._control.call_overlapped("kv_match", args, work)
         return sum(n for _, n, _ in reply["blocks"])
 
     # ================================================================ KV events

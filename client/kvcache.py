@@ -163,7 +163,7 @@ class KVCache:
 
         def planes(i: int) -> tuple[memoryview, ...]:
             lo = i * span
-            return tuple(mv[lo : lo + span] for mv in flat)
+            return tuple([mv[lo : lo + span] for mv in flat])
 
         return planes
 
@@ -330,24 +330,30 @@ class KVCache:
         tok = as_token_array(tokens)
         bs = self.namespace.block_size
         num_full = len(tok) // bs
-        views = self._layer_views(layers, num_full * bs, writable=False)
         if num_full == 0:
+            self._layer_views(layers, 0, writable=False)  # (bad layers are refused all the same)
             return 0
-        # Only the cached length is wanted: a lookup, which takes no read lease.
-        cached = self.client.lookup_prefix(self.namespace, tok[: num_full * bs])
-        first_new = cached // bs
-        num_new = num_full - first_new
-        if num_new == 0:
-            return 0
+        prefix = tok[: num_full * bs]
         # No repacking: a block's object is its planes, each the block's tokens in one layer's
         # K or V (contiguous rows of the caller's tensor), then its checksum table; the client
         # sends the pieces as they lie (one sendmsg; in shared memory, one copy each).
-        prefix = tok[: num_full * bs]
-        obj_keys, meta_key = self._object_keys(prefix, first_new)
+        ready: list[Any] = []
+
+        def prepare() -> None:  # (the layers checked, the keys and planes found meanwhile)
+            views = self._layer_views(layers, num_full * bs, writable=False)
+            ready.extend((self._block_planes(views), *self._object_keys(prefix, 0)))
+
+        # Only the cached length is wanted: a lookup, which takes no read lease.
+        cached = self.client.lookup_prefix(self.namespace, prefix, work=prepare)
+        first_new = cached // bs
+        if first_new == num_full:
+            return 0
+        block_planes, all_keys, meta_key = ready
         # Each block's checksum table is filled, and the block hashed, by its seal: the client
         # runs the seals while the master answers put_start (see Segments.seal).
         objects: list[np.ndarray | Segments] = []
-        block_planes = self._block_planes(views)
+        obj_keys = all_keys[first_new:]
+        num_new = len(obj_keys)
         for i, obj_key in enumerate(obj_keys, first_new):
             planes = block_planes(i)
             table = np.empty(self._table_bytes // 8, dtype="<u8")

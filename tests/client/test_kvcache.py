@@ -5,7 +5,7 @@ every lease a load takes is given back once, and a vanished or corrupt block cut
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,7 @@ from kvstore.client.kvcache import KVCache
 from kvstore.client.puts import PromptCommit
 from kvstore.client.reads import LocatedRead
 from kvstore.client.transport import ReadItem
-from kvstore.errors import ChecksumMismatchError, KeyNotFoundError
+from kvstore.errors import ChecksumMismatchError, InvalidRequestError, KeyNotFoundError
 from kvstore.grants import Grant
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key
@@ -37,6 +37,7 @@ class FakeClient:
         self.leases_out: set[int] = set()
         self.next_lease = 1
         self.ranged_reads = 0
+        self.lookups = 0
 
     # -------------------------------------------------------------- the prefix index
     def _match(self, namespace: Namespace, tokens: np.ndarray) -> tuple[np.ndarray, int]:
@@ -51,8 +52,14 @@ class FakeClient:
                 best, best_len = prompt, common
         return best, best_len
 
-    def lookup_prefix(self, namespace: Namespace, tokens: np.ndarray) -> int:
-        return self._match(namespace, tokens)[1]
+    def lookup_prefix(
+        self, namespace: Namespace, tokens: np.ndarray, *, work: Callable[[], None] | None = None
+    ) -> int:
+        self.lookups += 1
+        answer = self._match(namespace, tokens)[1]
+        if work is not None:  # (the real client runs it while the master answers)
+            work()
+        return answer
 
     def locate_prefix(self, namespace: Namespace, tokens: np.ndarray) -> list[PrefixBlock]:
         prompt, n = self._match(namespace, tokens)
@@ -166,6 +173,16 @@ def test_store_then_load_whole_blocks(fake: FakeClient, kv: KVCache) -> None:
             vo[: 3 * BS], v[: 3 * BS]
         )
     assert fake.ranged_reads == 0 and fake.leases_out == set()
+
+
+def test_bad_layers_store_nothing_even_with_no_full_block(fake: FakeClient, kv: KVCache) -> None:
+    short = [(k[:, :, :-1], v[:, :, :-1]) for k, v in make_kv(2 * BS)]  # wrong head size
+    with pytest.raises(InvalidRequestError, match="shape"):
+        kv.store(np.arange(2 * BS), short)  # (checked while the master answers the lookup)
+    assert fake.objects == {} and fake.prompts == []
+    with pytest.raises(InvalidRequestError, match="shape"):
+        kv.store(np.arange(BS - 1), short)  # no full block: no call, the same check
+    assert fake.lookups == 1
 
 
 def test_a_partial_last_block_is_a_range_read(fake: FakeClient, kv: KVCache) -> None:
