@@ -286,9 +286,10 @@ def _copy_hashing(src: memoryview, dest: memoryview | Segments) -> int:
     h = xxhash.xxh3_64()
     at = 0
     for chunk in stream_chunks(dest):
-        chunk[:] = src[at : at + len(chunk)]
+        n = len(chunk)
+        chunk[:] = src[at : at + n]
         h.update(chunk)
-        at += len(chunk)
+        at += n
     return h.intdigest()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,39 +81,34 @@ def stream_hash_target(item: ReadItem) -> bool:
     return item.ranges is None and len(item.dest) >= STREAM_HASH_MIN
 
 
-def stream_chunks(data: memoryview | Segments) -> Iterator[memoryview]:
+def stream_chunks(data: memoryview | Segments) -> list[memoryview]:
     """An object's bytes as consecutive views of at most ``STREAM_CHUNK`` bytes (a chunk never
-    spans two pieces): what a transport moves and hashes while it is still in cache."""
+    spans two pieces): what a transport moves and hashes while it is still in cache. A piece
+    that fits a chunk is taken as it is, not sliced (a plain loop: this runs for every piece of
+    every large object moved, e.g. the 60 planes of each SmolLM2 block)."""
+    chunks: list[memoryview] = []
     for part in payload_parts(data):
-        for pos in range(0, len(part), STREAM_CHUNK):
-            yield part[pos : pos + STREAM_CHUNK]
+        if len(part) <= STREAM_CHUNK:
+            chunks.append(part)
+        else:
+            chunks += [part[pos : pos + STREAM_CHUNK] for pos in range(0, len(part), STREAM_CHUNK)]
+    return chunks
 
 
 def stream_groups(data: memoryview | Segments) -> list[list[memoryview]]:
     """:func:`stream_chunks` gathered into runs of at most ``STREAM_CHUNK`` bytes: one scatter
     read fills a run, then each of its views is hashed while still in cache. An object given
-    as many small pieces (a KV block's per-layer planes) costs a syscall a run, not a piece.
-    (A plain loop: a piece that fits a chunk is taken as it is, not sliced; this runs for
-    every piece of every large object read.)"""
+    as many small pieces (a KV block's per-layer planes) costs a syscall a run, not a piece."""
     groups: list[list[memoryview]] = []
     group: list[memoryview] = []
     size = 0
-    for part in payload_parts(data):
-        n = len(part)
-        if n <= STREAM_CHUNK:
-            if size + n > STREAM_CHUNK:
-                groups.append(group)
-                group, size = [], 0
-            group.append(part)
-            size += n
-            continue
-        for pos in range(0, n, STREAM_CHUNK):
-            chunk = part[pos : pos + STREAM_CHUNK]
-            if size + len(chunk) > STREAM_CHUNK and group:
-                groups.append(group)
-                group, size = [], 0
-            group.append(chunk)
-            size += len(chunk)
+    for chunk in stream_chunks(data):
+        n = len(chunk)
+        if size + n > STREAM_CHUNK and group:
+            groups.append(group)
+            group, size = [], 0
+        group.append(chunk)
+        size += n
     if group:
         groups.append(group)
     return groups
