@@ -135,6 +135,10 @@ class KVCache:
                 raise InvalidRequestError(f"layer {i} must be a (K, V) pair")
             views = []
             for name, x in zip("KV", pair, strict=True):
+                fast = self._array_view(x, num_tokens, writable)
+                if fast is not None:
+                    views.append(fast)
+                    continue
                 shape = tuple(getattr(x, "shape", ()))
                 if len(shape) != 3 or tuple(shape[1:]) != (ns.num_kv_heads, ns.head_dim):
                     raise InvalidRequestError(
@@ -152,6 +156,26 @@ class KVCache:
                 views.append(raw.reshape(shape[0], self._stride))
             out.append((views[0], views[1]))
         return out
+
+    def _array_view(self, x: Any, num_tokens: int, writable: bool) -> np.ndarray | None:
+        """``[tokens, stride]`` bytes of a numpy array that passes every check of
+        :meth:`_layer_views` at once (the usual case: a few attribute reads, no memoryview);
+        None: the full checks decide, and name what is wrong."""
+        if type(x) is not np.ndarray:
+            return None
+        ns = self.namespace
+        shape = x.shape
+        if (
+            len(shape) == 3
+            and shape[0] >= num_tokens
+            and shape[1] == ns.num_kv_heads
+            and shape[2] == ns.head_dim
+            and _DTYPE_NAMES.get(x.dtype) == ns.dtype
+            and x.flags.c_contiguous
+            and (x.flags.writeable or not writable)
+        ):
+            return x.view(np.uint8).reshape(shape[0], self._stride)
+        return None
 
     def _block_planes(
         self, views: list[tuple[np.ndarray, np.ndarray]]

@@ -185,6 +185,26 @@ def test_bad_layers_store_nothing_even_with_no_full_block(fake: FakeClient, kv: 
     assert fake.lookups == 1
 
 
+def test_arrays_are_checked_as_strictly_on_every_call(fake: FakeClient, kv: KVCache) -> None:
+    tokens = np.arange(2 * BS)
+    layers = make_kv(len(tokens))
+    for k, v in layers:  # a store reads read-only arrays
+        k.flags.writeable = v.flags.writeable = False
+    assert kv.store(tokens, layers) == 2 * BS
+    out = empty_kv(len(tokens))
+    assert kv.load(tokens, out) == 2 * BS  # (the checks' fast path now knows float16)
+    with pytest.raises(InvalidRequestError, match="read-only"):
+        kv.load(tokens, layers)
+    for bad, match in (
+        ([(k.astype(np.float32), v) for k, v in out], "float32"),
+        ([(k[:, ::-1], v) for k, v in out], "contiguous"),
+        ([(k[: BS + 1], v) for k, v in out], "tokens"),
+    ):
+        with pytest.raises(InvalidRequestError, match=match):
+            kv.load(tokens, bad)
+    assert fake.leases_out == set()
+
+
 def test_a_partial_last_block_is_a_range_read(fake: FakeClient, kv: KVCache) -> None:
     tokens = np.arange(2 * BS)
     layers = make_kv(len(tokens))
