@@ -79,6 +79,15 @@ def _dtype_name(x: Any) -> str:
     return name
 
 
+def _byte_rows(x: Any, rows: int, stride: int, writable: bool) -> np.ndarray:
+    """``x``'s bytes as ``[rows, stride]`` uint8 (no copy): a contiguous numpy array by its own
+    view (a few attribute reads: this runs for every K and V of every store and load), anything
+    else through :func:`as_bytes_view` (which names what is wrong)."""
+    if type(x) is np.ndarray and x.flags.c_contiguous and (x.flags.writeable or not writable):
+        return x.view(np.uint8).reshape(rows, stride)
+    return np.frombuffer(as_bytes_view(x, writable=writable), dtype=np.uint8).reshape(rows, stride)
+
+
 @dataclass(frozen=True, slots=True)
 class _Block:
     key: bytes
@@ -135,10 +144,6 @@ class KVCache:
                 raise InvalidRequestError(f"layer {i} must be a (K, V) pair")
             views = []
             for name, x in zip("KV", pair, strict=True):
-                fast = self._array_view(x, num_tokens, writable)
-                if fast is not None:
-                    views.append(fast)
-                    continue
                 shape = tuple(getattr(x, "shape", ()))
                 if len(shape) != 3 or tuple(shape[1:]) != (ns.num_kv_heads, ns.head_dim):
                     raise InvalidRequestError(
@@ -152,30 +157,9 @@ class KVCache:
                     raise InvalidRequestError(
                         f"layer {i} {name} is {_dtype_name(x)}; the namespace says {ns.dtype}"
                     )
-                raw = np.frombuffer(as_bytes_view(x, writable=writable), dtype=np.uint8)
-                views.append(raw.reshape(shape[0], self._stride))
+                views.append(_byte_rows(x, shape[0], self._stride, writable))
             out.append((views[0], views[1]))
         return out
-
-    def _array_view(self, x: Any, num_tokens: int, writable: bool) -> np.ndarray | None:
-        """``[tokens, stride]`` bytes of a numpy array that passes every check of
-        :meth:`_layer_views` at once (the usual case: a few attribute reads, no memoryview);
-        None: the full checks decide, and name what is wrong."""
-        if type(x) is not np.ndarray:
-            return None
-        ns = self.namespace
-        shape = x.shape
-        if (
-            len(shape) == 3
-            and shape[0] >= num_tokens
-            and shape[1] == ns.num_kv_heads
-            and shape[2] == ns.head_dim
-            and _DTYPE_NAMES.get(x.dtype) == ns.dtype
-            and x.flags.c_contiguous
-            and (x.flags.writeable or not writable)
-        ):
-            return x.view(np.uint8).reshape(shape[0], self._stride)
-        return None
 
     def _block_planes(
         self, views: list[tuple[np.ndarray, np.ndarray]]
@@ -361,18 +345,18 @@ class KVCache:
         # No repacking: a block's object is its planes, each the block's tokens in one layer's
         # K or V (contiguous rows of the caller's tensor), then its checksum table; the client
         # sends the pieces as they lie (one sendmsg; in shared memory, one copy each).
-        ready: list[Any] = []
+        found: list[tuple[Callable[[int], tuple[memoryview, ...]], list[bytes], bytes]] = []
 
         def prepare() -> None:  # (the layers checked, the keys and planes found meanwhile)
             views = self._layer_views(layers, num_full * bs, writable=False)
-            ready.extend((self._block_planes(views), *self._object_keys(prefix, 0)))
+            found.append((self._block_planes(views), *self._object_keys(prefix, 0)))
 
         # Only the cached length is wanted: a lookup, which takes no read lease.
         cached = self.client.lookup_prefix(self.namespace, prefix, work=prepare)
         first_new = cached // bs
         if first_new == num_full:
             return 0
-        block_planes, all_keys, meta_key = ready
+        block_planes, all_keys, meta_key = found[0]
         # Each block's checksum table is filled, and the block hashed, by its seal: the client
         # runs the seals while the master answers put_start (see Segments.seal).
         objects: list[np.ndarray | Segments] = []
