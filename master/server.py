@@ -252,12 +252,25 @@ def _stats(svc: MasterService, args: dict[str, Any]) -> Any:
 
 
 def _kv_commit(svc: MasterService, args: dict[str, Any]) -> Any:
+    return _kv_commit_then_index(svc, args, None)
+
+
+def _kv_commit_then_index(
+    svc: MasterService, args: dict[str, Any], after: list[Callable[[], None]] | None
+) -> Any:
+    """``kv_commit``: commit the puts, then index the prompt; with ``after``, the indexing is
+    appended to it, for the server to run once the answer is written (see
+    :data:`AFTER_REPLY`). The answer is the per-put results either way: the blocks the index
+    gained are its ``stored`` events."""
     namespace = Namespace.from_dict(_arg(args, "namespace", dict))
     tokens = tokens_from_wire(args.get("tokens"))
-    results, num_indexed = svc.kv_commit(
-        _list(args, "put_ids", int), _list(args, "checksums", int), namespace, tokens
-    )
-    return {"results": [result_to_wire(r) for r in results], "num_indexed": num_indexed}
+    put_ids, checksums = _list(args, "put_ids", int), _list(args, "checksums", int)
+    if after is None:
+        results, _ = svc.kv_commit(put_ids, checksums, namespace, tokens)
+    else:
+        results = svc.kv_commit_puts(put_ids, checksums, namespace, tokens)
+        after.append(lambda: svc.kv_index(namespace, tokens))
+    return {"results": [result_to_wire(r) for r in results]}
 
 
 def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -388,6 +401,27 @@ HANDLERS: dict[str, Callable[[MasterService, dict[str, Any]], Any]] = {
 }
 
 
+#: Verbs whose handler can leave work until its answer is written: ``kv_commit`` answers once its
+#: puts are committed and indexes the prompt after (the radix insert is most of what a small
+#: one costs the master, and the writer waits for nothing of it). The loop is single-threaded
+#: and the server runs that work before its next turn, so every request sent after the answer
+#: arrived, on any connection, finds the prompt indexed.
+AFTER_REPLY: dict[
+    str, Callable[[MasterService, dict[str, Any], list[Callable[[], None]] | None], Any]
+] = {"kv_commit": _kv_commit_then_index}
+
+
+def run_after_reply(after: list[Callable[[], None]]) -> None:
+    """Run (and clear) the work requests left until their answers were written: a failure is
+    logged (the answer is gone: its puts are committed whatever the index does)."""
+    for work in after:
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - one failure must not stop the connection
+            log.exception("work after an answer failed")
+    after.clear()
+
+
 class RpcObserver(Protocol):
     """Records each served request (metrics). ``result`` is the handler's return value or None."""
 
@@ -396,16 +430,28 @@ class RpcObserver(Protocol):
 
 
 def dispatch(
-    svc: MasterService, request: protocol.Request, observer: RpcObserver | None = None
+    svc: MasterService,
+    request: protocol.Request,
+    observer: RpcObserver | None = None,
+    after: list[Callable[[], None]] | None = None,
 ) -> bytes:
-    """Run one request and return the encoded response frame."""
+    """Run one request and return the encoded response frame.
+
+    Args:
+        after: where a verb of :data:`AFTER_REPLY` leaves its remaining work, for the caller
+            to run (:func:`run_after_reply`) once the frame is written; None: it is done here.
+    """
     handler = HANDLERS.get(request.verb)
     started, code, result = time.perf_counter(), 0, None
     try:
         if handler is None:
             raise UnknownVerbError(f"unknown verb {request.verb[:64]!r}")
         _take_releases(svc, request.args)
-        result = handler(svc, request.args)
+        deferring = AFTER_REPLY.get(request.verb) if after is not None else None
+        if deferring is not None:
+            result = deferring(svc, request.args, after)
+        else:
+            result = handler(svc, request.args)
         return protocol.encode_response(request.req_id, result)
     except Exception as exc:  # noqa: BLE001 - every failure is an error frame, never a hang-up
         code, frame = _error_frame(request, exc)
@@ -512,11 +558,10 @@ async def _serve_chunks(
     if verb != "kv_commit":
         return b"".join(parts)
     await asyncio.sleep(0)
-    # Index the committed prefix, a step of chunk_items blocks a turn.
-    num_indexed = await _run_steps(svc.kv_index_steps(namespace, tokens, chunk_items))
-    body = [_PACK.pack_map_header(2), _PACK.pack("results"), *parts]
-    body += [_PACK.pack("num_indexed"), _PACK.pack(num_indexed)]
-    return b"".join(body)
+    # Index the committed prefix, a step of chunk_items blocks a turn, before the answer: a
+    # later request must not find it half indexed (the one-go path indexes after the answer).
+    await _run_steps(svc.kv_index_steps(namespace, tokens, chunk_items))
+    return b"".join([_PACK.pack_map_header(1), _PACK.pack("results"), *parts])
 
 
 async def _run_steps(steps: Steps[Any]) -> Any:
@@ -586,10 +631,11 @@ async def dispatch_bounded(
     request: protocol.Request,
     observer: RpcObserver | None = None,
     chunk_items: int = CHUNK_ITEMS,
+    after: list[Callable[[], None]] | None = None,
 ) -> bytes:
     """:func:`dispatch`, but a large batch is served in chunks of ``chunk_items`` with the loop
     free between two (bounded work per turn: one client's 65,536-key batch does not stall the
-    others)."""
+    others). ``after``: as :func:`dispatch` (a request served in one go may leave work there)."""
     started, code, delegated = time.perf_counter(), 0, False
     try:
         if request.verb in HANDLERS and "release" in request.args:
@@ -606,7 +652,7 @@ async def dispatch_bounded(
             n = _chunk_count(svc, request, chunk_items)
             if not n:
                 delegated = True  # small: in one go (dispatch observes it)
-                return dispatch(svc, request, observer)
+                return dispatch(svc, request, observer, after)
             packed = await _serve_chunks(svc, request, n, chunk_items)
         body = _PACK.pack_array_header(3) + _PACK.pack(request.req_id) + _PACK.pack(0) + packed
         return protocol.encode_header(protocol.KIND_RESPONSE, len(body)) + body
@@ -754,6 +800,7 @@ class ControlServer:
         loop = asyncio.get_running_loop()
         session = serving.FrameSession(self.token, loop.time(), deadlines=self.deadlines)
         deadlines = self._deadlines
+        after: list[Callable[[], None]] = []  # a request's work left until its answer is out
         if not session.authenticated:  # the whole hello must arrive, small, by this time
             deadlines[writer] = session.hello_by
             self.pending.add(writer, writer.close)
@@ -809,9 +856,11 @@ class ControlServer:
                         writer.write(protocol.encode_error(request.req_id, refusal))
                     else:
                         reply = await dispatch_bounded(
-                            self.slot.service, request, self.observer, self.chunk_items
+                            self.slot.service, request, self.observer, self.chunk_items, after
                         )
                         writer.write(reply)
+                        if after:  # (no await between: see AFTER_REPLY)
+                            run_after_reply(after)
                 await writer.drain()
                 self._awake.served()
         except ConnectionError:

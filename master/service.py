@@ -674,9 +674,31 @@ class MasterService:
         Raises:
             InvalidRequestError: a prompt over the block limit (nothing is committed).
         """
+        results = self.kv_commit_puts(put_ids, checksums, namespace, tokens)
+        return results, self.kv_index(namespace, tokens)
+
+    def kv_commit_puts(
+        self,
+        put_ids: Sequence[int],
+        checksums: Sequence[int],
+        namespace: Namespace,
+        tokens: np.ndarray,
+    ) -> list[KVStoreError | None]:
+        """The first half of :meth:`kv_commit`: the prompt checked, then its puts committed.
+
+        Raises:
+            InvalidRequestError: a prompt over the block limit (nothing is committed).
+        """
         check_prompt_size(namespace, tokens)
-        results = self.put_end(put_ids, checksums)
-        return results, self.prefix.index(namespace, tokens, self.objects.__contains__)
+        return self.put_end(put_ids, checksums)
+
+    def kv_index(self, namespace: Namespace, tokens: np.ndarray) -> int:
+        """The second half of :meth:`kv_commit`: index the prompt's committed prefix.
+
+        Returns:
+            The number of blocks newly indexed.
+        """
+        return self.prefix.index(namespace, tokens, self.objects.__contains__)
 
     def kv_index_steps(
         self, namespace: Namespace, tokens: np.ndarray, step_blocks: int

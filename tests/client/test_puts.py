@@ -59,7 +59,7 @@ class FakeMaster:
         if verb == "put_end":
             return [result_to_wire(None) for _ in args["put_ids"]]
         if verb == "kv_commit":
-            return {"results": [result_to_wire(None) for _ in args["put_ids"]], "num_indexed": 0}
+            return {"results": [result_to_wire(None) for _ in args["put_ids"]]}
         if verb == "put_revoke":
             return None
         raise AssertionError(verb)

@@ -99,6 +99,51 @@ def test_chunked_batches_answer_like_unchunked_ones(live: Live) -> None:
         conn.call("get_locations", {"keys": keys[:1], "batch_grants": 1})
 
 
+def test_a_kv_commit_answers_before_it_indexes_and_every_later_request_finds_the_prompt(
+    live: Live, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prompt of a small ``kv_commit`` is indexed once its answer is written: the writer
+    waits for none of it, and a request sent after the answer (here on another connection,
+    while the index is still being built) is served after it."""
+    conn, other = live.connect(), live.connect()
+    tokens = np.arange(4, dtype=np.uint32)
+    keys = [kv_object_key(NS.digest, k) for k in block_keys(NS, tokens)]
+    prompt = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(tokens)}
+    indexing, release = threading.Event(), threading.Event()
+    index = live.svc.kv_index
+
+    def held_index(namespace: Namespace, toks: np.ndarray) -> int:
+        indexing.set()
+        assert release.wait(60)
+        return index(namespace, toks)
+
+    live.svc.kv_index = held_index  # type: ignore[method-assign]
+    matched: list[Any] = []
+    try:
+        ids = _put_ids(conn, keys, kv=True)
+        done = conn.call("kv_commit", {**prompt, "put_ids": ids, "checksums": [1] * 4})
+        assert done == {"results": [[0, None]] * 4}  # answered while the index is held
+        assert indexing.wait(60)
+        asker = threading.Thread(target=lambda: matched.append(other.call("kv_match", prompt)))
+        asker.start()
+    finally:
+        release.set()
+    asker.join(60)
+    assert matched[0]["num_tokens"] == 4
+    # An index that fails after the answer is logged; the puts stay committed, the
+    # connection serves on.
+    live.svc.kv_index = lambda *a: 1 // 0  # type: ignore[method-assign]
+    more = np.arange(100, 102, dtype=np.uint32)
+    keys = [kv_object_key(NS.digest, k) for k in block_keys(NS, more)]
+    ids = _put_ids(conn, keys, kv=True)
+    more_prompt = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(more)}
+    done = conn.call("kv_commit", {**more_prompt, "put_ids": ids, "checksums": [1] * 2})
+    assert done == {"results": [[0, None]] * 2}
+    assert conn.call("exists", {"keys": keys}) == [True, True]
+    assert conn.call("kv_match", more_prompt)["num_tokens"] == 0
+    assert "work after an answer failed" in caplog.text
+
+
 def test_chunked_put_starts_batch_their_write_grants_per_chunk(live: Live) -> None:
     conn = live.connect()
     n = CHUNK_ITEMS * 2 + 3
@@ -159,7 +204,7 @@ def test_prompts_over_the_block_limit_are_refused_and_commit_nothing(live: Live)
     # At the limit it is served (in chunks), and indexes what was committed.
     at_limit = {"namespace": NS.to_dict(), "tokens": tokens_to_wire(tokens[:-1])}
     done = conn.call("kv_commit", {**at_limit, "put_ids": ids, "checksums": [1] * len(ids)})
-    assert done["results"] == [[0, None]] * len(ids) and done["num_indexed"] == len(ids)
+    assert done == {"results": [[0, None]] * len(ids)}
     assert conn.call("kv_match", at_limit)["num_tokens"] == len(ids)
     # A lookup (``locate: false``) of a long prompt, served in steps too: no locations, so no
     # read leases, as for a short one.
@@ -307,7 +352,7 @@ def test_a_prompt_of_more_blocks_than_a_chunk_is_indexed_and_matched_in_steps(
         return protocol.decode_response(reply[protocol.HEADER_SIZE :]).unwrap()
 
     done = call("kv_commit", {**prompt, "put_ids": ids[-1:], "checksums": [1]})
-    assert done == {"results": [[0, None]], "num_indexed": blocks}
+    assert done == {"results": [[0, None]]}
     assert calls == (["kv_index_steps"] if stepped else ["kv_commit"])
     calls.clear()
     matched = call("kv_match", prompt)
