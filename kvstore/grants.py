@@ -39,8 +39,8 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -237,8 +237,13 @@ class VerifiedGrants:
             expected = _batch_digest(self.secret, op_, expires_ms, blob)
             if not hmac.compare_digest(expected, sig):
                 raise GrantInvalidError("batch grant signature does not verify")
-            # Signed by the master: its items are well formed (see sign_batch).
-            batch = Batch(op_, expires_ms, sig, tuple(batch_wire), msgpack.unpackb(blob))
+            # Signed by the master: its items are well formed (see sign_batch). Tuples, not
+            # lists: a tuple of a key, a segment and ints leaves the garbage collector's sight
+            # at its first pass, and the memo holds up to max_entries batches of up to 256
+            # items (as lists, 300K of them were most of what a node's full collections
+            # walked after 300K tiny writes).
+            items = msgpack.unpackb(blob, use_list=False)
+            batch = Batch(op_, expires_ms, sig, tuple(batch_wire), items)
             if len(self._memo) >= self.max_entries:
                 self._drop_expired(now_ms)
             self._memo[sig] = (list(batch_wire), batch)
@@ -288,7 +293,7 @@ class Batch:
     expires_ms: int
     signature: bytes
     wire: tuple[Any, ...]
-    items: list[Any]
+    items: Sequence[Any]  # [key, segment, offset, size] each (tuples once verified by a node)
 
     def grant(self, index: Any, check: bool) -> Grant:
         """The grant of item ``index`` (``check``: its fields are checked, as a client does
@@ -301,7 +306,7 @@ class Batch:
             raise GrantInvalidError("malformed grant: no such item in its batch")
         item = self.items[index]
         if check and not (
-            type(item) is list
+            type(item) in (list, tuple)
             and len(item) == 4
             and type(item[0]) is bytes
             and type(item[1]) is str
@@ -498,7 +503,16 @@ class _Claim:
     stamp: int  # the grant's expiry (ms): grants for the same bytes are ordered by it
     signature: bytes
     done: bool = False  # a write with this grant completed: the grant is used up
-    streams: list[WriteStream] = field(default_factory=list)
+    # The writes streaming in now: a tuple, replaced on change, so that a claim past its write
+    # (most of the claims a node holds, each kept until its grant expires: a put timeout of
+    # writes) is one object for the garbage collector to walk, not two (see Manifest).
+    streams: tuple[WriteStream, ...] = ()
+
+
+def _without(streams: tuple[WriteStream, ...], stream: WriteStream) -> tuple[WriteStream, ...]:
+    """``streams`` less ``stream`` (its first occurrence, as ``list.remove``)."""
+    i = streams.index(stream)
+    return streams[:i] + streams[i + 1 :]
 
 
 class WriteClaims:
@@ -661,7 +675,7 @@ class WriteClaims:
             claims[start] = mine
             self._num += 1
             if stream is not None:
-                mine.streams.append(stream)
+                mine.streams = (stream,)
             return mine, []
         i = bisect.bisect_left(starts, start)
         if i and claims[starts[i - 1]].end > start:
@@ -693,14 +707,14 @@ class WriteClaims:
             claims[start] = mine
             self._num += 1
         if stream is not None:
-            mine.streams.append(stream)
+            mine.streams = (*mine.streams, stream)
         return mine, fenced
 
     def end(self, claim: _Claim, stream: WriteStream | None, complete: bool) -> None:
         """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
         with self._lock:
             if stream is not None and stream in claim.streams:
-                claim.streams.remove(stream)
+                claim.streams = _without(claim.streams, stream)
             if complete:
                 claim.done = True
 
@@ -709,7 +723,7 @@ class WriteClaims:
         with self._lock:
             for claim, complete in ends:
                 if stream is not None and stream in claim.streams:
-                    claim.streams.remove(stream)
+                    claim.streams = _without(claim.streams, stream)
                 if complete:
                     claim.done = True
 

@@ -269,7 +269,7 @@ def test_one_stream_for_many_claims_ends_them_together() -> None:
     with pytest.raises(GrantInvalidError, match="in use"):
         claims.begin(a, None)
     claims.end_many([(ca, True), (cb, False)], stream)
-    assert ca.streams == [] and cb.streams == []
+    assert ca.streams == () and cb.streams == ()
     with pytest.raises(GrantInvalidError, match="already used"):
         claims.begin(a, None)  # completed: used up
     claims.end(claims.begin(b, None), None, complete=True)  # not completed: may be retried
@@ -307,10 +307,10 @@ def test_begin_many_claims_in_one_step_with_errors_in_place() -> None:
             (_w(4096, 0, 5000, b"id"), True, None),  # by id (NVMe): no stream
         ]
     )
-    assert isinstance(out[0], grants._Claim) and out[0].streams == [stream]
+    assert isinstance(out[0], grants._Claim) and out[0].streams == (stream,)
     assert isinstance(out[1], GrantInvalidError) and "newer allocation" in out[1].message
     assert isinstance(out[2], GrantInvalidError) and "already used" in out[2].message
-    assert isinstance(out[3], grants._Claim) and out[3].streams == []
+    assert isinstance(out[3], grants._Claim) and out[3].streams == ()
 
 
 def test_begin_many_stops_older_writes_and_never_waits_for_itself(

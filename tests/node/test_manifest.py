@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 from kvstore.manifest import StoredObject
 from kvstore.node.manifest import Manifest
 
@@ -34,3 +36,17 @@ def test_one_record_per_place_and_what_survives_a_restart() -> None:
     assert m.objects() == [StoredObject("nvme", 0, b"c", 1, 3, 3)]
     m.clear()
     assert len(m) == 0
+
+
+def test_records_leave_the_collectors_work_once_it_has_seen_them() -> None:
+    """A node holds a record per object (millions): the collector must not walk them at every
+    full collection (1M record objects held the data threads ~120 ms each time)."""
+    m = Manifest()
+    gc.collect()
+    before = len(gc.get_objects())
+    m.record_many(
+        StoredObject("dram", i * 64, b"key/%d" % i, 64, i, 1000 + i) for i in range(20_000)
+    )
+    gc.collect()  # the first pass sees each record once, then stops tracking it
+    assert len(gc.get_objects()) - before < 100
+    assert m.objects()[123] == StoredObject("dram", 123 * 64, b"key/123", 64, 123, 1123)
