@@ -496,17 +496,25 @@ class WriteStream:
                 self.sock.shutdown(socket.SHUT_RDWR)
 
 
-@dataclass(slots=True)
-class _Claim:
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A write's hold on ``[start, end)`` of ``segment`` (what :meth:`WriteClaims.begin`
+    returns and :meth:`WriteClaims.end` takes back); ``stamp`` and ``signature`` name its
+    grant."""
+
+    segment: str
     start: int
     end: int
     stamp: int  # the grant's expiry (ms): grants for the same bytes are ordered by it
     signature: bytes
-    done: bool = False  # a write with this grant completed: the grant is used up
-    # The writes streaming in now: a tuple, replaced on change, so that a claim past its write
-    # (most of the claims a node holds, each kept until its grant expires: a put timeout of
-    # writes) is one object for the garbage collector to walk, not two (see Manifest).
-    streams: tuple[WriteStream, ...] = ()
+
+
+#: A claim as :class:`WriteClaims` keeps it, by its start: ``(end, stamp, signature, done)``,
+#: ``done`` once a write with this grant completed (the grant is used up). A plain tuple of ints
+#: and bytes, which the garbage collector stops tracking at its first pass: a node keeps a
+#: claim per write until its grant expires (a put timeout, 30 s, of writes), and claim objects
+#: were most of what its full collections walked under a steady write load.
+_Record = tuple[int, int, bytes, bool]
 
 
 def _without(streams: tuple[WriteStream, ...], stream: WriteStream) -> tuple[WriteStream, ...]:
@@ -546,13 +554,15 @@ class WriteClaims:
     def __init__(self, clock_ms: Callable[[], int]) -> None:
         self.clock_ms = clock_ms
         self._lock = threading.Lock()
-        # segment -> sorted starts of non-overlapping claims, and start -> claim
+        # segment -> sorted starts of non-overlapping claims, and start -> its record
         self._starts: dict[str, list[int]] = {}
-        self._claims: dict[str, dict[int, _Claim]] = {}
+        self._claims: dict[str, dict[int, _Record]] = {}
+        # (segment, start) -> the writes streaming into that claim now (only while they do)
+        self._streams: dict[tuple[str, int], tuple[WriteStream, ...]] = {}
         self._num = 0
         self._prune_at = 1 << 14
 
-    def begin(self, grant: Grant, stream: WriteStream | None, by_id: bool = False) -> _Claim:
+    def begin(self, grant: Grant, stream: WriteStream | None, by_id: bool = False) -> Claim:
         """Claim ``grant``'s range for a write (``stream``: bytes that will stream in).
 
         ``by_id``: the segment addresses objects by id, not by byte (NVMe): the claim is the id.
@@ -574,7 +584,7 @@ class WriteClaims:
         stamp: int,
         signature: bytes,
         stream: WriteStream | None = None,
-    ) -> _Claim:
+    ) -> Claim:
         """Claim ``[start, end)`` of ``segment`` for a writer whose allocation is ordered by
         ``stamp`` (a grant's expiry) and named by ``signature`` with the range (the members of
         a batch grant share its signature); see :meth:`begin`.
@@ -597,7 +607,7 @@ class WriteClaims:
 
     def begin_many(
         self, items: list[tuple[Grant, bool, WriteStream | None]]
-    ) -> list[_Claim | KVStoreError]:
+    ) -> list[Claim | KVStoreError]:
         """:meth:`begin` for the ``(grant, by_id, stream)`` items of one write request: one lock
         for all, then every fenced older write is stopped.
 
@@ -606,7 +616,7 @@ class WriteClaims:
             KVTimeoutError).
         """
         now = self.clock_ms()
-        out: list[_Claim | KVStoreError] = []
+        out: list[Claim | KVStoreError] = []
         fenced_by: list[list[WriteStream]] = []
         own = {id(stream) for _, _, stream in items if stream is not None}
         with self._lock:
@@ -639,7 +649,7 @@ class WriteClaims:
                 # aborted its own stream: no byte of it lands, and waiting for it would deadlock.
                 if id(s) not in own and not s.stopped.wait(FENCE_WAIT_S):
                     claim = out[k]
-                    assert isinstance(claim, _Claim), "only a claim fences"
+                    assert isinstance(claim, Claim), "only a claim fences"
                     self.end(claim, items[k][2], complete=False)
                     out[k] = KVTimeoutError("an older write on these bytes did not stop in time")
                     break
@@ -654,7 +664,7 @@ class WriteClaims:
         signature: bytes,
         stream: WriteStream | None,
         now: int,
-    ) -> tuple[_Claim, list[WriteStream]]:
+    ) -> tuple[Claim, list[WriteStream]]:
         """The claim of :meth:`claim`, and the streams it fences (to stop after the lock).
 
         NOTE: called holding ``self._lock``.
@@ -667,91 +677,116 @@ class WriteClaims:
             starts = self._starts[segment] = []
             self._claims[segment] = {}
         claims = self._claims[segment]
-        if not starts or (starts[-1] < start and claims[starts[-1]].end <= start):
+        mine = Claim(segment, start, end, stamp, signature)
+        if not starts or (starts[-1] < start and claims[starts[-1]][0] <= start):
             # Past every claim (a fresh allocation above the last claimed byte): nothing to
             # check or fence, and the claim goes last.
-            mine = _Claim(start, end, stamp, signature)
             starts.append(start)
-            claims[start] = mine
+            claims[start] = (end, stamp, signature, False)
             self._num += 1
             if stream is not None:
-                mine.streams = (stream,)
+                self._streams[(segment, start)] = (stream,)
             return mine, []
         i = bisect.bisect_left(starts, start)
-        if i and claims[starts[i - 1]].end > start:
+        if i and claims[starts[i - 1]][0] > start:
             i -= 1
         overlapping = []
         while i < len(starts) and starts[i] < end:
-            overlapping.append(claims[starts[i]])
+            overlapping.append(starts[i])
             i += 1
+        streams = self._streams
         fenced: list[WriteStream] = []
-        mine: _Claim | None = None
-        for c in overlapping:
-            if c.stamp < now and c.signature != signature:
+        same: int | None = None  # the start of this very grant's claim, if it has one
+        for at in overlapping:
+            c_end, c_stamp, c_sig, c_done = claims[at]
+            if c_stamp < now and c_sig != signature:
                 continue  # expired: every grant it could fence has expired too
-            if c.signature == signature and (c.start, c.end) == (start, end):
-                if c.done or c.streams:
+            if c_sig == signature and (at, c_end) == (start, end):
+                if c_done or (segment, at) in streams:
                     raise GrantInvalidError("this write grant was already used (or is in use)")
-                mine = c
-            elif c.stamp >= stamp:
+                same = at
+            elif c_stamp >= stamp:
                 raise GrantInvalidError(
                     "these bytes now belong to a newer allocation: the grant is stale"
                 )
-        for c in overlapping:
-            if c is not mine:
-                fenced.extend(c.streams)
-                self._remove(segment, c)
-        if mine is None:
-            mine = _Claim(start, end, stamp, signature)
+        for at in overlapping:
+            if at != same:
+                fenced.extend(streams.get((segment, at), ()))
+                self._remove(segment, at)
+        if same is None:
             bisect.insort(starts, start)
-            claims[start] = mine
+            claims[start] = (end, stamp, signature, False)
             self._num += 1
         if stream is not None:
-            mine.streams = (*mine.streams, stream)
+            self._streams[(segment, start)] = (stream,)  # (a claim in use is refused above)
         return mine, fenced
 
-    def end(self, claim: _Claim, stream: WriteStream | None, complete: bool) -> None:
-        """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
+    def streams_of(self, claim: Claim) -> tuple[WriteStream, ...]:
+        """The writes streaming into ``claim`` now (none once it is over or fenced)."""
         with self._lock:
-            if stream is not None and stream in claim.streams:
-                claim.streams = _without(claim.streams, stream)
-            if complete:
-                claim.done = True
+            if self._holds(claim):
+                return self._streams.get((claim.segment, claim.start), ())
+            return ()
 
-    def end_many(self, ends: list[tuple[_Claim, bool]], stream: WriteStream | None) -> None:
-        """:meth:`end` for many ``(claim, complete)`` of one write request (one lock)."""
+    def _holds(self, claim: Claim) -> bool:
+        """Whether ``claim`` is still the claim of its range (NOTE: holding the lock)."""
+        rec = self._claims.get(claim.segment, {}).get(claim.start)
+        return rec is not None and rec[:3] == (claim.end, claim.stamp, claim.signature)
+
+    def end(self, claim: Claim, stream: WriteStream | None, complete: bool) -> None:
+        """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
+        self.end_many([(claim, complete)], stream)
+
+    def end_many(self, ends: list[tuple[Claim, bool]], stream: WriteStream | None) -> None:
+        """:meth:`end` for many ``(claim, complete)`` of one write request (one lock). A
+        claim fenced meanwhile (a newer allocation's claim took its range) is left alone."""
         with self._lock:
             for claim, complete in ends:
-                if stream is not None and stream in claim.streams:
-                    claim.streams = _without(claim.streams, stream)
+                if not self._holds(claim):
+                    continue
+                place = (claim.segment, claim.start)
+                if stream is not None:
+                    now = self._streams.get(place, ())
+                    if stream in now:
+                        rest = _without(now, stream)
+                        if rest:
+                            self._streams[place] = rest
+                        else:
+                            del self._streams[place]
                 if complete:
-                    claim.done = True
+                    self._claims[claim.segment][claim.start] = (
+                        claim.end,
+                        claim.stamp,
+                        claim.signature,
+                        True,
+                    )
 
     def reset(self) -> None:
         """Forget every claim and stop every write in progress (a new grant secret: no grant
         verified under the old one may write another byte)."""
         with self._lock:
-            streams = [
-                s for claims in self._claims.values() for c in claims.values() for s in c.streams
-            ]
+            streams = [s for group in self._streams.values() for s in group]
             self._starts.clear()
             self._claims.clear()
+            self._streams.clear()
             self._num = 0
         for s in streams:
             s.abort()
 
-    def _remove(self, segment: str, c: _Claim) -> None:
+    def _remove(self, segment: str, start: int) -> None:
         starts = self._starts[segment]
-        j = bisect.bisect_left(starts, c.start)
-        if j < len(starts) and starts[j] == c.start and self._claims[segment].get(c.start) is c:
+        j = bisect.bisect_left(starts, start)
+        if j < len(starts) and starts[j] == start:
             del starts[j]
-            del self._claims[segment][c.start]
+            del self._claims[segment][start]
+            self._streams.pop((segment, start), None)
             self._num -= 1
 
     def _prune(self, now_ms: int) -> None:
         """Drop expired claims (no grant they could fence is valid any more)."""
+        streams = self._streams
         for segment, claims in self._claims.items():
-            live = {s: c for s, c in claims.items() if c.stamp >= now_ms or c.streams}
+            live = {s: c for s, c in claims.items() if c[1] >= now_ms or (segment, s) in streams}
             self._claims[segment] = live
             self._starts[segment] = sorted(live)
         self._num = sum(len(c) for c in self._claims.values())

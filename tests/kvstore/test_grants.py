@@ -154,28 +154,32 @@ def test_claims_refuse_stale_and_used_grants() -> None:
 
 class _ClaimsModel:
     """The claim rules of WriteClaims, by brute force over a list: what a claim of ``[start,
-    end)`` with ``stamp`` and ``sig`` answers ("ok", "used" or "stale") and leaves claimed."""
+    end)`` with ``stamp`` and ``sig`` answers ("ok", "used" or "stale"), leaves claimed and
+    fences (the streams of the claims it removed)."""
 
     def __init__(self) -> None:
-        self.claims: list[list[object]] = []  # [start, end, stamp, sig, done]
+        self.claims: list[list[object]] = []  # [start, end, stamp, sig, done, stream]
+        self.fenced: list[object] = []
 
-    def claim(self, start: int, end: int, stamp: int, sig: bytes, now: int) -> str:
+    def claim(self, start: int, end: int, stamp: int, sig: bytes, now: int, stream: object) -> str:
         over = [c for c in self.claims if c[0] < end and start < c[1]]  # type: ignore[operator]
         mine = None
         for c in over:
             if c[2] < now and c[3] != sig:  # type: ignore[operator]
                 continue
             if c[3] == sig and (c[0], c[1]) == (start, end):
-                if c[4]:
+                if c[4] or c[5] is not None:
                     return "used"
                 mine = c
             elif c[2] >= stamp:  # type: ignore[operator]
                 return "stale"
+        self.fenced += [c[5] for c in over if c is not mine and c[5] is not None]
         self.claims = [c for c in self.claims if c is mine or c not in over]
         if mine is None:
-            self.claims.append([start, end, stamp, sig, True])
+            self.claims.append([start, end, stamp, sig, False, None])
         mine = mine or self.claims[-1]
-        mine[4] = True
+        # A write left streaming holds its claim; any other completes at once.
+        mine[4], mine[5] = stream is None, stream
         return "ok"
 
 
@@ -188,35 +192,44 @@ class _ClaimsModel:
             st.integers(0, 5),  # stamp (the grant's expiry)
             st.integers(0, 3),  # which signature
             st.integers(0, 2),  # how far the clock moved before it
+            st.booleans(),  # the write is left streaming (not ended)
         ),
         max_size=40,
     )
 )
 def test_claims_answer_as_the_rules_say_whatever_the_order(
-    steps: list[tuple[int, int, int, int, int]],
+    steps: list[tuple[int, int, int, int, int, bool]],
 ) -> None:
     # Rising offsets (a fresh arena: a claim past every other), reused ones and overlaps in any
-    # order: each claim is granted or refused as the rules say, and what stays claimed is the
-    # same, however it was found.
+    # order, writes that complete and writes still streaming: each claim is granted or refused
+    # as the rules say, what stays claimed is the same however it was found, and exactly the
+    # streams of the claims a newer one took over are stopped.
     now = [0]
     claims = grants.WriteClaims(lambda: now[0])
     model = _ClaimsModel()
-    for start, length, stamp, sig, tick in steps:
+    streams = []
+    for start, length, stamp, sig, tick, streaming in steps:
         now[0] += tick
         a, b = start * 8, (start + length) * 8
-        want = model.claim(a, b, stamp, b"s%d" % sig, now[0])
+        stream = grants.WriteStream() if streaming else None
+        if stream is not None:
+            stream.stopped.set()  # (its receive loop is gone: a fence need not wait)
+            streams.append(stream)
+        want = model.claim(a, b, stamp, b"s%d" % sig, now[0], stream)
         try:
-            c = claims.claim("dram", a, b, stamp, b"s%d" % sig)
+            c = claims.claim("dram", a, b, stamp, b"s%d" % sig, stream)
         except GrantInvalidError as err:
             assert want == ("used" if "already used" in err.message else "stale")
         else:
             assert want == "ok"
-            claims.end(c, None, complete=True)
-        live = sorted(
-            (c.start, c.end, c.stamp, c.signature) for c in claims._claims["dram"].values()
-        )
+            if stream is None:
+                claims.end(c, None, complete=True)
+            else:
+                assert claims.streams_of(c) == (stream,)
+        live = sorted((s, r[0], r[1], r[2]) for s, r in claims._claims["dram"].items())
         assert live == sorted((c[0], c[1], c[2], c[3]) for c in model.claims)  # type: ignore[misc]
         assert claims._starts["dram"] == sorted(claims._claims["dram"])
+        assert [s for s in streams if s.aborted] == [s for s in streams if s in model.fenced]
 
 
 def test_a_newer_write_stops_an_older_stream_first() -> None:
@@ -270,7 +283,7 @@ def test_one_stream_for_many_claims_ends_them_together() -> None:
     with pytest.raises(GrantInvalidError, match="in use"):
         claims.begin(a, None)
     claims.end_many([(ca, True), (cb, False)], stream)
-    assert ca.streams == () and cb.streams == ()
+    assert claims.streams_of(ca) == () and claims.streams_of(cb) == ()
     with pytest.raises(GrantInvalidError, match="already used"):
         claims.begin(a, None)  # completed: used up
     claims.end(claims.begin(b, None), None, complete=True)  # not completed: may be retried
@@ -308,10 +321,10 @@ def test_begin_many_claims_in_one_step_with_errors_in_place() -> None:
             (_w(4096, 0, 5000, b"id"), True, None),  # by id (NVMe): no stream
         ]
     )
-    assert isinstance(out[0], grants._Claim) and out[0].streams == (stream,)
+    assert isinstance(out[0], grants.Claim) and claims.streams_of(out[0]) == (stream,)
     assert isinstance(out[1], GrantInvalidError) and "newer allocation" in out[1].message
     assert isinstance(out[2], GrantInvalidError) and "already used" in out[2].message
-    assert isinstance(out[3], grants._Claim) and out[3].streams == ()
+    assert isinstance(out[3], grants.Claim) and claims.streams_of(out[3]) == ()
 
 
 def test_begin_many_stops_older_writes_and_never_waits_for_itself(
@@ -331,7 +344,7 @@ def test_begin_many_stops_older_writes_and_never_waits_for_itself(
         ]
     )
     assert stalled.aborted and mine.aborted  # no byte of either may land any more
-    assert isinstance(out[1], grants._Claim)  # no wait for its own stream
+    assert isinstance(out[1], grants.Claim)  # no wait for its own stream
     assert isinstance(out[2], KVTimeoutError)
     assert time.monotonic() - t0 < 1.0  # one bounded wait, for `stalled` only
 
