@@ -496,31 +496,21 @@ class WriteStream:
                 self.sock.shutdown(socket.SHUT_RDWR)
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A write's hold on ``[start, end)`` of ``segment`` (what :meth:`WriteClaims.begin`
-    returns and :meth:`WriteClaims.end` takes back); ``stamp`` and ``signature`` name its
-    grant."""
-
-    segment: str
-    start: int
-    end: int
-    stamp: int  # the grant's expiry (ms): grants for the same bytes are ordered by it
-    signature: bytes
+#: A write's hold on ``[start, end)`` of ``segment``: ``(segment, start, end, stamp,
+#: signature)``, what :meth:`WriteClaims.begin` returns and :meth:`WriteClaims.end` takes back
+#: (``stamp`` and ``signature`` name its grant). A plain tuple: a node makes one per key written
+#: (a dataclass's __init__ cost 0.5 us a key more here).
+Claim = tuple[str, int, int, int, bytes]
 
 
-#: A claim as :class:`WriteClaims` keeps it, by its start: ``(end, stamp, signature, done)``,
-#: ``done`` once a write with this grant completed (the grant is used up). A plain tuple of ints
-#: and bytes, which the garbage collector stops tracking at its first pass: a node keeps a
-#: claim per write until its grant expires (a put timeout, 30 s, of writes), and claim objects
-#: were most of what its full collections walked under a steady write load.
-_Record = tuple[int, int, bytes, bool]
-
-
-def _without(streams: tuple[WriteStream, ...], stream: WriteStream) -> tuple[WriteStream, ...]:
-    """``streams`` less ``stream`` (its first occurrence, as ``list.remove``)."""
-    i = streams.index(stream)
-    return streams[:i] + streams[i + 1 :]
+#: A claim as :class:`WriteClaims` keeps it, by its start: ``(end, stamp, signature, done,
+#: writing)``: ``done`` once a write with this grant completed (the grant is used up),
+#: ``writing`` the write streaming in now (None once it is over; a claim has at most one: a
+#: second write with its grant is refused). A plain tuple, which the garbage collector stops
+#: tracking at its first pass once nothing streams in: a node keeps a claim per write until its
+#: grant expires (a put timeout, 30 s, of writes), and claim objects were most of what its full
+#: collections walked under a steady write load.
+_Record = tuple[int, int, bytes, bool, WriteStream | None]
 
 
 class WriteClaims:
@@ -557,8 +547,6 @@ class WriteClaims:
         # segment -> sorted starts of non-overlapping claims, and start -> its record
         self._starts: dict[str, list[int]] = {}
         self._claims: dict[str, dict[int, _Record]] = {}
-        # (segment, start) -> the writes streaming into that claim now (only while they do)
-        self._streams: dict[tuple[str, int], tuple[WriteStream, ...]] = {}
         self._num = 0
         self._prune_at = 1 << 14
 
@@ -649,7 +637,7 @@ class WriteClaims:
                 # aborted its own stream: no byte of it lands, and waiting for it would deadlock.
                 if id(s) not in own and not s.stopped.wait(FENCE_WAIT_S):
                     claim = out[k]
-                    assert isinstance(claim, Claim), "only a claim fences"
+                    assert isinstance(claim, tuple), "only a claim fences"
                     self.end(claim, items[k][2], complete=False)
                     out[k] = KVTimeoutError("an older write on these bytes did not stop in time")
                     break
@@ -677,15 +665,13 @@ class WriteClaims:
             starts = self._starts[segment] = []
             self._claims[segment] = {}
         claims = self._claims[segment]
-        mine = Claim(segment, start, end, stamp, signature)
+        mine = (segment, start, end, stamp, signature)
         if not starts or (starts[-1] < start and claims[starts[-1]][0] <= start):
             # Past every claim (a fresh allocation above the last claimed byte): nothing to
             # check or fence, and the claim goes last.
             starts.append(start)
-            claims[start] = (end, stamp, signature, False)
+            claims[start] = (end, stamp, signature, False, stream)
             self._num += 1
-            if stream is not None:
-                self._streams[(segment, start)] = (stream,)
             return mine, []
         i = bisect.bisect_left(starts, start)
         if i and claims[starts[i - 1]][0] > start:
@@ -694,15 +680,14 @@ class WriteClaims:
         while i < len(starts) and starts[i] < end:
             overlapping.append(starts[i])
             i += 1
-        streams = self._streams
         fenced: list[WriteStream] = []
         same: int | None = None  # the start of this very grant's claim, if it has one
         for at in overlapping:
-            c_end, c_stamp, c_sig, c_done = claims[at]
+            c_end, c_stamp, c_sig, c_done, c_writing = claims[at]
             if c_stamp < now and c_sig != signature:
                 continue  # expired: every grant it could fence has expired too
             if c_sig == signature and (at, c_end) == (start, end):
-                if c_done or (segment, at) in streams:
+                if c_done or c_writing is not None:
                     raise GrantInvalidError("this write grant was already used (or is in use)")
                 same = at
             elif c_stamp >= stamp:
@@ -711,27 +696,31 @@ class WriteClaims:
                 )
         for at in overlapping:
             if at != same:
-                fenced.extend(streams.get((segment, at), ()))
+                writing = claims[at][4]
+                if writing is not None:
+                    fenced.append(writing)
                 self._remove(segment, at)
         if same is None:
             bisect.insort(starts, start)
-            claims[start] = (end, stamp, signature, False)
             self._num += 1
-        if stream is not None:
-            self._streams[(segment, start)] = (stream,)  # (a claim in use is refused above)
+        claims[start] = (end, stamp, signature, False, stream)
         return mine, fenced
 
     def streams_of(self, claim: Claim) -> tuple[WriteStream, ...]:
-        """The writes streaming into ``claim`` now (none once it is over or fenced)."""
+        """The write streaming into ``claim`` now, if any (none once it is over or fenced)."""
         with self._lock:
-            if self._holds(claim):
-                return self._streams.get((claim.segment, claim.start), ())
-            return ()
+            rec = self._record(claim)
+            return () if rec is None or rec[4] is None else (rec[4],)
 
-    def _holds(self, claim: Claim) -> bool:
-        """Whether ``claim`` is still the claim of its range (NOTE: holding the lock)."""
-        rec = self._claims.get(claim.segment, {}).get(claim.start)
-        return rec is not None and rec[:3] == (claim.end, claim.stamp, claim.signature)
+    def _record(self, claim: Claim) -> _Record | None:
+        """``claim``'s record while it is still the claim of its range (NOTE: holding the
+        lock)."""
+        segment, start, end, stamp, signature = claim
+        claims = self._claims.get(segment)
+        rec = claims.get(start) if claims is not None else None
+        if rec is None or rec[0] != end or rec[1] != stamp or rec[2] != signature:
+            return None
+        return rec
 
     def end(self, claim: Claim, stream: WriteStream | None, complete: bool) -> None:
         """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
@@ -740,35 +729,29 @@ class WriteClaims:
     def end_many(self, ends: list[tuple[Claim, bool]], stream: WriteStream | None) -> None:
         """:meth:`end` for many ``(claim, complete)`` of one write request (one lock). A
         claim fenced meanwhile (a newer allocation's claim took its range) is left alone."""
+        claims_of = self._claims
         with self._lock:
-            for claim, complete in ends:
-                if not self._holds(claim):
-                    continue
-                place = (claim.segment, claim.start)
-                if stream is not None:
-                    now = self._streams.get(place, ())
-                    if stream in now:
-                        rest = _without(now, stream)
-                        if rest:
-                            self._streams[place] = rest
-                        else:
-                            del self._streams[place]
-                if complete:
-                    self._claims[claim.segment][claim.start] = (
-                        claim.end,
-                        claim.stamp,
-                        claim.signature,
-                        True,
-                    )
+            for (segment, start, end, stamp, signature), complete in ends:
+                claims = claims_of.get(segment)
+                rec = claims.get(start) if claims is not None else None
+                if rec is None or rec[0] != end or rec[1] != stamp or rec[2] != signature:
+                    continue  # fenced: no longer the claim of its range
+                writing = None if stream is not None and rec[4] is stream else rec[4]
+                if writing is not rec[4] or (complete and not rec[3]):
+                    claims[start] = (end, stamp, signature, rec[3] or complete, writing)
 
     def reset(self) -> None:
         """Forget every claim and stop every write in progress (a new grant secret: no grant
         verified under the old one may write another byte)."""
         with self._lock:
-            streams = [s for group in self._streams.values() for s in group]
+            streams = [
+                rec[4]
+                for claims in self._claims.values()
+                for rec in claims.values()
+                if rec[4] is not None
+            ]
             self._starts.clear()
             self._claims.clear()
-            self._streams.clear()
             self._num = 0
         for s in streams:
             s.abort()
@@ -779,14 +762,12 @@ class WriteClaims:
         if j < len(starts) and starts[j] == start:
             del starts[j]
             del self._claims[segment][start]
-            self._streams.pop((segment, start), None)
             self._num -= 1
 
     def _prune(self, now_ms: int) -> None:
         """Drop expired claims (no grant they could fence is valid any more)."""
-        streams = self._streams
         for segment, claims in self._claims.items():
-            live = {s: c for s, c in claims.items() if c[1] >= now_ms or (segment, s) in streams}
+            live = {s: c for s, c in claims.items() if c[1] >= now_ms or c[4] is not None}
             self._claims[segment] = live
             self._starts[segment] = sorted(live)
         self._num = sum(len(c) for c in self._claims.values())
