@@ -706,21 +706,11 @@ class WriteClaims:
         claims[start] = (end, stamp, signature, False, stream)
         return mine, fenced
 
-    def streams_of(self, claim: Claim) -> tuple[WriteStream, ...]:
-        """The write streaming into ``claim`` now, if any (none once it is over or fenced)."""
+    def writing(self, claim: Claim) -> WriteStream | None:
+        """The write streaming into ``claim`` now (None once it is over, or fenced)."""
         with self._lock:
-            rec = self._record(claim)
-            return () if rec is None or rec[4] is None else (rec[4],)
-
-    def _record(self, claim: Claim) -> _Record | None:
-        """``claim``'s record while it is still the claim of its range (NOTE: holding the
-        lock)."""
-        segment, start, end, stamp, signature = claim
-        claims = self._claims.get(segment)
-        rec = claims.get(start) if claims is not None else None
-        if rec is None or rec[0] != end or rec[1] != stamp or rec[2] != signature:
-            return None
-        return rec
+            rec = self._claims.get(claim[0], {}).get(claim[1])
+            return rec[4] if rec is not None and rec[:3] == claim[2:] else None
 
     def end(self, claim: Claim, stream: WriteStream | None, complete: bool) -> None:
         """The write of ``claim`` is over (``complete``: all its bytes arrived and hold)."""
@@ -729,6 +719,8 @@ class WriteClaims:
     def end_many(self, ends: list[tuple[Claim, bool]], stream: WriteStream | None) -> None:
         """:meth:`end` for many ``(claim, complete)`` of one write request (one lock). A
         claim fenced meanwhile (a newer allocation's claim took its range) is left alone."""
+        # NOTE: the fields compared one by one, with no helper or slice per claim: this runs
+        # for every key written to the node (a helper or slices cost 0.33 us a key, this 0.18).
         claims_of = self._claims
         with self._lock:
             for (segment, start, end, stamp, signature), complete in ends:

@@ -225,7 +225,7 @@ def test_claims_answer_as_the_rules_say_whatever_the_order(
             if stream is None:
                 claims.end(c, None, complete=True)
             else:
-                assert claims.streams_of(c) == (stream,)
+                assert claims.writing(c) is stream
         live = sorted((s, r[0], r[1], r[2]) for s, r in claims._claims["dram"].items())
         assert live == sorted((c[0], c[1], c[2], c[3]) for c in model.claims)  # type: ignore[misc]
         assert claims._starts["dram"] == sorted(claims._claims["dram"])
@@ -302,7 +302,7 @@ def test_one_stream_for_many_claims_ends_them_together() -> None:
     with pytest.raises(GrantInvalidError, match="in use"):
         claims.begin(a, None)
     claims.end_many([(ca, True), (cb, False)], stream)
-    assert claims.streams_of(ca) == () and claims.streams_of(cb) == ()
+    assert claims.writing(ca) is None and claims.writing(cb) is None
     with pytest.raises(GrantInvalidError, match="already used"):
         claims.begin(a, None)  # completed: used up
     claims.end(claims.begin(b, None), None, complete=True)  # not completed: may be retried
@@ -340,10 +340,10 @@ def test_begin_many_claims_in_one_step_with_errors_in_place() -> None:
             (_w(4096, 0, 5000, b"id"), True, None),  # by id (NVMe): no stream
         ]
     )
-    assert isinstance(out[0], tuple) and claims.streams_of(out[0]) == (stream,)
+    assert isinstance(out[0], tuple) and claims.writing(out[0]) is stream
     assert isinstance(out[1], GrantInvalidError) and "newer allocation" in out[1].message
     assert isinstance(out[2], GrantInvalidError) and "already used" in out[2].message
-    assert isinstance(out[3], tuple) and claims.streams_of(out[3]) == ()
+    assert isinstance(out[3], tuple) and claims.writing(out[3]) is None
 
 
 def test_begin_many_stops_older_writes_and_never_waits_for_itself(
