@@ -18,9 +18,9 @@ in the kernel:
   vCPU polling slows a copy on the other vCPU by a quarter (they share a physical core), and the
   peer is busy with the payload anyway; nor does a client for the answer to a data request of
   many items (over ``POLL_MAX_ITEMS``), which keeps the node busy longer than the window;
-- the master's event loop keeps turning (polling its sockets with a zero timeout) for up to the
-  window after each request it answered (:class:`LoopAwake`), with the same extension and
-  backoff.
+- the master's event loop keeps turning (polling its sockets with a zero timeout) for up to
+  ``MASTER_WINDOWS`` windows after each request it answered (:class:`LoopAwake`), with the same
+  extension and backoff: a client comes back to the master after a round trip to a node.
 
 So idle connections and peers slower than the window cost nothing, and a busy client's next
 request (or reply) is read as soon as it lands. ``$KVSTORE_POLL_US`` sets the window in
@@ -60,6 +60,18 @@ POLL_MAX_ITEMS = 32
 #: three windows cost four busy clients on two cores ~10% of their lease reads
 #: (bench/bench_concurrency.py): a poller that had to share its CPU stops after one.
 REQUEST_WINDOWS = 3
+#: The master's first window is this many of a connection's. A client's next request to the
+#: master comes after its round trip to a node (a get reads what the master located; a put writes
+#: what it allocated): 100-250 µs here. With one window the loop was asleep by then more often
+#: than not, its backoff followed, and each such request paid for waking the master. Measured
+#: here, alternating runs (two pairs), one window against two: a lone client's get_into of
+#: distinct 4 KiB keys p50 328 / 336 → 265 / 253 µs, batch_get_into of 16 such 625 / 639 →
+#: 546 / 544 µs (the master's CPU a 16-key read 210 → 540 µs, most of it polling); four busy
+#: clients' gets/s within noise (bench/bench_concurrency.py: 4.8K / 4.7K → 5.0K / 5.1K asking the
+#: master, 11.6K / 11.0K → 11.8K / 12.0K with lease reads); batch_put and batch_get of 1,000 tiny
+#: keys unchanged (bench/bench_small.py). ``bench/bench_hops.py`` shows the cliff: a 16-key
+#: locate after the client spent 0-1,000 µs elsewhere.
+MASTER_WINDOWS = 2
 #: The least share of the first window's wall time a poller must have run (its thread's CPU
 #: time) to poll on. Measured here: a median of 0.97 for a server that a lone client alternates
 #: with, 0.24-0.35 with four busy clients on two cores.

@@ -38,7 +38,7 @@ from kvstore.master.events import (
 from kvstore.master.leases import check_lease_tokens
 from kvstore.master.prefix import Steps, check_prompt_size
 from kvstore.master.service import MasterService, ServiceSlot
-from kvstore.polling import LoopAwake
+from kvstore.polling import MASTER_WINDOWS, LoopAwake, poll_window
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 
@@ -710,7 +710,8 @@ class ControlServer:
         #: Connections with a frame (or the hello) on the way -> the loop time it must be in by.
         self._deadlines: dict[asyncio.StreamWriter, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
-        self._awake = LoopAwake()
+        # Clients come back after a round trip to a node: see kvstore.polling.MASTER_WINDOWS.
+        self._awake = LoopAwake(poll_window() * MASTER_WINDOWS)
         #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
         self.pending = auth.PendingConnections()
         self._stopping = False

@@ -71,6 +71,16 @@ def _put_ids(conn: protocol.FramedSocket, keys: list[bytes], **extra: Any) -> li
     return [r[1][0] for r in reply]
 
 
+@pytest.mark.parametrize(("raw", "window"), [("250", 2 * 250e-6), ("0", 0.0)])
+def test_the_master_polls_for_two_windows_after_an_answer_and_never_with_polling_off(
+    monkeypatch: pytest.MonkeyPatch, raw: str, window: float
+) -> None:
+    # A client comes back to the master after a round trip to a node (kvstore.polling).
+    monkeypatch.setenv("KVSTORE_POLL_US", raw)
+    server = ControlServer(ServiceSlot(MasterService(MasterConfig())), "127.0.0.1", 0)
+    assert server._awake.window == pytest.approx(window)
+
+
 def test_chunked_batches_answer_like_unchunked_ones(live: Live) -> None:
     conn = live.connect()
     n = CHUNK_ITEMS * 4 + 3
