@@ -1,0 +1,231 @@
+"""Where a small read's time goes: the host's round trip, each hop of a get, waking a process.
+
+Run:  .venv/bin/python bench/bench_hops.py [--ops 400]
+
+A read of a key the client has not located asks the master where it is, then reads it from its
+node: two round trips between three processes. This prints, p50 of ``--ops`` operations each:
+
+1. **the host**: a round trip of 32 bytes over loopback TCP between two bare Python processes
+   (``socket.recv_into`` and ``sendall``, nothing else): with the peer sleeping in ``recv`` (as a
+   server that has nothing to do does), and with the peer spinning on a non-blocking socket.
+   Also the kernel's idle driver and its ``guest_halt_poll_ns`` (0: a virtual CPU with nothing to
+   run halts at once, and waking it again is a trip through the hypervisor).
+2. **each hop of the store, back to back** (a real ``kvstore master`` and ``kvstore node``, each
+   its own process, node warm; this process a ``Client`` over TCP, every read asking the master):
+   ``batch_exists`` of one key (a master round trip), ``batch_locate`` of 1 and 16 keys,
+   ``batch_read_located`` of 1 and 16 located 4 KiB objects (a node round trip), and the whole
+   ``get_into`` / ``batch_get_into`` of distinct keys, each read once.
+3. **the master after an idle gap**: ``batch_locate`` of 16 distinct keys, each call after this
+   process spun for a gap of 0 to 1,000 µs (as it does while it reads from a node between two
+   locates): once the master's polling window (``kvstore.polling``) is over, it sleeps, and the
+   next request pays for waking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+from bench_small import field, start, stop, wait_warm  # noqa: E402
+
+from kvstore.client import Client  # noqa: E402
+from kvstore.client.reads import LocatedRead  # noqa: E402
+
+SIZE = 4096
+BATCH = 16
+GAPS_US = (0, 100, 200, 400, 1000)
+IDLE_FILES = (
+    "/sys/devices/system/cpu/cpuidle/current_driver",
+    "/sys/module/haltpoll/parameters/guest_halt_poll_ns",
+)
+
+
+def p50_us(
+    fn: Callable[[int], object], n: int, before: Callable[[int], object] | None = None
+) -> float:
+    """The median wall time of ``fn(i)`` for ``i`` in ``range(n)``, in µs (``before(i)`` runs
+    first, untimed)."""
+    times = []
+    for i in range(n):
+        if before is not None:
+            before(i)
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _echo(listener: socket.socket, spin: bool) -> None:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setblocking(not spin)
+    buf = bytearray(64)
+    while True:
+        try:
+            n = conn.recv_into(buf)
+        except BlockingIOError:
+            continue  # spinning: look again at once
+        if not n:
+            return
+        conn.sendall(buf[:n])
+
+
+def host_rtt_us(spin: bool, n: int) -> float:
+    """The p50 round trip of 32 bytes to an echoing child process (sleeping in ``recv`` or
+    spinning), in µs."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    pid = os.fork()
+    if pid == 0:  # the child: echo until the parent hangs up
+        try:
+            _echo(listener, spin)
+        finally:
+            os._exit(0)
+    address = listener.getsockname()
+    listener.close()
+    try:
+        with socket.create_connection(address) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            msg, buf = b"x" * 32, bytearray(64)
+
+            def one(_: int) -> None:
+                conn.sendall(msg)
+                got = 0
+                while got < len(msg):
+                    got += conn.recv_into(memoryview(buf)[got:])
+
+            p50_us(one, 200)  # warm-up
+            return p50_us(one, n)
+    finally:
+        os.kill(pid, signal.SIGKILL)  # (it exits on its own once we hang up; or never connected)
+        os.waitpid(pid, 0)
+
+
+def spin_for(us: float) -> None:
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def store_rows(client: Client, n: int) -> tuple[list[tuple[str, float]], list[tuple[int, float]]]:
+    """Section 2's rows (name, p50 µs) and section 3's (gap µs, p50 µs)."""
+    rng = np.random.default_rng(0)
+    values = [rng.integers(0, 256, SIZE, dtype=np.uint8) for _ in range(BATCH)]
+    bufs = [np.empty(SIZE, dtype=np.uint8) for _ in range(BATCH)]
+    sets = ("locate1", "locate16", "read1", "read16", "get1", "get16", *map(str, GAPS_US))
+    keys = {s: [f"hops/{s}/{i}" for i in range(n * BATCH)] for s in sets}
+    for ks in keys.values():  # every row reads keys of its own, each once
+        for lo in range(0, len(ks), 1000):
+            chunk = ks[lo : lo + 1000]
+            vals = [values[i % BATCH] for i in range(len(chunk))]
+            if any(r is not None for r in client.batch_put(chunk, vals)):
+                raise SystemExit("bench_hops: a put failed")
+
+    def batch(s: str, i: int, k: int) -> list[str]:
+        return keys[s][i * k : (i + 1) * k]
+
+    def locate(s: str, k: int) -> Callable[[int], None]:
+        def fn(i: int) -> None:
+            client.release_leases(client.batch_locate(batch(s, i, k)))  # type: ignore[arg-type]
+
+        return fn
+
+    def read(s: str, k: int) -> float:
+        """p50 of ``batch_read_located`` of ``k`` objects located beforehand (their leases
+        given back after the row)."""
+        located = [client.batch_locate(batch(s, i, k)) for i in range(n)]
+
+        def fn(i: int) -> None:
+            reads = [
+                LocatedRead(info, memoryview(b))
+                for info, b in zip(located[i], bufs[:k], strict=True)
+            ]
+            client.batch_read_located(reads)
+            if any(r.result != SIZE for r in reads):
+                raise SystemExit(f"bench_hops: a located read failed: {reads[0].result!r}")
+
+        us = p50_us(fn, n)
+        client.release_leases(info for infos in located for info in infos)  # type: ignore[misc]
+        return us
+
+    rows = [
+        (
+            "get_into, 1 x 4 KiB (both hops)",
+            p50_us(lambda i: client.get_into(keys["get1"][i], bufs[0]), n),
+        ),
+        (
+            f"batch_get_into, {BATCH} x 4 KiB (both hops)",
+            p50_us(lambda i: client.batch_get_into(batch("get16", i, BATCH), bufs), n),
+        ),
+        ("master round trip: batch_exists, 1 key", p50_us(lambda i: client.batch_exists(["x"]), n)),
+        ("batch_locate, 1 key", p50_us(locate("locate1", 1), n)),
+        (f"batch_locate, {BATCH} keys", p50_us(locate("locate16", BATCH), n)),
+        ("node round trip: batch_read_located, 1 x 4 KiB", read("read1", 1)),
+        (f"batch_read_located, {BATCH} x 4 KiB", read("read16", BATCH)),
+    ]
+    gaps = [
+        (gap, p50_us(locate(str(gap), BATCH), n, before=lambda i, g=gap: spin_for(g)))
+        for gap in GAPS_US
+    ]
+    return rows, gaps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ops", type=int, default=400, help="operations per row")
+    args = ap.parse_args()
+    n = args.ops
+    print(f"bench_hops: p50 of {n} operations a row, {os.cpu_count()} cores")
+    for path in IDLE_FILES:
+        value = Path(path).read_text().strip() if Path(path).exists() else "(none)"
+        print(f"  {path}: {value}")
+    print("\n| the host: 32 B round trip, two bare Python processes | p50 µs |")
+    print("| --- | ---: |")
+    print(f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |")
+    print(f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |")
+
+    tmp = tempfile.mkdtemp(prefix="bench-hops-")
+    master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
+    node = None
+    try:
+        control = field(mline, "control")
+        node, nline = start(
+            [
+                *("node", "--master", control, "--port", "0", "--admin-port", "0"),
+                *("--dram", "512MiB", "--data-dir", tmp),
+            ],
+            r"kvstore node ready",
+        )
+        wait_warm(field(nline, "data"))
+        client = Client.connect(control)
+        try:
+            rows, gaps = store_rows(client, n)
+        finally:
+            client.close()
+    finally:
+        if node is not None:
+            stop(node)
+        stop(master)
+    print("\n| the store, back to back (TCP, distinct keys, every read asks the master) | p50 µs |")
+    print("| --- | ---: |")
+    for name, us in rows:
+        print(f"| {name} | {us:.0f} |")
+    print(f"\n| batch_locate of {BATCH} keys after the client spun for | p50 µs |")
+    print("| --- | ---: |")
+    for gap, us in gaps:
+        print(f"| {gap} µs | {us:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
