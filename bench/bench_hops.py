@@ -1,6 +1,6 @@
 """Where a small read's time goes: the host's round trip, each hop of a get, waking a process.
 
-Run:  .venv/bin/python bench/bench_hops.py [--ops 400]
+Run:  .venv/bin/python bench/bench_hops.py [--ops 400] [--repeat 1] [--reads-only]
 
 A read of a key the client has not located asks the master where it is, then reads it from its
 node: two round trips between three processes. This prints, p50 of ``--ops`` operations each:
@@ -13,8 +13,11 @@ node: two round trips between three processes. This prints, p50 of ``--ops`` ope
 2. **each hop of the store, back to back** (a real ``kvstore master`` and ``kvstore node``, each
    its own process, node warm; this process a ``Client`` over TCP, every read asking the master):
    ``batch_exists`` of one key (a master round trip), ``batch_locate`` of 1 and 16 keys,
-   ``batch_read_located`` of 1 and 16 located 4 KiB objects (a node round trip), and the whole
-   ``get_into`` / ``batch_get_into`` of distinct keys, each read once.
+   ``batch_read_located`` of 1 and 16 located 4 KiB objects (a node round trip), the master round
+   trip and a one-object node read alternating (the two hops of a get, without its work), and
+   the whole ``get_into`` / ``batch_get_into`` of distinct keys, each read once (first, on the
+   fresh node; ``--repeat`` times, each on keys of its own; ``--reads-only``: these rows alone,
+   to compare two versions of the code run after run).
 3. **the master after an idle gap**: ``batch_locate`` of 16 distinct keys, each call after this
    process spun for a gap of 0 to 1,000 µs (as it does while it reads from a node between two
    locates): once the master's polling window (``kvstore.polling``) is over, it sleeps, and the
@@ -118,12 +121,17 @@ def spin_for(us: float) -> None:
         pass
 
 
-def store_rows(client: Client, n: int) -> tuple[list[tuple[str, float]], list[tuple[int, float]]]:
-    """Section 2's rows (name, p50 µs) and section 3's (gap µs, p50 µs)."""
+def store_rows(
+    client: Client, n: int, repeat: int, reads_only: bool
+) -> tuple[list[tuple[str, float]], list[tuple[int, float]]]:
+    """Section 2's rows (name, p50 µs; the whole reads ``repeat`` times, each on keys of its
+    own) and section 3's (gap µs, p50 µs); ``reads_only``: the whole reads alone."""
     rng = np.random.default_rng(0)
     values = [rng.integers(0, 256, SIZE, dtype=np.uint8) for _ in range(BATCH)]
     bufs = [np.empty(SIZE, dtype=np.uint8) for _ in range(BATCH)]
-    sets = ("locate1", "locate16", "read1", "read16", "get1", "get16", *map(str, GAPS_US))
+    sets = tuple(f"get{k}/{r}" for r in range(repeat) for k in (1, BATCH))
+    if not reads_only:
+        sets += ("locate1", "locate16", "read1", "read16", "alternate", *map(str, GAPS_US))
     keys = {s: [f"hops/{s}/{i}" for i in range(n * BATCH)] for s in sets}
     for ks in keys.values():  # every row reads keys of its own, each once
         for lo in range(0, len(ks), 1000):
@@ -141,12 +149,14 @@ def store_rows(client: Client, n: int) -> tuple[list[tuple[str, float]], list[tu
 
         return fn
 
-    def read(s: str, k: int) -> float:
+    def read(s: str, k: int, master_too: bool = False) -> float:
         """p50 of ``batch_read_located`` of ``k`` objects located beforehand (their leases
-        given back after the row)."""
+        given back after the row); ``master_too``: each after a master round trip."""
         located = [client.batch_locate(batch(s, i, k)) for i in range(n)]
 
         def fn(i: int) -> None:
+            if master_too:
+                client.batch_exists(["x"])
             reads = [
                 LocatedRead(info, memoryview(b))
                 for info, b in zip(located[i], bufs[:k], strict=True)
@@ -159,20 +169,31 @@ def store_rows(client: Client, n: int) -> tuple[list[tuple[str, float]], list[tu
         client.release_leases(info for infos in located for info in infos)  # type: ignore[misc]
         return us
 
-    rows = [
-        (
-            "get_into, 1 x 4 KiB (both hops)",
-            p50_us(lambda i: client.get_into(keys["get1"][i], bufs[0]), n),
-        ),
-        (
-            f"batch_get_into, {BATCH} x 4 KiB (both hops)",
-            p50_us(lambda i: client.batch_get_into(batch("get16", i, BATCH), bufs), n),
-        ),
+    rows: list[tuple[str, float]] = []
+    for r in range(repeat):
+        tag = f" (both hops){f', repeat {r + 1}' if repeat > 1 else ''}"
+        get1, get16 = keys[f"get1/{r}"], f"get{BATCH}/{r}"
+        rows.append(
+            (f"get_into, 1 x 4 KiB{tag}", p50_us(lambda i: client.get_into(get1[i], bufs[0]), n))
+        )
+        rows.append(
+            (
+                f"batch_get_into, {BATCH} x 4 KiB{tag}",
+                p50_us(lambda i: client.batch_get_into(batch(get16, i, BATCH), bufs), n),
+            )
+        )
+    if reads_only:
+        return rows, []
+    rows += [
         ("master round trip: batch_exists, 1 key", p50_us(lambda i: client.batch_exists(["x"]), n)),
         ("batch_locate, 1 key", p50_us(locate("locate1", 1), n)),
         (f"batch_locate, {BATCH} keys", p50_us(locate("locate16", BATCH), n)),
         ("node round trip: batch_read_located, 1 x 4 KiB", read("read1", 1)),
         (f"batch_read_located, {BATCH} x 4 KiB", read("read16", BATCH)),
+        (
+            "the two round trips alternating: batch_exists, then batch_read_located of 1",
+            read("alternate", 1, master_too=True),
+        ),
     ]
     gaps = [
         (gap, p50_us(locate(str(gap), BATCH), n, before=lambda i, g=gap: spin_for(g)))
@@ -184,16 +205,19 @@ def store_rows(client: Client, n: int) -> tuple[list[tuple[str, float]], list[tu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ops", type=int, default=400, help="operations per row")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of the whole-read rows")
+    ap.add_argument("--reads-only", action="store_true", help="the whole-read rows alone")
     args = ap.parse_args()
     n = args.ops
     print(f"bench_hops: p50 of {n} operations a row, {os.cpu_count()} cores")
     for path in IDLE_FILES:
         value = Path(path).read_text().strip() if Path(path).exists() else "(none)"
         print(f"  {path}: {value}")
-    print("\n| the host: 32 B round trip, two bare Python processes | p50 µs |")
-    print("| --- | ---: |")
-    print(f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |")
-    print(f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |")
+    if not args.reads_only:
+        print("\n| the host: 32 B round trip, two bare Python processes | p50 µs |")
+        print("| --- | ---: |")
+        print(f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |")
+        print(f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |")
 
     tmp = tempfile.mkdtemp(prefix="bench-hops-")
     master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
@@ -210,7 +234,7 @@ def main() -> None:
         wait_warm(field(nline, "data"))
         client = Client.connect(control)
         try:
-            rows, gaps = store_rows(client, n)
+            rows, gaps = store_rows(client, n, args.repeat, args.reads_only)
         finally:
             client.close()
     finally:
@@ -221,6 +245,8 @@ def main() -> None:
     print("| --- | ---: |")
     for name, us in rows:
         print(f"| {name} | {us:.0f} |")
+    if not gaps:
+        return
     print(f"\n| batch_locate of {BATCH} keys after the client spun for | p50 µs |")
     print("| --- | ---: |")
     for gap, us in gaps:
