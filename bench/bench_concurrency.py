@@ -7,7 +7,8 @@ Run:  .venv/bin/python bench/bench_concurrency.py [--clients 4] [--seconds 4]
 ``--threads``: one embedded cluster (node warm: ``arenas_warm``), then three setups, each
 putting ``--keys`` distinct 64 KiB keys (split among the threads) and reading each once over
 TCP: 1 thread on 1 client; N threads on one shared client; N threads on N clients. Prints one
-table of puts/s and gets/s (best of ``--rounds``).
+table of puts/s and gets/s (best of ``--rounds``) and how busy the host's CPUs were meanwhile
+(``/proc/stat``): what one thread leaves idle is what more threads can use.
 
 For each polling window (``KVSTORE_POLL_US`` = 0 and the default) it starts an embedded cluster
 (``kvstore up``: master and node processes), then ``--clients`` client processes that each
@@ -73,6 +74,19 @@ def run(poll_us: str, clients: int, seconds: float) -> dict[str, float]:
 VALUE_BYTES = 64 << 10
 
 
+def host_cpu() -> tuple[int, int]:
+    """The host's CPU ticks since boot, all and idle (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+
+def busy_since(before: tuple[int, int]) -> float:
+    """The share of the host's CPU time busy since ``before`` (:func:`host_cpu`)."""
+    total, idle = host_cpu()
+    return 1 - (idle - before[1]) / max(1, total - before[0])
+
+
 def _in_threads(num_threads: int, work: Callable[[int], None]) -> float:
     """Run ``work(t)`` in ``num_threads`` threads started together; returns the wall seconds
     from the common start to the last one's end."""
@@ -101,9 +115,10 @@ def _in_threads(num_threads: int, work: Callable[[int], None]) -> float:
 
 def _shared_vs_separate(
     address: str, num_threads: int, shared: bool, num_keys: int, tag: str
-) -> tuple[float, float]:
+) -> tuple[float, float, float, float]:
     """Put then get ``num_keys`` distinct keys with ``num_threads`` threads on one shared
-    client (``shared``) or one client each. Returns (puts/s, gets/s)."""
+    client (``shared``) or one client each. Returns (puts/s, gets/s) and the host's CPU busy
+    share during each."""
     num_clients = 1 if shared else num_threads
     clients = [Client.connect(address, shm=False) for _ in range(num_clients)]
     per = num_keys // num_threads
@@ -126,11 +141,14 @@ def _shared_vs_separate(
                 c.get_into(k, buf)
             assert buf[0] == t % 251
 
+        before = host_cpu()
         put_s = _in_threads(num_threads, put)
+        put_busy, before = busy_since(before), host_cpu()
         get_s = _in_threads(num_threads, get)
+        get_busy = busy_since(before)
         for t in range(num_threads):
             clients[0].batch_remove(keys[t])
-        return per * num_threads / put_s, per * num_threads / get_s
+        return per * num_threads / put_s, per * num_threads / get_s, put_busy, get_busy
     finally:
         for c in clients:
             c.close()
@@ -145,18 +163,27 @@ def run_threads(num_threads: int, num_keys: int, rounds: int) -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp, EmbeddedCluster(tmp, "1GiB") as cluster:
         cluster.wait_warm()
-        best: dict[str, tuple[float, float]] = {}
+        best: dict[str, tuple[float, float, float, float]] = {}
         for r in range(rounds):
             for name, n, shared in setups:
                 got = _shared_vs_separate(cluster.address, n, shared, num_keys, f"r{r}{n}{shared}")
-                old = best.get(name, (0.0, 0.0))
-                best[name] = (max(old[0], got[0]), max(old[1], got[1]))
-    print(f"| {num_keys} distinct 64 KiB keys, TCP, {os.cpu_count()} cores | puts/s | gets/s |")
-    print("|---|---|---|")
+                old = best.get(name, (0.0, 0.0, 0.0, 0.0))
+                # The best round of puts and of gets, each with its host CPU busy share.
+                put = (got[0], got[2]) if got[0] > old[0] else (old[0], old[2])
+                get = (got[1], got[3]) if got[1] > old[1] else (old[1], old[3])
+                best[name] = (put[0], get[0], put[1], get[1])
+    print(
+        f"| {num_keys} distinct 64 KiB keys, TCP, {os.cpu_count()} cores | puts/s "
+        "| gets/s | host CPU busy, puts / gets |"
+    )
+    print("|---|---|---|---|")
     base = best[setups[0][0]]
     for name, _, _ in setups:
-        p, g = best[name]
-        print(f"| {name} | {p:.0f} ({p / base[0]:.2f}x) | {g:.0f} ({g / base[1]:.2f}x) |")
+        p, g, pb, gb = best[name]
+        print(
+            f"| {name} | {p:.0f} ({p / base[0]:.2f}x) | {g:.0f} ({g / base[1]:.2f}x) "
+            f"| {pb * 100:.0f}% / {gb * 100:.0f}% |"
+        )
 
 
 def main() -> None:
