@@ -32,7 +32,6 @@ import signal
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from bench_small import field, start, stop, wait_warm  # noqa: E402
+from bench_small import master_and_node  # noqa: E402
 
 from kvstore.client import Client  # noqa: E402
 from kvstore.client.reads import LocatedRead  # noqa: E402
@@ -219,28 +218,11 @@ def main() -> None:
         print(f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |")
         print(f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |")
 
-    tmp = tempfile.mkdtemp(prefix="bench-hops-")
-    master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
-    node = None
-    try:
-        control = field(mline, "control")
-        node, nline = start(
-            [
-                *("node", "--master", control, "--port", "0", "--admin-port", "0"),
-                *("--dram", "512MiB", "--data-dir", tmp),
-            ],
-            r"kvstore node ready",
-        )
-        wait_warm(field(nline, "data"))
-        client = Client.connect(control)
-        try:
-            rows, gaps = store_rows(client, n, args.repeat, args.reads_only)
-        finally:
-            client.close()
-    finally:
-        if node is not None:
-            stop(node)
-        stop(master)
+    with (
+        master_and_node("512MiB", "bench-hops-") as (control, _),
+        Client.connect(control) as client,
+    ):
+        rows, gaps = store_rows(client, n, args.repeat, args.reads_only)
     print("\n| the store, back to back (TCP, distinct keys, every read asks the master) | p50 µs |")
     print("| --- | ---: |")
     for name, us in rows:

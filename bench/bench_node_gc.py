@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_small import field, start, wait_warm  # noqa: E402
+from bench_small import field, master_and_node  # noqa: E402
 
 from kvstore.client import Client  # noqa: E402
 
@@ -50,18 +49,7 @@ def main() -> None:
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=1000)
     args = ap.parse_args()
-    master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
-    node = None
-    try:
-        control = field(mline, "control")
-        node, nline = start(
-            [
-                *("node", "--master", control, "--port", "0", "--admin-port", "0"),
-                *("--dram", "2GiB", "--data-dir", tempfile.mkdtemp(prefix="bench-node-gc-")),
-            ],
-            r"kvstore node ready",
-        )
-        wait_warm(field(nline, "data"))
+    with master_and_node("2GiB", "bench-node-gc-") as (control, nline):
         value = b"x" * 16
         slowest = 0.0
         with Client.connect(control) as client:
@@ -76,11 +64,6 @@ def main() -> None:
                     raise SystemExit(f"batch_put failed: {failed[0]!r}")
             took = time.perf_counter() - started
         figures = node_gc(field(nline, "admin"))
-    finally:
-        for p in (node, master):
-            if p is not None:
-                p.terminate()
-                p.wait(30)
     n = args.objects // args.batch * args.batch
     print(f"bench_node_gc: {n:,} objects of 16 B, batch_put of {args.batch}, TCP, 1 node")
     print(f"{n / took:,.0f} keys/s over the run; slowest batch_put {slowest * 1e3:.1f} ms")

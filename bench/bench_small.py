@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
 import gc
 import io
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from kvstore import protocol
@@ -110,6 +112,31 @@ def stop(proc: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def master_and_node(dram: str, prefix: str) -> Iterator[tuple[str, str]]:
+    """A ``kvstore master`` and one ``kvstore node --dram DRAM`` (its data under a fresh
+    temporary folder named ``PREFIX...``), each its own process, the node warm; yields the
+    master's control address and the node's ready line (``field(line, "admin")``: its admin
+    URL). Both are stopped after."""
+    master, mline = start(["master", "--port", "0", "--admin-port", "0"], r"kvstore master ready")
+    node = None
+    try:
+        control = field(mline, "control")
+        node, nline = start(
+            [
+                *("node", "--master", control, "--port", "0", "--admin-port", "0"),
+                *("--dram", dram, "--data-dir", tempfile.mkdtemp(prefix=prefix)),
+            ],
+            r"kvstore node ready",
+        )
+        wait_warm(field(nline, "data"))
+        yield control, nline
+    finally:
+        if node is not None:
+            stop(node)
+        stop(master)
 
 
 def pyspy_attach(pid: int, out: Path) -> subprocess.Popen[bytes] | None:
