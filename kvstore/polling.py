@@ -60,17 +60,17 @@ POLL_MAX_ITEMS = 32
 #: three windows cost four busy clients on two cores ~10% of their lease reads
 #: (bench/bench_concurrency.py): a poller that had to share its CPU stops after one.
 REQUEST_WINDOWS = 3
-#: The master's first window is this many of a connection's. A client's next request to the
-#: master comes after its round trip to a node (a get reads what the master located; a put writes
-#: what it allocated): 100-250 µs here. With one window the loop was asleep by then more often
-#: than not, its backoff followed, and each such request paid for waking the master. Measured
-#: here, alternating runs (two pairs), one window against two: a lone client's get_into of
-#: distinct 4 KiB keys p50 328 / 336 → 265 / 253 µs, batch_get_into of 16 such 625 / 639 →
-#: 546 / 544 µs (the master's CPU a 16-key read 210 → 540 µs, most of it polling); four busy
-#: clients' gets/s within noise (bench/bench_concurrency.py: 4.8K / 4.7K → 5.0K / 5.1K asking the
-#: master, 11.6K / 11.0K → 11.8K / 12.0K with lease reads); batch_put and batch_get of 1,000 tiny
-#: keys unchanged (bench/bench_small.py). ``bench/bench_hops.py`` shows the cliff: a 16-key
-#: locate after the client spent 0-1,000 µs elsewhere.
+#: The master's window is this many of a connection's (and its extension, REQUEST_WINDOWS of
+#: those). A client's next request to the master comes after its round trip to a node (a get
+#: reads what the master located; a put writes what it allocated): 100-250 µs here. With one
+#: window the loop was asleep by then more often than not, its backoff followed, and each such
+#: request paid for waking the master. Measured here (``bench/bench_hops.py --reads-only
+#: --repeat 2 --ops 300``, one window and two alternating, three pairs): a lone client's
+#: get_into of distinct 4 KiB keys p50 228-359 → 231-284 µs (medians 323 → 248), batch_get_into
+#: of 16 such 622-803 → 535-764 µs (725 → 548); the master's CPU a 16-key read 210 → 540 µs,
+#: most of it polling. Four busy clients' gets/s (bench/bench_concurrency.py) and batches of
+#: 1,000 tiny keys (bench/bench_small.py) within noise; ``bench/bench_hops.py`` shows the
+#: cliff: a 16-key locate after the client spent 0-1,000 µs elsewhere.
 MASTER_WINDOWS = 2
 #: The least share of the first window's wall time a poller must have run (its thread's CPU
 #: time) to poll on. Measured here: a median of 0.97 for a server that a lone client alternates
