@@ -431,16 +431,24 @@ class GrantRefs:
 class GrantBatcher:
     """Builds the master's answer's batch grants for ``op``: one per node and expiry.
 
-    :meth:`ref` gives an extent's reference as it goes (the first of each batch is the one that
-    will carry it); :meth:`sign` then signs each batch into its first reference.
+    :meth:`ref` gives an extent's reference as it goes; :meth:`sign` then signs each batch into
+    the reference that comes first in the answer, which opens its slot for a reader (see
+    :class:`GrantReader`). The answer's order need not be the order of the :meth:`ref` calls:
+    a put places its keys size by size, so a key early in the answer may be placed after a
+    later one of another size on the same node. The caller sets :attr:`position` (the place in
+    the answer of the references made next) where the two orders differ.
     """
 
-    __slots__ = ("op", "_batches")
+    __slots__ = ("op", "position", "_batches")
 
     def __init__(self, op: str) -> None:
         self.op = op
-        # (node id, expiry) -> (its secret, its items, its first reference)
-        self._batches: dict[tuple[str, int], tuple[bytes, list[list[Any]], list[Any]]] = {}
+        #: The position in the answer of the references :meth:`ref` makes next (left at 0, the
+        #: call order is the answer's order).
+        self.position = 0
+        # (node id, expiry) -> [its secret, its items, the reference that carries it (the first
+        # in the answer), that reference's position]
+        self._batches: dict[tuple[str, int], list[Any]] = {}
 
     def ref(
         self,
@@ -456,17 +464,22 @@ class GrantBatcher:
         until ``expires_ms``, an item of the batch of that node and expiry."""
         batch = self._batches.get((node_id, expires_ms))
         if batch is None:
-            first = [len(self._batches), 0]
-            self._batches[node_id, expires_ms] = (secret, [[key, segment, offset, size]], first)
-            return first
+            ref = [len(self._batches), 0]
+            item = [key, segment, offset, size]
+            self._batches[node_id, expires_ms] = [secret, [item], ref, self.position]
+            return ref
         items = batch[1]
         items.append([key, segment, offset, size])
-        return [batch[2][0], len(items) - 1]
+        ref = [batch[2][0], len(items) - 1]
+        if self.position < batch[3]:  # earlier in the answer: this one carries the batch
+            batch[2], batch[3] = ref, self.position
+        return ref
 
     def sign(self) -> None:
-        """Sign every batch into its first reference (call once, after the last :meth:`ref`)."""
-        for (_, expires_ms), (secret, items, first) in self._batches.items():
-            first.append(sign_batch(secret, self.op, expires_ms, items))
+        """Sign every batch into the first of its references in the answer (call once, after
+        the last :meth:`ref`)."""
+        for (_, expires_ms), (secret, items, carrier, _) in self._batches.items():
+            carrier.append(sign_batch(secret, self.op, expires_ms, items))
 
 
 # --------------------------------------------------------------------------- write claims

@@ -243,6 +243,8 @@ class Puts:
         for n, i in enumerate(run):
             key = keys[i]
             put_id = next(self._put_ids)
+            if batcher is not None:  # (keys are placed size by size, not in answer order)
+                batcher.position = i
             if len(picks) == 1:  # (most puts: one replica, no comprehensions)
                 r = Replica(node.node_id, segment.name, offsets[0][n], size, expires, segment.tier)
                 self.pending[put_id] = (key, *head, *r)

@@ -15,7 +15,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     made: list[Cluster] = []
 
     def make(
-        num_nodes: int = 1,
+        num_nodes: int = 2,
         dram: str = "256MiB",
         master_args: tuple[str, ...] = (),
         node_args: tuple[str, ...] = (),

@@ -502,6 +502,20 @@ def test_the_batcher_signs_one_batch_per_node_and_expiry() -> None:
     ]
 
 
+def test_the_batcher_gives_each_batch_to_its_first_reference_in_the_answer() -> None:
+    # A put places its keys size by size: key 2 (4 KiB, node n1) is placed before key 0
+    # (64 KiB, n1), so the call order is not the answer's order.
+    batcher = grants.GrantBatcher(grants.OP_WRITE)
+    answer: list[list[object]] = [[], [], [], []]
+    for position, node, key in [(2, "n1", b"c"), (3, "n2", b"d"), (0, "n1", b"a"), (1, "n2", b"b")]:
+        batcher.position = position
+        answer[position] = batcher.ref(node, SECRET, key, "dram", 64 * position, 8, 2000)
+    batcher.sign()
+    assert [len(r) for r in answer] == [3, 3, 2, 2]  # the batch rides with its first in the answer
+    reader = grants.GrantReader(grants.open_batch_unverified, check=True)
+    assert [reader.resolve(r).key for r in answer] == [b"a", b"b", b"c", b"d"]  # type: ignore[union-attr]
+
+
 def test_claims_tell_apart_the_members_of_one_write_batch() -> None:
     """Members of a batch share its signature: a claim is named by the signature and range."""
     claims = grants.WriteClaims(lambda: 0)
