@@ -174,7 +174,7 @@ def test_contract_script_passes_on_real_mooncake(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- methods one by one
 @pytest.fixture
 def store(cluster_factory) -> Iterator[MooncakeDistributedStore]:
-    cluster = cluster_factory(num_nodes=1)
+    cluster = cluster_factory()
     s = MooncakeDistributedStore()
     assert s.setup("127.0.0.1", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
     yield s
@@ -265,6 +265,16 @@ def test_buffers_batches_and_multi_buffers_round_trip(store: MooncakeDistributed
     back = np.concatenate([dst[10:17], dst[5000:8000], dst[200_000:200_100]])
     assert np.array_equal(back, want)
     assert store.unregister_buffer(p) == 0 and store.unregister_buffer(q) == 0
+
+
+def test_put_batch_of_mixed_sizes_stores_every_key(store: MooncakeDistributedStore) -> None:
+    """A KV engine's batch: blocks and metadata of several sizes, spread over two nodes."""
+    sizes = [4096, 65536, 200_000]
+    for n in (2, 9, 65):
+        keys = [f"mixed/{n}/{i}" for i in range(n)]
+        values = [os.urandom(sizes[i % 3]) for i in range(n)]
+        assert store.put_batch(keys, values) == 0
+        assert store.get_batch(keys) == values
 
 
 def test_handles_tensors_sizes_and_replicas(cluster_factory) -> None:
