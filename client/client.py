@@ -29,6 +29,7 @@ private member (tests/client/test_layers.py keeps it so).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +82,14 @@ class PrefixBlock:
     info: ObjectInfo | KVStoreError
 
 
+def _close_parts(returns: LeaseReturns, control: ControlChannel, data: DataPath) -> None:
+    """Close a client's parts: at close(), or when a client nobody closed is collected (its
+    sockets, its shared-memory mappings and their descriptors, its lease thread)."""
+    returns.close()
+    control.close()
+    data.close()
+
+
 class Client:
     """A connection to a kvstore cluster. Thread-safe.
 
@@ -105,11 +114,14 @@ class Client:
     ) -> None:
         self.timeout = timeout
         self._control = control
+        # NOTE: no part refers back to the client (the lambdas take ``control``, not ``self``):
+        # a client dropped without close() is collected, and its finalizer closes the parts.
         self._data = DataPath(
-            timeout, lambda: self._control.call("node_transports", {}), shm=shm, token=token
+            timeout, lambda: control.call("node_transports", {}), shm=shm, token=token
         )
         #: Leases of finished reads on their way back to the master (kvstore.client.releases).
-        self._returns = LeaseReturns(lambda t: self._control.call("release_leases", {"tokens": t}))
+        self._returns = LeaseReturns(lambda t: control.call("release_leases", {"tokens": t}))
+        self._finalizer = weakref.finalize(self, _close_parts, self._returns, control, self._data)
         control.releases = self._returns
         # With lease reads the cache owns the leases of the answers it keeps (see locations.py).
         self._cache = LocationCache(give_back=self._returns.give_back if lease_reads else None)
@@ -186,9 +198,7 @@ class Client:
         return self._control.timeout
 
     def close(self) -> None:
-        self._returns.close()
-        self._control.close()
-        self._data.close()
+        self._finalizer()
 
     def __enter__(self) -> Client:
         return self

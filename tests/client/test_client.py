@@ -208,3 +208,30 @@ def test_list_keys_refuses_bad_input(cluster_factory) -> None:
         for page in (0, 10_001, True):
             with pytest.raises(InvalidRequestError):
                 c.list_keys("", page=page)
+
+
+def test_clients_dropped_without_close_give_back_their_descriptors_and_threads(
+    cluster_factory,
+) -> None:
+    """A client that is dropped (an engine's worker forgetting close(), a failed start) is closed
+    when collected: its sockets, its shared-memory mappings (whose descriptors keep an unlinked
+    arena alive after a node restart) and its lease thread go with it."""
+    import gc
+    import os
+
+    cluster = cluster_factory(node_args=("--shm",))
+    with Client.connect(cluster.address) as writer:
+        writer.batch_put(["a", "b"], [b"a" * 4096, b"b" * 65536])
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    fds, threads = open_fds(), threading.active_count()
+    for _ in range(300):
+        c = Client.connect(cluster.address)
+        assert c.batch_get(["a", "b"]) == [b"a" * 4096, b"b" * 65536]  # maps both arenas
+        del c
+    gc.collect()
+    assert open_fds() <= fds + 2, "dropped clients kept their descriptors"
+    wait_until(lambda: threading.active_count() <= threads, what="the clients' threads to end")
