@@ -22,6 +22,40 @@ from kvstore import auth, collector
 from kvstore.errors import ErrorCode
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: Connections served at once (a thread each); past it a new connection is closed unanswered.
+MAX_CONNECTIONS = 32
+#: Seconds a connection may stay silent (before or within its request) before it is closed.
+IDLE_TIMEOUT_S = 10.0
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them: idle connections
+    (scrapers that never send, a flood of sockets) cannot grow the node's threads without
+    bound; ``/health`` needs no token, so anyone who reaches the port could."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.num_refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.num_refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _NodeCollector(Collector):
@@ -62,6 +96,8 @@ class NodeAdmin:
         token: the cluster token (None: everything open).
         public_reads: whether ``/metrics`` is open without the token.
         ssl_context: serve HTTPS with it (None: plain HTTP).
+        max_connections: connections served at once (see :class:`_BoundedServer`).
+        idle_timeout_s: seconds a connection may stay silent before it is closed.
     """
 
     def __init__(
@@ -74,12 +110,16 @@ class NodeAdmin:
         token: auth.Token | None = None,
         public_reads: bool = True,
         ssl_context: ssl.SSLContext | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_NodeCollector(stats, segments))
         admin = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout_s  # (the socket's: a silent client is dropped)
+
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
                 pass  # no access log (and so no headers in any log)
 
@@ -122,8 +162,7 @@ class NodeAdmin:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
+        self._server = _BoundedServer((host, port), Handler, max_connections)
         if ssl_context is not None:
             self._server.socket = ssl_context.wrap_socket(self._server.socket, server_side=True)
         self.scheme = "https" if ssl_context is not None else "http"
