@@ -183,16 +183,21 @@ class VerifiedGrants:
 
     An entry is the exact wire form that verified; a grant is taken from the memo only when its
     wire form is equal in every field (the signature covers them all). Operation and expiry are
-    still checked on every use. Bounded: past ``max_entries`` expired grants go (all, if few have).
+    still checked on every use. Write grants are used once: they are verified, never kept.
+
+    Bounded by the grants it holds, a batch counting each of its items (a batch holds up to 256
+    and its items are most of the memory: bounded by entries, 16K batches of 100 writes grew a
+    node by ~290 B a put for hours). Past ``max_items``, expired grants go (all, if few have).
 
     Not locked: a dict's get and set are atomic under the GIL, and a lost entry only costs a
     recomputation.
     """
 
-    def __init__(self, secret: bytes, max_entries: int = 1 << 14) -> None:
+    def __init__(self, secret: bytes, max_items: int = 1 << 15) -> None:
         self.secret = secret
-        self.max_entries = max_entries
+        self.max_items = max_items
         self._memo: dict[bytes, tuple[list[Any], Grant | Batch]] = {}
+        self._num_items = 0  # grants in the memo, a batch's items each (racy: a bound, not a count)
 
     def check(self, grant_wire: Any, op: str, now_ms: int, remember: bool = True) -> Grant:
         """The verified grant of ``grant_wire``.
@@ -214,14 +219,12 @@ class VerifiedGrants:
         verify(self.secret, grant, op, now_ms)
         if not remember:
             return grant
-        if len(self._memo) >= self.max_entries:
-            self._drop_expired(now_ms)
-        self._memo[grant.signature] = (list(grant_wire), grant)
+        self._remember(grant.signature, list(grant_wire), grant, 1, now_ms)
         return grant
 
     def check_batch(self, batch_wire: Any, op: str, now_ms: int) -> Batch:
-        """The verified batch grant of ``batch_wire``, memoised (a client rereading under its
-        lease presents it again).
+        """The verified batch grant of ``batch_wire``, memoised when it reads (a client
+        rereading under its lease presents it again).
 
         Raises:
             GrantInvalidError: malformed, forged, for another operation, or expired.
@@ -239,22 +242,36 @@ class VerifiedGrants:
                 raise GrantInvalidError("batch grant signature does not verify")
             # Signed by the master: its items are well formed (see sign_batch). Tuples, not
             # lists: a tuple of a key, a segment and ints leaves the garbage collector's sight
-            # at its first pass, and the memo holds up to max_entries batches of up to 256
-            # items (as lists, 300K of them were most of what a node's full collections
-            # walked after 300K tiny writes).
+            # at its first pass, and the memo holds up to max_items of them (as lists, 300K
+            # were most of what a node's full collections walked after 300K tiny writes).
             items = msgpack.unpackb(blob, use_list=False)
             batch = Batch(op_, expires_ms, sig, tuple(batch_wire), items)
-            if len(self._memo) >= self.max_entries:
-                self._drop_expired(now_ms)
-            self._memo[sig] = (list(batch_wire), batch)
+            if op_ == OP_READ:
+                self._remember(sig, list(batch_wire), batch, len(items), now_ms)
         _check_use(batch, op, now_ms)
         return batch
+
+    def _remember(
+        self, sig: bytes, wire: list[Any], granted: Grant | Batch, num_items: int, now_ms: int
+    ) -> None:
+        if self._num_items + num_items > self.max_items:
+            self._drop_expired(now_ms)
+        self._memo[sig] = (wire, granted)
+        self._num_items += num_items
 
     def _drop_expired(self, now_ms: int) -> None:
         """Make room: drop expired grants, or everything when too few have expired."""
         entries = list(self._memo.items())  # one C call: other threads may insert meanwhile
         live = {s: e for s, e in entries if e[1].expires_ms >= now_ms}
-        self._memo = live if len(live) < self.max_entries // 2 else {}
+        num_items = sum(_num_items(e[1]) for e in live.values())
+        if num_items < self.max_items // 2:
+            self._memo, self._num_items = live, num_items
+        else:
+            self._memo, self._num_items = {}, 0
+
+
+def _num_items(granted: Grant | Batch) -> int:
+    return len(granted.items) if type(granted) is Batch else 1
 
 
 def check_range(grant: Grant, start: int, length: int) -> None:

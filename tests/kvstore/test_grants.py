@@ -109,15 +109,26 @@ def test_memo_still_checks_op_and_expiry_and_forgets_with_its_secret() -> None:
 
 
 def test_memo_is_bounded() -> None:
-    memo = grants.VerifiedGrants(SECRET, max_entries=8)
+    memo = grants.VerifiedGrants(SECRET, max_items=8)
     for i in range(50):
         g = grants.sign(SECRET, grants.OP_READ, b"k%d" % i, "dram", 0, 10, 1000)
         memo.check(g.to_wire(), grants.OP_READ, now_ms=0)
         assert len(memo._memo) <= 8
 
 
+def test_memo_is_bounded_by_items_and_keeps_no_write_grant() -> None:
+    memo = grants.VerifiedGrants(SECRET, max_items=1024)
+    for b in range(50):
+        items = [[b"k%d/%d" % (b, i), "dram", 64 * i, 64] for i in range(256)]
+        for op in (grants.OP_READ, grants.OP_WRITE):
+            memo.check_batch(grants.sign_batch(SECRET, op, 1000, items), op, now_ms=0)
+        held = [e[1] for e in memo._memo.values()]
+        assert sum(len(g.items) for g in held) <= 1024  # type: ignore[union-attr]
+        assert all(g.op == grants.OP_READ for g in held)  # a write grant is used once
+
+
 def test_memo_makes_room_by_dropping_expired_grants_first() -> None:
-    memo = grants.VerifiedGrants(SECRET, max_entries=8)
+    memo = grants.VerifiedGrants(SECRET, max_items=8)
     keep = grants.sign(SECRET, grants.OP_READ, b"keep", "dram", 0, 10, 10_000)
     memo.check(keep.to_wire(), grants.OP_READ, now_ms=0)
     for i in range(7):
