@@ -52,6 +52,7 @@ class ErrorCode(enum.IntEnum):
 
     TIMEOUT = 500
     # NOTE: 501 was LEASE_EXPIRED, never raised and removed: do not reuse the number.
+    OVERLOADED = 502
 
     NOT_LEADER = 600
     STALE_EPOCH = 601
@@ -197,6 +198,12 @@ class KVTimeoutError(KVStoreError, builtins.TimeoutError):
     code = ErrorCode.TIMEOUT
 
 
+class OverloadedError(KVStoreError):
+    """A server is at a limit it sets itself (e.g. its event streams): try again later."""
+
+    code = ErrorCode.OVERLOADED
+
+
 class NotLeaderError(KVStoreError):
     code = ErrorCode.NOT_LEADER
 
@@ -246,6 +253,7 @@ for _cls in (
     OutOfRangeError,
     TransportUnavailableError,
     KVTimeoutError,
+    OverloadedError,
     NotLeaderError,
     StaleEpochError,
     MasterUnavailableError,

@@ -41,6 +41,7 @@ _HTTP_STATUS = {
     ErrorCode.NO_SPACE: 507,
     ErrorCode.NOT_LEADER: 503,
     ErrorCode.MASTER_UNAVAILABLE: 503,
+    ErrorCode.OVERLOADED: 503,
     ErrorCode.INTERNAL: 500,
 }
 

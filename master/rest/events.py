@@ -13,6 +13,13 @@ A bare number is still accepted (with the ``epoch`` query parameter, or it resyn
 
 The stream obeys the leadership fence: it starts only on a leader (``NOT_LEADER``, 503
 otherwise, see ``fence.py``) and ends with an ``error`` event when this master stops leading.
+
+Memory per subscriber is bounded: at most ``MAX_STREAMS`` streams are open at once (the next
+gets ``OVERLOADED``, 503); the snapshot is written a few thousand block keys at a time (as
+``data:`` lines of one event, which a reader joins into one JSON document), each piece only
+once the subscriber took the one before; a subscriber that takes nothing for
+``WRITE_TIMEOUT_S`` is dropped. The events name blocks of every tenant's prompts: they need the
+token (when one is set) even where other reads are public (``security.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.errors import InvalidRequestError, KVStoreError, OverloadedError
 from kvstore.master.events import (
     MAX_EVENTS_PER_CALL,
     EventBatch,
@@ -40,6 +47,12 @@ KEEPALIVE_S = 15.0
 #: What a browser waits before it reconnects (the SSE ``retry:`` field), in milliseconds.
 RETRY_MS = 1000
 MAX_DURATION_S = 86_400.0
+#: Event streams open at once, across subscribers.
+MAX_STREAMS = 64
+#: Seconds a subscriber has to take each piece written to it before it is dropped.
+WRITE_TIMEOUT_S = 30.0
+#: Block keys per piece of a streamed snapshot (~140 KB of JSON).
+SNAPSHOT_PIECE_KEYS = 4096
 _MAX_INT = (1 << 53) - 1  # exact in JSON numbers
 
 
@@ -48,6 +61,8 @@ class StreamState:
     """Open event streams of one app: the app's shutdown ends them (else it waits for them)."""
 
     stopping: bool = False
+    num_open: int = 0
+    max_open: int = MAX_STREAMS
 
 
 STREAMS_KEY = web.AppKey("event_streams", StreamState)
@@ -143,10 +158,30 @@ async def events_snapshot(request: web.Request) -> web.Response:
 
 
 async def events_stream(request: web.Request) -> web.StreamResponse:
-    """``GET /api/v1/events``: server-sent KV events (see the module's docstring)."""
+    """``GET /api/v1/events``: server-sent KV events (see the module's docstring).
+
+    Raises:
+        OverloadedError: ``MAX_STREAMS`` streams are open already.
+    """
     position = parse_position(request)
     namespaces = parse_namespaces(request)
     duration = _duration(request)
+    state = request.app[STREAMS_KEY]
+    if state.num_open >= state.max_open:
+        raise OverloadedError(f"{state.max_open} event streams are open: try again later")
+    state.num_open += 1
+    try:
+        return await _stream(request, position, namespaces, duration)
+    finally:
+        state.num_open -= 1
+
+
+async def _stream(
+    request: web.Request,
+    position: tuple[int, int | None] | None,
+    namespaces: frozenset[bytes] | None,
+    duration: float,
+) -> web.StreamResponse:
     app = request.app
     slot = app[SERVICE_KEY]
     fence = app.get(FENCE_KEY)
@@ -159,30 +194,30 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         }
     )
     await response.prepare(request)
-    await response.write(f"retry: {RETRY_MS}\n\n".encode())
+    await _write(response, f"retry: {RETRY_MS}\n\n".encode())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + duration
     try:
         while not state.stopping and loop.time() < deadline:
             err: KVStoreError | None = fence.admin_check() if fence is not None else None
             if err is not None:
-                await response.write(
+                await _write(
+                    response,
                     _frame(
                         "error",
                         {"code": int(err.code), "name": err.code.name, "message": err.message},
-                    )
+                    ),
                 )
                 break
             svc = slot.service  # a new term's service is a new instance: read it each turn
             log_ = svc.events
             if position is None:
-                snap = snapshot_json(svc, namespaces)
-                position = (snap["seq"], snap["epoch"])
-                await response.write(_frame("snapshot", snap, f"{snap['epoch']}.{snap['seq']}"))
+                position = await _write_snapshot(response, svc, namespaces)
                 continue
             got = log_.read(position[0], position[1], MAX_EVENTS_PER_CALL, namespaces)
             if isinstance(got, Resync):
-                await response.write(
+                await _write(
+                    response,
                     _frame(
                         "resync",
                         {
@@ -191,7 +226,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
                             "epoch": log_.epoch,
                             "last_seq": log_.last_seq,
                         },
-                    )
+                    ),
                 )
                 position = None
                 continue
@@ -200,16 +235,51 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
             if got.events or got.last_seq < log_.last_seq:
                 continue
             await _wait(loop, log_, min(KEEPALIVE_S, deadline - loop.time()), response)
-    except (ConnectionResetError, ConnectionError):
-        pass  # the subscriber went away
+    except (ConnectionResetError, ConnectionError, TimeoutError):
+        pass  # the subscriber went away, or took nothing for WRITE_TIMEOUT_S
     return response
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    """Write and wait until the subscriber took it (its buffers drained).
+
+    Raises:
+        TimeoutError: it took nothing for ``WRITE_TIMEOUT_S``.
+    """
+    await asyncio.wait_for(response.write(data), WRITE_TIMEOUT_S)
+
+
+async def _write_snapshot(
+    response: web.StreamResponse, svc: MasterService, namespaces: frozenset[bytes] | None
+) -> tuple[int, int]:
+    """Write the snapshot event a piece at a time (see the module docstring).
+
+    Returns:
+        The position it reflects: ``(seq, epoch)``.
+    """
+    epoch, seq, keys = svc.prefix.snapshot()
+    wanted = [(d, raw) for d, raw in keys.items() if namespaces is None or d in namespaces]
+    del keys
+    head = f"event: snapshot\nid: {epoch}.{seq}\n"
+    await _write(response, f'{head}data: {{"epoch":{epoch},"seq":{seq},"namespaces":{{'.encode())
+    step = SNAPSHOT_PIECE_KEYS * 16
+    for n, (digest, raw) in enumerate(wanted):
+        await _write(response, f'\ndata: {"," if n else ""}"{digest.hex()}":['.encode())
+        for at in range(0, len(raw), step):
+            piece = ",".join(
+                f'"{raw[i : i + 16].hex()}"' for i in range(at, min(len(raw), at + step), 16)
+            )
+            await _write(response, f"\ndata: {',' if at else ''}{piece}".encode())
+        await _write(response, b"\ndata: ]")
+    await _write(response, b"\ndata: }}\n\n")
+    return seq, epoch
 
 
 async def _write_batch(response: web.StreamResponse, batch: EventBatch) -> None:
     if not batch.events:
         return
     parts = [_frame(ev[1], event_to_json(ev), f"{batch.epoch}.{ev[0]}") for ev in batch.events]
-    await response.write(b"".join(parts))
+    await _write(response, b"".join(parts))
 
 
 async def _wait(
@@ -230,7 +300,7 @@ async def _wait(
     finally:
         log_.remove_waiter(wake)
     if not done:
-        await response.write(b": keep-alive\n\n")
+        await _write(response, b": keep-alive\n\n")
 
 
 async def _stop_streams(app: web.Application) -> None:

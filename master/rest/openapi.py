@@ -14,7 +14,7 @@ from aiohttp import web
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
-from kvstore.master.rest.security import READ_ONLY_POSTS
+from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS
 from kvstore.master.rest.state import SETTINGS_KEY
 from kvstore.types import NODE_STATES
 
@@ -152,7 +152,8 @@ _EVENT_PATHS: dict[str, Any] = {
             "indexed block per namespace); a position the master cannot serve (another epoch, "
             "events no longer held) gets a `resync` event, then a snapshot. Reconnect with "
             "`Last-Event-ID` to resume. Ends with an `error` event if this master stops "
-            "leading. Only a leading master serves it (503 NOT_LEADER otherwise).",
+            "leading. Only a leading master serves it (503 NOT_LEADER otherwise); at most 64 "
+            "streams are open at once (503 OVERLOADED). Needs the token whenever one is set.",
             "x-kvstore-stream": True,
             "parameters": [
                 {"name": "since", "in": "query", "schema": _SEQ},
@@ -226,7 +227,9 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
             if "security" in op:
                 continue  # always open (probes)
             mutating = method != "get" and path not in READ_ONLY_POSTS
-            if not (secured_writes if mutating else secured_reads):
+            # (the events need the token whenever one is set: security.TOKEN_ALWAYS)
+            guarded = secured_writes if mutating or path in TOKEN_ALWAYS else secured_reads
+            if not guarded:
                 op["security"] = []
                 op["responses"].pop("401", None)
     return doc

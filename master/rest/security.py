@@ -1,7 +1,8 @@
 """Bearer-token checks for the admin API.
 
 Mutating calls (POST/PUT/PATCH/DELETE) always need the cluster token when one is configured;
-read-only calls need it unless ``public_reads``. Probes (``/health``, ``/ready``) and the status
+read-only calls need it unless ``public_reads``, except the KV events (``TOKEN_ALWAYS``): they
+name the blocks of every prompt, so they need the token whenever one is set. Probes (``/health``, ``/ready``) and the status
 page's HTML are always open: the page asks for the token itself when the API refuses it.
 """
 
@@ -16,6 +17,8 @@ from kvstore.errors import UnauthenticatedError
 from kvstore.master.rest.state import SETTINGS_KEY
 
 ALWAYS_OPEN = frozenset({"/health", "/ready", "/"})
+#: Reads that need the token even with ``public_reads``.
+TOKEN_ALWAYS = frozenset({"/api/v1/events", "/api/v1/events/snapshot"})
 #: POST routes that change nothing (a query with a body).
 READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -25,6 +28,8 @@ def needs_token(method: str, path: str, public_reads: bool) -> bool:
     """Whether a call to ``method path`` must carry the token (when one is configured)."""
     if path in ALWAYS_OPEN:
         return False
+    if path in TOKEN_ALWAYS:
+        return True
     reads = method in _READ_METHODS or (method == "POST" and path in READ_ONLY_POSTS)
     return not (reads and public_reads)
 

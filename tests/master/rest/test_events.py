@@ -4,14 +4,19 @@ with an ``error`` event when its master stops leading, and app shutdown ends ope
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 
 import aiohttp
 from aiohttp.test_utils import TestServer
 
+from kvstore.auth import Token
 from kvstore.master.admin import init_app
 from kvstore.master.events import EVENT_STORED
 from kvstore.master.ha import Leadership
+from kvstore.master.rest import events as events_rest
+from kvstore.master.rest.state import AdminSettings
 from kvstore.master.service import MasterService, ServiceSlot
 
 
@@ -81,3 +86,86 @@ def test_shutdown_ends_open_streams_at_once() -> None:
             await http.close()
 
     assert asyncio.run(run()) < 5, "shutdown waited for the stream"
+
+
+def _big_snapshot(svc: MasterService, num_keys: int) -> dict[str, list[str]]:
+    """Make the index's snapshot hold ``num_keys`` blocks in two namespaces (what a pool of a
+    million blocks answers, without indexing a million prompts here)."""
+    raw = {b"a" * 16: os.urandom(16 * (num_keys // 2)), b"b" * 16: os.urandom(16 * (num_keys // 2))}
+    svc.prefix.snapshot = lambda: (svc.events.epoch, 0, raw)  # type: ignore[method-assign]
+    return {d.hex(): [k[i : i + 16].hex() for i in range(0, len(k), 16)] for d, k in raw.items()}
+
+
+def test_a_large_snapshot_streams_in_pieces_that_join_into_one_document() -> None:
+    async def run() -> None:
+        svc = MasterService()
+        want = _big_snapshot(svc, 3 * events_rest.SNAPSHOT_PIECE_KEYS)
+        server = TestServer(init_app(ServiceSlot(svc)))
+        await server.start_server()
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(server.make_url("/api/v1/events?duration_s=5")) as r,
+            ):
+                kind, data = await asyncio.wait_for(_next_event(r.content), 30)
+                assert kind == "snapshot"
+                snap = json.loads(data)
+                assert snap["namespaces"] == want and snap["seq"] == 0
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_event_streams_are_capped_and_a_subscriber_that_reads_nothing_is_dropped(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(events_rest, "WRITE_TIMEOUT_S", 0.5)
+
+    async def run() -> None:
+        svc = MasterService()
+        _big_snapshot(svc, 400_000)  # ~14 MB of JSON: more than the sockets buffer
+        app = init_app(ServiceSlot(svc))
+        state = app[events_rest.STREAMS_KEY]
+        state.max_open = 2
+        server = TestServer(app)
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as http:
+                silent = [await http.get(server.make_url("/api/v1/events")) for _ in range(2)]
+                third = await http.get(server.make_url("/api/v1/events"))
+                assert third.status == 503
+                assert (await third.json())["error"]["name"] == "OVERLOADED"
+                # Neither silent subscriber reads: each is dropped once its buffers stay full.
+                for _ in range(600):
+                    if state.num_open == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert state.num_open == 0, "a subscriber that reads nothing was kept"
+                for r in silent:
+                    r.close()
+        finally:
+            await server.close()
+
+    asyncio.run(run())
+
+
+def test_events_need_the_token_even_where_reads_are_public() -> None:
+    async def run() -> None:
+        settings = AdminSettings(token=Token("events-secret-0123456789"), public_reads=True)
+        server = TestServer(init_app(ServiceSlot(MasterService()), settings=settings))
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession() as http:
+                for path in ("/api/v1/events?duration_s=1", "/api/v1/events/snapshot"):
+                    async with http.get(server.make_url(path)) as r:
+                        assert r.status == 401, path
+                async with http.get(server.make_url("/api/v1/nodes")) as r:
+                    assert r.status == 200  # other reads stay public
+                auth = {"Authorization": "Bearer events-secret-0123456789"}
+                async with http.get(server.make_url("/api/v1/events/snapshot"), headers=auth) as r:
+                    assert r.status == 200
+        finally:
+            await server.close()
+
+    asyncio.run(run())
