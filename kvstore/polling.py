@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 
 from kvstore.env import read_poll_us
 
@@ -78,11 +79,16 @@ MASTER_WINDOWS = 2
 SHARE_TO_EXTEND = 0.5
 
 
-def extend_poll(started: float, cpu_started: float, now: float) -> bool:
+def extend_poll(
+    started: float,
+    cpu_started: float,
+    now: float,
+    thread_time: Callable[[], float] = time.thread_time,
+) -> bool:
     """Whether a poll that began at ``started`` (``time.perf_counter()``; the thread's CPU time
-    then: ``cpu_started``, ``time.thread_time()``) and found nothing by ``now`` may poll on: its
+    then: ``cpu_started``, ``thread_time()``) and found nothing by ``now`` may poll on: its
     thread ran for most of that time (nobody else waited for its CPU)."""
-    return time.thread_time() - cpu_started >= SHARE_TO_EXTEND * (now - started)
+    return thread_time() - cpu_started >= SHARE_TO_EXTEND * (now - started)
 
 
 def poll_window() -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import selectors
-import time
 
 import pytest
 
@@ -80,13 +79,17 @@ def test_a_client_that_comes_back_keeps_it_polling() -> None:
     assert turns[0] >= 3 and turns[1] >= 3, turns
 
 
-def test_a_poller_that_ran_polls_on_and_one_that_waited_for_its_cpu_does_not() -> None:
-    # Busy the whole time (as a poller alone on its CPU): it may poll on.
-    started, cpu = time.perf_counter(), time.thread_time()
-    while time.perf_counter() - started < WINDOW_S:
-        pass
-    assert extend_poll(started, cpu, time.perf_counter())
-    # Not running for most of the window (as a poller other processes took the CPU from): stop.
-    started, cpu = time.perf_counter(), time.thread_time()
-    time.sleep(WINDOW_S)
-    assert not extend_poll(started, cpu, time.perf_counter())
+@pytest.mark.parametrize(
+    ("cpu_s", "wall_s", "extends"),
+    [
+        (WINDOW_S, WINDOW_S, True),  # busy the whole window: alone on its CPU, it may poll on
+        (0.6 * WINDOW_S, WINDOW_S, True),  # ran for most of it
+        (0.1 * WINDOW_S, WINDOW_S, False),  # others took its CPU for most of it: stop
+        (0.0, WINDOW_S, False),
+    ],
+)
+def test_a_poller_that_ran_polls_on_and_one_that_waited_for_its_cpu_does_not(
+    cpu_s: float, wall_s: float, extends: bool
+) -> None:
+    # The thread's CPU clock is injected: the test holds whatever CPU the machine gives it.
+    assert extend_poll(10.0, 3.0, 10.0 + wall_s, thread_time=lambda: 3.0 + cpu_s) is extends
