@@ -99,6 +99,13 @@ def parse_position(request: web.Request) -> tuple[int, int | None] | None:
     return _uint(since, "since"), epoch
 
 
+def _only_params(request: web.Request, allowed: frozenset[str]) -> None:
+    """Raises InvalidRequestError for a query parameter the route does not take."""
+    unknown = set(request.query) - allowed
+    if unknown:
+        raise InvalidRequestError(f"unknown query parameter {sorted(unknown)[0][:64]!r}")
+
+
 def parse_namespaces(request: web.Request) -> frozenset[bytes] | None:
     """The ``namespace`` query parameters (hex digests, repeatable); None: every namespace.
 
@@ -152,6 +159,7 @@ def _frame(kind: str, data: dict[str, Any], event_id: str | None = None) -> byte
 
 async def events_snapshot(request: web.Request) -> web.Response:
     """``GET /api/v1/events/snapshot``: every indexed block and the position it reflects."""
+    _only_params(request, frozenset({"namespace"}))
     namespaces = parse_namespaces(request)
     svc = request.app[SERVICE_KEY].service
     return web.json_response(snapshot_json(svc, namespaces))
@@ -163,6 +171,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
     Raises:
         OverloadedError: ``MAX_STREAMS`` streams are open already.
     """
+    _only_params(request, frozenset({"since", "epoch", "namespace", "duration_s"}))
     position = parse_position(request)
     namespaces = parse_namespaces(request)
     duration = _duration(request)
