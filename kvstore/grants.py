@@ -186,8 +186,9 @@ class VerifiedGrants:
     still checked on every use. Write grants are used once: they are verified, never kept.
 
     Bounded by the grants it holds, a batch counting each of its items (a batch holds up to 256
-    and its items are most of the memory: bounded by entries, 16K batches of 100 writes grew a
-    node by ~290 B a put for hours). Past ``max_items``, expired grants go (all, if few have).
+    and its items are most of the memory: bounded by entries, a node's memory grew with every
+    put until 16K batches were held; tests/integration/test_churn.py). Past ``max_items``,
+    expired grants go (all, if few have).
 
     Not locked: a dict's get and set are atomic under the GIL, and a lost entry only costs a
     recomputation.
