@@ -38,11 +38,9 @@ class _BoundedServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(max_connections)
-        self.num_refused = 0
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.num_refused += 1
             self.shutdown_request(request)
             return
         try:

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from kvstore.config import MAX_KEY_BYTES
 from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
+from kvstore.master.rest.events import MAX_STREAMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS
 from kvstore.master.rest.state import SETTINGS_KEY
@@ -152,8 +153,9 @@ _EVENT_PATHS: dict[str, Any] = {
             "indexed block per namespace); a position the master cannot serve (another epoch, "
             "events no longer held) gets a `resync` event, then a snapshot. Reconnect with "
             "`Last-Event-ID` to resume. Ends with an `error` event if this master stops "
-            "leading. Only a leading master serves it (503 NOT_LEADER otherwise); at most 64 "
-            "streams are open at once (503 OVERLOADED). Needs the token whenever one is set.",
+            "leading. Only a leading master serves it (503 NOT_LEADER otherwise); at most "
+            f"{MAX_STREAMS} streams are open at once (503 OVERLOADED). Needs the token whenever "
+            "one is set.",
             "x-kvstore-stream": True,
             "parameters": [
                 {"name": "since", "in": "query", "schema": _SEQ},
