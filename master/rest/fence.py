@@ -3,9 +3,11 @@ changes anything or reports ready.
 
 The control protocol checks :class:`~kvstore.master.ha.Leadership` before every request; the
 admin API must obey the same fence, or a leader cut off from etcd (still reachable by operators)
-would delete and evict from its stale table while another master leads. Every mutating route,
-``/ready`` and the KV event routes ask the fence first; other reads, ``/health`` and the status
-page still answer (they describe this master, and change nothing). Without HA there is no fence and nothing changes.
+would delete and evict from its stale table while another master leads, or answer for objects
+the leader has since removed. Every mutating route, ``/ready``, the KV event routes and every read
+of the cluster's table (objects, nodes, prefix match, cluster totals) ask the fence first, as the
+control protocol does; ``/health``, ``/metrics``, the history and the status page still answer
+(they describe this master). Without HA there is no fence and nothing changes.
 """
 
 from __future__ import annotations
@@ -26,15 +28,21 @@ class AdminFence(Protocol):
 
 
 FENCE_KEY = web.AppKey("fence", AdminFence)
-#: Reads fenced like mutations: probes that say the master serves, and the KV event stream and
-#: its snapshot (a master that may not lead must not pass its table off as the leader's).
-FENCED_READS = frozenset({"/ready", "/api/v1/events", "/api/v1/events/snapshot"})
+#: Reads fenced like mutations: probes that say the master serves, and every read of the table
+#: (a master that may not lead must not pass its table off as the leader's).
+FENCED_READS = frozenset(
+    {"/ready", "/api/v1/events", "/api/v1/events/snapshot", "/api/v1/cluster", "/api/v1/prefix/match"}
+)
+#: Reads of the table under a path: ``/api/v1/objects``, ``/api/v1/objects/KEY``, the nodes likewise.
+FENCED_READ_TREES = ("/api/v1/objects", "/api/v1/nodes")
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def is_fenced(method: str, path: str) -> bool:
-    """Whether ``method path`` needs a leader (a mutation, or the readiness probe)."""
+    """Whether ``method path`` needs a leader (a mutation, the readiness probe, a table read)."""
     if path in FENCED_READS:
+        return True
+    if any(path == tree or path.startswith(tree + "/") for tree in FENCED_READ_TREES):
         return True
     return method not in _READ_METHODS and not (method == "POST" and path in READ_ONLY_POSTS)
 

@@ -111,13 +111,17 @@ def test_leader_cut_from_etcd_is_fenced_on_rest_and_comes_back_as_a_standby(etcd
         # cut one refuses on the control protocol (it cannot know yet that it lost).
         assert wait_settled(cluster, timeout=40, cut_off=cut) is other
         t_other = time.time()
-        # ... and so is every mutating admin route, and the readiness probe.
+        # ... and so is every mutating admin route, the readiness probe and the table's reads.
         for method, path, body in [
             ("DELETE", "/api/v1/objects/held/a", None),
             ("POST", "/api/v1/evict", {"keys": ["held/b"]}),
             ("POST", "/api/v1/evict", {"prefix": "held/"}),
             ("POST", f"/api/v1/nodes/{node_id}/drain", None),
             ("GET", "/ready", None),
+            # ... and so is every read of its stale table.
+            ("GET", "/api/v1/objects/held/a", None),
+            ("GET", "/api/v1/nodes", None),
+            ("GET", "/api/v1/cluster", None),
         ]:
             status, reply = _rest(method, admin + path, body)
             assert (status, reply.get("error", {}).get("name")) == (503, "NOT_LEADER"), (

@@ -21,6 +21,13 @@ FENCED = [
     ("POST", "/api/v1/evict", {"prefix": "k"}),
     ("POST", "/api/v1/nodes/n1/drain", None),
     ("GET", "/ready", None),
+    # The table's reads: a deposed leader must not answer for objects the leader since removed.
+    ("GET", "/api/v1/objects", None),
+    ("GET", "/api/v1/objects/k", None),
+    ("GET", "/api/v1/nodes", None),
+    ("GET", "/api/v1/nodes/n1", None),
+    ("GET", "/api/v1/cluster", None),
+    ("POST", "/api/v1/prefix/match", {"keys": ["k"]}),
 ]
 #: The KV event routes (a leader would stream forever: only the refusal is called here).
 FENCED_EVENTS = [
@@ -29,10 +36,7 @@ FENCED_EVENTS = [
 ]
 OPEN = [
     ("GET", "/health", None),
-    ("GET", "/api/v1/objects", None),
-    ("GET", "/api/v1/nodes", None),
-    ("GET", "/api/v1/cluster", None),
-    ("POST", "/api/v1/prefix/match", {"keys": ["k"]}),
+    ("GET", "/api/v1/history", None),
 ]
 
 
@@ -116,6 +120,8 @@ def test_without_ha_there_is_no_fence() -> None:
 def test_which_routes_are_fenced() -> None:
     assert is_fenced("DELETE", "/api/v1/objects/x") and is_fenced("GET", "/ready")
     assert is_fenced("POST", "/api/v1/evict") and is_fenced("PUT", "/anything")
-    assert not is_fenced("POST", "/api/v1/prefix/match")
-    assert not is_fenced("GET", "/api/v1/objects") and not is_fenced("GET", "/health")
+    assert is_fenced("POST", "/api/v1/prefix/match") and is_fenced("GET", "/api/v1/objects/a/b")
+    assert is_fenced("GET", "/api/v1/objects") and is_fenced("GET", "/api/v1/nodes/n1")
+    assert not is_fenced("GET", "/health") and not is_fenced("GET", "/metrics")
+    assert not is_fenced("GET", "/api/v1/objectsfoo") and not is_fenced("GET", "/api/v1/history")
     assert is_fenced("GET", "/api/v1/events") and is_fenced("GET", "/api/v1/events/snapshot")
