@@ -47,7 +47,7 @@ from kvstore.client.reads import LocatedRead, ReadPipeline
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import checksum
-from kvstore.config import encode_key
+from kvstore.config import MAX_BATCH_KEYS, encode_key
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
@@ -498,9 +498,18 @@ class Client:
         return self._control.call("events_snapshot", args)
 
     # ================================================================ the rest
+    def _per_key(self, verb: str, wire_keys: list[bytes], **args: Any) -> list[Any]:
+        """``verb``'s per-key answers to ``wire_keys``, asked in calls of at most
+        :data:`MAX_BATCH_KEYS` keys (the most the master takes in one)."""
+        out: list[Any] = []
+        for start in range(0, max(len(wire_keys), 1), MAX_BATCH_KEYS):
+            chunk = wire_keys[start : start + MAX_BATCH_KEYS]
+            out.extend(self._control.call(verb, {"keys": chunk, **args}))
+        return out
+
     def batch_exists(self, keys: Sequence[str | bytes]) -> list[bool]:
         """Whether each key is stored (committed). Takes no lease."""
-        return list(self._control.call("exists", {"keys": [encode_key(k) for k in keys]}))
+        return self._per_key("exists", [encode_key(k) for k in keys])
 
     def exists(self, key: str | bytes) -> bool:
         return self.batch_exists([key])[0]
@@ -509,7 +518,7 @@ class Client:
         wire_keys = [encode_key(k) for k in keys]
         self._cache.forget(wire_keys)
         try:
-            reply = self._control.call("remove", {"keys": wire_keys})
+            reply = self._per_key("remove", wire_keys)
         finally:
             self._cache.forget(wire_keys)  # answers looked up meanwhile (see Putter.run)
         return [result_from_wire(r)[0] for r in reply]
@@ -522,9 +531,7 @@ class Client:
         self, keys: Sequence[str | bytes], *, ttl: float = 60.0, hard: bool = False
     ) -> list[KVStoreError | None]:
         """Pin many objects; per key None or the error (KeyNotFoundError when missing)."""
-        reply = self._control.call(
-            "pin", {"keys": [encode_key(k) for k in keys], "ttl_s": ttl, "hard": hard}
-        )
+        reply = self._per_key("pin", [encode_key(k) for k in keys], ttl_s=ttl, hard=hard)
         return [result_from_wire(r)[0] for r in reply]
 
     def pin(self, key: str | bytes, *, ttl: float = 60.0, hard: bool = False) -> None:
@@ -540,7 +547,7 @@ class Client:
         _raise_if_error(self.batch_pin([key], ttl=ttl, hard=hard)[0])
 
     def batch_unpin(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
-        reply = self._control.call("unpin", {"keys": [encode_key(k) for k in keys]})
+        reply = self._per_key("unpin", [encode_key(k) for k in keys])
         return [result_from_wire(r)[0] for r in reply]
 
     def unpin(self, key: str | bytes) -> None:

@@ -13,6 +13,9 @@ MAX_KEY_BYTES = 511
 #: Largest single object. Bigger values should be split by the caller (KV blocks are far smaller).
 MAX_OBJECT_BYTES = 1 << 40
 
+#: Most keys in one control-protocol call; the client splits a longer batch into such calls.
+MAX_BATCH_KEYS = 65536
+
 _UNITS = {
     "": 1,
     "b": 1,

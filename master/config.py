@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sized
 from dataclasses import dataclass
 
-from kvstore.config import MAX_OBJECT_BYTES
+from kvstore.config import MAX_BATCH_KEYS, MAX_OBJECT_BYTES
 from kvstore.errors import InvalidRequestError
 from kvstore.master.events import DEFAULT_RING_BLOCKS, DEFAULT_RING_EVENTS
 
@@ -23,7 +23,7 @@ class MasterConfig:
     put_timeout_s: float = 30.0
     node_ttl_s: float = 5.0
     heartbeat_interval_s: float = 1.0
-    max_batch: int = 65536
+    max_batch: int = MAX_BATCH_KEYS
     max_object_bytes: int = MAX_OBJECT_BYTES
     #: The KV event ring (``events.py``): most events, and most block keys they name together.
     event_ring_events: int = DEFAULT_RING_EVENTS

@@ -132,3 +132,34 @@ def test_the_standard_cluster_has_two_nodes(cluster_factory) -> None:
     cluster = cluster_factory()
     with Client.connect(cluster.address) as c:
         assert len(c.stats()["nodes"]) == 2
+
+
+def test_a_batch_larger_than_one_call_is_split_by_the_client(
+    clients: dict[tuple[int, bool], Client], clusters: dict[int, Cluster]
+) -> None:
+    """The master takes at most ``max_batch`` keys in one control call and refuses more; the
+    client's batch verbs split any batch into calls under it, so a batch of any length lands whole
+    (as the README says)."""
+    from kvstore import protocol
+    from kvstore.config import Address
+    from kvstore.errors import InvalidRequestError
+    from kvstore.master.config import MasterConfig
+
+    limit = MasterConfig().max_batch
+    addr = Address.parse(clusters[2].address)
+    conn = protocol.FramedSocket.connect(addr.host, addr.port, timeout=30)
+    try:
+        with pytest.raises(InvalidRequestError, match="exceeds the limit"):
+            conn.call("exists", {"keys": [b"k"] * (limit + 1)})
+    finally:
+        conn.close()
+    c = clients[2, False]
+    n = limit + 3
+    keys = [b"split/%d" % i for i in range(n)]
+    values = [b"v%d" % i * (i % 5) for i in range(n)]  # 0 to ~30 bytes
+    assert c.batch_put(keys, values) == [None] * n
+    assert c.batch_exists(keys) == [True] * n
+    assert c.batch_pin(keys) == [None] * n and c.batch_unpin(keys) == [None] * n
+    assert c.batch_get(keys) == values
+    assert c.batch_remove(keys) == [None] * n
+    assert c.batch_exists(keys) == [False] * n
