@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,12 +14,14 @@ from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KeyNotFoundError,
+    KVStoreError,
     NoSpaceError,
     TierError,
 )
 from kvstore.node import nvme
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.tiers import StoredObject, checksum_of
+from tests.support import wait_until
 
 
 def obj(offset: int, data: bytes, key: bytes = b"k") -> tuple[StoredObject, memoryview]:
@@ -88,3 +93,101 @@ def test_full_lmdb_file_fails_the_items_that_do_not_fit(
         if r is None:
             assert bytes(tier.read(o.offset, o.size)) == bytes(v)
     tier.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs: a real file system that fills up (ENOSPC), unmounted afterwards."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        # (lazily where a failed test left the lmdb files open: detached now, freed at close)
+        if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _fill(tier: NvmeTier, size: int, first: int = 1) -> tuple[dict[int, bytes], KVStoreError]:
+    """Store objects of ``size`` bytes from id ``first`` on until one fails; the stored ones and
+    the error."""
+    stored: dict[int, bytes] = {}
+    for offset in range(first, first + 1000):
+        data = os.urandom(size)
+        (err,) = tier.write([obj(offset, data)])
+        if err is not None:
+            return stored, err
+        stored[offset] = data
+    raise AssertionError("the file system never filled up")
+
+
+def test_a_full_file_system_fails_the_put_and_serves_again_after_deletes(small_fs: Path) -> None:
+    # A tier that thinks it has 32 MiB on a file system of 8: the disk fills first.
+    tier = NvmeTier(small_fs / "nvme", 32 << 20)
+    stored, err = _fill(tier, 512 << 10)
+    assert isinstance(err, NoSpaceError), err
+    assert len(stored) > 4
+    for offset, data in stored.items():  # nothing acknowledged was lost
+        assert bytes(tier.read(offset, len(data))) == data
+    with pytest.raises(KeyNotFoundError):
+        tier.read(max(stored) + 1, 512 << 10)  # the failed put left nothing
+    # The master deletes objects; new puts fit again, without a restart.
+    gone = sorted(stored)[:-2]
+    tier.forget(gone)
+    kept = {o: stored[o] for o in sorted(stored)[-2:]}
+    for offset in range(1000, 1000 + len(gone) // 2):
+        data = os.urandom(512 << 10)
+        assert tier.write([obj(offset, data)]) == [None], offset
+        kept[offset] = data
+    for offset, data in kept.items():
+        assert bytes(tier.read(offset, len(data))) == data
+    assert {o.offset for o in tier.stored()} == set(kept)
+    tier.close()
+    again = NvmeTier(small_fs / "nvme", 32 << 20)  # what was acknowledged survives a restart
+    assert {o.offset for o in again.stored()} == set(kept)
+    again.close()
+
+
+def test_reads_on_other_threads_go_on_while_failed_commits_reopen(small_fs: Path) -> None:
+    tier = NvmeTier(small_fs / "nvme", 32 << 20)
+    hot = os.urandom(100_000)
+    assert tier.write([obj(1, hot)]) == [None]
+    stop = threading.Event()
+    num_reads = [0, 0]  # per reader thread: reads that got the exact bytes
+    failures: list[BaseException] = []
+
+    def reader(slot: int) -> None:
+        try:
+            while not stop.is_set():
+                assert bytes(tier.read(1, len(hot))) == hot
+                assert 1 in {o.offset for o in tier.stored()}
+                num_reads[slot] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        _stored, err = _fill(tier, 512 << 10, first=10)
+        assert isinstance(err, NoSpaceError), err
+        for offset in range(2000, 2004):  # every one of these fails, reopens and retries
+            seen = sum(num_reads)
+            wait_until(lambda n=seen: sum(num_reads) > n or bool(failures), what="reads to go on")
+            (err,) = tier.write([obj(offset, os.urandom(512 << 10))])
+            assert isinstance(err, NoSpaceError), err
+        assert tier.num_reopens >= 8
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        tier.close()
+    assert not failures, failures
