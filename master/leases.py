@@ -119,6 +119,10 @@ class DeferredFrees:
         """The replicas held for ``owner`` (freed, waiting for their leases to end)."""
         return [h.replica for h in self._heap if h.owner is owner and not h.done]
 
+    def held_until(self, owner: Any) -> list[tuple[float, Any]]:
+        """``(release_at, replica)`` of what is held for ``owner``."""
+        return [(h.release_at, h.replica) for h in self._heap if h.owner is owner and not h.done]
+
     def held_bytes(self) -> int:
         return sum(h.replica.size for h in self._heap if not h.done)
 

@@ -263,6 +263,7 @@ class MasterService:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
             self.drop_node(node_id)
         self.membership.add(node)
+        self.space.fence(node)
 
     def heartbeat(self, node_id: str) -> list[tuple[str, int, int]]:
         """Mark a node alive. Returns the (segment, offset, stamp) of replicas it may forget.
@@ -303,6 +304,8 @@ class MasterService:
         stones = self.space.held_by_node(node)
         for put in writes:
             stones.update((r.segment, r.offset) for r in put.replicas if r.node_id == node_id)
+        held = self.objects.keys_on(node_id)
+        self.space.fence_dropped(node, (self.objects[k] for k in held))
         self.membership.remove(node_id, stones)
         # From here on the node's space is gone with it: releases on it change nothing.
         for put in writes:
@@ -312,8 +315,10 @@ class MasterService:
         ]:
             self._settle(task.task_id, ok=False)
         self.tasks.outbox.pop(node_id, None)
-        for key in self.objects.keys_on(node_id):
-            obj = self.objects[key]
+        for key in held:
+            obj = self.objects.get(key)
+            if obj is None:
+                continue  # a settled task took it
             obj.replicas = [r for r in obj.replicas if r.node_id != node_id]
             if not obj.replicas:
                 del self.objects[key]

@@ -21,7 +21,7 @@ from kvstore.master.events import EVENT_EVICTED
 from kvstore.master.leases import DeferredFrees, ReadLeases
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
-from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.master.table import TIER_NVME, ObjectMeta, ObjectTable, Replica
 
 
 class Space:
@@ -56,6 +56,9 @@ class Space:
         self.lease_grace_s = lease_grace_s
         self.deferred = DeferredFrees()
         self.leases = ReadLeases()
+        #: Per dropped node: the memory extents a reader may still be on, each with the time its
+        #: lease (and grace) ends, and the latest of those times (see :meth:`fence_dropped`).
+        self.fenced: dict[str, tuple[float, list[tuple[Replica, float]]]] = {}
 
     def claim_base(self) -> int:
         """The write claim (wall ms) of an allocation made now, before its segment's floor
@@ -151,8 +154,51 @@ class Space:
             self.lease_ended(obj, now)
         return ended
 
+    # ================================================================ dropped nodes
+    def fence_dropped(self, node: Node, objs: Iterable[ObjectMeta]) -> None:
+        """Remember which memory extents of ``node`` (being dropped, with ``objs`` the objects
+        it held) a reader may still be on, and until when.
+
+        Why: a reader of a same-host node reads its shared memory in place, trusting its lease
+        that nothing reuses the bytes (``client/inplace.py``); a node declared dead that comes
+        back under the same id maps the same arena, and its new allocator would hand those
+        bytes to the next writer while the lease holds. :meth:`fence` holds them instead.
+        """
+        now = self.clock()
+        fences = [
+            (replica, until)
+            for until, replica in self.deferred.held_until(node)
+            if node.segments[replica.segment].tier != TIER_NVME
+        ]
+        for obj in objs:
+            until = self.hold_until(obj, now)
+            if until:
+                fences.extend(
+                    (r, until)
+                    for r in obj.replicas
+                    if r.node_id == node.node_id and node.segments[r.segment].tier != TIER_NVME
+                )
+        if fences:
+            self.fenced[node.node_id] = (max(u for _, u in fences), fences)
+        else:
+            self.fenced.pop(node.node_id, None)
+
+    def fence(self, node: Node) -> None:
+        """Hold, in a node that registered again, the extents its earlier incarnation had under
+        a lease (:meth:`fence_dropped`) until those leases end, as space freed under a lease
+        is held. An extent the new segment cannot hold (resized, already taken) is skipped."""
+        now = self.clock()
+        for replica, until in self.fenced.pop(node.node_id, (0.0, []))[1]:
+            seg = node.segments.get(replica.segment)
+            if until <= now or seg is None or seg.tier == TIER_NVME:
+                continue
+            if seg.allocator.allocate_at(replica.offset, replica.size):
+                self.deferred.hold(until, node, replica)
+
     def tick(self, now: float) -> None:
         """Free space whose leases ended (given back or run out)."""
+        for node_id in [n for n, (last, _) in self.fenced.items() if last <= now]:
+            del self.fenced[node_id]  # a node that never came back: its leases are over
         for obj in self.leases.expire(now):
             self.lease_ended(obj, now)
         for owner, replica in self.deferred.due(now):

@@ -3,6 +3,8 @@ shared memory, checked by checksum, trusted only while their grants hold."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from kvstore.client.inplace import InPlaceReads
 from kvstore.client.transport import checksum
 from kvstore.errors import KeyNotFoundError
 from kvstore.types import Location, ObjectInfo
+from tests.support import wait_until
 
 SIZE = 64 << 10
 
@@ -77,6 +80,38 @@ def test_a_corrupt_replica_gets_no_view_and_is_reported(cluster_factory) -> None
         assert isinstance(c.batch_locate(["inplace/1"])[0], KeyNotFoundError)
         buf = np.empty(SIZE, np.uint8)
         assert c.get_into("inplace/0", buf) == SIZE and np.array_equal(buf, values["inplace/0"])
+
+
+def test_a_view_stays_intact_while_its_node_is_dropped_and_comes_back(cluster_factory) -> None:
+    """A reader holds a view; both nodes stop long enough to be declared dead, come back with
+    the same arenas and register again, and a writer fills the pool: the view's bytes do not
+    change while ``intact()`` says they cannot have (the master keeps the extents a lease was
+    on out of the new allocators until the lease ends)."""
+    cluster = cluster_factory(
+        dram="2MiB", master_args=("--lease", "120", "--node-ttl", "2"), node_args=("--shm",)
+    )
+    value = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8)
+    with Client.connect(cluster.address) as c, Client.connect(cluster.address) as writer:
+        c.put("inplace/held", value)
+        infos = [i for i in c.batch_locate(["inplace/held"]) if isinstance(i, ObjectInfo)]
+        with c.read_in_place(infos) as reads:
+            view = reads.view(0)
+            assert view is not None
+            for node in cluster.nodes:
+                os.kill(node.pid, signal.SIGSTOP)
+            try:
+                wait_until(lambda: c.stats()["num_nodes"] == 0, timeout=60, what="nodes dropped")
+            finally:
+                for node in cluster.nodes:
+                    os.kill(node.pid, signal.SIGCONT)
+            wait_until(lambda: c.stats()["num_nodes"] == 2, timeout=60, what="nodes back")
+            fill = np.full(SIZE, 0xAB, np.uint8)
+            keys = [f"inplace/fill/{i}" for i in range(2 * (2 << 20) // SIZE)]
+            put = writer.batch_put(keys, [fill] * len(keys))
+            assert sum(r is None for r in put) >= len(keys) // 2, "the writer filled the pool"
+            assert reads.intact()
+            assert np.array_equal(np.frombuffer(view, np.uint8), value)
+        c.release_leases(infos)
 
 
 def _info(expires_ms: int, data: bytes) -> ObjectInfo:

@@ -140,6 +140,41 @@ def test_dead_node_takes_its_replicas_and_puts_with_it(
         svc.heartbeat("n1")
 
 
+def test_a_dead_node_that_comes_back_reuses_no_bytes_a_reader_still_holds(
+    svc: MasterService, clock: FakeClock
+) -> None:
+    """A reader with a lease reads a same-host node's arena in place; the node is declared dead
+    and registers again with the same arena: its leased extents stay taken until the lease (and
+    its grace) ends, and then are free again."""
+    keys = [b"held", b"free"]
+    for k in keys:
+        put(svc, k, 100_000)
+    infos = {k: svc.get_locations([k])[0] for k in keys}
+    node_of = {k: info.locations[0].node_id for k, info in infos.items()}
+    dead = node_of[b"held"]
+    held_at = infos[b"held"].locations[0].grant.offset
+    # Only the "held" lease stays out: "free"'s reader gave its lease back.
+    svc.release_leases([infos[b"free"].lease])
+    clock.now += 4  # past the node TTL, inside the lease
+    for n in svc.nodes:
+        if n != dead:
+            svc.heartbeat(n)
+    assert svc.expire_nodes() == [dead]
+    svc.register(dead, "127.0.0.1", 9001, b"c" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+    seg = svc.nodes[dead].segments["dram"]
+    assert seg.allocator.is_allocated(held_at)
+    # A writer fills the node: never over the held extent.
+    others = [n for n in svc.nodes if n != dead]
+    filled = svc.put_start([b"w%d" % i for i in range(9)], [100_000] * 9, exclude_nodes=others)
+    offsets = {loc.grant.offset for t in filled if isinstance(t, PutTicket) for loc in t.locations}
+    assert held_at not in offsets and len(offsets) == 9
+    # Once the lease and its grace are over the extent is free again.
+    clock.now += svc.tiering.config.lease_s + svc.tiering.config.lease_grace_s + 1
+    svc.tick()
+    assert not seg.allocator.is_allocated(held_at)
+    assert not svc.space.fenced
+
+
 def test_placement_and_no_space(svc: MasterService) -> None:
     results = svc.put_start([b"a", b"b", b"c"], [900_000, 900_000, 900_000])
     assert isinstance(results[0], PutTicket) and isinstance(results[1], PutTicket)
