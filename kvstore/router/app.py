@@ -58,7 +58,7 @@ from kvstore.sim.slo import SLOClass
 from .admission import EngineSlots
 from .discovery import EngineDiscovery
 from .engine_cache import EngineEvents, chain_keys
-from .engines import ROLES, Engine, EngineLoad, make_engines
+from .engines import ROLES, Engine, EngineAnswerError, EngineLoad, make_engines
 from .fit import EngineFit
 from .metrics import RouterMetrics
 from .policy import (
@@ -245,11 +245,18 @@ class RouterState:
     Args:
         config: the router's settings.
         clock: monotonic seconds (injectable for tests).
+        load_tokenizer: loads a model folder's tokenizer (injectable for tests).
     """
 
-    def __init__(self, config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        clock: Callable[[], float] = time.monotonic,
+        load_tokenizer: Callable[[str], Any] = AutoTokenizer.from_pretrained,
+    ) -> None:
         self.config = config
         self.clock = clock
+        self.load_tokenizer = load_tokenizer
         fraction = config.slo.promote_fraction
         roles = [("prefill", u) for u in config.prefill] + [("decode", u) for u in config.decode]
         roles += [("both", u) for u in config.engines]
@@ -381,28 +388,73 @@ class RouterState:
             m.engine_info.remove(url, engine.role, "etcd")
         log.info("router: engine %s left the registry (%s)", url, reg.key)
 
-    async def poll(self, engine: Engine) -> None:
-        """One poll of an engine's ``/metrics`` and ``/v1/models`` (failure: unhealthy)."""
+    async def _ask(self, engine: Engine) -> tuple[EngineLoad, list[Any]]:
+        """Ask an engine for its ``/metrics`` and ``/v1/models``.
+
+        Raises:
+            aiohttp.ClientError: it did not answer.
+            TimeoutError: not in time.
+            EngineAnswerError: it answered something the router cannot use.
+        """
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=max(2.0, 4 * self.config.poll_s))
+        async with self.session.get(engine.url + "/metrics", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise EngineAnswerError(f"/metrics answered HTTP {resp.status}")
+            try:
+                load = EngineLoad.from_metrics(await resp.text())
+            except UnicodeDecodeError:
+                raise EngineAnswerError("/metrics is not text") from None
+        async with self.session.get(engine.url + "/v1/models", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise EngineAnswerError(f"/v1/models answered HTTP {resp.status}")
+            try:
+                body = await resp.json()
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+                raise EngineAnswerError("/v1/models is not JSON") from None
+        models = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(models, list):
+            raise EngineAnswerError("/v1/models is not an object with a data list")
+        return load, models
+
+    def _report(
+        self, engine: Engine, problems: frozenset[str], unexpected: BaseException | None = None
+    ) -> None:
+        """Log each of an engine's poll problems once, when it appears (with the traceback of
+        an ``unexpected`` exception), and its recovery."""
+        for problem in sorted(problems - engine.poll_problems):
+            if unexpected is None:
+                log.warning("router: engine %s: %s", engine.url, problem)
+            else:
+                log.error("router: engine %s: %s", engine.url, problem, exc_info=unexpected)
+        if engine.poll_problems and not problems:
+            log.info("router: engine %s answers its polls well again", engine.url)
+        engine.poll_problems = problems
+
+    async def poll(self, engine: Engine) -> None:
+        """One poll of an engine's ``/metrics`` and ``/v1/models`` (failure: unhealthy)."""
         try:
-            async with self.session.get(engine.url + "/metrics", timeout=timeout) as resp:
-                text = await resp.text() if resp.status == 200 else None
-            async with self.session.get(engine.url + "/v1/models", timeout=timeout) as resp:
-                models = (await resp.json()).get("data") if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            text = models = None
+            load, models = await self._ask(engine)
+        except (aiohttp.ClientError, TimeoutError, EngineAnswerError) as err:
+            self._failed(engine, err)
+            return
         if self.by_url.get(engine.url) is not engine:
             return  # it left the set while we asked: export nothing more about it
-        if text is None or not isinstance(models, list):
-            engine.healthy = False
-        else:
-            engine.observe(
-                EngineLoad.from_metrics(text),
-                models,
-                self.config.high_watermark,
-                self.config.low_watermark,
-            )
+        engine.observe(load, models, self.config.high_watermark, self.config.low_watermark)
+        self._report(engine, frozenset(f"{why}: read as unknown" for why in load.ignored))
+        self._export(engine)
+
+    def _failed(self, engine: Engine, err: BaseException, unexpected: bool = False) -> None:
+        """A poll of ``engine`` failed: it is unhealthy until one answers well."""
+        if self.by_url.get(engine.url) is not engine:
+            return
+        engine.healthy = False
+        cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+        problem = f"poll failed ({cause}); unhealthy until it answers"
+        self._report(engine, frozenset([problem]), err if unexpected else None)
+        self._export(engine)
+
+    def _export(self, engine: Engine) -> None:
         m = self.metrics
         m.engine_healthy.labels(engine.url).set(1 if engine.healthy else 0)
         m.engine_running.labels(engine.url).set(engine.load.num_running)
@@ -413,9 +465,14 @@ class RouterState:
             m.cost_term.labels(engine.url, term).set(getattr(cost, term))
 
     async def poll_forever(self) -> None:
-        """Poll every engine every ``poll_s`` seconds until cancelled."""
+        """Poll every engine every ``poll_s`` seconds until cancelled; whatever one engine's
+        poll raises stays with that engine."""
         while True:
-            await asyncio.gather(*(self.poll(e) for e in list(self.engines)))
+            engines = list(self.engines)
+            results = await asyncio.gather(*(self.poll(e) for e in engines), return_exceptions=True)
+            for engine, result in zip(engines, results, strict=True):
+                if isinstance(result, BaseException):
+                    self._failed(engine, result, unexpected=True)
             if self.discovery is None or self.discovery.listed.is_set():
                 self.first_poll.set()
             await asyncio.sleep(self.config.poll_s)  # the poll period, not a synchronisation
@@ -473,9 +530,7 @@ class RouterState:
         async with self._tokenizer_lock:
             if key not in self._tokenizers:
                 try:
-                    self._tokenizers[key] = await asyncio.to_thread(
-                        AutoTokenizer.from_pretrained, key
-                    )
+                    self._tokenizers[key] = await asyncio.to_thread(self.load_tokenizer, key)
                 except (OSError, ValueError) as err:
                     log.warning("router: no tokenizer in %s (%s)", key, err)
                     raise RequestError(
@@ -534,10 +589,13 @@ class RouterState:
             The hit; nothing cached without a master.
         """
         engines = [e for e in self.engines if e.healthy and e.load.block_size] or self.engines
+        if self.config.master is None or not engines:  # the set may empty while we tokenize
+            return PoolHit(0, 0, "none")
         load = engines[0].load
-        if self.config.master is None or load.block_size is None:
+        if load.block_size is None:
             return PoolHit(0, 0, "none")
         bs = load.block_size
+        assert bs > 0, f"block size {bs}: EngineLoad keeps only positive ones"
         full = np.asarray(tokens[: len(tokens) // bs * bs], dtype=np.uint32)
         if not len(full):
             return PoolHit(0, 0, "none")
@@ -1044,12 +1102,17 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         )
 
 
-def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) -> web.Application:
+def init_app(
+    config: RouterConfig,
+    clock: Callable[[], float] = time.monotonic,
+    load_tokenizer: Callable[[str], Any] = AutoTokenizer.from_pretrained,
+) -> web.Application:
     """The router's application: its HTTP session and engine poller live in ``cleanup_ctx``.
 
     Args:
         config: the router's settings.
         clock: monotonic seconds.
+        load_tokenizer: loads a model folder's tokenizer.
 
     Returns:
         The application.
@@ -1057,7 +1120,7 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors])
 
     async def state_ctx(app: web.Application) -> AsyncIterator[None]:
-        state = RouterState(config, clock)
+        state = RouterState(config, clock, load_tokenizer)
         timeout = aiohttp.ClientTimeout(total=config.timeout_s, sock_connect=10)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             state.session = session
@@ -1087,6 +1150,33 @@ def init_app(config: RouterConfig, clock: Callable[[], float] = time.monotonic) 
     return app
 
 
+async def start_router(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    load_tokenizer: Callable[[str], Any] = AutoTokenizer.from_pretrained,
+) -> web.AppRunner:
+    """Bind the router and start it (the caller cleans the runner up).
+
+    Args:
+        config: the router's settings.
+        host: address to bind.
+        port: port (0 picks a free one).
+        clock: monotonic seconds.
+        load_tokenizer: loads a model folder's tokenizer.
+
+    Returns:
+        The started runner (``runner.app[STATE]`` is the router's state).
+    """
+    runner = web.AppRunner(init_app(config, clock, load_tokenizer))
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return runner
+
+
 async def serve_router(config: RouterConfig, host: str, port: int) -> None:
     """Serve until SIGINT or SIGTERM; print a ``ready`` line (after the first poll of the
     engines, bounded) with the bound address first.
@@ -1096,12 +1186,8 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
         host: address to bind.
         port: port (0 picks a free one).
     """
-    app = init_app(config)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    state = app[STATE]
+    runner = await start_router(config, host, port)
+    state = runner.app[STATE]
     # Engines slow to answer, etcd slow to list them: serve anyway, /health says so.
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(state.first_poll.wait(), timeout=30 + DISCOVERY_WAIT_S)

@@ -7,10 +7,15 @@ Metric names are those the vLLM 0.32 OpenAI server exports: ``vllm:num_requests_
 ``vllm:inter_token_latency_seconds`` histogram (its ``_sum`` and ``_count``); and the kvstore
 connector's counters ``vllm:kvstore_loaded_bytes_total`` and ``vllm:kvstore_load_seconds_total``
 (absent on an engine without it).
+
+An answer the router cannot read (a gauge that is not a finite, non-negative number, a model
+list that is not one) is :class:`EngineAnswerError`: the engine that sent it is unhealthy until
+it answers well, and no other engine is affected.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,9 +55,35 @@ def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     return out
 
 
-def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float | None:
+class EngineAnswerError(ValueError):
+    """An engine answered its poll with something the router cannot use."""
+
+
+def _total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    """The sum of a gauge's samples (0 when absent).
+
+    Raises:
+        EngineAnswerError: a sum that is not a finite, non-negative number (NaN and infinities
+            parse as floats, and would poison every prediction made from them).
+    """
     values = samples.get(name)
-    return None if not values else sum(v for _, v in values)
+    total = 0.0 if not values else sum(v for _, v in values)
+    if not math.isfinite(total) or total < 0:
+        raise EngineAnswerError(f"{name} is {total!r}")
+    return total
+
+
+def _positive_int(labels: dict[str, str], name: str, ignored: list[str]) -> int | None:
+    """A label's positive decimal integer, or None: absent, or not one (then said in
+    ``ignored``: a block size of 0 would divide by zero, and a routable engine does not need
+    it, so it reads as unknown)."""
+    value = labels.get(name)
+    if value is None:
+        return None
+    if value.isascii() and value.isdigit() and int(value) > 0:
+        return int(value)
+    ignored.append(f"vllm:cache_config_info {name}={value[:40]!r} is not a positive integer")
+    return None
 
 
 @dataclass(slots=True)
@@ -63,13 +94,14 @@ class EngineLoad:
         num_running: requests in the running batch.
         num_waiting: requests queued in the engine.
         kv_usage: KV cache use, 0..1.
-        block_size: vLLM's block size (None: not exported).
-        num_blocks: KV blocks (None: not exported).
+        block_size: vLLM's block size (None: not exported, or not a positive integer).
+        num_blocks: KV blocks (None: not exported, or not a positive integer).
         cache_dtype: ``--kv-cache-dtype`` (None: not exported).
         itl_sum_s: the inter-token latency histogram's sum.
         itl_count: its count.
         loaded_bytes: bytes the kvstore connector loaded from the pool (a counter).
         load_seconds: seconds it spent loading them (a counter).
+        ignored: values of the answer read as unknown, and why.
     """
 
     num_running: int = 0
@@ -82,6 +114,7 @@ class EngineLoad:
     itl_count: float = 0.0
     loaded_bytes: float = 0.0
     load_seconds: float = 0.0
+    ignored: tuple[str, ...] = ()
 
     @staticmethod
     def from_metrics(text: str) -> EngineLoad:
@@ -91,26 +124,30 @@ class EngineLoad:
             text: the body.
 
         Returns:
-            The load (gauges that are absent read as zero).
+            The load (gauges that are absent read as zero; a block size or block count that
+            is not a positive integer as unknown).
+
+        Raises:
+            EngineAnswerError: a gauge that is not a finite, non-negative number.
         """
         samples = parse_metrics(text)
         load = EngineLoad(
-            num_running=int(_total(samples, "vllm:num_requests_running") or 0),
-            num_waiting=int(_total(samples, "vllm:num_requests_waiting") or 0),
-            kv_usage=float(_total(samples, "vllm:kv_cache_usage_perc") or 0.0),
-            itl_sum_s=_total(samples, "vllm:inter_token_latency_seconds_sum") or 0.0,
-            itl_count=_total(samples, "vllm:inter_token_latency_seconds_count") or 0.0,
-            loaded_bytes=_total(samples, "vllm:kvstore_loaded_bytes_total") or 0.0,
-            load_seconds=_total(samples, "vllm:kvstore_load_seconds_total") or 0.0,
+            num_running=int(_total(samples, "vllm:num_requests_running")),
+            num_waiting=int(_total(samples, "vllm:num_requests_waiting")),
+            kv_usage=_total(samples, "vllm:kv_cache_usage_perc"),
+            itl_sum_s=_total(samples, "vllm:inter_token_latency_seconds_sum"),
+            itl_count=_total(samples, "vllm:inter_token_latency_seconds_count"),
+            loaded_bytes=_total(samples, "vllm:kvstore_loaded_bytes_total"),
+            load_seconds=_total(samples, "vllm:kvstore_load_seconds_total"),
         )
         info = samples.get("vllm:cache_config_info")
         if info:
             labels = info[0][0]
-            if labels.get("block_size", "").isdigit():
-                load.block_size = int(labels["block_size"])
-            if labels.get("num_gpu_blocks", "").isdigit():
-                load.num_blocks = int(labels["num_gpu_blocks"])
+            ignored: list[str] = []
+            load.block_size = _positive_int(labels, "block_size", ignored)
+            load.num_blocks = _positive_int(labels, "num_gpu_blocks", ignored)
             load.cache_dtype = labels.get("cache_dtype")
+            load.ignored = tuple(ignored)
         return load
 
 
@@ -131,6 +168,7 @@ class Engine:
         prefill_s: predicted prefill seconds of the router's requests there without a first
             token yet.
         reserved_tokens: KV tokens those requests will hold.
+        poll_problems: what is wrong with its polls now, each logged once (empty: nothing).
     """
 
     url: str
@@ -144,6 +182,7 @@ class Engine:
     inflight: int = 0
     prefill_s: float = 0.0
     reserved_tokens: int = 0
+    poll_problems: frozenset[str] = frozenset()
 
     def observe(
         self, load: EngineLoad, models: list[dict[str, Any]], high: float, low: float

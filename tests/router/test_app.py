@@ -1,0 +1,216 @@
+"""The router daemon in-process (its real application, bound to a real socket) in front of
+engines of our own making (:mod:`tests.router.fake_engine`), with a real etcd where engines
+register: what one engine's malformed answer, a bad prompt or an oversized one does to it.
+
+Routing to real vLLM servers is tests/router/test_router_engines.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvstore.engine_registry import EngineRecord
+from kvstore.etcd import EtcdStore, parse_endpoints
+from kvstore.router.app import STATE, RouterConfig, RouterState, start_router
+from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
+from tests.router.fake_engine import FakeEngine, metrics_text, write_model
+
+PREFIX = "/kvstore/engines"
+
+
+async def until(
+    check: Callable[[], Awaitable[bool] | bool], what: str, timeout: float = 30.0
+) -> None:
+    """Poll a state from the loop until ``check`` holds; bounded."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        got = check()
+        if await got if isinstance(got, Awaitable) else got:
+            return
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+class SpyTokenizer:
+    """A tokenizer that counts its calls (one token a word)."""
+
+    def __init__(self) -> None:
+        self.loads: list[str] = []
+        self.calls = 0
+
+    def load(self, folder: str) -> SpyTokenizer:
+        self.loads.append(folder)
+        return self
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        self.calls += 1
+        return {"input_ids": [len(w) for w in text.split()]}
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
+        self.calls += 1
+        return [len(str(m.get("content"))) for m in messages]
+
+
+@contextlib.asynccontextmanager
+async def router(
+    config: RouterConfig, tokenizer: SpyTokenizer | None = None, host: str = "127.0.0.1"
+) -> AsyncIterator[tuple[str, RouterState]]:
+    """The router, started as ``kvstore router`` starts it, on a free port of ``host``."""
+    spy = tokenizer or SpyTokenizer()
+    runner = await start_router(config, host, 0, load_tokenizer=spy.load)
+    try:
+        port = runner.addresses[0][1]
+        yield f"http://127.0.0.1:{port}", runner.app[STATE]
+    finally:
+        await runner.cleanup()
+
+
+async def health(http: aiohttp.ClientSession, url: str) -> dict[str, bool]:
+    """``/health``'s engines (it answers 503 while none is healthy)."""
+    async with http.get(url + "/health") as resp:
+        return (await resp.json())["engines"]
+
+
+async def register(store: EtcdStore, name: str, url: str) -> None:
+    """Register an engine as the connector does (a kv_both one, under a lease)."""
+    lease = (await store.grant_lease(60)).lease_id
+    record = EngineRecord(url, "both")
+    await store.put(f"{PREFIX}/both/{name}".encode(), record.encode(), lease=lease)
+
+
+def _warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and text in r.getMessage()
+    ]
+
+
+# ---------------------------------------------------------------- one engine's bad answer
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/metrics", metrics_text(running="NaN")),
+        ("/metrics", metrics_text(running="+Inf")),
+        ("/metrics", metrics_text(usage="-Inf")),
+        ("/v1/models", b'[{"id": "fake-model"}]'),
+        ("/v1/models", b'{"data": {"id": "fake-model"}}'),
+        ("/v1/models", b"\xff not json"),
+    ],
+    ids=["running-nan", "running-inf", "usage-minus-inf", "models-list", "data-object", "bytes"],
+)
+def test_a_malformed_answer_stays_with_its_engine(
+    etcd: EtcdProcess,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    body: str | bytes,
+) -> None:
+    """The poller keeps polling every engine: the good one's changes are seen, a killed one
+    goes unhealthy, a newly registered one comes healthy; the bad one is unhealthy, and said
+    so once."""
+    caplog.set_level(logging.INFO, logger="kvstore.router")
+
+    async def run() -> None:
+        root = write_model(tmp_path / "model")
+        good, bad, doomed, late = (FakeEngine(root) for _ in range(4))
+        for engine in (good, bad, doomed, late):
+            await engine.start()
+        if path == "/metrics":
+            bad.metrics = str(body)
+        else:
+            bad.models = body if isinstance(body, bytes) else body.encode()
+        config = RouterConfig(
+            engines=(good.url, bad.url, doomed.url), discover=etcd.url, poll_s=0.05
+        )
+        store = EtcdStore(parse_endpoints(etcd.endpoint))
+        try:
+            async with router(config) as (url, state), aiohttp.ClientSession() as http:
+                await until(lambda: bad.hits["/metrics"] >= 5, "the bad engine polled again")
+                engines = await health(http, url)
+                assert engines == {good.url: True, bad.url: False, doomed.url: True}
+
+                good.metrics = metrics_text(running="3")
+                await until(
+                    lambda: state.by_url[good.url].load.num_running == 3, "the good one's change"
+                )
+                await doomed.stop()
+                await until(
+                    lambda: _is(health(http, url), doomed.url, False), "the killed one unhealthy"
+                )
+                await register(store, "late", late.url)
+                await until(lambda: _is(health(http, url), late.url, True), "the new one healthy")
+                assert (await health(http, url))[bad.url] is False
+            # Said once, however many polls it answered so.
+            assert len(_warnings_about(caplog, bad.url)) == 1
+        finally:
+            await store.close()
+            for engine in (good, bad, doomed, late):
+                await engine.stop()
+
+    asyncio.run(run())
+
+
+async def _is(engines: Awaitable[dict[str, bool]], url: str, healthy: bool) -> bool:
+    return (await engines).get(url) is healthy
+
+
+# ---------------------------------------------------------------- requests
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "model")
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    """POST a JSON body (bytes as they are); the status and the JSON answer (its text when it
+    is not JSON)."""
+    data = body if isinstance(body, bytes) else None
+    async with http.post(url, json=None if data else body, data=data) as resp:
+        text = await resp.text()
+    try:
+        return resp.status, json.loads(text)
+    except ValueError:
+        return resp.status, text
+
+
+def test_a_block_size_of_zero_routes_without_a_pool_lookup(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``cache_config_info{block_size="0"}`` once made every request a 500 (a division by
+    zero where the prompt's full blocks are counted): it reads as unknown, like an engine that
+    exports no block size, and is said once."""
+    caplog.set_level(logging.INFO, logger="kvstore.router")
+
+    async def run() -> None:
+        engine = FakeEngine(model)
+        await engine.start()
+        engine.metrics = metrics_text(block_size="0")
+        # A master is named (nothing answers there): the lookup is what is skipped.
+        config = RouterConfig(
+            engines=(engine.url,), master="127.0.0.1:9", pool_events=False, poll_s=0.05
+        )
+        try:
+            async with router(config) as (url, _), aiohttp.ClientSession() as http:
+                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                for prompt in ([1, 2, 3] * 40, "a few words"):
+                    status, answer = await post(
+                        http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 4}
+                    )
+                    assert status == 200, answer
+                    assert answer["choices"][0]["text"] == "ok"
+                await until(lambda: engine.hits["/metrics"] >= 5, "more polls")
+            assert len(_warnings_about(caplog, "block_size='0'")) == 1
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
