@@ -1,8 +1,8 @@
 """OpenAI request bodies: checked, and tokenized the way the engine will tokenize them.
 
 Completions: a string prompt is tokenized with the tokenizer's special tokens (vLLM's default),
-a list of token ids is taken as it is; batched prompts are forwarded, and the first is the one
-whose prefix is looked up. Chat: the model's chat template with the generation prompt.
+a list of token ids is taken as it is (ids from 0 to :data:`MAX_TOKEN_ID`); batched prompts are
+each checked and forwarded, and the first is the one whose prefix is looked up. Chat: the model's chat template with the generation prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from kvstore.keys import Namespace
 
 #: Tokens reserved for an answer whose request sets no limit (only the KV-room check uses it).
 DEFAULT_ANSWER_TOKENS = 256
+#: The largest token id: block keys pack ids as uint32 (:func:`kvstore.keys.block_keys`).
+MAX_TOKEN_ID = 2**32 - 1
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
 
@@ -225,19 +227,46 @@ def prompt_tokens(kind: str, body: dict[str, Any], tokenizer: Any) -> list[int]:
             raise RequestError(400, f"the chat template refused the messages: {err}") from None
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return [int(t) for t in ids]
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
-        prompt = prompt[0]  # a batch: its first prompt
+    prompt = completion_prompts(body)[0]  # a batch: its first prompt
     if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError(400, "prompt must not be empty", param="prompt")
         return [int(t) for t in tokenizer(prompt)["input_ids"]]
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        return list(prompt)
-    raise RequestError(
-        400, "prompt must be a non-empty string or list of token ids", param="prompt"
+    return prompt
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
     )
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """A completions request's prompts, each checked (the engine gets them all).
+
+    Args:
+        body: the request body.
+
+    Returns:
+        The prompts: one, or a batch's, in order; each a non-empty string or a non-empty list
+        of token ids from 0 to :data:`MAX_TOKEN_ID`.
+
+    Raises:
+        RequestError: a missing or malformed prompt, in any place of a batch.
+    """
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        prompts = [None]
+    for i, one in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not one or not (isinstance(one, str) or _is_token_ids(one)):
+            raise RequestError(
+                400, f"{where} must be a non-empty string or list of token ids", param="prompt"
+            )
+        if isinstance(one, list) and not all(0 <= t <= MAX_TOKEN_ID for t in one):
+            raise RequestError(
+                400, f"{where}: token ids must be from 0 to {MAX_TOKEN_ID}", param="prompt"
+            )
+    return prompts

@@ -214,3 +214,60 @@ def test_a_block_size_of_zero_routes_without_a_pool_lookup(
             await engine.stop()
 
     asyncio.run(run())
+
+
+#: A prompt of more than one block (32 tokens): its first block is hashed.
+LONG = list(range(1, 41))
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [2**32, *LONG],
+        [*LONG[:5], 2**63, *LONG],
+        [-1, *LONG],
+        [[2**32, *LONG]],
+        [LONG, [2**40, *LONG]],
+        [LONG, [-5, *LONG]],
+        [LONG, []],
+        ["some words", [2**32, *LONG]],
+    ],
+    ids=[
+        "2**32",
+        "2**63",
+        "negative",
+        "batch-of-one",
+        "second-of-batch",
+        "negative-in-batch",
+        "empty-in-batch",
+        "mixed-batch",
+    ],
+)
+def test_token_ids_out_of_range_are_a_400_openai_error(model: Path, prompt: list[Any]) -> None:
+    """A token id the router cannot hash (it packs them as uint32) was a 500 text/plain
+    OverflowError; in any prompt of a batch it is the client's error, before any engine."""
+
+    async def run() -> None:
+        engine = FakeEngine(model)
+        await engine.start()
+        config = RouterConfig(engines=(engine.url,), master="127.0.0.1:9", pool_events=False)
+        try:
+            async with router(config) as (url, _), aiohttp.ClientSession() as http:
+                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 4}
+                )
+                assert status == 400, answer
+                error = answer["error"]
+                assert error["type"] == "BadRequestError" and error["param"] == "prompt"
+                assert error["code"] == 400 and "prompt" in error["message"]
+                assert engine.bodies == []  # nothing reached an engine
+                # The largest id the router can hash is routed.
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": [[2**32 - 1, *LONG]], "max_tokens": 4}
+                )
+                assert status == 200, answer
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())

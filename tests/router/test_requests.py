@@ -12,10 +12,12 @@ from kvstore.client.adapters.vllm_config import engine_namespace, kv_dtype_from
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
 from kvstore.router.requests import (
+    MAX_TOKEN_ID,
     ModelInfo,
     RequestError,
     answer_tokens,
     check_messages,
+    completion_prompts,
     parse_body,
     prompt_tokens,
 )
@@ -106,11 +108,41 @@ def test_prompts_are_tokenized_like_the_engine(
     assert prompt_tokens(kind, body, FakeTokenizer()) == want
 
 
-@pytest.mark.parametrize("prompt", [None, "", [], [1, -2], [True], {"a": 1}])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        None,
+        "",
+        [],
+        [1, -2],
+        [True],
+        {"a": 1},
+        [2**32],
+        [1, 2**64],
+        [[1], [2**32]],  # any prompt of a batch, not only the first
+        [[1], [-1]],
+        [[1], []],
+        ["ab", ""],
+        ["ab", 5],
+        [[1], [True]],
+    ],
+)
 def test_bad_prompts_are_400(prompt: Any) -> None:
     with pytest.raises(RequestError) as err:
         prompt_tokens("completions", {"prompt": prompt}, FakeTokenizer())
-    assert err.value.param == "prompt"
+    assert err.value.status == 400 and err.value.param == "prompt"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "want"),
+    [
+        ("ab", ["ab"]),
+        ([0, MAX_TOKEN_ID], [[0, MAX_TOKEN_ID]]),
+        (["ab", [MAX_TOKEN_ID]], ["ab", [MAX_TOKEN_ID]]),
+    ],
+)
+def test_a_batch_is_every_prompt_checked(prompt: Any, want: list[Any]) -> None:
+    assert completion_prompts({"prompt": prompt}) == want
 
 
 def test_the_router_looks_up_in_the_connectors_namespace(tmp_path: Path) -> None:
