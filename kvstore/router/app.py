@@ -75,9 +75,11 @@ from .policy import (
 from .poolview import PoolView
 from .requests import (
     DEFAULT_ANSWER_TOKENS,
+    DEFAULT_MAX_CHARS_PER_TOKEN,
     ModelInfo,
     RequestError,
     answer_tokens,
+    check_prompt_length,
     parse_body,
     prompt_tokens,
 )
@@ -101,6 +103,9 @@ POOL_RETRY_S = 5.0
 NO_ENGINE_RETRY_S = 1
 #: Seconds the ready line waits for the engine registry's first listing (--discover).
 DISCOVERY_WAIT_S = 10.0
+#: Largest request body read: room for a million-token context as JSON token ids (or as
+#: ASCII-escaped text), and a bound on what one request makes the router hold.
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 #: Prior cost model for a small model on a CPU engine: measurements replace its prefill and
 #: decode terms (:mod:`.fit`), and its transfer bandwidth once the engine's connector reports
 #: loads; ``kv_bytes_per_token`` is SmolLM2-135M's in bf16 (30 layers x 3 KV heads x 64 x 2 x 2).
@@ -170,6 +175,9 @@ class RouterConfig:
         discover: etcd endpoints (``etcd://HOST:PORT[,HOST:PORT]``) whose engine registry adds
             and removes engines live (:mod:`.discovery`), or None: the static engines only.
         discover_prefix: the registry's prefix in etcd.
+        max_body_bytes: the largest request body read (beyond it: 413, unread).
+        max_chars_per_token: a prompt with more characters than the model's context length
+            times this is refused (400) before it is tokenized.
     """
 
     prefill: tuple[str, ...] = ()
@@ -192,6 +200,8 @@ class RouterConfig:
     policy: str = DEFAULT_POLICY
     discover: str | None = None
     discover_prefix: str = DEFAULT_ENGINES_PREFIX
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_chars_per_token: int = DEFAULT_MAX_CHARS_PER_TOKEN
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -214,6 +224,8 @@ class RouterConfig:
             raise InvalidRequestError("watermarks must satisfy 0 < low <= high <= 1")
         if self.max_inflight < 1 or self.poll_s <= 0 or self.timeout_s <= 0:
             raise InvalidRequestError("max_inflight, poll_s and timeout_s must be positive")
+        if self.max_body_bytes < 1 or self.max_chars_per_token < 1:
+            raise InvalidRequestError("max_body_bytes and max_chars_per_token must be positive")
         urls = {*self.prefill, *self.engines}
         seen = set()
         for url, endpoint in self.engine_events:
@@ -957,8 +969,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             raise RequestError(400, err.message) from None
         slo_name = slo.name
         model = await state.model(body.get("model"))
-        tokenizer = await state.tokenizer(model)
         kind = "chat" if route.endswith("/chat/completions") else "completions"
+        check_prompt_length(kind, body, model.max_model_len, state.config.max_chars_per_token)
+        tokenizer = await state.tokenizer(model)
         tokens = await asyncio.to_thread(prompt_tokens, kind, body, tokenizer)
         limit = answer_tokens(body)
         if model.max_model_len and (
@@ -1097,9 +1110,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         if exc.status < 400:
             raise
         kind = "NotFoundError" if exc.status == 404 else "BadRequestError"
-        return web.json_response(
-            RequestError(exc.status, exc.reason, kind).body(), status=exc.status
-        )
+        # A 413's text says the cap and what was read; other statuses' texts repeat the reason.
+        message = exc.text or exc.reason if exc.status == 413 else exc.reason
+        return web.json_response(RequestError(exc.status, message, kind).body(), status=exc.status)
 
 
 def init_app(
@@ -1117,7 +1130,7 @@ def init_app(
     Returns:
         The application.
     """
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[_errors])
 
     async def state_ctx(app: web.Application) -> AsyncIterator[None]:
         state = RouterState(config, clock, load_tokenizer)

@@ -2,7 +2,12 @@
 
 Completions: a string prompt is tokenized with the tokenizer's special tokens (vLLM's default),
 a list of token ids is taken as it is (ids from 0 to :data:`MAX_TOKEN_ID`); batched prompts are
-each checked and forwarded, and the first is the one whose prefix is looked up. Chat: the model's chat template with the generation prompt.
+each checked and forwarded, and the first is the one whose prefix is looked up. Chat: the
+model's chat template with the generation prompt.
+
+A prompt is tokenized only if its characters could be tokens within the context length
+(:func:`check_prompt_length`): a tokenizer's memory grows with its input and stays grown, and
+a prompt far beyond the context is refused whatever its tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from kvstore.keys import Namespace
 DEFAULT_ANSWER_TOKENS = 256
 #: The largest token id: block keys pack ids as uint32 (:func:`kvstore.keys.block_keys`).
 MAX_TOKEN_ID = 2**32 - 1
+#: Characters a token covers at most, on average over a prompt, for the tokenizers we serve:
+#: English averages about four, and only long runs of one character (code's indentation,
+#: ruler lines) come near this.
+DEFAULT_MAX_CHARS_PER_TOKEN = 16
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 
 
@@ -270,3 +279,40 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
                 400, f"{where}: token ids must be from 0 to {MAX_TOKEN_ID}", param="prompt"
             )
     return prompts
+
+
+def _text_chars(kind: str, body: dict[str, Any]) -> int:
+    """The characters of the longest text the tokenizer would take: a chat's messages
+    together, a completions request's longest string prompt."""
+    if kind == "chat":
+        messages = _text_messages(check_messages(body.get("messages")))
+        return sum(len(m["content"]) for m in messages if isinstance(m["content"], str))
+    return max((len(p) for p in completion_prompts(body) if isinstance(p, str)), default=0)
+
+
+def check_prompt_length(
+    kind: str, body: dict[str, Any], max_model_len: int, max_chars_per_token: int
+) -> None:
+    """Refuse, before tokenizing, a prompt with more characters than ``max_model_len`` tokens
+    can cover (each at most ``max_chars_per_token``).
+
+    Args:
+        kind: ``chat`` or ``completions``.
+        body: the request body.
+        max_model_len: the model's context length (0: unknown, nothing is refused).
+        max_chars_per_token: the characters a token covers at most.
+
+    Raises:
+        RequestError: 400, a prompt too long (the engine's words for a context overflow), or
+            a malformed one.
+    """
+    chars = _text_chars(kind, body)
+    limit = max_model_len * max_chars_per_token
+    if max_model_len and chars > limit:
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {chars} characters, more than {limit} (at most {max_chars_per_token} "
+            "a token) could be: it was refused before tokenization.",
+            param="messages" if kind == "chat" else "prompt",
+        )

@@ -271,3 +271,76 @@ def test_token_ids_out_of_range_are_a_400_openai_error(model: Path, prompt: list
             await engine.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", {"prompt": "word " * 2_000_000}),  # 10 MB, as a client sent it
+        ("/v1/completions", {"prompt": ["a few words", "word " * 20_000]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 20_000}]}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "w" * 40_000}]}]},
+        ),
+    ],
+    ids=["10MB", "second-of-batch", "chat", "chat-parts"],
+)
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
+    model: Path, route: str, body: dict[str, Any]
+) -> None:
+    """Tokenizing a 10 MB prompt took the router from 143 to 865 MiB, for a 400 anyway: a
+    prompt of more characters than the context holds tokens of (at 16 characters a token at
+    most) is refused before the tokenizer is loaded or called."""
+
+    async def run() -> None:
+        engine = FakeEngine(model, max_model_len=2048)
+        await engine.start()
+        spy = SpyTokenizer()
+        config = RouterConfig(engines=(engine.url,))
+        try:
+            async with router(config, spy) as (url, _), aiohttp.ClientSession() as http:
+                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                status, answer = await post(http, url + route, {**body, "max_tokens": 4})
+                assert status == 400, answer
+                error = answer["error"]
+                assert error["type"] == "BadRequestError" and error["code"] == 400
+                assert "maximum context length is 2048 tokens" in error["message"]
+                assert "characters" in error["message"]
+                assert spy.loads == [] and spy.calls == 0 and engine.bodies == []
+                # Under the cap the tokens decide: tokenized, then refused by their count.
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": "word " * 4000, "max_tokens": 4}
+                )
+                assert status == 400 and "maximum context length" in answer["error"]["message"]
+                assert spy.calls == 1 and engine.bodies == []
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_a_body_over_the_cap_is_a_413_openai_error(model: Path) -> None:
+    async def run() -> None:
+        engine = FakeEngine(model)
+        await engine.start()
+        spy = SpyTokenizer()
+        config = RouterConfig(engines=(engine.url,), max_body_bytes=64 * 1024)
+        try:
+            async with router(config, spy) as (url, _), aiohttp.ClientSession() as http:
+                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": [1] * 40_000, "max_tokens": 4}
+                )
+                assert status == 413, answer
+                assert answer["error"]["code"] == 413
+                assert str(64 * 1024) in answer["error"]["message"]
+                assert spy.loads == [] and engine.bodies == []
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": [1] * 1000, "max_tokens": 4}
+                )
+                assert status == 200, answer
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())

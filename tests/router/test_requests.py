@@ -17,6 +17,7 @@ from kvstore.router.requests import (
     RequestError,
     answer_tokens,
     check_messages,
+    check_prompt_length,
     completion_prompts,
     parse_body,
     prompt_tokens,
@@ -143,6 +144,31 @@ def test_bad_prompts_are_400(prompt: Any) -> None:
 )
 def test_a_batch_is_every_prompt_checked(prompt: Any, want: list[Any]) -> None:
     assert completion_prompts({"prompt": prompt}) == want
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "max_model_len", "refused"),
+    [
+        ("completions", {"prompt": "x" * 160}, 10, False),  # 16 characters a token at most
+        ("completions", {"prompt": "x" * 161}, 10, True),
+        ("completions", {"prompt": ["x", "x" * 161]}, 10, True),
+        ("completions", {"prompt": [1] * 1000}, 10, False),  # ids: their count decides, later
+        ("completions", {"prompt": "x" * 10_000}, 0, False),  # no known context: no cap
+        ("chat", {"messages": [{"role": "user", "content": "x" * 100}] * 2}, 10, True),
+        ("chat", {"messages": [{"role": "assistant"}, {"role": "user", "content": "x"}]}, 1, False),
+    ],
+)
+def test_a_prompt_longer_than_its_context_can_hold_is_refused_untokenized(
+    kind: str, body: dict[str, Any], max_model_len: int, refused: bool
+) -> None:
+    if not refused:
+        check_prompt_length(kind, body, max_model_len, 16)
+        return
+    with pytest.raises(RequestError, match="maximum context length") as err:
+        check_prompt_length(kind, body, max_model_len, 16)
+    assert err.value.status == 400 and err.value.param == (
+        "messages" if kind == "chat" else "prompt"
+    )
 
 
 def test_the_router_looks_up_in_the_connectors_namespace(tmp_path: Path) -> None:
