@@ -7,85 +7,18 @@ Routing to real vLLM servers is tests/router/test_router_engines.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvstore.engine_registry import EngineRecord
 from kvstore.etcd import EtcdStore, parse_endpoints
-from kvstore.router.app import STATE, RouterConfig, RouterState, start_router
+from kvstore.router.app import RouterConfig
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
 from tests.router.fake_engine import FakeEngine, metrics_text, write_model
-
-PREFIX = "/kvstore/engines"
-
-
-async def until(
-    check: Callable[[], Awaitable[bool] | bool], what: str, timeout: float = 30.0
-) -> None:
-    """Poll a state from the loop until ``check`` holds; bounded."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        got = check()
-        if await got if isinstance(got, Awaitable) else got:
-            return
-        if loop.time() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-class SpyTokenizer:
-    """A tokenizer that counts its calls (one token a word)."""
-
-    def __init__(self) -> None:
-        self.loads: list[str] = []
-        self.calls = 0
-
-    def load(self, folder: str) -> SpyTokenizer:
-        self.loads.append(folder)
-        return self
-
-    def __call__(self, text: str) -> dict[str, list[int]]:
-        self.calls += 1
-        return {"input_ids": [len(w) for w in text.split()]}
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
-        self.calls += 1
-        return [len(str(m.get("content"))) for m in messages]
-
-
-@contextlib.asynccontextmanager
-async def router(
-    config: RouterConfig, tokenizer: SpyTokenizer | None = None, host: str = "127.0.0.1"
-) -> AsyncIterator[tuple[str, RouterState]]:
-    """The router, started as ``kvstore router`` starts it, on a free port of ``host``."""
-    spy = tokenizer or SpyTokenizer()
-    runner = await start_router(config, host, 0, load_tokenizer=spy.load)
-    try:
-        port = runner.addresses[0][1]
-        yield f"http://127.0.0.1:{port}", runner.app[STATE]
-    finally:
-        await runner.cleanup()
-
-
-async def health(http: aiohttp.ClientSession, url: str) -> dict[str, bool]:
-    """``/health``'s engines (it answers 503 while none is healthy)."""
-    async with http.get(url + "/health") as resp:
-        return (await resp.json())["engines"]
-
-
-async def register(store: EtcdStore, name: str, url: str) -> None:
-    """Register an engine as the connector does (a kv_both one, under a lease)."""
-    lease = (await store.grant_lease(60)).lease_id
-    record = EngineRecord(url, "both")
-    await store.put(f"{PREFIX}/both/{name}".encode(), record.encode(), lease=lease)
+from tests.router.inproc import SpyTokenizer, health, health_is, post, register, router, until
 
 
 def _warnings_about(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
@@ -146,10 +79,10 @@ def test_a_malformed_answer_stays_with_its_engine(
                 )
                 await doomed.stop()
                 await until(
-                    lambda: _is(health(http, url), doomed.url, False), "the killed one unhealthy"
+                    lambda: health_is(http, url, doomed.url, False), "the killed one unhealthy"
                 )
                 await register(store, "late", late.url)
-                await until(lambda: _is(health(http, url), late.url, True), "the new one healthy")
+                await until(lambda: health_is(http, url, late.url, True), "the new one healthy")
                 assert (await health(http, url))[bad.url] is False
             # Said once, however many polls it answered so.
             assert len(_warnings_about(caplog, bad.url)) == 1
@@ -161,26 +94,10 @@ def test_a_malformed_answer_stays_with_its_engine(
     asyncio.run(run())
 
 
-async def _is(engines: Awaitable[dict[str, bool]], url: str, healthy: bool) -> bool:
-    return (await engines).get(url) is healthy
-
-
 # ---------------------------------------------------------------- requests
 @pytest.fixture
 def model(tmp_path: Path) -> Path:
     return write_model(tmp_path / "model")
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
-    """POST a JSON body (bytes as they are); the status and the JSON answer (its text when it
-    is not JSON)."""
-    data = body if isinstance(body, bytes) else None
-    async with http.post(url, json=None if data else body, data=data) as resp:
-        text = await resp.text()
-    try:
-        return resp.status, json.loads(text)
-    except ValueError:
-        return resp.status, text
 
 
 def test_a_block_size_of_zero_routes_without_a_pool_lookup(
@@ -201,7 +118,7 @@ def test_a_block_size_of_zero_routes_without_a_pool_lookup(
         )
         try:
             async with router(config) as (url, _), aiohttp.ClientSession() as http:
-                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                await until(lambda: health_is(http, url, engine.url, True), "the engine healthy")
                 for prompt in ([1, 2, 3] * 40, "a few words"):
                     status, answer = await post(
                         http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 4}
@@ -253,7 +170,7 @@ def test_token_ids_out_of_range_are_a_400_openai_error(model: Path, prompt: list
         config = RouterConfig(engines=(engine.url,), master="127.0.0.1:9", pool_events=False)
         try:
             async with router(config) as (url, _), aiohttp.ClientSession() as http:
-                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                await until(lambda: health_is(http, url, engine.url, True), "the engine healthy")
                 status, answer = await post(
                     http, url + "/v1/completions", {"prompt": prompt, "max_tokens": 4}
                 )
@@ -300,7 +217,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
         config = RouterConfig(engines=(engine.url,))
         try:
             async with router(config, spy) as (url, _), aiohttp.ClientSession() as http:
-                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                await until(lambda: health_is(http, url, engine.url, True), "the engine healthy")
                 status, answer = await post(http, url + route, {**body, "max_tokens": 4})
                 assert status == 400, answer
                 error = answer["error"]
@@ -328,7 +245,7 @@ def test_a_body_over_the_cap_is_a_413_openai_error(model: Path) -> None:
         config = RouterConfig(engines=(engine.url,), max_body_bytes=64 * 1024)
         try:
             async with router(config, spy) as (url, _), aiohttp.ClientSession() as http:
-                await until(lambda: _is(health(http, url), engine.url, True), "the engine healthy")
+                await until(lambda: health_is(http, url, engine.url, True), "the engine healthy")
                 status, answer = await post(
                     http, url + "/v1/completions", {"prompt": [1] * 40_000, "max_tokens": 4}
                 )
