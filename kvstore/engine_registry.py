@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from urllib.parse import urlsplit
 
 from kvstore.config import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
@@ -51,6 +54,44 @@ RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 5.0
 #: Seconds a clean stop waits for the lease's revocation before giving up on etcd.
 STOP_TIMEOUT_S = 3.0
+
+
+#: A host name or IPv4 address as ``urlsplit`` lowercases it (underscores too: container
+#: runtimes name services with them).
+_HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?")
+
+
+def check_engine_url(url: object) -> str:
+    """Validate an engine's base URL: ``http(s)://HOST[:PORT][/PATH]`` in printable ASCII, a
+    host name or an IP address, no user info, query or fragment (routers log it and append
+    API paths to it).
+
+    Raises:
+        InvalidRequestError: anything else (the message shows the URL escaped, with repr).
+    """
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise InvalidRequestError(f"engine url must be http(s)://HOST:PORT, got {url!r}")
+    if len(url) > 512 or not url.isascii() or not url.isprintable() or " " in url:
+        raise InvalidRequestError(f"engine url {url!r} holds whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:  # an unclosed IPv6 bracket, a port that is no number in 0..65535
+        raise InvalidRequestError(f"engine url {url!r} names no reachable host and port") from None
+    if "@" in parts.netloc or "?" in url or "#" in url:
+        raise InvalidRequestError(f"engine url {url!r} has user info, a query or a fragment")
+    host = parts.hostname or ""
+    if parts.netloc.startswith("["):
+        try:
+            ipaddress.IPv6Address(host)
+            named = True
+        except ValueError:
+            named = False
+    else:
+        named = _HOST_NAME.fullmatch(host) is not None
+    if port == 0 or not named:
+        raise InvalidRequestError(f"engine url {url!r} names no reachable host and port")
+    return url
 
 
 def check_prefix(prefix: str) -> str:
@@ -106,12 +147,8 @@ class EngineRecord:
     kv_events: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise InvalidRequestError(f"engine url must be http(s)://HOST:PORT, got {self.url!r}")
-        host = self.url.split("://", 1)[1].split("/", 1)[0]
-        if not host or host.startswith(":") or "*" in host or len(self.url) > 512:
-            raise InvalidRequestError(f"engine url {self.url!r} names no reachable host")
-        if host.split(":")[0] in ("0.0.0.0", "[::]", "::"):
+        check_engine_url(self.url)
+        if urlsplit(self.url).hostname in ("0.0.0.0", "::"):
             raise InvalidRequestError(
                 f"engine url {self.url!r} is a bind-all address: advertise one a router can reach"
             )
@@ -130,7 +167,11 @@ class EngineRecord:
                 f"engine block_size must be a positive integer, got {self.block_size!r}"
             )
         if self.kv_events is not None and not (
-            isinstance(self.kv_events, str) and self.kv_events.startswith(("tcp://", "ipc://"))
+            isinstance(self.kv_events, str)
+            and self.kv_events.startswith(("tcp://", "ipc://"))
+            and self.kv_events.isascii()
+            and self.kv_events.isprintable()
+            and " " not in self.kv_events
         ):
             raise InvalidRequestError(
                 f"engine kv_events must be tcp://HOST:PORT, got {self.kv_events!r}"
@@ -190,7 +231,12 @@ class RegisteredEngine:
         key = kv.key.decode("utf-8", "replace")
         rest = key[len(prefix) + 1 :] if key.startswith(prefix + "/") else ""
         role, _, instance = rest.partition("/")
-        if role not in ENGINE_ROLES or not instance or "/" in instance:
+        if (
+            role not in ENGINE_ROLES
+            or not instance
+            or "/" in instance
+            or not instance.isprintable()
+        ):
             raise InvalidRequestError(f"{key[:160]!r} is not <prefix>/<role>/<instance>")
         if kv.lease == 0:
             raise InvalidRequestError(f"{key[:160]!r} has no lease: not an engine registration")

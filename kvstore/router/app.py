@@ -47,7 +47,12 @@ from kvstore.client.adapters.vllm_proxy import (
 )
 from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
-from kvstore.engine_registry import DEFAULT_ENGINES_PREFIX, RegisteredEngine, check_prefix
+from kvstore.engine_registry import (
+    DEFAULT_ENGINES_PREFIX,
+    RegisteredEngine,
+    check_engine_url,
+    check_prefix,
+)
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.etcd import parse_endpoints
 from kvstore.keys import Namespace, block_keys
@@ -218,8 +223,7 @@ class RouterConfig:
                 "give --engine URL, or --prefill URL and --decode URL, or --discover etcd://..."
             )
         for url in (*self.prefill, *self.decode, *self.engines):
-            if not url.startswith(("http://", "https://")):
-                raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
+            check_engine_url(url)
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise InvalidRequestError("watermarks must satisfy 0 < low <= high <= 1")
         if self.max_inflight < 1 or self.poll_s <= 0 or self.timeout_s <= 0:

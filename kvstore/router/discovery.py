@@ -68,6 +68,9 @@ class EngineDiscovery:
         self.metrics = metrics
         #: Live registrations by key.
         self.current: dict[str, RegisteredEngine] = {}
+        #: Why each refused key was refused, so that a key written again unchanged is not
+        #: logged again.
+        self.refused: dict[str, str] = {}
         #: The last revision applied (None: never listed).
         self.revision: int | None = None
         #: Set once the first listing is applied.
@@ -109,6 +112,15 @@ class EngineDiscovery:
             self._count("added")
             self.on_add(reg)
 
+    def _refuse(self, key: str, why: str) -> None:
+        """Refuse a key's registration: log it (once while the reason holds), count it, and
+        drop what the key held before."""
+        if self.refused.get(key) != why:
+            log.warning("router: engine registry: ignoring %s", why)
+            self.refused[key] = why
+        self._count("ignored")
+        self._remove(key)
+
     def _remove(self, key: str) -> None:
         reg = self.current.pop(key, None)
         if reg is not None:
@@ -132,14 +144,16 @@ class EngineDiscovery:
         """Apply one watch event (a put that does not decode removes what the key held)."""
         key = event.kv.key.decode("utf-8", "replace")
         if event.kind == "delete":
+            self.refused.pop(key, None)
             self._remove(key)
         else:
             try:
-                self._put(RegisteredEngine.from_kv(self.prefix, event.kv))
-            except InvalidRequestError as err:
-                log.warning("router: engine registry: ignoring %s", err.message)
-                self._count("ignored")
-                self._remove(key)
+                reg = RegisteredEngine.from_kv(self.prefix, event.kv)
+            except InvalidRequestError as err:  # its message shows the values with repr
+                self._refuse(key, err.message)
+            else:
+                self.refused.pop(key, None)
+                self._put(reg)
         self.revision = max(self.revision or 0, event.kv.mod_revision)
 
     async def run(self) -> None:

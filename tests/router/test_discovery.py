@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -16,9 +17,11 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aetcd
+import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
@@ -29,6 +32,9 @@ from kvstore.processes import parse_ready, terminate
 from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.discovery import EngineDiscovery
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
+from tests.router.fake_engine import FakeEngine, write_model
+from tests.router.inproc import health, health_is, register, until
+from tests.router.inproc import router as router_in_process
 from tests.router.rig import metric
 from tests.support import wait_until
 
@@ -280,8 +286,111 @@ def test_the_mode_follows_the_discovered_roles() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"discover": "etcd://"}, {"discover": "etcd://h:1", "discover_prefix": "engines"}],
+    [
+        {},
+        {"discover": "etcd://"},
+        {"discover": "etcd://h:1", "discover_prefix": "engines"},
+        {"engines": ("127.0.0.1:8100",)},
+        {"engines": ("http://127.0.0.1:8100\r\nx",)},
+        {"prefill": ("http://p:1",), "decode": ("http://user@d:1",)},
+    ],
 )
 def test_router_config_needs_engines_or_a_valid_registry(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError):
         RouterConfig(**kwargs)
+
+
+# ---------------------------------------------------------------- refused registrations
+#: Engine URLs no registration may carry: each was accepted and routed to (and the CR/LF one
+#: wrote a line of its own into the router's log).
+BAD_URLS = [
+    "http://127.0.0.1:9101 x",
+    "http://127.0.0.1:9101\r\nrouter: engine http://10.6.6.6:1 (both) discovered via /forged",
+    "http://127.0.0.1:9101\n",
+    "http://127.0.0.1\t:9101",
+    "http://127.0.0.1:9101\x00",
+    "http://user:secret@127.0.0.1:9101",
+    "http://@127.0.0.1:9101",
+    "http://127.0.0.1:9101/v1?x=1",
+    "http://127.0.0.1:9101#top",
+    "http://127.0.0.1:99999",
+    "http://127.0.0.1:0",
+    "http://127.0.0.1:port",
+    "http://exa mple:9101",
+    "http://ex\u00e4mple:9101",
+    "http://[::1:9101",
+    "http://-host:9101",
+    "ftp://127.0.0.1:9101",
+]
+GOOD_URLS = [
+    "http://127.0.0.1:8101",
+    "https://engine-0.pool.example.com",
+    "http://[::1]:8000",
+    "http://vllm_prefill:8000/",
+    "http://10.0.0.5:8101/vllm/a",
+]
+
+
+@pytest.mark.parametrize("url", BAD_URLS)
+def test_engine_urls_that_are_not_plain_http_are_refused(url: str) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        EngineRecord(url, "both")
+    assert "\n" not in err.value.message and "\r" not in err.value.message
+
+
+@pytest.mark.parametrize("url", GOOD_URLS)
+def test_plain_engine_urls_are_taken(url: str) -> None:
+    assert EngineRecord(url, "both").url == url
+
+
+def test_the_router_refuses_bad_registrations_once_and_logs_them_escaped(
+    etcd: EtcdProcess,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO)
+
+    async def run() -> None:
+        engine = FakeEngine(write_model(tmp_path / "model"))
+        await engine.start()
+        store = EtcdStore(parse_endpoints(etcd.endpoint))
+        config = RouterConfig(discover=etcd.url, poll_s=0.05)
+        try:
+            async with router_in_process(config) as (url, state), aiohttp.ClientSession() as http:
+                bad = [
+                    await register(store, f"bad{i}", u, raw=True) for i, u in enumerate(BAD_URLS)
+                ]
+                # An instance name that is not one line: the key is refused, whatever its URL.
+                bad.append(await register(store, "x\r\nrouter: forged", engine.url))
+                await register(store, "good", engine.url)
+                # In revision order: once the last key is routed, every earlier one was seen.
+                await until(lambda: health_is(http, url, engine.url, True), "the good engine")
+                assert await health(http, url) == {engine.url: True}
+                assert state.sources == {engine.url: "etcd"}
+                assert metric_value(
+                    state, "kvstore_router_discovery_changes_total", 'kind="ignored"'
+                ) == len(bad)
+                # A bad key written again, unchanged, is not logged again.
+                await register(store, "bad0", BAD_URLS[0], raw=True)
+                await register(store, "good2", engine.url)
+                await until(lambda: len(state.discovery.current) == 2, "good2 listed")
+        finally:
+            await store.close()
+            await engine.stop()
+        messages = [r.getMessage() for r in caplog.records]
+        assert not [m for m in messages if "\n" in m or "\r" in m or "\x00" in m]
+        refused = [m for m in messages if "ignoring" in m]
+        for u in BAD_URLS:
+            assert sum(repr(u) in m for m in refused) == 1, u
+
+    asyncio.run(run())
+
+
+def metric_value(state: RouterState, name: str, *labels: str) -> float:
+    """The sum of a router metric's samples whose labels include every one of ``labels``."""
+    text = generate_latest(state.metrics.registry).decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and all(label in line for label in labels)
+    )
