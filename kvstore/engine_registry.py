@@ -57,8 +57,8 @@ STOP_TIMEOUT_S = 3.0
 
 
 #: A host name or IPv4 address as ``urlsplit`` lowercases it (underscores too: container
-#: runtimes name services with them).
-_HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?")
+#: runtimes name services with them; a trailing dot: an absolute name).
+_HOST_NAME = re.compile(r"[a-z0-9](?:[a-z0-9._-]*[a-z0-9])?\.?")
 
 
 def check_engine_url(url: object) -> str:

@@ -8,6 +8,7 @@ Modules, each owning one thing:
 * :mod:`.admission` is the priority queue in front of each engine (bounded concurrency,
   promotion).
 * :mod:`.engines` reads each engine's live load from its ``/metrics``.
+* :mod:`.listen` knows where the router listens, to refuse engine URLs that name it.
 * :mod:`.requests` checks OpenAI request bodies and tokenizes them like the engine does.
 * :mod:`.app` is the aiohttp daemon (routes, error middleware, Prometheus metrics).
 """

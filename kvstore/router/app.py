@@ -28,8 +28,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,7 @@ from .discovery import EngineDiscovery
 from .engine_cache import EngineEvents, chain_keys
 from .engines import ROLES, Engine, EngineAnswerError, EngineLoad, make_engines
 from .fit import EngineFit
+from .listen import ROUTER_ID_HEADER, ListenAddresses
 from .metrics import RouterMetrics
 from .policy import (
     DEFAULT_HIGH_WATERMARK,
@@ -310,7 +312,11 @@ class RouterState:
             self.pool_view = PoolView(
                 lambda: EventStream(master, wait_s=2.0, retry_s=5.0), self.metrics
             )
-        #: The etcd engine registry (None without --discover); started by the app.
+        #: This process's id, in every answer (:data:`.listen.ROUTER_ID_HEADER`).
+        self.router_id = secrets.token_hex(8)
+        #: Where the router listens; set by :meth:`listening`.
+        self.listen: ListenAddresses | None = None
+        #: The etcd engine registry (None without --discover); started by :meth:`listening`.
         self.discovery: EngineDiscovery | None = None
         if config.discover is not None:
             self.discovery = EngineDiscovery(
@@ -319,7 +325,24 @@ class RouterState:
                 self.remove_discovered,
                 prefix=config.discover_prefix,
                 metrics=self.metrics,
+                refuse=self._refuse_registration,
             )
+
+    async def listening(self, bound: Sequence[Any]) -> None:
+        """The router is bound: follow the engine registry now, knowing the router's own
+        address to refuse it.
+
+        Args:
+            bound: aiohttp's ``runner.addresses``.
+        """
+        self.listen = await asyncio.to_thread(ListenAddresses.of, bound)
+        if self.discovery is not None:
+            self.discovery.start()
+
+    def _refuse_registration(self, reg: RegisteredEngine) -> str | None:
+        if self.listen is not None and self.listen.names_router(reg.record.url):
+            return "it is the router's own address (it would send requests to itself)"
+        return None
 
     # ------------------------------------------------------------------ engines
     def role_engines(self, role: str) -> list[Engine]:
@@ -415,6 +438,8 @@ class RouterState:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=max(2.0, 4 * self.config.poll_s))
         async with self.session.get(engine.url + "/metrics", timeout=timeout) as resp:
+            if resp.headers.get(ROUTER_ID_HEADER) == self.router_id:
+                raise EngineAnswerError("it is this router itself (it answers with its id)")
             if resp.status != 200:
                 raise EngineAnswerError(f"/metrics answered HTTP {resp.status}")
             try:
@@ -1101,6 +1126,13 @@ async def _metrics(request: web.Request) -> web.Response:
     )
 
 
+async def _tag(request: web.Request, response: web.StreamResponse) -> None:
+    """Sign every answer with the router's id: a router that polls itself sees its own."""
+    state = request.app.get(STATE)
+    if state is not None:
+        response.headers[ROUTER_ID_HEADER] = state.router_id
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Map refusals to OpenAI-style JSON error bodies."""
@@ -1147,8 +1179,6 @@ def init_app(
                 state.pool_view.start()
             for feed in state.engine_events.values():
                 feed.start()
-            if state.discovery is not None:
-                state.discovery.start()
             try:
                 yield
             finally:
@@ -1159,6 +1189,7 @@ def init_app(
                 await asyncio.to_thread(state.close)
 
     app.cleanup_ctx.append(state_ctx)
+    app.on_response_prepare.append(_tag)
     for path in GENERATE_PATHS:
         app.router.add_post(path, _generate)
     app.router.add_get("/v1/models", _models)
@@ -1191,6 +1222,7 @@ async def start_router(
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
+    await runner.app[STATE].listening(runner.addresses)
     return runner
 
 

@@ -50,6 +50,7 @@ class EngineDiscovery:
         on_remove: called with a key's last registration when it goes.
         prefix: the registry prefix.
         metrics: where the changes are counted (None: nowhere).
+        refuse: why a registration that decodes is still not to be used (None: it is to be).
     """
 
     def __init__(
@@ -60,12 +61,14 @@ class EngineDiscovery:
         *,
         prefix: str = DEFAULT_ENGINES_PREFIX,
         metrics: RouterMetrics | None = None,
+        refuse: Callable[[RegisteredEngine], str | None] = lambda reg: None,
     ) -> None:
         self.endpoints = list(endpoints)
         self.prefix = check_prefix(prefix)
         self.on_add = on_add
         self.on_remove = on_remove
         self.metrics = metrics
+        self.refuse = refuse
         #: Live registrations by key.
         self.current: dict[str, RegisteredEngine] = {}
         #: Why each refused key was refused, so that a key written again unchanged is not
@@ -104,6 +107,11 @@ class EngineDiscovery:
     def _put(self, reg: RegisteredEngine) -> None:
         if self.current.get(reg.key) == reg:
             return
+        why = self.refuse(reg)
+        if why is not None:
+            self._refuse(reg.key, f"{reg.key!r} ({reg.record.url!r}): {why}")
+            return
+        self.refused.pop(reg.key, None)
         old = self.current.get(reg.key)
         if old is not None and old.record != reg.record:
             self._remove(reg.key)  # a changed record: the old engine goes, the new one comes
@@ -152,7 +160,6 @@ class EngineDiscovery:
             except InvalidRequestError as err:  # its message shows the values with repr
                 self._refuse(key, err.message)
             else:
-                self.refused.pop(key, None)
                 self._put(reg)
         self.revision = max(self.revision or 0, event.kv.mod_revision)
 

@@ -8,10 +8,12 @@ discovered engines is tests/router/test_router_discovery.py, with real vLLM)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -25,6 +27,7 @@ import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
+from kvstore.client.adapters.vllm_server import free_port
 from kvstore.engine_registry import EngineRecord, RegisteredEngine
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, parse_endpoints
@@ -33,7 +36,7 @@ from kvstore.router.app import RouterConfig, RouterState
 from kvstore.router.discovery import EngineDiscovery
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
 from tests.router.fake_engine import FakeEngine, write_model
-from tests.router.inproc import health, health_is, register, until
+from tests.router.inproc import health, health_is, post, register, until
 from tests.router.inproc import router as router_in_process
 from tests.router.rig import metric
 from tests.support import wait_until
@@ -394,3 +397,104 @@ def metric_value(state: RouterState, name: str, *labels: str) -> float:
         for line in text.splitlines()
         if line.startswith(name) and all(label in line for label in labels)
     )
+
+
+def _own_addresses() -> set[str]:
+    """This machine's IPv4 addresses other than loopback ones, as far as it knows them."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.add(info[4][0])
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing address
+        found.add(s.getsockname()[0])
+    return {a for a in found if not a.startswith("127.")}
+
+
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0", "localhost"])
+def test_a_registration_of_the_routers_own_address_is_refused(
+    etcd: EtcdProcess,  # noqa: F811
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    bind: str,
+) -> None:
+    """Registered, the router's own URL had it send requests to itself. Refused: its bound
+    address and port under any name that reaches that socket; not another address at the
+    same port, nor another port."""
+    caplog.set_level(logging.INFO)
+
+    async def run() -> None:
+        engine = FakeEngine(write_model(tmp_path / "model"))
+        await engine.start()
+        store = EtcdStore(parse_endpoints(etcd.endpoint))
+        config = RouterConfig(discover=etcd.url, poll_s=0.05)
+        try:
+            async with (
+                router_in_process(config, host=bind) as (url, state),
+                aiohttp.ClientSession() as http,
+            ):
+                port = int(url.rsplit(":", 1)[1])
+                own = [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
+                own.append(f"http://LocalHost.:{port}/")
+                others = [f"http://127.0.0.1:{port + 1}"]
+                if bind == "0.0.0.0":  # every address of this machine reaches it
+                    own += [f"http://127.0.0.2:{port}", f"http://127.0.0.1:{port}/v1"]
+                    own += [f"http://{a}:{port}" for a in sorted(_own_addresses())]
+                    with contextlib.suppress(OSError):
+                        socket.getaddrinfo(socket.gethostname(), port)
+                        own.append(f"http://{socket.gethostname().lower()}:{port}")
+                else:  # only its own address does
+                    others.append(f"http://127.0.0.2:{port}")
+                for i, u in enumerate(own):
+                    await register(store, f"own{i}", u)
+                for i, u in enumerate(others):
+                    await register(store, f"other{i}", u)
+                await register(store, "good", engine.url)
+                await until(lambda: health_is(http, url, engine.url, True), "the good engine")
+                assert set(await health(http, url)) == {engine.url, *others}
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2}
+                )
+                assert status == 200 and answer["choices"][0]["text"] == "ok"
+                assert engine.bodies
+        finally:
+            await store.close()
+            await engine.stop()
+        refused = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+        for u in own:
+            assert sum(repr(u) in m and "own address" in m for m in refused) == 1, (u, refused)
+
+    asyncio.run(run())
+
+
+def test_a_router_given_its_own_url_does_not_route_to_itself(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever name reached it (a DNS alias, a port mapping), a router that polls itself
+    reads its own id in the answer: that engine is never healthy, and it is said once."""
+    caplog.set_level(logging.INFO)
+
+    async def run() -> None:
+        engine = FakeEngine(write_model(tmp_path / "model"))
+        await engine.start()
+        port = free_port()
+        own = f"http://127.0.0.1:{port}"
+        config = RouterConfig(engines=(engine.url, own), poll_s=0.05)
+        try:
+            async with (
+                router_in_process(config, port=port) as (url, _),
+                aiohttp.ClientSession() as http,
+            ):
+                await until(lambda: health_is(http, url, engine.url, True), "the engine")
+                await until(lambda: engine.hits["/metrics"] >= 10, "more polls")
+                assert await health(http, url) == {engine.url: True, own: False}
+                status, answer = await post(
+                    http, url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2}
+                )
+                assert status == 200 and answer["choices"][0]["text"] == "ok"
+        finally:
+            await engine.stop()
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len([m for m in said if own in m and "this router itself" in m]) == 1, said
+
+    asyncio.run(run())
