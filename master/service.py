@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import grants
-from kvstore.errors import InvalidRequestError, KeyNotFoundError, KVStoreError
+from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.manifest import ManifestClaim
@@ -70,7 +70,7 @@ from kvstore.master.puts import PendingRecord, Puts
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
-from kvstore.master.table import ObjectTable
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
@@ -499,6 +499,7 @@ class MasterService:
         names, with that checksum, goes (a report about an older version, or a stale guess,
         changes nothing). The object keeps its replica count, so replication copies a good
         replica back; a corrupt last replica takes the object with it (a miss, never bad bytes).
+        A move or copy in flight does not keep the replica (see :meth:`_drop_corrupt`).
         Why trust a reader: any token holder may remove the key outright, so a report gives no
         new power, and a replica that fails its checksum serves no reader anyway.
 
@@ -517,8 +518,8 @@ class MasterService:
                 )
             key, node_id, segment, offset, checksum = rep
             obj = self.objects.get(key) if isinstance(key, bytes) else None
-            if obj is None or obj.checksum != checksum or obj.busy:
-                continue  # (a move or copy in flight verifies its bytes itself)
+            if obj is None or obj.checksum != checksum:
+                continue
             bad = next(
                 (
                     r
@@ -527,24 +528,37 @@ class MasterService:
                 ),
                 None,
             )
-            if bad is None:
-                continue
-            log.warning(
-                "replica of %r on node %s (%s@%d) is corrupt: dropped",
-                key[:64],
-                node_id,
-                segment,
-                offset,
-            )
-            # Its bytes are garbage, but a reader may still be on them: hold the space alike.
-            wanted = obj.replicas_wanted
-            self.space.delete_replica(obj, bad, hold=True, kind=EVENT_REMOVED)
-            if obj.replicas:
-                obj.replicas_wanted = wanted
-                self.replication.replica_lost(obj)
-            self.num_corrupt_replicas += 1
-            dropped += 1
+            if bad is not None:
+                self._drop_corrupt(obj, bad)
+                dropped += 1
         return dropped
+
+    def _drop_corrupt(self, obj: ObjectMeta, bad: Replica) -> None:
+        """Drop ``bad``, a replica of ``obj`` whose bytes fail their checksum.
+
+        A move or copy in flight (``obj.busy``) does not keep it: a task that reads it fails
+        its own checksum check on the node, or, had it copied good bytes, finds its source gone
+        when it settles and stores nothing (a promotion never makes the bad copy a good one).
+        The space waits for that task's deadline too, as a move from memory reads it in place.
+        """
+        log.warning(
+            "replica of %r on node %s (%s@%d) is corrupt: dropped",
+            obj.key[:64],
+            bad.node_id,
+            bad.segment,
+            bad.offset,
+        )
+        task = self.tasks.by_id.get(obj.busy) if obj.busy else None
+        reading_until = task.deadline if task is not None and task.src == bad else 0.0
+        # Its bytes are garbage, but a reader may still be on them: hold the space alike.
+        wanted = obj.replicas_wanted
+        self.space.delete_replica(
+            obj, bad, hold=True, kind=EVENT_REMOVED, hold_at_least=reading_until
+        )
+        if obj.replicas:
+            obj.replicas_wanted = wanted
+            self.replication.replica_lost(obj)
+        self.num_corrupt_replicas += 1
 
     # ================================================================ pins
     def pin(
@@ -622,7 +636,18 @@ class MasterService:
                 continue
             if code:
                 log.warning("node %s failed task %d: %s", node_id, task_id, item[2])
+            obj = self.objects.get(task.key)
+            copied = obj is not None and obj.busy == task_id  # (the version the task copied)
             self._settle(task_id, ok=code == 0)
+            # A task whose source bytes failed their checksum found a corrupt replica: it goes
+            # as if a reader had reported it.
+            if (
+                code == ErrorCode.CHECKSUM_MISMATCH
+                and copied
+                and obj is self.objects.get(task.key)
+                and task.src in obj.replicas
+            ):
+                self._drop_corrupt(obj, task.src)
 
     def _settle(self, task_id: int, ok: bool) -> None:
         task = self.tasks.pop(task_id)

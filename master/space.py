@@ -119,12 +119,20 @@ class Space:
         node.forgotten.append((replica.segment, replica.offset, replica.stamp))
 
     def delete_replica(
-        self, obj: ObjectMeta, replica: Replica, hold: bool = False, kind: str = EVENT_EVICTED
+        self,
+        obj: ObjectMeta,
+        replica: Replica,
+        hold: bool = False,
+        kind: str = EVENT_EVICTED,
+        hold_at_least: float = 0.0,
     ) -> None:
         """Drop one replica (eviction, drain); the object goes when its last replica does.
 
         Args:
+            hold: keep the space while a lease of ``obj`` covers it.
             kind: the KV event its blocks leave the prefix index with, if it goes.
+            hold_at_least: keep the space until then whatever the leases do (a node task
+                may still read it).
         """
         obj.remove_replica(replica)
         if not obj.num_replicas:
@@ -133,7 +141,11 @@ class Space:
         elif obj.num_replicas < obj.replicas_wanted:
             # An evicted copy is not re-made: the object now wants what it has.
             obj.replicas_wanted = obj.num_replicas
-        self.release(replica, self.hold_until(obj, self.clock()) if hold else 0.0, obj)
+        until = self.hold_until(obj, self.clock()) if hold else 0.0
+        if hold_at_least > until:
+            self.release(replica, hold_at_least)
+        else:
+            self.release(replica, until, obj)
 
     # ================================================================ leases
     def lease_ended(self, obj: ObjectMeta, now: float) -> None:

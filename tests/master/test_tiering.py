@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
 from kvstore.eviction import EVICTION_POLICIES, make_policy
 from kvstore.manifest import ManifestClaim
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.master.table import ObjectMeta, Replica
 from kvstore.master.tiering import TierConfig
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
@@ -514,6 +516,92 @@ def test_corrupt_replica_reports_drop_and_re_replicate(clock: FakeClock) -> None
     r = one.replicas[0]
     assert svc.report_corrupt([[b"one", r.node_id, r.segment, r.offset, one.checksum]]) == 1
     assert b"one" not in svc.objects
+
+
+def _nvme_object_being_promoted(
+    svc: MasterService, key: bytes, replicas: int
+) -> tuple[ObjectMeta, Replica, dict[str, Any]]:
+    """``key`` lives on NVMe only and its reads have started a promotion: the object, the
+    replica the promotion copies and the task as the node gets it."""
+    for i in range(5):  # the fifth lands in NVMe
+        put(svc, b"k%d" % i, 64 * KIB, replicas=replicas)
+    svc.remove([b"k0", b"k1"])
+    put(svc, key, 64 * KIB, replicas=replicas)  # (DRAM has room again: it goes there)
+    svc.remove([key])
+    put(svc, b"fill", 128 * KIB, replicas=replicas)
+    put(svc, key, 64 * KIB, replicas=replicas)
+    assert tiers_of(svc, key) == ["nvme"] * replicas
+    svc.remove([b"fill"])
+    svc.get_locations([key])
+    svc.get_locations([key])  # (promote_after_hits=2)
+    obj = svc.objects[key]
+    assert obj.busy
+    (task,) = [t for n in svc.nodes for t in svc.take_tasks(n)]
+    src = next(r for r in obj.replicas if [r.segment, r.offset] == task["src"])
+    assert task["dst"][0] == "dram" and src.tier == "nvme"
+    return obj, src, task
+
+
+@pytest.mark.parametrize("ending", ["checksum", "ok", "late"])
+def test_a_corrupt_nvme_replica_is_dropped_while_its_promotion_is_in_flight(
+    clock: FakeClock, ending: str
+) -> None:
+    svc = make(clock, dram=256 * KIB, task_timeout_s=5)
+    obj, src, task = _nvme_object_being_promoted(svc, b"hot", replicas=1)
+    nvme = svc.nodes[src.node_id].segments["nvme"].allocator
+    dram = svc.nodes[src.node_id].segments["dram"].allocator
+    dram_before = dram.used_bytes - 64 * KIB  # (less the promotion's destination)
+    nvme_before = nvme.used_bytes
+    # A reader finds the NVMe bytes corrupt while the promotion is in flight: a miss from now on.
+    assert svc.report_corrupt([[b"hot", src.node_id, src.segment, src.offset, obj.checksum]]) == 1
+    assert b"hot" not in svc.objects
+    assert isinstance(svc.get_locations([b"hot"])[0], KeyNotFoundError)
+    assert nvme.used_bytes == nvme_before  # the node may still be reading it for the move
+    # However the move ends, nothing lands: not even bytes the node found intact.
+    if ending == "late":
+        clock.now += 8
+        svc.tick()
+    else:
+        svc.tasks_done(src.node_id, [[task["id"], 0 if ending == "ok" else 202, "x"]])
+    assert b"hot" not in svc.objects and not svc.tasks.by_id
+    assert dram.used_bytes == dram_before
+    clock.now += 8
+    svc.tick()
+    assert nvme.used_bytes == nvme_before - 64 * KIB
+    assert svc.stats()["num_corrupt_replicas"] == 1
+
+
+def test_a_corrupt_replica_of_two_is_dropped_mid_promotion_and_copied_back(
+    clock: FakeClock,
+) -> None:
+    svc = make(clock, nodes=2, dram=256 * KIB)
+    obj, src, task = _nvme_object_being_promoted(svc, b"hot", replicas=2)
+    good = next(r for r in obj.replicas if r != src)
+    assert svc.report_corrupt([[b"hot", src.node_id, src.segment, src.offset, obj.checksum]]) == 1
+    (info,) = svc.get_locations([b"hot"])
+    assert isinstance(info, ObjectInfo)
+    assert [(loc.node_id, loc.grant.offset) for loc in info.locations] == [
+        (good.node_id, good.offset)
+    ]
+    # The promotion fails its checksum on the node; then replication copies the good one back.
+    svc.tasks_done(src.node_id, [[task["id"], 202, "source bytes fail their checksum"]])
+    assert svc.objects[b"hot"].replicas == (good,)
+    svc.tick()
+    run_tasks(svc)
+    assert len(svc.objects[b"hot"].replicas) == 2 and src not in svc.objects[b"hot"].replicas
+
+
+def test_a_move_whose_source_fails_its_checksum_drops_that_replica(clock: FakeClock) -> None:
+    svc = make(clock, dram=256 * KIB)
+    obj, src, task = _nvme_object_being_promoted(svc, b"hot", replicas=1)
+    # No reader reported it: the node's own check on the move does.
+    svc.tasks_done(src.node_id, [[task["id"], 202, "source bytes fail their checksum"]])
+    assert b"hot" not in svc.objects
+    assert svc.stats()["num_corrupt_replicas"] == 1
+    # Any other failure is no evidence of corruption: the replica stays.
+    obj, src, task = _nvme_object_being_promoted(svc, b"warm", replicas=1)
+    svc.tasks_done(src.node_id, [[task["id"], 301, "NVMe read failed"]])
+    assert svc.objects[b"warm"].replicas == (src,)
 
 
 def test_one_replica_goes_where_the_ranked_choice_of_several_puts_its_first(
