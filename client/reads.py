@@ -19,8 +19,9 @@ for every caller. The steps, each skipped where it has nothing to do:
    before it is decoded and read, and the nodes read a chunk while the next one is decoded
    (steps 3 and 4 overlap across processes).
 4. **read** (:meth:`ReadPipeline.read`): one data call per round; a replica that is gone or fails
-   its checksum falls back to the next one, a corrupt one is reported to the master (which drops
-   it and copies a good one back). Whole objects are verified against the object checksum; a
+   its checksum falls back to the next one, a corrupt one (found here, or by the node, which
+   answers CHECKSUM_MISMATCH) is reported to the master (which drops it and copies a good one
+   back). Whole objects are verified against the object checksum; a
    read of byte ranges brings its own check (the KV-cache layer's checksum table).
 
 NOTE: no step holds a lock across a round trip. The data path never calls the master from inside
@@ -536,8 +537,8 @@ class ReadPipeline:
         ``result`` (the object's size, or the error).
 
         A replica that is gone (NodeUnavailableError) or fails its check (ChecksumMismatchError)
-        falls back to the next one; a replica whose bytes fail the check is reported to the
-        master once the batch is done (best effort).
+        falls back to the next one; a replica whose bytes fail the check, here or on its node,
+        is reported to the master once the batch is done (best effort).
         """
         with PausedCollector():
             self._read(reads)
@@ -609,6 +610,10 @@ class ReadPipeline:
                     err = ChecksumMismatchError(
                         "object bytes do not match their checksum (overwritten or corrupt)"
                     )
+                elif isinstance(err, ChecksumMismatchError):
+                    # The node found the replica damaged itself (an NVMe record truncated or
+                    # missing a chunk): reported alike, or every read would meet it again.
+                    corrupt.append(corrupt_report(item.location, rd.info.checksum))
                 if isinstance(err, NodeUnavailableError | ChecksumMismatchError) and (
                     r + 1 < len(rd.info.locations)
                 ):

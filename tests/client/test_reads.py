@@ -35,6 +35,9 @@ class FakeCluster:
         self.objects: dict[bytes, tuple[int, int, list[str]]] = {}
         self.nodes: dict[str, dict[bytes, bytes]] = {}
         self.down: set[str] = set()
+        #: Nodes whose copy fails the node's own check (an NVMe record cut short): they answer
+        #: CHECKSUM_MISMATCH and send no bytes.
+        self.damaged: set[str] = set()
         self.calls: list[str] = []  # master verbs, in order
         self.data_reads = 0
         self.reported: list[list[Any]] = []
@@ -107,6 +110,9 @@ class FakeCluster:
                 node = item.location.node_id
                 if node in self.down:
                     item.result = NodeUnavailableError(f"node {node} is down")
+                    continue
+                if node in self.damaged:
+                    item.result = ChecksumMismatchError("NVMe object 7 is truncated")
                     continue
                 value = self.nodes[node][item.location.grant.key]
                 if item.ranges is None:
@@ -214,6 +220,22 @@ def test_a_corrupt_last_replica_is_a_checksum_error(cluster: FakeCluster) -> Non
     reads, _ = pipeline(cluster)
     (got,) = reads.get([b"a"])
     assert isinstance(got, ChecksumMismatchError)
+
+
+@pytest.mark.parametrize("num_replicas", [1, 2])
+def test_a_replica_its_node_finds_damaged_is_reported_too(
+    cluster: FakeCluster, num_replicas: int
+) -> None:
+    cluster.put(b"a", b"v" * 50, nodes=("n1", "n2")[:num_replicas])
+    cluster.damaged.add("n1")
+    reads, _ = pipeline(cluster)
+    (got,) = reads.get([b"a"])
+    if num_replicas == 2:
+        assert got == b"v" * 50  # served from the intact replica
+    else:
+        assert isinstance(got, ChecksumMismatchError)
+    _size, checksum, _nodes = cluster.objects[b"a"]
+    assert cluster.reported == [[b"a", "n1", "dram", 0, checksum]]
 
 
 def test_lease_reads_skip_the_master_within_the_lease(cluster: FakeCluster) -> None:
