@@ -47,6 +47,7 @@ from kvstore.client.reads import LocatedRead, ReadPipeline
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import checksum
+from kvstore.clocks import MasterClock
 from kvstore.config import MAX_BATCH_KEYS, encode_key
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
@@ -56,6 +57,9 @@ from kvstore.types import ObjectInfo, result_from_wire
 __all__ = ["Client", "LocatedRead", "PrefixBlock", "PromptCommit", "checksum"]
 
 DEFAULT_TIMEOUT_S = 30.0
+#: How old the master clock's sample may grow before an in-place read asks the master again
+#: (the local monotonic clock's rate drifts from the master's wall clock by NTP's corrections).
+CLOCK_REFRESH_S = 60.0
 
 
 def _raise_if_error(result: Any) -> Any:
@@ -126,6 +130,8 @@ class Client:
         # With lease reads the cache owns the leases of the answers it keeps (see locations.py).
         self._cache = LocationCache(give_back=self._returns.give_back if lease_reads else None)
         self._want_lease_reads = lease_reads
+        #: The master's wall clock, which its grants expire on (in-place reads ask it).
+        self._master_clock = MasterClock()
         self._reads = ReadPipeline(control, self._data, self._cache, self._returns)
         self._puts = Putter(control, self._data, self._cache)
         self._staging: CudaStaging | None = None  # made when a CUDA tensor first comes by
@@ -177,13 +183,21 @@ class Client:
             lease_reads=lease_reads,
         )
         try:
-            client._hello(client._control.call("ping", {}))
+            client._ping()
             # The nodes' transports, learned up front (not from inside the first read).
             client._data.refresh_offers(force=True)
         except BaseException:
             client.close()
             raise
         return client
+
+    def _ping(self) -> None:
+        """Ask the master how long its read leases hold, and its clock."""
+        sent = self._master_clock.sent()
+        ping = self._control.call("ping", {})
+        if isinstance(ping, dict):
+            self._master_clock.observe(ping.get("now_ms"), sent)
+        self._hello(ping)
 
     def _hello(self, ping: Any) -> None:
         """Learn from the master's ``ping`` answer how long its read leases hold."""
@@ -391,7 +405,11 @@ class Client:
         trusting the copies, then give the leases back. :mod:`kvstore.client.inplace` says why.
         """
         self._data.refresh_offers({loc.node_id for info in infos for loc in info.locations})
-        return InPlaceReads(infos, self._data.views, self._reads.report_corrupt)
+        if self._master_clock.age_s() > CLOCK_REFRESH_S:
+            self._ping()
+        return InPlaceReads(
+            infos, self._data.views, self._reads.report_corrupt, clock_ms=self._master_clock
+        )
 
     def release_lease(self, info: ObjectInfo) -> None:
         """Give back the read lease of an answer of :meth:`locate` (reads of it are done).

@@ -66,7 +66,8 @@ def new_secret() -> bytes:
 class Grant:
     """Permission for ``op`` on ``[offset, offset + size)`` of ``segment``, holding ``key``.
 
-    ``expires_ms`` is wall-clock milliseconds since the epoch. A member of a batch grant has
+    ``expires_ms`` is wall-clock milliseconds since the epoch, by the master's clock (nodes and
+    clients check it on the master's clock as they keep it, :mod:`kvstore.clocks`). A member of a batch grant has
     ``batch`` (the batch's wire form, as a tuple) and its ``index`` there; its ``signature`` is
     the batch's.
     """

@@ -100,6 +100,8 @@ def _ping(svc: MasterService, args: dict[str, Any]) -> Any:
         # How long the read lease of a get_locations answer holds (clients with lease reads
         # reuse an answer for that long, see kvstore.client.locations).
         "lease_s": svc.tiering.config.lease_s,
+        # Grants expire by this master's wall clock: clients keep it (kvstore.clocks).
+        "now_ms": svc.wall_ms(),
     }
 
 
@@ -119,6 +121,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
     reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
         "node_ttl_s": svc.config.node_ttl_s,
+        "now_ms": svc.wall_ms(),  # the clock the node checks grants on (kvstore.clocks)
     }
     if claims is not None:  # a node that kept objects across a master change (HA, etcd)
         report = svc.admit_manifest(node_id, [c for c in claims if isinstance(c, ManifestClaim)])
@@ -141,6 +144,7 @@ def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
         "forget": [list(p) for p in forget],
         "tasks": svc.take_tasks(node_id),
         "retire": svc.take_retirement(node_id),
+        "now_ms": svc.wall_ms(),
     }
 
 

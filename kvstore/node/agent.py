@@ -152,7 +152,10 @@ class MasterLink:
         args["secret"] = self.server.secret
         if self.identity is not None:
             args["identity"] = self.identity
+        clock = self.server.master_clock
+        sent = clock.sent()
         reply = conn.call("register", args)
+        clock.observe(reply.get("now_ms"), sent)
         self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
         if self.resolver is not None:
@@ -188,7 +191,9 @@ class MasterLink:
                             beat["identity"] = self.identity
                         if self.resolver is not None:
                             beat["epoch"] = self.epoch
+                        sent = self.server.master_clock.sent()
                         reply = conn.call("heartbeat", beat)
+                        self.server.master_clock.observe(reply.get("now_ms"), sent)
                     except KVStoreError as err:
                         if err.code != ErrorCode.NODE_UNAVAILABLE:
                             raise

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import auth, grants, protocol, serving
+from kvstore.clocks import MasterClock
 from kvstore.errors import (
     GrantInvalidError,
     InternalError,
@@ -60,7 +61,8 @@ class DataServer:
         segments: the node's DRAM arenas by segment name (each served as a DramTier).
         secret: the key the master signs this node's grants with.
         host, port: where to listen (port 0 picks a free one).
-        clock_ms: wall-clock milliseconds, for grant expiry.
+        clock_ms: the master's wall-clock milliseconds, for grant expiry (default: the master's
+            clock as the node's link to it keeps it, :attr:`master_clock`).
         tiers: the node's other tiers (NVMe, HBM) by segment name.
         token: the cluster token every connection must present first (None: no check).
         deadlines: how long a frame (and, before the token is proved, the hello) may take.
@@ -74,7 +76,7 @@ class DataServer:
         secret: bytes,
         host: str = "127.0.0.1",
         port: int = 0,
-        clock_ms: Callable[[], int] = lambda: int(time.time() * 1000),
+        clock_ms: Callable[[], int] | None = None,
         tiers: dict[str, Tier] | None = None,
         token: auth.Token | None = None,
         deadlines: serving.WireDeadlines = serving.DEFAULT_DEADLINES,
@@ -87,7 +89,9 @@ class DataServer:
         self.tiers: dict[str, Tier] = {name: DramTier(name, a) for name, a in segments.items()}
         self.tiers.update(tiers or {})
         self.secret = secret  # also starts the memo of verified grants
-        self.clock_ms = clock_ms
+        #: The master's clock, fed by the replies to registration and heartbeats (agent.py).
+        self.master_clock = MasterClock()
+        self.clock_ms = clock_ms or self.master_clock
         #: Which allocation owns each granted range now (see grants.WriteClaims).
         self.claims = grants.WriteClaims(lambda: self.clock_ms())
         self.manifest = Manifest()
