@@ -29,15 +29,17 @@ from kvstore.errors import (
     KVTimeoutError,
     MasterUnavailableError,
     NotLeaderError,
+    OverloadedError,
     ProtocolError,
     StaleEpochError,
 )
 
 #: The master's bound on ``max`` per call (``kvstore.master.events.MAX_EVENTS_PER_CALL``).
 MAX_EVENTS_PER_CALL = 10_000
-#: Failures worth retrying: the master (or the leader) is away for now.
+#: Failures worth retrying: the master (or the leader) is away or busy for now.
 _TRANSIENT = (
     MasterUnavailableError,
+    OverloadedError,
     KVTimeoutError,
     NotLeaderError,
     StaleEpochError,

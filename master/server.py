@@ -23,6 +23,7 @@ from kvstore.errors import (
     InternalError,
     InvalidRequestError,
     KVStoreError,
+    OverloadedError,
     UnknownVerbError,
 )
 from kvstore.keys import Namespace
@@ -53,6 +54,13 @@ EVENTS_DEFAULT_MAX = 1000
 EVENTS_MAX_NAMESPACES = 1024
 #: Most block keys one snapshot answer carries (16 bytes each: 24 MiB, under the frame limit).
 SNAPSHOT_MAX_BLOCKS = 1_500_000
+#: Most ``events_snapshot`` answers built or being written at once: each may hold up to
+#: SNAPSHOT_MAX_BLOCKS keys until its reader takes it, so many subscribers asking together must
+#: not each hold one (the rest are refused OVERLOADED; the client's event stream retries).
+SNAPSHOTS_IN_FLIGHT = 4
+#: How long a subscriber may take to read its snapshot before its connection is closed (so a
+#: reader that never reads cannot hold a slot).
+SNAPSHOT_WRITE_TIMEOUT_S = 30.0
 
 
 # ---------------------------------------------------------------- argument checks
@@ -719,6 +727,8 @@ class ControlServer:
         #: Connections that have not sent their hello yet (bounded; see auth.PendingConnections).
         self.pending = auth.PendingConnections()
         self._stopping = False
+        #: ``events_snapshot`` answers being built or written now (see SNAPSHOTS_IN_FLIGHT).
+        self._snapshots = 0
 
     async def start(self) -> None:
         # A small stream limit: a connection buffers at most ~2x this before we read it, so a
@@ -740,6 +750,16 @@ class ControlServer:
             for w in list(self._writers):
                 w.close()
             await self._server.wait_closed()
+
+    def _take_snapshot_slot(self) -> KVStoreError | None:
+        """Count one more snapshot answer in flight, or the refusal when
+        :data:`SNAPSHOTS_IN_FLIGHT` are already."""
+        if self._snapshots >= SNAPSHOTS_IN_FLIGHT:
+            return OverloadedError(
+                f"{SNAPSHOTS_IN_FLIGHT} event snapshots are being sent already; try again shortly"
+            )
+        self._snapshots += 1
+        return None
 
     async def _await_events(self, request: protocol.Request) -> None:
         """The long poll of ``events``: wait until an event the caller wants is recorded, or
@@ -840,33 +860,49 @@ class ControlServer:
                     return
                 if session.authenticated:
                     deadlines.pop(writer, None)
-                step = session.open_request(header, body)
-                if isinstance(step, serving.Refusal):
-                    # (No payload to skip: the header's limit refused every payload.)
-                    if session.authenticated:
-                        deadlines.pop(writer, None)
-                        self.pending.discard(writer)
-                    writer.write(step.frame)
-                    if step.hang_up:
-                        await writer.drain()
-                        return
-                else:
-                    request = step
-                    refusal = self.fence.check(request) if self.fence is not None else None
-                    if refusal is None and request.verb == "events":
-                        await self._await_events(request)
-                        # It may have lost the lead while it waited: ask the fence again.
-                        refusal = self.fence.check(request) if self.fence is not None else None
-                    if refusal is not None:
-                        writer.write(protocol.encode_error(request.req_id, refusal))
+                holds_snapshot = False  # this request holds one of the snapshot slots
+                try:
+                    step = session.open_request(header, body)
+                    if isinstance(step, serving.Refusal):
+                        # (No payload to skip: the header's limit refused every payload.)
+                        if session.authenticated:
+                            deadlines.pop(writer, None)
+                            self.pending.discard(writer)
+                        writer.write(step.frame)
+                        if step.hang_up:
+                            await writer.drain()
+                            return
                     else:
-                        reply = await dispatch_bounded(
-                            self.slot.service, request, self.observer, self.chunk_items, after
-                        )
-                        writer.write(reply)
-                        if after:  # (no await between: see AFTER_REPLY)
-                            run_after_reply(after)
-                await writer.drain()
+                        request = step
+                        refusal = self.fence.check(request) if self.fence is not None else None
+                        if refusal is None and request.verb == "events_snapshot":
+                            refusal = self._take_snapshot_slot()
+                            holds_snapshot = refusal is None
+                        if refusal is None and request.verb == "events":
+                            await self._await_events(request)
+                            # It may have lost the lead while it waited: ask the fence again.
+                            refusal = self.fence.check(request) if self.fence is not None else None
+                        if refusal is not None:
+                            writer.write(protocol.encode_error(request.req_id, refusal))
+                        else:
+                            reply = await dispatch_bounded(
+                                self.slot.service, request, self.observer, self.chunk_items, after
+                            )
+                            writer.write(reply)
+                            if after:  # (no await between: see AFTER_REPLY)
+                                run_after_reply(after)
+                    if not holds_snapshot:
+                        await writer.drain()
+                    else:
+                        try:
+                            await asyncio.wait_for(writer.drain(), SNAPSHOT_WRITE_TIMEOUT_S)
+                        except TimeoutError:
+                            log.warning("a subscriber did not read its event snapshot; closing")
+                            writer.transport.abort()  # close() would keep the buffer to send
+                            return
+                finally:
+                    if holds_snapshot:
+                        self._snapshots -= 1
                 self._awake.served()
         except ConnectionError:
             return

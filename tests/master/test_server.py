@@ -368,3 +368,55 @@ def test_a_prompt_of_more_blocks_than_a_chunk_is_indexed_and_matched_in_steps(
     matched = call("kv_match", prompt)
     assert matched["num_tokens"] == blocks and [b[0] for b in matched["blocks"]] == keys
     assert calls == (["kv_match_steps"] if stepped else ["kv_match"])
+
+
+def test_event_snapshots_in_flight_are_capped_and_a_reader_that_never_reads_lets_go(
+    live: Live, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each snapshot answer may be tens of MB: subscribers that ask and never read hold at most
+    SNAPSHOTS_IN_FLIGHT of them; one more is refused OVERLOADED (the client's event stream
+    retries), and a slot comes back when its reader hangs up or misses the write timeout."""
+    from kvstore.errors import OverloadedError
+    from kvstore.master import server as master_server
+
+    monkeypatch.setattr(master_server, "SNAPSHOTS_IN_FLIGHT", 2)
+    blob = bytes(16 * 1_000_000)  # a million blocks: far more than the sockets buffer
+    monkeypatch.setattr(live.svc.prefix, "snapshot", lambda: (1, 7, {b"n" * 16: blob}))
+    idle = [live.connect() for _ in range(2)]
+    for conn in idle:
+        conn.send_request("events_snapshot", {})  # ... and never read the answer
+    asker = live.connect()
+
+    def refused() -> bool:
+        try:
+            asker.call("events_snapshot", {})
+        except OverloadedError:
+            return True
+        return False
+
+    try:
+        wait_until(refused, timeout=30, what="a third snapshot refused")
+        idle[0].close()  # a slot comes back when its reader hangs up ...
+        wait_until(lambda: not refused(), timeout=30, what="a snapshot answered again")
+        # ... or when it does not read within the write timeout.
+        late = None
+        monkeypatch.setattr(master_server, "SNAPSHOT_WRITE_TIMEOUT_S", 0.2)
+        late = live.connect()
+        late.send_request("events_snapshot", {})
+        wait_until(lambda: live.server._snapshots == 2, timeout=30, what="both slots held")
+        wait_until(lambda: live.server._snapshots == 1, timeout=30, what="the late one's slot back")
+        late.sock.settimeout(0.5)
+
+        def cut() -> bool:
+            try:
+                return late.sock.recv(1 << 20) == b""
+            except TimeoutError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        wait_until(cut, timeout=30, what="the late reader's connection cut")
+    finally:
+        for conn in [*idle, asker, late]:
+            if conn is not None:
+                conn.close()
