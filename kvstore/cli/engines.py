@@ -21,6 +21,7 @@ from pathlib import Path
 from kvstore.cli.common import run_loop
 from kvstore.client.adapters.demo import run_demo
 from kvstore.client.adapters.realmodel import fetch_model, model_dir, require_model
+from kvstore.config import parse_size
 from kvstore.embedded import EmbeddedCluster
 from kvstore.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
@@ -186,6 +187,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         policy=args.policy,
         discover=args.discover,
         discover_prefix=args.discover_prefix,
+        max_body_bytes=args.max_body,
+        max_chars_per_token=args.max_chars_per_token,
     )
     run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -270,6 +273,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument(
+        "--max-body",
+        type=parse_size,
+        default=16 << 20,
+        help="largest request body read (beyond it: 413 unread), e.g. 16MiB",
+    )
+    p.add_argument(
+        "--max-chars-per-token",
+        type=int,
+        default=16,
+        help="a prompt longer than the context length times this is refused before tokenizing",
+    )
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser(
@@ -298,6 +313,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight", type=int, default=4, help="concurrent requests per engine")
     p.add_argument("--poll-interval", type=float, default=0.5, help="seconds between polls")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument(
+        "--max-body",
+        type=parse_size,
+        default=16 << 20,
+        help="largest request body read (beyond it: 413 unread), e.g. 16MiB",
+    )
+    p.add_argument(
+        "--max-chars-per-token",
+        type=int,
+        default=16,
+        help="a prompt longer than the context length times this is refused before tokenizing",
+    )
     p.add_argument(
         "--no-early-rejection", action="store_true", help="queue requests whatever the prediction"
     )
