@@ -10,31 +10,19 @@ interpreter's site-packages; ``--uninstall-alias`` removes it again.
 
 Return conventions are Mooncake's, measured against the real wheel
 (``mooncake-transfer-engine-non-cuda==0.3.13.post1``, tests/client/compat/mooncake_contract.py
-runs the same script against both): ``0`` or a negative Mooncake error code for writes; the
-byte count or a negative code for reads into buffers; ``b""`` for a missed ``get``; ``1`` / ``0``
-/ ``-1`` for existence; counts for ``remove_by_regex`` / ``remove_all``. A ``put`` of a key that
-is already stored returns 0 and keeps the stored value (Mooncake's rule; ``upsert`` replaces).
+runs the same script against both and names every public method of the wheel): ``0`` or a
+negative Mooncake error code for writes; the byte count or a negative code for reads into
+buffers; ``b""`` for a missed ``get``; ``None`` for what ``get_buffer`` / ``get_tensor`` cannot
+return (per key in batches); ``1`` / ``0`` / ``-1`` for existence; counts for
+``remove_by_regex`` / ``remove_all``; nested lists of byte counts or codes for
+``get_into_ranges``. A ``put`` of a key that is already stored returns 0 and keeps the stored
+value (Mooncake's rule; ``upsert`` replaces). As in the wheel, the copying verbs (``put*``,
+``upsert``, ``get``, ``get_batch``, ``get_buffer``, the tensor puts and gets) stage their bytes
+in the ``local_buffer_size`` set up (a put or batch larger than it is refused, a get that does
+not fit is a miss); the verbs on caller buffers (``*_from``, ``*_into``, ranges) need none.
 
-Where kvstore differs (documented, the contract script accepts both):
-
-- Leases: Mooncake grants a read lease (5 s by default) during which ``remove`` answers
-  ``OBJECT_HAS_LEASE`` (-706) unless ``force=True``. kvstore removes at once: a read in flight
-  still finishes safely (its own lease holds the bytes), so ``remove`` never answers -706.
-- Memory: ``global_segment_size`` is not contributed by this process; kvstore's storage nodes
-  hold the objects (``kvstore node`` / ``kvstore up``). ``local_buffer_size``, ``protocol`` and
-  ``rdma_devices`` are accepted and not needed (kvstore picks shared memory, TCP or RDMA itself).
-- Buffers: as with Mooncake over TCP, ``put_from`` / ``get_into`` take any valid address;
-  ``register_buffer`` is bookkeeping (a second registration of an address or an unknown
-  ``unregister_buffer`` answers -600, like Mooncake's).
-- A duplicate ``put`` checks existence first (one more master call); two clients racing to put
-  the same new key may both write, and the last one wins.
-- ``put_tensor`` stores kvstore's own small header + the raw bytes: tensors written through
-  real Mooncake are not readable here, and the other way round.
-
-Not covered: the transfer-engine API (``mooncake.engine``), segment mounting and SSD offload
-(``mount_segment``, ``allocate_and_mount_segment``), copy/move tasks, tensor-parallel and
-"parallelism" tensor variants, get/put sessions, ``ReplicateConfig`` placement fields (accepted,
-ignored except ``replica_num``), and CUDA tensors in ``get_tensor_into_cuda``.
+The deliberate differences, and what is not covered, are listed in the README's Mooncake
+section; the contract script skips exactly those, by name, with the reason.
 """
 
 from __future__ import annotations
@@ -42,8 +30,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import re
+import socket
 import struct
 import sys
 import sysconfig
@@ -153,34 +143,229 @@ def _at(ptr: int, size: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
 
 
+def _bytes_like(value: Any, what: str) -> memoryview:
+    """``value`` as bytes, as the wheel's ``Buffer`` arguments take it.
+
+    Raises:
+        TypeError: not a bytes-like object (the wheel's binding raises the same).
+    """
+    try:
+        return memoryview(value).cast("B")
+    except (TypeError, ValueError) as err:
+        raise TypeError(
+            f"{what}: a bytes-like object is required, not {type(value).__name__!r}"
+        ) from err
+
+
+def _u64(value: Any, what: str) -> int:
+    """An unsigned 64-bit integer argument, converted as the wheel's binding converts it.
+
+    Raises:
+        TypeError: not an integer in [0, 2**64).
+    """
+    if isinstance(value, int):
+        number = int(value)
+    elif hasattr(value, "__index__"):  # numpy integers
+        number = value.__index__()
+    else:
+        raise TypeError(f"{what}: incompatible function arguments ({type(value).__name__})")
+    if not 0 <= number < 1 << 64:
+        raise TypeError(f"{what}: incompatible function arguments ({number} is not a uint64)")
+    return number
+
+
+def _key_text(key: Any) -> Any:
+    """A key as the wheel reads it: ``bytes`` are decoded as UTF-8, the rest left as is."""
+    if isinstance(key, bytes):
+        try:
+            return key.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return key
+
+
+# ---------------------------------------------------------------- setup's config dict
+#: Units the wheel's size parser knows (case-insensitive): bytes, KiB, MiB, GiB, TiB.
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20}
+_UNITS |= {"g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+#: A number as C's strtod reads it (decimal or hex, optional sign and exponent), then a unit.
+_SIZE_TEXT = re.compile(
+    r"\s*\+?(0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?"
+    r"|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMgGtT]?[bB]?)\s*"
+)
+#: The wheel's segment allocator refuses a global segment below this (setup answers -600).
+_MIN_GLOBAL_SEGMENT = 16 << 20
+#: The wheel's config dict takes a global segment of 0 or at least this many bytes.
+_MIN_CONFIG_SIZE = 1024
+#: The wheel's config dict takes a local buffer of 0 or up to this many bytes.
+_MAX_LOCAL_BUFFER = 1 << 40
+#: Transports the non-CUDA wheel sets up; any other name fails setup with -1.
+_PROTOCOLS = frozenset({"tcp", "rdma", "efa"})
+
+
+def _config_size(value: Any) -> int | None:
+    """A size from setup's config dict, read as the wheel reads it; None when it refuses it.
+
+    The wheel takes the value's text (so ``16 << 20``, ``16.0``, ``"16MB"``, ``"1.5 GB"`` and
+    ``"0x10"`` all parse, fractions truncated) with a unit of B, K(B), M(B), G(B) or T(B); it
+    refuses ``True``, ``None``, percentages, ``MiB``-style units, signs other than ``+`` and
+    text around the number. Sizes of 2**64 or more are refused here (the wheel overflows).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    match = _SIZE_TEXT.fullmatch(str(value))
+    if match is None:
+        return None
+    number_text, unit = match.groups()
+    try:
+        number = (
+            float.fromhex(number_text) if number_text[:2] in ("0x", "0X") else float(number_text)
+        )
+    except (ValueError, OverflowError):
+        return None
+    size = number * _UNITS[unit.lower()]
+    if not math.isfinite(size) or size >= 1 << 64:
+        return None
+    return int(size)
+
+
+def _named_port(host: str) -> str:
+    """``host`` as the wheel names a client: ``host:port``, a free port added when none is given.
+
+    The wheel's port is its transfer engine's listening port; kvstore's clients listen on
+    nothing, so the port is one the operating system had free when the store was set up.
+    """
+    _, sep, port = host.rpartition(":")
+    if sep and port.isdigit():
+        return host
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
+# ---------------------------------------------------------------- tensors
 _TENSOR_MAGIC = b"KVT1"
+#: The tensor's bytes start at a multiple of this, so a view of them in a caller's buffer is
+#: aligned for every dtype.
+_TENSOR_ALIGN = 64
+#: The dtypes the wheel's ``put_tensor`` takes (others answer -600), by torch's name.
+_TENSOR_DTYPES = (
+    "bfloat16", "bool", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+)  # fmt: skip
+
+
+class _NotATensor(ValueError):
+    """An object that ``get_tensor`` cannot return (not ``put_tensor``'s, or a bad header)."""
 
 
 def _tensor_bytes(tensor: Any) -> bytes:
-    """kvstore's tensor format: magic, u32 header length, JSON {dtype, shape}, raw bytes."""
+    """kvstore's tensor format: magic, u32 header length, JSON {dtype, shape} padded with
+    spaces to an aligned end, raw bytes.
+
+    A 0-dimensional tensor is stored with shape ``[1]``, as the wheel stores it.
+
+    Raises:
+        InvalidRequestError: not a tensor, or a dtype the wheel does not store.
+    """
     import torch
 
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRequestError(f"put_tensor needs a torch.Tensor, got {type(tensor).__name__}")
-    t = tensor.detach().to("cpu").contiguous()
-    header = json.dumps({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)})
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in _TENSOR_DTYPES:
+        raise InvalidRequestError(f"put_tensor does not store {tensor.dtype}")
+    shape = list(tensor.shape) or [1]
+    t = tensor.detach().to("cpu").contiguous().reshape(shape)
+    head = json.dumps({"dtype": dtype, "shape": shape}).encode()
+    head += b" " * (-(8 + len(head)) % _TENSOR_ALIGN)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    head = header.encode()
     return _TENSOR_MAGIC + struct.pack("<I", len(head)) + head + raw
 
 
-def _tensor_from(data: bytes | bytearray) -> Any:
+def _tensor_layout(data: Any) -> tuple[Any, list[int], int]:
+    """The dtype, shape and body offset of a ``put_tensor`` object, checked against its size.
+
+    Raises:
+        _NotATensor: no magic, a header that is not ``{dtype, shape}`` JSON, an unknown dtype,
+            a shape with negative or non-integer sizes, or a body that is not exactly the
+            shape's bytes (past it, short of it, or not a multiple of the dtype's size).
+    """
     import torch
 
-    if data[:4] != _TENSOR_MAGIC:
-        raise InvalidRequestError("object was not written by put_tensor")
-    (n,) = struct.unpack_from("<I", data, 4)
-    header = json.loads(bytes(data[8 : 8 + n]))
-    dtype = getattr(torch, header["dtype"])
-    body = bytearray(data[8 + n :])
+    view = memoryview(data).cast("B")
+    if len(view) < 8 or bytes(view[:4]) != _TENSOR_MAGIC:
+        raise _NotATensor("object was not written by put_tensor")
+    (n,) = struct.unpack_from("<I", view, 4)
+    if 8 + n > len(view):
+        raise _NotATensor("tensor header runs past the object")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+    except ValueError as err:  # bad JSON or bad UTF-8
+        raise _NotATensor(f"tensor header is not JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise _NotATensor("tensor header is not an object")
+    dtype_name, shape = header.get("dtype"), header.get("shape")
+    if dtype_name not in _TENSOR_DTYPES:
+        raise _NotATensor(f"unknown tensor dtype {dtype_name!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _NotATensor(f"bad tensor shape {shape!r}")
+    dtype = getattr(torch, dtype_name)
+    body = len(view) - 8 - n
+    if body != math.prod(shape) * dtype.itemsize:
+        raise _NotATensor(f"tensor body of {body} bytes does not hold {shape} x {dtype}")
+    return dtype, shape, 8 + n
+
+
+def _tensor_from(data: Any) -> Any:
+    """The tensor in a ``put_tensor`` object (its own copy of the bytes).
+
+    Raises:
+        _NotATensor: as :func:`_tensor_layout`.
+    """
+    import torch
+
+    dtype, shape, start = _tensor_layout(data)
+    body = bytearray(memoryview(data).cast("B")[start:])
     if not body:
-        return torch.empty(header["shape"], dtype=dtype)
-    return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(header["shape"])
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _tensor_in_place(ptr: int, size: int) -> Any:
+    """The tensor of a ``put_tensor`` object held at ``ptr``, viewing the caller's memory.
+
+    Raises:
+        _NotATensor: as :func:`_tensor_layout`.
+    """
+    import torch
+
+    dtype, shape, start = _tensor_layout(_at(ptr, size))
+    if size == start:
+        return torch.empty(shape, dtype=dtype)
+    body = _at(ptr + start, size - start)
+    return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- get_into_ranges
+def _error_shape(
+    num_buffers: int, all_keys: Sequence[Any], all_dst: Sequence[Any], code: int
+) -> list[list[list[int]]]:
+    """The wheel's answer to ``get_into_ranges`` arguments whose lists disagree in length.
+
+    Per buffer, one list per key it names, with ``code`` once per destination offset given
+    for that key (once when none is given); a buffer beyond ``all_keys`` gets ``[[code]]``.
+    """
+    out: list[list[list[int]]] = []
+    for i in range(num_buffers):
+        if i >= len(all_keys):
+            out.append([[code]])
+            continue
+        dsts = all_dst[i] if i < len(all_dst) else []
+        out.append(
+            [[code] * (len(dsts[j]) if j < len(dsts) else 1) for j in range(len(all_keys[i]))]
+        )
+    return out
 
 
 class MooncakeDistributedStore:
@@ -192,6 +377,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._client: Client | None = None
         self._hostname = ""
+        self._local_buffer = 0
         self._buffers: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -213,17 +399,43 @@ class MooncakeDistributedStore:
         The master is ``master_server_addr`` (kvstore's ``HOST:PORT`` or ``etcd://...``),
         overridden by ``$KVSTORE_MASTER`` when set (so an unmodified Mooncake program, whose
         address names Mooncake's master, can be pointed at kvstore). ``metadata_server`` is used
-        when it is an ``etcd://`` URL and no master address is given. The other arguments are
-        accepted for compatibility (see the module docstring).
+        when it is an ``etcd://`` URL and no master address is given. Sizes, the hostname and
+        the protocol are checked as the wheel checks them; ``global_segment_size`` is not
+        allocated (kvstore's storage nodes hold the objects) and ``local_buffer_size`` bounds
+        what one copying verb stages, as in the wheel.
 
         Returns:
-            0, or a negative Mooncake code: -600 for bad arguments, -900 when no master answers.
+            0, or a negative Mooncake code: -600 for bad arguments (a size the wheel refuses,
+            an empty hostname, a config dict without ``metadata_server``), -1 for a protocol
+            the wheel does not set up, -900 when no master answers.
+
+        Raises:
+            TypeError: a positional size that is not an unsigned 64-bit integer (the wheel's
+                binding raises the same).
         """
         if isinstance(local_hostname, dict):
             cfg = local_hostname
-            local_hostname = cfg.get("local_hostname", "")
-            metadata_server = cfg.get("metadata_server", "")
+            local_hostname = str(cfg.get("local_hostname", ""))
+            metadata_server = str(cfg.get("metadata_server", ""))
             master_server_addr = cfg.get("master_server_addr", "")
+            protocol = cfg.get("protocol", "tcp")
+            global_size = _config_size(cfg.get("global_segment_size", 16 << 20))
+            local_size = _config_size(cfg.get("local_buffer_size", 16 << 20))
+            if global_size is None or local_size is None or not metadata_server:
+                return ErrorCodes.INVALID_PARAMS
+            if 0 < global_size < _MIN_CONFIG_SIZE or local_size > _MAX_LOCAL_BUFFER:
+                return ErrorCodes.INVALID_PARAMS
+            if 0 < local_size < _MIN_CONFIG_SIZE:
+                return ErrorCodes.INVALID_PARAMS
+        else:
+            global_size = _u64(global_segment_size, "setup(): global_segment_size")
+            local_size = _u64(local_buffer_size, "setup(): local_buffer_size")
+        if not isinstance(local_hostname, str) or not local_hostname:
+            return ErrorCodes.INVALID_PARAMS
+        if protocol not in _PROTOCOLS:
+            return ErrorCodes.INTERNAL_ERROR
+        if 0 < global_size < _MIN_GLOBAL_SEGMENT:
+            return ErrorCodes.INVALID_PARAMS
         if not isinstance(master_server_addr, str) or not isinstance(metadata_server, str):
             return ErrorCodes.INVALID_PARAMS
         address = Env.read().master or master_server_addr
@@ -238,18 +450,26 @@ class MooncakeDistributedStore:
         old, self._client = self._client, client
         if old is not None:
             old.close()
-        self._hostname = str(local_hostname)
+        self._hostname = _named_port(local_hostname)
+        self._local_buffer = local_size
         return 0
 
     def init_all(self, protocol: str, device_name: str, mount_segment_size: int = 16 << 20) -> int:
         """Mooncake's all-defaults setup: the master from ``$KVSTORE_MASTER`` (else
-        ``127.0.0.1:50051``, Mooncake's default master port)."""
+        ``127.0.0.1:50051``, Mooncake's default master port); -600 on a store already set up,
+        as the wheel answers."""
+        if self._client is not None:
+            return ErrorCodes.INVALID_PARAMS
         return self.setup(
             "localhost", "", mount_segment_size, 16 << 20, protocol, device_name, "127.0.0.1:50051"
         )
 
     def close(self) -> int:
-        """Disconnect; idempotent. Returns 0."""
+        """Disconnect; idempotent. Returns 0.
+
+        What this client stored stays readable by the others: kvstore's storage nodes hold the
+        objects, not the client (Mooncake drops the objects in a closing client's own segment).
+        """
         client, self._client = self._client, None
         if client is not None:
             client.close()
@@ -266,7 +486,13 @@ class MooncakeDistributedStore:
         return 0
 
     def get_hostname(self) -> str:
+        """This client's name, ``host:port`` as the wheel gives it ("" before setup)."""
         return self._hostname
+
+    def get_offload_rpc_read_count(self) -> int:
+        """Reads served by the wheel's SSD-offload RPC: kvstore has none, so 0 (the wheel's
+        answer without offload)."""
+        return 0
 
     @property
     def client(self) -> Client:
@@ -281,7 +507,8 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------ buffers
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Note a buffer for ``put_from`` / ``get_into``; -600 if that address is registered."""
+        """Note a buffer for ``put_from`` / ``get_into`` / ``get_into_ranges``; -600 if that
+        address is registered."""
         if not isinstance(buffer_ptr, int) or not isinstance(size, int) or buffer_ptr <= 0:
             return ErrorCodes.INVALID_PARAMS
         if size <= 0:
@@ -299,14 +526,24 @@ class MooncakeDistributedStore:
                 return ErrorCodes.INVALID_PARAMS
         return 0
 
+    def _registered_end(self, ptr: int) -> int | None:
+        """The end address of the registered buffer holding ``ptr``; None when none does."""
+        with self._lock:
+            # NOTE: a scan: programs register a handful of large buffers, not many small ones.
+            for start, size in self._buffers.items():
+                if start <= ptr < start + size:
+                    return start + size
+        return None
+
     # ------------------------------------------------------------ writes
     def _put_many(
-        self, keys: Sequence[str], views: Sequence[Any], config: Any, overwrite: bool
+        self, keys: Sequence[Any], views: Sequence[Any], config: Any, overwrite: bool
     ) -> list[int]:
         """Store each key whose value is valid; per key 0 or a Mooncake code."""
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
+        keys = [_key_text(k) for k in keys]
         out = [0] * len(keys)
         todo: list[int] = []
         for i, (k, v) in enumerate(zip(keys, views, strict=True)):
@@ -314,6 +551,10 @@ class MooncakeDistributedStore:
                 out[i] = ErrorCodes.INVALID_PARAMS
             else:
                 todo.append(i)
+        # A key named twice in one batch is written once, as if the batch ran in order: a put
+        # keeps its first value (the wheel's answer), an upsert its last; the other is 0.
+        chosen = {keys[i]: i for i in (todo if overwrite else reversed(todo))}
+        todo = sorted(chosen.values())
         if not todo:
             return out
         try:
@@ -334,33 +575,49 @@ class MooncakeDistributedStore:
             out[i] = 0 if err is None else _code(err)
         return out
 
-    @staticmethod
-    def _view(value: Any) -> memoryview | None:
-        try:
-            return memoryview(value).cast("B")
-        except (TypeError, ValueError):
-            return None
+    def _staged_puts(
+        self, keys: Sequence[Any], views: Sequence[memoryview], config: Any, overwrite: bool
+    ) -> list[int]:
+        """A copying put: the batch goes through the local buffer whole, as in the wheel, so a
+        batch larger than it is refused (-600 for every key) and nothing is stored."""
+        if self._client is not None and sum(len(v) for v in views) > self._local_buffer:
+            return [ErrorCodes.INVALID_PARAMS] * len(keys)
+        return self._put_many(keys, views, config, overwrite)
 
     def put(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Store ``value`` (bytes-like); 0, or -600 for an empty value or key."""
-        return self._put_many([key], [self._view(value)], config, False)[0]
+        """Store ``value`` (bytes-like); 0, or -600 for an empty value or key.
+
+        Raises:
+            TypeError: ``value`` is not bytes-like (as the wheel's binding).
+        """
+        return self._staged_puts([key], [_bytes_like(value, "put()")], config, False)[0]
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
-        """Store ``value``, replacing a stored one; 0 or a negative code."""
-        return self._put_many([key], [self._view(value)], config, True)[0]
+        """Store ``value``, replacing a stored one; 0 or a negative code.
+
+        Raises:
+            TypeError: ``value`` is not bytes-like.
+        """
+        return self._staged_puts([key], [_bytes_like(value, "upsert()")], config, True)[0]
+
+    def _put_parts(self, key: str, parts: Sequence[Any], config: Any, overwrite: bool) -> int:
+        views = [_bytes_like(p, "put_parts()") for p in parts]
+        if sum(len(v) for v in views) == 0:
+            return 0  # the wheel answers 0 and stores nothing
+        return self._staged_puts([key], [memoryview(b"".join(views))], config, overwrite)[0]
 
     def put_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        """Store the concatenation of ``parts`` (bytes-like) as one object."""
-        views = [self._view(p) for p in parts]
-        if any(v is None for v in views):
-            return ErrorCodes.INVALID_PARAMS
-        return self._put_many([key], [b"".join(views)], config, False)[0]  # type: ignore[arg-type]
+        """Store the concatenation of ``parts`` (bytes-like) as one object; 0 without storing
+        anything when they hold no bytes, as the wheel.
+
+        Raises:
+            TypeError: a part is not bytes-like.
+        """
+        return self._put_parts(key, parts, config, False)
 
     def upsert_parts(self, key: str, *parts: Any, config: ReplicateConfig | None = None) -> int:
-        views = [self._view(p) for p in parts]
-        if any(v is None for v in views):
-            return ErrorCodes.INVALID_PARAMS
-        return self._put_many([key], [b"".join(views)], config, True)[0]  # type: ignore[arg-type]
+        """:meth:`put_parts`, replacing a stored value."""
+        return self._put_parts(key, parts, config, True)
 
     def put_batch(
         self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
@@ -368,15 +625,18 @@ class MooncakeDistributedStore:
         """Store many bytes-like values; 0 when all were stored, else the first failure's code."""
         if len(keys) != len(values):
             return ErrorCodes.INVALID_PARAMS
-        rcs = self._put_many(keys, [self._view(v) for v in values], config, False)
+        views = [_bytes_like(v, "put_batch()") for v in values]
+        rcs = self._staged_puts(keys, views, config, False)
         return next((rc for rc in rcs if rc != 0), 0)
 
     def upsert_batch(
         self, keys: list[str], values: list[Any], config: ReplicateConfig | None = None
     ) -> int:
+        """:meth:`put_batch`, replacing stored values."""
         if len(keys) != len(values):
             return ErrorCodes.INVALID_PARAMS
-        rcs = self._put_many(keys, [self._view(v) for v in values], config, True)
+        views = [_bytes_like(v, "upsert_batch()") for v in values]
+        rcs = self._staged_puts(keys, views, config, True)
         return next((rc for rc in rcs if rc != 0), 0)
 
     def _ptr_views(self, ptrs: Sequence[int], sizes: Sequence[int]) -> list[memoryview | None]:
@@ -397,7 +657,30 @@ class MooncakeDistributedStore:
     def upsert_from(
         self, key: str, buffer_ptr: int, size: int, config: ReplicateConfig | None = None
     ) -> int:
+        """:meth:`put_from`, replacing a stored value."""
         return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
+
+    def put_from_with_metadata(
+        self,
+        key: str,
+        buffer_ptr: int,
+        metadata_buffer_ptr: int,
+        size: int,
+        metadata_size: int,
+        config: ReplicateConfig | None = None,
+    ) -> int:
+        """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes
+        at ``buffer_ptr`` as one object (the wheel's order); 0 without storing anything when
+        ``size`` is 0, as the wheel."""
+        _u64(size, "put_from_with_metadata(): size")
+        _u64(metadata_size, "put_from_with_metadata(): metadata_size")
+        if size == 0:
+            return 0
+        data = self._ptr_views([buffer_ptr], [size])[0]
+        meta = self._ptr_views([metadata_buffer_ptr], [metadata_size])[0] if metadata_size else b""
+        if data is None or meta is None:
+            return ErrorCodes.INVALID_PARAMS
+        return self._put_many([key], [memoryview(bytes(meta) + bytes(data))], config, False)[0]
 
     def batch_put_from(
         self,
@@ -416,6 +699,7 @@ class MooncakeDistributedStore:
         sizes: list[int],
         config: ReplicateConfig | None = None,
     ) -> list[int]:
+        """:meth:`batch_put_from`, replacing stored values."""
         return self._put_from(keys, buffer_ptrs, sizes, config, upsert=True)
 
     def _put_from(
@@ -429,6 +713,7 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [ErrorCodes.INVALID_PARAMS] * len(keys)
+        sizes = [_u64(n, "put_from(): size") for n in sizes]
         return self._put_many(keys, self._ptr_views(buffer_ptrs, sizes), config, upsert)
 
     def batch_put_from_multi_buffers(
@@ -451,34 +736,46 @@ class MooncakeDistributedStore:
         return self._put_many(keys, values, config, False)
 
     # ------------------------------------------------------------ reads
+    def _staged_gets(self, keys: Sequence[Any]) -> list[bytearray | None]:
+        """A copying read: per key its bytes, or None for a miss or an object that does not fit
+        in what is left of the local buffer (keys taken in order, as the wheel stages them)."""
+        client = self._client
+        if client is None or not keys:
+            return [None] * len(keys)
+        if self._local_buffer == 0:
+            return [None] * len(keys)  # nothing can be staged: the wheel reads nothing either
+        keys = [_key_text(k) for k in keys]
+        try:
+            got = client.batch_get(keys)
+        except KVStoreError:
+            return [None] * len(keys)
+        out: list[bytearray | None] = []
+        room = self._local_buffer
+        for g in got:
+            if isinstance(g, KVStoreError) or len(g) > room:
+                out.append(None)
+            else:
+                room -= len(g)
+                out.append(bytearray(g))
+        return out
+
     def get(self, key: str) -> bytes:
         """The object's bytes; ``b""`` when it is missing or cannot be read (Mooncake's rule)."""
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: list[str]) -> list[bytes]:
-        """Per key its bytes, ``b""`` for a miss."""
-        client = self._client
-        if client is None:
-            return [b""] * len(keys)
-        try:
-            got = client.batch_get(list(keys))
-        except KVStoreError:
-            return [b""] * len(keys)
-        return [b"" if isinstance(g, KVStoreError) else g for g in got]
+        """Per key its bytes, ``b""`` for a miss; ``[b""]`` for no keys, as the wheel."""
+        if not keys:
+            return [b""]
+        return [b"" if g is None else bytes(g) for g in self._staged_gets(keys)]
 
     def get_buffer(self, key: str) -> BufferHandle | None:
         """The object in a :class:`BufferHandle`; None when it is missing."""
         return self.batch_get_buffer([key])[0]
 
     def batch_get_buffer(self, keys: list[str]) -> list[BufferHandle | None]:
-        client = self._client
-        if client is None:
-            return [None] * len(keys)
-        try:
-            got = client.batch_get(list(keys))
-        except KVStoreError:
-            return [None] * len(keys)
-        return [None if isinstance(g, KVStoreError) else BufferHandle(g) for g in got]
+        """Per key a :class:`BufferHandle`, or None for a miss."""
+        return [None if g is None else BufferHandle(g) for g in self._staged_gets(keys)]
 
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
         """Read the object into ``size`` bytes at ``buffer_ptr``.
@@ -497,6 +794,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
+        keys = [_key_text(k) for k in keys]
         views = self._ptr_views(buffer_ptrs, sizes)
         out = [ErrorCodes.INVALID_PARAMS] * len(keys)
         todo = [i for i, v in enumerate(views) if v is not None and isinstance(keys[i], str)]
@@ -543,8 +841,9 @@ class MooncakeDistributedStore:
         return out
 
     @staticmethod
-    def _raw_get_into(client: Client, keys: Sequence[str], bufs: Sequence[Any]) -> list[int]:
+    def _raw_get_into(client: Client, keys: Sequence[Any], bufs: Sequence[Any]) -> list[int]:
         out = [ErrorCodes.INVALID_PARAMS] * len(keys)
+        keys = [_key_text(k) for k in keys]
         todo = [i for i, b in enumerate(bufs) if len(b) > 0]
         if not todo:
             return out
@@ -556,36 +855,217 @@ class MooncakeDistributedStore:
             out[i] = g if isinstance(g, int) else _code(g)
         return out
 
-    # ------------------------------------------------------------ tensors
-    def put_tensor(self, key: str, tensor: Any) -> int:
-        """Store a CPU (or CUDA, copied to the host) tensor with its dtype and shape."""
-        try:
-            data = _tensor_bytes(tensor)
-        except InvalidRequestError:
-            return ErrorCodes.INVALID_PARAMS
-        return self._put_many([key], [data], None, False)[0]
+    def get_into_ranges(
+        self,
+        buffer_ptrs: list[int],
+        all_keys: list[list[str]],
+        all_dst_offsets: list[list[list[int]]],
+        all_src_offsets: list[list[list[int]]],
+        all_sizes: list[list[list[int]]],
+    ) -> list[list[list[int]]]:
+        """Copy byte ranges of objects into registered buffers.
 
-    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
-        if len(keys) != len(tensors_list):
+        Buffer ``i`` gets, for its ``j``-th key ``all_keys[i][j]`` and that key's ``r``-th
+        range, ``all_sizes[i][j][r]`` bytes from offset ``all_src_offsets[i][j][r]`` of the
+        object, written at ``buffer_ptrs[i] + all_dst_offsets[i][j][r]``. Each object is read
+        whole (checked against its checksum) and the ranges are copied from it.
+
+        Returns:
+            The same nesting as the offsets: per range the bytes copied, or -600 (buffer not
+            inside a registered one, a range past the registered buffer or past the object,
+            lists that disagree in length), -704 (object missing) or another negative code.
+
+        Raises:
+            TypeError: an offset, size or address that is not an unsigned 64-bit integer, or a
+                key that is not text (as the wheel's binding).
+        """
+        ptrs = [_u64(p, "get_into_ranges(): buffer_ptrs") for p in buffer_ptrs]
+        keys = [[_key_text(k) for k in ks] for ks in all_keys]
+        if any(not isinstance(k, str) for ks in keys for k in ks):
+            raise TypeError("get_into_ranges(): incompatible function arguments (keys)")
+        nested = [
+            [[[_u64(x, f"get_into_ranges(): {name}") for x in r] for r in per_key]
+             for per_key in lists]
+            for name, lists in (
+                ("dst offsets", all_dst_offsets),
+                ("src offsets", all_src_offsets),
+                ("sizes", all_sizes),
+            )
+        ]  # fmt: skip
+        dst, src, sizes = nested
+        bad = ErrorCodes.INVALID_PARAMS
+        if not len(ptrs) == len(keys) == len(dst) == len(src) == len(sizes):
+            return _error_shape(len(ptrs), keys, dst, bad)
+        out: list[list[list[int]]] = []
+        wanted: list[tuple[int, int, int]] = []  # (buffer, key, range) to fill from an object
+        for i, ptr in enumerate(ptrs):
+            if not len(keys[i]) == len(dst[i]) == len(src[i]) == len(sizes[i]):
+                out.append(_error_shape(1, [keys[i]], [dst[i]], bad)[0])
+                continue
+            end = self._registered_end(ptr)
+            per_key: list[list[int]] = []
+            for j in range(len(keys[i])):
+                if not len(dst[i][j]) == len(src[i][j]) == len(sizes[i][j]) or end is None:
+                    per_key.append([bad] * len(dst[i][j]))
+                else:
+                    per_key.append([0] * len(dst[i][j]))
+                    wanted.extend((i, j, r) for r in range(len(dst[i][j])))
+            out.append(per_key)
+        if not wanted:
+            return out
+        client = self._client
+        if client is None:
+            for i, j, r in wanted:
+                out[i][j][r] = ErrorCodes.INTERNAL_ERROR
+            return out
+        names = sorted({keys[i][j] for i, j, _ in wanted})
+        try:
+            got = dict(zip(names, client.batch_get(names), strict=True))
+        except KVStoreError as err:
+            got = dict.fromkeys(names, err)
+        for i, j, r in wanted:
+            data = got[keys[i][j]]
+            if isinstance(data, KVStoreError):
+                out[i][j][r] = _code(data)
+                continue
+            start, n = ptrs[i] + dst[i][j][r], sizes[i][j][r]
+            if start + n > self._registered_end(ptrs[i]) or src[i][j][r] + n > len(data):  # type: ignore[operator]
+                out[i][j][r] = bad
+            elif n > 0:
+                _at(start, n)[:] = data[src[i][j][r] : src[i][j][r] + n]
+                out[i][j][r] = n
+        return out
+
+    # ------------------------------------------------------------ tensors
+    def _put_tensors(
+        self, keys: Sequence[Any], tensors: Sequence[Any], config: Any, overwrite: bool
+    ) -> list[int]:
+        """Store tensors in kvstore's format; per key 0 or a code. A batch larger than the local
+        buffer is refused with -200, as the wheel's tensor puts answer."""
+        if len(keys) != len(tensors):
             return [ErrorCodes.INVALID_PARAMS] * len(keys)
         values: list[Any] = []
-        for t in tensors_list:
+        for t in tensors:
             try:
-                values.append(_tensor_bytes(t))
+                values.append(memoryview(_tensor_bytes(t)))
             except InvalidRequestError:
                 values.append(None)
-        return self._put_many(keys, values, None, False)
+        staged = sum(len(v) for v in values if v is not None)
+        if self._client is not None and staged > self._local_buffer:
+            return [
+                ErrorCodes.INVALID_PARAMS if v is None else ErrorCodes.NO_AVAILABLE_HANDLE
+                for v in values
+            ]
+        return self._put_many(keys, values, config, overwrite)
+
+    def put_tensor(self, key: str, tensor: Any) -> int:
+        """Store a CPU (or CUDA, copied to the host) tensor with its dtype and shape; -600 for
+        what is not a tensor or a dtype the wheel does not store (complex, sub-byte, ...)."""
+        return self._put_tensors([key], [tensor], None, False)[0]
+
+    def upsert_tensor(self, key: str, tensor: Any) -> int:
+        """:meth:`put_tensor`, replacing a stored value."""
+        return self._put_tensors([key], [tensor], None, True)[0]
+
+    def pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> int:
+        """:meth:`put_tensor` with replication settings."""
+        return self._put_tensors([key], [tensor], config, False)[0]
+
+    def upsert_pub_tensor(
+        self, key: str, tensor: Any, config: ReplicateConfig | None = None
+    ) -> int:
+        """:meth:`pub_tensor`, replacing a stored value."""
+        return self._put_tensors([key], [tensor], config, True)[0]
+
+    def batch_put_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Per key :meth:`put_tensor`'s answer; -600 for every key when the lists differ."""
+        return self._put_tensors(keys, tensors_list, None, False)
+
+    def batch_upsert_tensor(self, keys: list[str], tensors_list: list[Any]) -> list[int]:
+        """Per key :meth:`upsert_tensor`'s answer."""
+        return self._put_tensors(keys, tensors_list, None, True)
+
+    def batch_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Per key :meth:`pub_tensor`'s answer."""
+        return self._put_tensors(keys, tensors_list, config, False)
+
+    def batch_upsert_pub_tensor(
+        self, keys: list[str], tensors_list: list[Any], config: ReplicateConfig | None = None
+    ) -> list[int]:
+        """Per key :meth:`upsert_pub_tensor`'s answer."""
+        return self._put_tensors(keys, tensors_list, config, True)
+
+    def _put_tensors_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int], overwrite: bool
+    ) -> list[int]:
+        """Store buffers that hold a tensor object as :meth:`get_tensor_into` leaves it."""
+        if not len(keys) == len(buffer_ptrs) == len(sizes):
+            return [ErrorCodes.INVALID_PARAMS] * len(keys)
+        views = self._ptr_views(buffer_ptrs, [_u64(n, "put_tensor_from(): size") for n in sizes])
+        values: list[memoryview | None] = []
+        for v in views:
+            try:
+                if v is not None:
+                    _tensor_layout(v)  # refuse what get_tensor could not return
+                values.append(v)
+            except _NotATensor:
+                values.append(None)
+        return self._put_many(keys, values, None, overwrite)
+
+    def put_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Store ``size`` bytes at ``buffer_ptr`` holding a tensor object (header and body, as
+        :meth:`get_tensor_into` leaves them); -600 when they are not one."""
+        return self._put_tensors_from([key], [buffer_ptr], [size], False)[0]
+
+    def upsert_tensor_from(self, key: str, buffer_ptr: int, size: int) -> int:
+        """:meth:`put_tensor_from`, replacing a stored value."""
+        return self._put_tensors_from([key], [buffer_ptr], [size], True)[0]
+
+    def batch_put_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """Per key :meth:`put_tensor_from`'s answer."""
+        return self._put_tensors_from(keys, buffer_ptrs, sizes, False)
+
+    def batch_upsert_tensor_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]:
+        """Per key :meth:`upsert_tensor_from`'s answer."""
+        return self._put_tensors_from(keys, buffer_ptrs, sizes, True)
 
     def get_tensor(self, key: str) -> Any:
-        """The tensor stored by ``put_tensor``; None when missing or not a tensor object."""
+        """The tensor stored by ``put_tensor``; None when it is missing, not a tensor object,
+        or a tensor object whose header does not describe its body."""
         return self.batch_get_tensor([key])[0]
 
     def batch_get_tensor(self, keys: list[str]) -> list[Any]:
+        """Per key :meth:`get_tensor`'s answer: one object that cannot be returned is None and
+        leaves the others' tensors."""
         out: list[Any] = []
-        for data in self.get_batch(keys):
+        for data in self._staged_gets(keys):
             try:
-                out.append(_tensor_from(data) if data else None)
-            except (InvalidRequestError, ValueError, KeyError, AttributeError, struct.error):
+                out.append(None if data is None else _tensor_from(data))
+            except _NotATensor:
+                out.append(None)
+        return out
+
+    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any:
+        """Read a tensor object into ``size`` bytes at ``buffer_ptr``; the tensor, viewing that
+        memory, or None (missing, buffer too small, not a tensor object)."""
+        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
+
+    def batch_get_tensor_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[Any]:
+        """Per key :meth:`get_tensor_into`'s answer."""
+        read = self.batch_get_into(keys, buffer_ptrs, sizes)
+        out: list[Any] = []
+        for n, ptr in zip(read, buffer_ptrs, strict=True):
+            try:
+                out.append(_tensor_in_place(ptr, n) if n > 0 else None)
+            except _NotATensor:
                 out.append(None)
         return out
 
@@ -595,19 +1075,29 @@ class MooncakeDistributedStore:
         return self.batch_is_exist([key])[0]
 
     def batch_is_exist(self, keys: list[str]) -> list[int]:
+        """Per key 1 (stored), 0 (not) or -1 (error)."""
         client = self._client
         if client is None:
             return [-1] * len(keys)
+        keys = [_key_text(k) for k in keys]
+        named = [i for i, k in enumerate(keys) if isinstance(k, str) and k]
+        out = [0] * len(keys)  # an empty key is never stored
         try:
-            return [1 if e else 0 for e in client.batch_exists(list(keys))]
+            found = client.batch_exists([keys[i] for i in named]) if named else []
         except KVStoreError:
             return [-1] * len(keys)
+        for i, f in zip(named, found, strict=True):
+            out[i] = 1 if f else 0
+        return out
 
     def get_size(self, key: str) -> int:
         """The object's size in bytes; -704 when missing."""
         client = self._client
         if client is None:
             return ErrorCodes.INTERNAL_ERROR
+        key = _key_text(key)
+        if key == "":
+            return ErrorCodes.OBJECT_NOT_FOUND
         try:
             info = client.locate(key)
             client.release_lease(info)  # only its size was wanted
@@ -616,24 +1106,24 @@ class MooncakeDistributedStore:
             return _code(err)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """0, or -704 when the key is not stored. (Never -706: see the module docstring.)"""
-        client = self._client
-        if client is None:
-            return ErrorCodes.INTERNAL_ERROR
-        try:
-            err = client.batch_remove([key])[0]
-        except KVStoreError as e:
-            return _code(e)
-        return 0 if err is None else _code(err)
+        """0, or -704 when the key is not stored. (Never -706: see the README's differences.)"""
+        return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        """Per key 0 or a negative code (-704 when not stored)."""
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
+        keys = [_key_text(k) for k in keys]
+        named = [i for i, k in enumerate(keys) if isinstance(k, str) and k]
+        out = [ErrorCodes.OBJECT_NOT_FOUND] * len(keys)  # an empty key is never stored
         try:
-            return [0 if e is None else _code(e) for e in client.batch_remove(list(keys))]
+            errs = client.batch_remove([keys[i] for i in named]) if named else []
         except KVStoreError as e:
             return [_code(e)] * len(keys)
+        for i, e in zip(named, errs, strict=True):
+            out[i] = 0 if e is None else _code(e)
+        return out
 
     def _remove_matching(self, pattern: re.Pattern[str] | None) -> int:
         client = self._client
@@ -655,10 +1145,16 @@ class MooncakeDistributedStore:
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
         """Remove every key the pattern matches anywhere in (``re.search``); the count, or -600
-        for a pattern that does not compile."""
+        for a pattern that does not compile.
+
+        Raises:
+            TypeError: the pattern is not text (as the wheel's binding).
+        """
+        if not isinstance(regex_pattern, str):
+            raise TypeError("remove_by_regex(): incompatible function arguments")
         try:
             pattern = re.compile(regex_pattern)
-        except (re.error, TypeError):
+        except re.error:
             return ErrorCodes.INVALID_PARAMS
         return self._remove_matching(pattern)
 

@@ -5,9 +5,12 @@ wrong bytes."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -36,7 +39,7 @@ MOONCAKE_WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 MOONCAKE_VENV = Path(os.environ.get("KVSTORE_MOONCAKE_VENV", "/tmp/kvstore-mooncake-venv"))
 
 
-def _run_contract(python: str, address: str, metadata: str, env: dict[str, str]) -> None:
+def _run_contract(python: str, address: str, metadata: str, env: dict[str, str]) -> str:
     out = subprocess.run(
         [python, str(CONTRACT), address, metadata],
         capture_output=True,
@@ -45,6 +48,7 @@ def _run_contract(python: str, address: str, metadata: str, env: dict[str, str])
         env={**os.environ, **env},
     )
     assert out.returncode == 0 and "contract ok" in out.stdout, out.stdout + out.stderr[-4000:]
+    return out.stdout
 
 
 def test_contract_script_passes_on_kvstore_through_the_import_alias(
@@ -164,11 +168,29 @@ def _mooncake_cluster(python: str, tmp: Path) -> Iterator[tuple[str, str]]:
         log.close()
 
 
+def _torch_for(python: str, tmp: Path) -> dict[str, str]:
+    """``PYTHONPATH`` that lends this interpreter's torch to the wheel's venv (same Python), so
+    the contract's tensor methods run against the wheel too; empty where it cannot."""
+    probe = [python, "-c", "import sys; print(sys.version_info[:2])"]
+    theirs = subprocess.run(probe, capture_output=True, text=True).stdout.strip()
+    if theirs != str(sys.version_info[:2]):
+        return {}
+    lent = tmp / "lent-torch"
+    lent.mkdir()
+    for name in ("torch", "torchgen", "sympy", "mpmath", "networkx", "jinja2", "markupsafe",
+                 "filelock", "fsspec"):  # fmt: skip
+        module = __import__(name)
+        (lent / name).symlink_to(Path(module.__file__).parent)
+    return {"PYTHONPATH": str(lent)}
+
+
 def test_contract_script_passes_on_real_mooncake(tmp_path: Path) -> None:
     """The same script, unchanged, against the real wheel: the codes asserted are Mooncake's."""
     python = _mooncake_python()
     with _mooncake_cluster(python, tmp_path) as (address, metadata):
-        _run_contract(python, address, metadata, {})
+        lent = _torch_for(python, tmp_path)
+        out = _run_contract(python, address, metadata, lent)
+    assert not lent or "torch is not importable" not in out  # the tensor methods ran too
 
 
 # ---------------------------------------------------------------- methods one by one
@@ -190,7 +212,7 @@ def test_setup_reports_codes_and_follows_etcd(ha_factory) -> None:  # noqa: F811
     cluster = ha_factory(num_masters=1, num_nodes=1)
     # The master found through etcd, given either as the master or as the metadata server.
     assert s.setup({"local_hostname": "h1", "metadata_server": cluster.url}) == 0
-    assert s.get_hostname() == "h1"
+    assert re.fullmatch(r"h1:\d+", s.get_hostname())  # the wheel's host:port form
     assert s.health_check() == 0
     assert s.put("e/k", b"through etcd") == 0
     assert s.get("e/k") == b"through etcd"
@@ -220,19 +242,22 @@ def test_init_all_and_upserts_from_buffers(cluster_factory, monkeypatch) -> None
 
 def test_bad_input_gets_codes_and_stores_nothing(store: MooncakeDistributedStore) -> None:
     assert store.put("", b"v") == ErrorCodes.INVALID_PARAMS
-    assert store.put(b"bytes-key", b"v") == ErrorCodes.INVALID_PARAMS  # type: ignore[arg-type]
-    assert store.put("k", 12345) == ErrorCodes.INVALID_PARAMS
+    with pytest.raises(TypeError):  # the wheel's binding refuses what is not bytes-like
+        store.put("k", 12345)
     assert store.put("k" * 600, b"v") == ErrorCodes.INVALID_PARAMS  # past kvstore's key limit
     assert store.put_from("k", 0, 10) == ErrorCodes.INVALID_PARAMS
-    assert store.put_from("k", 4096, -1) == ErrorCodes.INVALID_PARAMS
+    with pytest.raises(TypeError):  # a negative size is not a uint64 to the wheel's binding
+        store.put_from("k", 4096, -1)
     assert store.get_into("k", 0, 10) == ErrorCodes.INVALID_PARAMS
     assert store.batch_put_from(["a", "b"], [1], [1, 2]) == [ErrorCodes.INVALID_PARAMS] * 2
     assert store.batch_get_into(["a"], [1, 2], [1]) == [ErrorCodes.INVALID_PARAMS]
     assert store.put_batch(["a"], [b"1", b"2"]) == ErrorCodes.INVALID_PARAMS
-    assert store.put_parts("k", b"a", 5) == ErrorCodes.INVALID_PARAMS
+    with pytest.raises(TypeError):
+        store.put_parts("k", b"a", 5)
     assert store.put_tensor("k", [1, 2]) == ErrorCodes.INVALID_PARAMS
     assert store.register_buffer(0, 10) == ErrorCodes.INVALID_PARAMS
-    assert store.remove_by_regex(None) == ErrorCodes.INVALID_PARAMS  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.remove_by_regex(None)  # type: ignore[arg-type]
     assert store.batch_is_exist(["k", "a", "b"]) == [0, 0, 0]
 
 
@@ -280,7 +305,7 @@ def test_put_batch_of_mixed_sizes_stores_every_key(store: MooncakeDistributedSto
 def test_handles_tensors_sizes_and_replicas(cluster_factory) -> None:
     cluster = cluster_factory(num_nodes=2)
     s = MooncakeDistributedStore()
-    assert s.setup("h", "", 0, 0, "tcp", "", cluster.address) == 0
+    assert s.setup("h", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
     try:
         cfg = ReplicateConfig()
         cfg.replica_num = 2
@@ -309,7 +334,7 @@ def test_handles_tensors_sizes_and_replicas(cluster_factory) -> None:
 def test_a_killed_node_gives_misses_never_wrong_bytes(cluster_factory) -> None:
     cluster = cluster_factory(num_nodes=2)
     s = MooncakeDistributedStore()
-    assert s.setup("h", "", 0, 0, "tcp", "", cluster.address) == 0
+    assert s.setup("h", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
     try:
         keys = [f"k/{i}" for i in range(32)]
         vals = [bytes([i]) * 40_000 for i in range(32)]
@@ -338,3 +363,157 @@ def test_install_alias_refuses_a_real_mooncake_package(tmp_path: Path) -> None:
     assert (real / "__init__.py").read_text() == "# the real wheel\n"
     assert mc.uninstall_alias(tmp_path) is False  # not ours: left alone
     assert mc.main(["--install-alias", "--target", str(tmp_path)]) == 2
+
+
+# ---------------------------------------------------------------- get_tensor's bad headers
+def _tensor_object(header: object, body: bytes) -> bytes:
+    """A ``put_tensor`` object by hand: kvstore's magic, then ``header`` as JSON, then ``body``."""
+    head = json.dumps(header).encode()
+    return b"KVT1" + struct.pack("<I", len(head)) + head + body
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("shape beyond the body", _tensor_object({"dtype": "float32", "shape": [4, 4]}, bytes(16))),
+        ("body beyond the shape", _tensor_object({"dtype": "float32", "shape": [2]}, bytes(16))),
+        ("negative shape", _tensor_object({"dtype": "float32", "shape": [-2, -2]}, bytes(16))),
+        ("fractional shape", _tensor_object({"dtype": "float32", "shape": [1.5]}, bytes(4))),
+        ("list header", _tensor_object(["float32", [2]], bytes(8))),
+        ("unknown dtype", _tensor_object({"dtype": "float33", "shape": [2]}, bytes(8))),
+        ("torch attribute as dtype", _tensor_object({"dtype": "Tensor", "shape": [2]}, bytes(8))),
+        ("body not a multiple of the dtype", _tensor_object({"dtype": "int64", "shape": [1]}, bytes(7))),
+        ("header past the object", b"KVT1" + struct.pack("<I", 1000) + b"{}"),
+        ("header not JSON", b"KVT1" + struct.pack("<I", 3) + b"\xff\xfe{" + bytes(8)),
+        ("magic only", b"KVT1"),
+    ],
+)  # fmt: skip
+def test_get_tensor_of_a_bad_header_is_none_and_spares_the_batch(
+    store: MooncakeDistributedStore, name: str, raw: bytes
+) -> None:
+    """Mooncake's contract: None for what cannot be returned, per key in a batch."""
+    assert store.put("bad", raw) == 0
+    assert store.put_tensor("good/1", torch.arange(3)) == 0
+    assert store.put_tensor("good/2", torch.ones(2, 2)) == 0
+    assert store.get_tensor("bad") is None, name
+    first, bad, second = store.batch_get_tensor(["good/1", "bad", "good/2"])
+    assert bad is None, name
+    assert torch.equal(first, torch.arange(3)) and torch.equal(second, torch.ones(2, 2))
+    buf = np.zeros(4096, dtype=np.uint8)
+    assert store.get_tensor_into("bad", buf.ctypes.data, buf.nbytes) is None, name
+    assert store.put_tensor_from("bad/copy", store.get_buffer("bad").ptr(), len(raw)) == (
+        ErrorCodes.INVALID_PARAMS
+    )
+
+
+def test_tensor_variants_follow_the_wheel(store: MooncakeDistributedStore) -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert store.put_tensor("t/cx", torch.ones(2, dtype=torch.complex64)) == -600
+    assert store.put_tensor("t/0d", torch.tensor(7.0)) == 0
+    assert tuple(store.get_tensor("t/0d").shape) == (1,)  # the wheel stores 0-d as (1,)
+    assert store.pub_tensor("t/p", t) == 0 and store.upsert_pub_tensor("t/p", t * 2) == 0
+    assert torch.equal(store.get_tensor("t/p"), t * 2)
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    view = store.get_tensor_into("t/p", buf.ctypes.data, buf.nbytes)
+    assert torch.equal(view, t * 2)
+    view[0, 0] = 99.0  # a view of the caller's buffer, not a copy
+    assert store.put_tensor_from("t/from", buf.ctypes.data, store.get_size("t/p")) == 0
+    assert store.get_tensor("t/from")[0, 0].item() == 99.0
+    assert store.batch_put_tensor_from(["t/x"], [buf.ctypes.data], [10]) == [-600]
+
+
+# ---------------------------------------------------------------- get_into_ranges
+def test_get_into_ranges_follows_the_wheel(store: MooncakeDistributedStore) -> None:
+    assert store.put("r/a", bytes(range(100))) == 0
+    buf = np.zeros(4096, dtype=np.uint8)
+    p = buf.ctypes.data
+    args = ([p], [["r/a", "r/miss"]], [[[0, 10], [20]]], [[[5, 90], [0]]], [[[4, 20], [1]]])
+    assert store.get_into_ranges(*args) == [[[-600, -600], [-600]]]  # not registered
+    assert store.register_buffer(p, buf.nbytes) == 0
+    assert store.get_into_ranges(*args) == [[[4, -600], [-704]]]  # past the object, a miss
+    assert bytes(buf[:4]) == bytes([5, 6, 7, 8])
+    assert store.get_into_ranges([p + 4090], [["r/a"]], [[[0, 2]]], [[[0, 0]]], [[[6, 6]]]) == [
+        [[6, -600]]  # the second range ends past the registered buffer
+    ]
+    assert store.get_into_ranges([p, p], [["r/a"]], [[[0]]], [[[0]]], [[[1]]]) == [
+        [[-600]],
+        [[-600]],
+    ]
+    with pytest.raises(TypeError):
+        store.get_into_ranges([p], [["r/a"]], [[[0]]], [[[-1]]], [[[1]]])
+    with pytest.raises(TypeError):
+        store.get_into_ranges([p], [[5]], [[[0]]], [[[0]]], [[[1]]])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- setup, buffers, close
+def test_setup_config_sizes_are_read_as_the_wheel_reads_them(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1)
+    base = {"local_hostname": "h", "metadata_server": "http://unused", "global_segment_size": 0,
+            "master_server_addr": cluster.address}  # fmt: skip
+    # Each row was measured on the wheel: (config entries, setup's answer).
+    table = [
+        ({"global_segment_size": "50%"}, -600), ({"local_buffer_size": "50%"}, -600),
+        ({"global_segment_size": "16MiB"}, -600), ({"global_segment_size": "16MB16"}, -600),
+        ({"global_segment_size": True}, -600), ({"global_segment_size": None}, -600),
+        ({"global_segment_size": -1}, -600), ({"global_segment_size": "-16MB"}, -600),
+        ({"global_segment_size": "16.0"}, -600), ({"global_segment_size": "1KB"}, -600),
+        ({"global_segment_size": "15.9M"}, -600), ({"local_buffer_size": 1000}, -600),
+        ({"local_buffer_size": 1.0}, -600), ({"local_buffer_size": "1.0001TB"}, -600),
+        ({"local_hostname": ""}, -600), ({"metadata_server": ""}, -600),
+        ({"protocol": "TCP"}, -1), ({"protocol": "nvlink"}, -1),
+        ({"global_segment_size": "16MB"}, 0), ({"global_segment_size": " 16 mb "}, 0),
+        ({"global_segment_size": "1.5GB"}, 0), ({"global_segment_size": ".5g"}, 0),
+        ({"global_segment_size": 16 << 20}, 0), ({"global_segment_size": "0.0"}, 0),
+        ({"local_buffer_size": "1 kb"}, 0), ({"local_buffer_size": 0}, 0),
+        ({"protocol": "rdma"}, 0), ({"local_hostname": 5}, 0),
+    ]  # fmt: skip
+    for extra, want in table:
+        s = MooncakeDistributedStore()
+        assert s.setup({**base, **extra}) == want, extra
+        s.close()
+    s = MooncakeDistributedStore()
+    with pytest.raises(TypeError):
+        s.setup("h", "", "16MB", 0, "tcp", "", cluster.address)  # type: ignore[arg-type]
+    assert s.setup("h", "", 1 << 20, 0, "tcp", "", cluster.address) == -600  # below 16 MiB
+    assert s.setup("h:4242", "", 0, 1000, "tcp", "", cluster.address) == 0  # positional: no floor
+    assert s.get_hostname() == "h:4242"
+    assert s.init_all("tcp", "", 16 << 20) == -600  # already set up
+    s.close()
+
+
+def test_a_store_without_a_local_buffer_refuses_copying_verbs(cluster_factory) -> None:
+    cluster = cluster_factory(num_nodes=1)
+    writer, s = MooncakeDistributedStore(), MooncakeDistributedStore()
+    assert writer.setup("w", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
+    assert s.setup("z", "", 0, 0, "tcp", "", cluster.address) == 0
+    try:
+        assert writer.put("z/k", b"abc") == 0 and writer.put_tensor("z/t", torch.ones(2)) == 0
+        assert s.put("z/a", b"x") == -600 and s.put_batch(["z/a"], [b"x"]) == -600
+        assert s.upsert("z/k", b"y") == -600 and s.put_parts("z/a", b"x") == -600
+        assert s.put_tensor("z/b", torch.ones(2)) == -200  # the wheel's tensor puts answer -200
+        assert s.is_exist("z/a") == 0 and s.get("z/k") == b"abc"[:0]
+        assert s.get_buffer("z/k") is None and s.get_tensor("z/t") is None
+        buf = np.zeros(1024, dtype=np.uint8)
+        assert s.put_from("z/c", buf.ctypes.data, 10) == 0  # zero-copy verbs need no buffer
+        assert s.get_into("z/k", buf.ctypes.data, 1024) == 3
+        assert torch.equal(s.get_tensor_into("z/t", buf.ctypes.data, 1024), torch.ones(2))
+    finally:
+        s.close()
+        writer.close()
+
+
+def test_close_leaves_what_the_client_stored_readable(cluster_factory) -> None:
+    """kvstore's storage nodes hold the objects, not the client (unlike Mooncake, where a
+    closing client's own segment goes with it): a deliberate, documented difference."""
+    cluster = cluster_factory(num_nodes=1)
+    writer, reader = MooncakeDistributedStore(), MooncakeDistributedStore()
+    assert writer.setup("w", "", 64 << 20, 16 << 20, "tcp", "", cluster.address) == 0
+    assert reader.setup("r", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
+    try:
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = writer.get_hostname()
+        assert writer.put("c/own", b"kept", cfg) == 0
+        assert writer.close() == 0
+        assert reader.get("c/own") == b"kept" and reader.is_exist("c/own") == 1
+    finally:
+        reader.close()
