@@ -46,6 +46,8 @@ DEFAULT_LOAD_MODE = "layer"
 
 #: vLLM's ``--kv-cache-dtype`` values that name an FP8 cache, as namespace dtypes.
 FP8_CACHE_DTYPES = {"fp8": "float8_e4m3", "fp8_e4m3": "float8_e4m3"}
+#: Appended to the namespace's model for an MLA cache (see :func:`engine_namespace`).
+MLA_MARK = "#mla"
 #: Model dtypes (``--dtype``, or the model's ``config.json``) the pool's namespaces describe.
 MODEL_DTYPES = ("float16", "bfloat16", "float32")
 
@@ -84,6 +86,7 @@ def engine_namespace(
     salt: str | None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    mla: bool = False,
 ) -> Namespace:
     """The pool namespace of a vLLM instance's KV: the connector saves and looks up in it, and
     the router (which has no vLLM) asks the prefix index in it.
@@ -101,6 +104,8 @@ def engine_namespace(
         salt: the connector's namespace salt, or None.
         tp_rank: this rank.
         tp_size: tensor-parallel world size.
+        mla: an MLA latent cache (``num_kv_heads`` 1, ``head_dim`` half the latent width);
+            marked in the model field, so that it never meets a K/V cache of equal sizes.
 
     Returns:
         The namespace.
@@ -109,6 +114,8 @@ def engine_namespace(
         InvalidRequestError: values the namespace cannot describe.
     """
     model = f"{served_model}@{revision}" if revision else served_model
+    if mla:
+        model += MLA_MARK
     return Namespace(
         model=model,
         dtype=kv_dtype,
