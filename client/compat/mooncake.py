@@ -29,20 +29,29 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import math
-import os
 import re
-import socket
-import struct
 import sys
-import sysconfig
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvstore.client.client import Client
+from kvstore.client.compat.mooncake_alias import install_alias, uninstall_alias
+from kvstore.client.compat.mooncake_values import (
+    MAX_LOCAL_BUFFER,
+    MIN_CONFIG_SIZE,
+    MIN_GLOBAL_SEGMENT,
+    PROTOCOLS,
+    NotATensor,
+    config_size,
+    error_shape,
+    memory_at,
+    named_port,
+    tensor_bytes,
+    tensor_from,
+    tensor_in_place,
+    tensor_layout,
+)
 from kvstore.env import Env
 from kvstore.errors import (
     ErrorCode,
@@ -132,17 +141,6 @@ class BufferHandle(bytearray):
         return len(self)
 
 
-def _at(ptr: int, size: int) -> memoryview:
-    """A writable byte view of ``size`` bytes at address ``ptr`` (the caller's memory).
-
-    Raises:
-        InvalidRequestError: a null or negative address, or a size that is not positive.
-    """
-    if not isinstance(ptr, int) or not isinstance(size, int) or ptr <= 0 or size <= 0:
-        raise InvalidRequestError(f"bad buffer: address {ptr!r}, size {size!r}")
-    return memoryview((ctypes.c_ubyte * size).from_address(ptr)).cast("B")
-
-
 def _bytes_like(value: Any, what: str) -> memoryview:
     """``value`` as bytes, as the wheel's ``Buffer`` arguments take it.
 
@@ -182,190 +180,6 @@ def _key_text(key: Any) -> Any:
         except UnicodeDecodeError:
             return None
     return key
-
-
-# ---------------------------------------------------------------- setup's config dict
-#: Units the wheel's size parser knows (case-insensitive): bytes, KiB, MiB, GiB, TiB.
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20}
-_UNITS |= {"g": 1 << 30, "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
-#: A number as C's strtod reads it (decimal or hex, optional sign and exponent), then a unit.
-_SIZE_TEXT = re.compile(
-    r"\s*\+?(0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?"
-    r"|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([kKmMgGtT]?[bB]?)\s*"
-)
-#: The wheel's segment allocator refuses a global segment below this (setup answers -600).
-_MIN_GLOBAL_SEGMENT = 16 << 20
-#: The wheel's config dict takes a global segment of 0 or at least this many bytes.
-_MIN_CONFIG_SIZE = 1024
-#: The wheel's config dict takes a local buffer of 0 or up to this many bytes.
-_MAX_LOCAL_BUFFER = 1 << 40
-#: Transports the non-CUDA wheel sets up; any other name fails setup with -1.
-_PROTOCOLS = frozenset({"tcp", "rdma", "efa"})
-
-
-def _config_size(value: Any) -> int | None:
-    """A size from setup's config dict, read as the wheel reads it; None when it refuses it.
-
-    The wheel takes the value's text (so ``16 << 20``, ``16.0``, ``"16MB"``, ``"1.5 GB"`` and
-    ``"0x10"`` all parse, fractions truncated) with a unit of B, K(B), M(B), G(B) or T(B); it
-    refuses ``True``, ``None``, percentages, ``MiB``-style units, signs other than ``+`` and
-    text around the number. Sizes of 2**64 or more are refused here (the wheel overflows).
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        return None
-    match = _SIZE_TEXT.fullmatch(str(value))
-    if match is None:
-        return None
-    number_text, unit = match.groups()
-    try:
-        number = (
-            float.fromhex(number_text) if number_text[:2] in ("0x", "0X") else float(number_text)
-        )
-    except (ValueError, OverflowError):
-        return None
-    size = number * _UNITS[unit.lower()]
-    if not math.isfinite(size) or size >= 1 << 64:
-        return None
-    return int(size)
-
-
-def _named_port(host: str) -> str:
-    """``host`` as the wheel names a client: ``host:port``, a free port added when none is given.
-
-    The wheel's port is its transfer engine's listening port; kvstore's clients listen on
-    nothing, so the port is one the operating system had free when the store was set up.
-    """
-    _, sep, port = host.rpartition(":")
-    if sep and port.isdigit():
-        return host
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return f"{host}:{probe.getsockname()[1]}"
-
-
-# ---------------------------------------------------------------- tensors
-_TENSOR_MAGIC = b"KVT1"
-#: The tensor's bytes start at a multiple of this, so a view of them in a caller's buffer is
-#: aligned for every dtype.
-_TENSOR_ALIGN = 64
-#: The dtypes the wheel's ``put_tensor`` takes (others answer -600), by torch's name.
-_TENSOR_DTYPES = (
-    "bfloat16", "bool", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2",
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-)  # fmt: skip
-
-
-class _NotATensor(ValueError):
-    """An object that ``get_tensor`` cannot return (not ``put_tensor``'s, or a bad header)."""
-
-
-def _tensor_bytes(tensor: Any) -> bytes:
-    """kvstore's tensor format: magic, u32 header length, JSON {dtype, shape} padded with
-    spaces to an aligned end, raw bytes.
-
-    A 0-dimensional tensor is stored with shape ``[1]``, as the wheel stores it.
-
-    Raises:
-        InvalidRequestError: not a tensor, or a dtype the wheel does not store.
-    """
-    import torch
-
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidRequestError(f"put_tensor needs a torch.Tensor, got {type(tensor).__name__}")
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in _TENSOR_DTYPES:
-        raise InvalidRequestError(f"put_tensor does not store {tensor.dtype}")
-    shape = list(tensor.shape) or [1]
-    t = tensor.detach().to("cpu").contiguous().reshape(shape)
-    head = json.dumps({"dtype": dtype, "shape": shape}).encode()
-    head += b" " * (-(8 + len(head)) % _TENSOR_ALIGN)
-    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    return _TENSOR_MAGIC + struct.pack("<I", len(head)) + head + raw
-
-
-def _tensor_layout(data: Any) -> tuple[Any, list[int], int]:
-    """The dtype, shape and body offset of a ``put_tensor`` object, checked against its size.
-
-    Raises:
-        _NotATensor: no magic, a header that is not ``{dtype, shape}`` JSON, an unknown dtype,
-            a shape with negative or non-integer sizes, or a body that is not exactly the
-            shape's bytes (past it, short of it, or not a multiple of the dtype's size).
-    """
-    import torch
-
-    view = memoryview(data).cast("B")
-    if len(view) < 8 or bytes(view[:4]) != _TENSOR_MAGIC:
-        raise _NotATensor("object was not written by put_tensor")
-    (n,) = struct.unpack_from("<I", view, 4)
-    if 8 + n > len(view):
-        raise _NotATensor("tensor header runs past the object")
-    try:
-        header = json.loads(bytes(view[8 : 8 + n]))
-    except ValueError as err:  # bad JSON or bad UTF-8
-        raise _NotATensor(f"tensor header is not JSON: {err}") from err
-    if not isinstance(header, dict):
-        raise _NotATensor("tensor header is not an object")
-    dtype_name, shape = header.get("dtype"), header.get("shape")
-    if dtype_name not in _TENSOR_DTYPES:
-        raise _NotATensor(f"unknown tensor dtype {dtype_name!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _NotATensor(f"bad tensor shape {shape!r}")
-    dtype = getattr(torch, dtype_name)
-    body = len(view) - 8 - n
-    if body != math.prod(shape) * dtype.itemsize:
-        raise _NotATensor(f"tensor body of {body} bytes does not hold {shape} x {dtype}")
-    return dtype, shape, 8 + n
-
-
-def _tensor_from(data: Any) -> Any:
-    """The tensor in a ``put_tensor`` object (its own copy of the bytes).
-
-    Raises:
-        _NotATensor: as :func:`_tensor_layout`.
-    """
-    import torch
-
-    dtype, shape, start = _tensor_layout(data)
-    body = bytearray(memoryview(data).cast("B")[start:])
-    if not body:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-def _tensor_in_place(ptr: int, size: int) -> Any:
-    """The tensor of a ``put_tensor`` object held at ``ptr``, viewing the caller's memory.
-
-    Raises:
-        _NotATensor: as :func:`_tensor_layout`.
-    """
-    import torch
-
-    dtype, shape, start = _tensor_layout(_at(ptr, size))
-    if size == start:
-        return torch.empty(shape, dtype=dtype)
-    body = _at(ptr + start, size - start)
-    return torch.frombuffer(body, dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-# ---------------------------------------------------------------- get_into_ranges
-def _error_shape(
-    num_buffers: int, all_keys: Sequence[Any], all_dst: Sequence[Any], code: int
-) -> list[list[list[int]]]:
-    """The wheel's answer to ``get_into_ranges`` arguments whose lists disagree in length.
-
-    Per buffer, one list per key it names, with ``code`` once per destination offset given
-    for that key (once when none is given); a buffer beyond ``all_keys`` gets ``[[code]]``.
-    """
-    out: list[list[list[int]]] = []
-    for i in range(num_buffers):
-        if i >= len(all_keys):
-            out.append([[code]])
-            continue
-        dsts = all_dst[i] if i < len(all_dst) else []
-        out.append(
-            [[code] * (len(dsts[j]) if j < len(dsts) else 1) for j in range(len(all_keys[i]))]
-        )
-    return out
 
 
 class MooncakeDistributedStore:
@@ -419,22 +233,22 @@ class MooncakeDistributedStore:
             metadata_server = str(cfg.get("metadata_server", ""))
             master_server_addr = cfg.get("master_server_addr", "")
             protocol = cfg.get("protocol", "tcp")
-            global_size = _config_size(cfg.get("global_segment_size", 16 << 20))
-            local_size = _config_size(cfg.get("local_buffer_size", 16 << 20))
+            global_size = config_size(cfg.get("global_segment_size", 16 << 20))
+            local_size = config_size(cfg.get("local_buffer_size", 16 << 20))
             if global_size is None or local_size is None or not metadata_server:
                 return ErrorCodes.INVALID_PARAMS
-            if 0 < global_size < _MIN_CONFIG_SIZE or local_size > _MAX_LOCAL_BUFFER:
+            if 0 < global_size < MIN_CONFIG_SIZE or local_size > MAX_LOCAL_BUFFER:
                 return ErrorCodes.INVALID_PARAMS
-            if 0 < local_size < _MIN_CONFIG_SIZE:
+            if 0 < local_size < MIN_CONFIG_SIZE:
                 return ErrorCodes.INVALID_PARAMS
         else:
             global_size = _u64(global_segment_size, "setup(): global_segment_size")
             local_size = _u64(local_buffer_size, "setup(): local_buffer_size")
         if not isinstance(local_hostname, str) or not local_hostname:
             return ErrorCodes.INVALID_PARAMS
-        if protocol not in _PROTOCOLS:
+        if protocol not in PROTOCOLS:
             return ErrorCodes.INTERNAL_ERROR
-        if 0 < global_size < _MIN_GLOBAL_SEGMENT:
+        if 0 < global_size < MIN_GLOBAL_SEGMENT:
             return ErrorCodes.INVALID_PARAMS
         if not isinstance(master_server_addr, str) or not isinstance(metadata_server, str):
             return ErrorCodes.INVALID_PARAMS
@@ -450,7 +264,7 @@ class MooncakeDistributedStore:
         old, self._client = self._client, client
         if old is not None:
             old.close()
-        self._hostname = _named_port(local_hostname)
+        self._hostname = named_port(local_hostname)
         self._local_buffer = local_size
         return 0
 
@@ -643,7 +457,7 @@ class MooncakeDistributedStore:
         out: list[memoryview | None] = []
         for p, n in zip(ptrs, sizes, strict=True):
             try:
-                out.append(_at(p, n))
+                out.append(memory_at(p, n))
             except InvalidRequestError:
                 out.append(None)
         return out
@@ -895,12 +709,12 @@ class MooncakeDistributedStore:
         dst, src, sizes = nested
         bad = ErrorCodes.INVALID_PARAMS
         if not len(ptrs) == len(keys) == len(dst) == len(src) == len(sizes):
-            return _error_shape(len(ptrs), keys, dst, bad)
+            return error_shape(len(ptrs), keys, dst, bad)
         out: list[list[list[int]]] = []
         wanted: list[tuple[int, int, int]] = []  # (buffer, key, range) to fill from an object
         for i, ptr in enumerate(ptrs):
             if not len(keys[i]) == len(dst[i]) == len(src[i]) == len(sizes[i]):
-                out.append(_error_shape(1, [keys[i]], [dst[i]], bad)[0])
+                out.append(error_shape(1, [keys[i]], [dst[i]], bad)[0])
                 continue
             end = self._registered_end(ptr)
             per_key: list[list[int]] = []
@@ -932,7 +746,7 @@ class MooncakeDistributedStore:
             if start + n > self._registered_end(ptrs[i]) or src[i][j][r] + n > len(data):  # type: ignore[operator]
                 out[i][j][r] = bad
             elif n > 0:
-                _at(start, n)[:] = data[src[i][j][r] : src[i][j][r] + n]
+                memory_at(start, n)[:] = data[src[i][j][r] : src[i][j][r] + n]
                 out[i][j][r] = n
         return out
 
@@ -947,7 +761,7 @@ class MooncakeDistributedStore:
         values: list[Any] = []
         for t in tensors:
             try:
-                values.append(memoryview(_tensor_bytes(t)))
+                values.append(memoryview(tensor_bytes(t)))
             except InvalidRequestError:
                 values.append(None)
         staged = sum(len(v) for v in values if v is not None)
@@ -1008,9 +822,9 @@ class MooncakeDistributedStore:
         for v in views:
             try:
                 if v is not None:
-                    _tensor_layout(v)  # refuse what get_tensor could not return
+                    tensor_layout(v)  # refuse what get_tensor could not return
                 values.append(v)
-            except _NotATensor:
+            except NotATensor:
                 values.append(None)
         return self._put_many(keys, values, None, overwrite)
 
@@ -1046,8 +860,8 @@ class MooncakeDistributedStore:
         out: list[Any] = []
         for data in self._staged_gets(keys):
             try:
-                out.append(None if data is None else _tensor_from(data))
-            except _NotATensor:
+                out.append(None if data is None else tensor_from(data))
+            except NotATensor:
                 out.append(None)
         return out
 
@@ -1064,8 +878,8 @@ class MooncakeDistributedStore:
         out: list[Any] = []
         for n, ptr in zip(read, buffer_ptrs, strict=True):
             try:
-                out.append(_tensor_in_place(ptr, n) if n > 0 else None)
-            except _NotATensor:
+                out.append(tensor_in_place(ptr, n) if n > 0 else None)
+            except NotATensor:
                 out.append(None)
         return out
 
@@ -1161,58 +975,6 @@ class MooncakeDistributedStore:
     def remove_all(self, force: bool = False) -> int:
         """Remove every object in the cluster; the count removed."""
         return self._remove_matching(None)
-
-
-# ---------------------------------------------------------------- the `mooncake` import alias
-_MARKER = "kvstore-mooncake-alias"
-_ALIAS_STORE = f'''"""{_MARKER}: ``mooncake.store`` served by kvstore (python -m kvstore.client.compat.mooncake
---uninstall-alias removes this package)."""
-from kvstore.client.compat.mooncake import *  # noqa: F401,F403
-from kvstore.client.compat.mooncake import __all__  # noqa: F401
-'''
-
-
-def install_alias(target: str | os.PathLike[str] | None = None, force: bool = False) -> Path:
-    """Write a ``mooncake`` package whose ``mooncake.store`` is this module.
-
-    Args:
-        target: the folder to write it in (default: this interpreter's site-packages).
-        force: replace a ``mooncake`` package that is not ours (e.g. the real wheel's).
-
-    Returns:
-        The package folder written.
-
-    Raises:
-        InvalidRequestError: a real ``mooncake`` package is there and ``force`` is not set.
-    """
-    base = Path(target) if target is not None else Path(sysconfig.get_paths()["purelib"])
-    pkg = base / "mooncake"
-    init = pkg / "__init__.py"
-    ours = init.exists() and _MARKER in init.read_text(errors="replace")
-    if pkg.exists() and not ours and not force:
-        raise InvalidRequestError(f"{pkg} holds another mooncake package; pass --force")
-    pkg.mkdir(parents=True, exist_ok=True)
-    init.write_text(f'"""{_MARKER}: Mooncake Store\'s API on kvstore."""\n')
-    (pkg / "store.py").write_text(_ALIAS_STORE)
-    return pkg
-
-
-def uninstall_alias(target: str | os.PathLike[str] | None = None) -> bool:
-    """Remove the package :func:`install_alias` wrote; False when there is none of ours."""
-    base = Path(target) if target is not None else Path(sysconfig.get_paths()["purelib"])
-    pkg = base / "mooncake"
-    init = pkg / "__init__.py"
-    if not (init.exists() and _MARKER in init.read_text(errors="replace")):
-        return False
-    for name in ("store.py", "__init__.py"):
-        (pkg / name).unlink(missing_ok=True)
-    cache = pkg / "__pycache__"
-    if cache.is_dir():
-        for f in cache.iterdir():
-            f.unlink()
-        cache.rmdir()
-    pkg.rmdir()
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:
