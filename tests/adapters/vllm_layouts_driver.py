@@ -33,15 +33,11 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvstore.client import Client
-from kvstore.client.adapters.vllm import (
-    KVStoreConnectorMetadata,
-    KVStoreWorker,
-    _Counters,
-    _Pool,
-    _Transfer,
-)
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm_layouts import CacheGeometry
+from kvstore.client.adapters.vllm_pool import KVStoreConnectorMetadata, Pool, Transfer
+from kvstore.client.adapters.vllm_stats import Counters
+from kvstore.client.adapters.vllm_worker import KVStoreWorker
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
@@ -146,8 +142,8 @@ def planes_as_backend_reads(case: dict[str, Any], cache: Any) -> list[torch.Tens
 def make_worker(master: str, case: dict[str, Any], caches: dict[str, Any]) -> KVStoreWorker:
     cfg = ConnectorConfig.from_extra({"master": master})
     ns = namespace(case)
-    counters = _Counters()
-    worker = KVStoreWorker(cfg, ns, layer_names(), _Pool(cfg, ns, counters), counters)
+    counters = Counters()
+    worker = KVStoreWorker(cfg, ns, layer_names(), Pool(cfg, ns, counters), counters)
     worker.register_kv_caches(caches, case["backend"], geometry(case))
     return worker
 
@@ -181,7 +177,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     before = {n: [p.clone() for p in planes_as_backend_reads(dst_case, dst[n])] for n in names}
 
     saver = make_worker(master, src_case, src)
-    meta = KVStoreConnectorMetadata(saves=[_Transfer("r", tokens, 0, src_ids)])
+    meta = KVStoreConnectorMetadata(saves=[Transfer("r", tokens, 0, src_ids)])
     with torch.inference_mode():
         for n in names:
             saver.save_kv_layer(meta, n)
@@ -190,7 +186,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("corrupt") is not None:
         corrupt(master, src_case, tokens, spec["corrupt"])
 
-    meta = KVStoreConnectorMetadata(loads=[_Transfer("r", tokens, 0, dst_ids)])
+    meta = KVStoreConnectorMetadata(loads=[Transfer("r", tokens, 0, dst_ids)])
     loader.start_load_kv(meta)
     for n in names:
         loader.wait_for_layer_load(n)

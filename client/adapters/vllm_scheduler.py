@@ -1,0 +1,186 @@
+"""The vLLM connector's scheduler side (one per engine): asks the prefix index what the pool
+holds, plans each step's loads and saves as :class:`~.vllm_pool.KVStoreConnectorMetadata`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvstore.client.adapters.vllm_pool import (
+    Counters,
+    KVStoreConnectorMetadata,
+    Pool,
+    Transfer,
+    is_unreachable,
+    logger,
+)
+from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class _SaveState:
+    tokens: np.ndarray
+    block_ids: list[int]
+    saved: int  # blocks known to be in the pool (looked up or saved by us)
+
+
+class KVStoreScheduler:
+    """Lookups (once per request, no read leases), the blocks to load after vLLM allocated
+    them, and the prompt blocks each step fills that the pool does not hold yet.
+
+    Args:
+        pool: the pool (rank 0's namespace: every rank saves the same blocks).
+        counters: where lookups and hits are counted.
+        block_size: vLLM's block size (one block is one pool object).
+        kv_role: ``kv_both``, ``kv_producer`` or ``kv_consumer``.
+        load_async: loads are reported by ``get_finished`` rather than waited for per layer.
+    """
+
+    def __init__(
+        self, pool: Pool, counters: Counters, block_size: int, kv_role: str, load_async: bool
+    ) -> None:
+        self._pool = pool
+        self._counters = counters
+        self._block_size = block_size
+        self._can_load = kv_role in ("kv_both", "kv_consumer")
+        self._can_save = kv_role in ("kv_both", "kv_producer")
+        self._load_async = load_async
+        self._hits: dict[str, int] = {}  # req_id -> prompt blocks the pool holds (looked up once)
+        self._local: dict[str, int] = {}  # req_id -> tokens vLLM had locally at the lookup
+        self._pending_loads: dict[str, Transfer] = {}
+        self._saving: dict[str, _SaveState] = {}
+
+    def _lookup(self, tokens: np.ndarray) -> int:
+        """Full prompt blocks the pool holds (one master call, no leases); 0 without a pool."""
+        kv = self._pool.get()
+        if kv is None:
+            return 0
+        try:
+            hit = kv.lookup(tokens)
+        except KVStoreError as exc:
+            if is_unreachable(exc):
+                self._pool.failed(exc)
+            else:
+                logger.warning("kvstore: lookup failed (%s); recomputing", exc)
+            return 0
+        except OSError as exc:
+            self._pool.failed(exc)
+            return 0
+        self._counters.add(lookups=1)
+        return hit // self._block_size
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens the pool can add beyond vLLM's ``num_computed_tokens`` (block-aligned, never
+        the prompt's last token), and whether they load asynchronously."""
+        if not (self._can_load or self._can_save):
+            return 0, False
+        prompt = request.prompt_token_ids
+        if not prompt:
+            return 0, False
+        rid = request.request_id
+        hit = self._hits.get(rid)
+        if hit is None:
+            bs = self._block_size
+            tokens = np.asarray(prompt[: len(prompt) // bs * bs], dtype=np.uint32)
+            hit = self._lookup(tokens) if len(tokens) else 0
+            self._hits[rid] = hit
+        self._local[rid] = num_computed_tokens
+        if not self._can_load:
+            return 0, False
+        offer = min(hit, (len(prompt) - 1) // self._block_size) * self._block_size
+        ext = offer - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        self._counters.add(hit_tokens=ext)
+        return ext, self._load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Plan the load of the blocks vLLM allocated for the pool's tokens."""
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        local = self._local.get(rid, 0)
+        bs = self._block_size
+        first, end = local // bs, (local + num_external_tokens) // bs
+        block_ids = list(blocks.get_block_ids()[0])
+        prompt = request.prompt_token_ids or []
+        self._pending_loads[rid] = Transfer(
+            rid, np.asarray(prompt[: end * bs], dtype=np.uint32), first, block_ids[first:end]
+        )
+
+    def _plan_save(
+        self, meta: KVStoreConnectorMetadata, rid: str, st: _SaveState, end_token: int
+    ) -> None:
+        full = min(end_token, len(st.tokens)) // self._block_size
+        full = min(full, len(st.block_ids))
+        if full > st.saved:
+            meta.saves.append(
+                Transfer(
+                    rid,
+                    st.tokens[: full * self._block_size],
+                    st.saved,
+                    st.block_ids[st.saved : full],
+                )
+            )
+            st.saved = full
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """This step's loads (planned at allocation) and saves (prompt blocks this step fills
+        that the pool does not hold yet)."""
+        meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()))
+        self._pending_loads.clear()
+        if not self._can_save:
+            return meta
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = new.prompt_token_ids
+            if not prompt or not new.block_ids:
+                continue
+            st = _SaveState(
+                np.asarray(prompt, dtype=np.uint32),
+                list(new.block_ids[0]),
+                self._hits.get(new.req_id, 0),
+            )
+            self._saving[new.req_id] = st
+            self._plan_save(
+                meta, new.req_id, st, new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, rid in enumerate(cached.req_ids):
+            st = self._saving.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in resumed:
+                    st.block_ids = list(new_ids[0])
+                else:
+                    st.block_ids.extend(new_ids[0])
+            if st.saved * self._block_size >= len(st.tokens) // self._block_size * self._block_size:
+                continue
+            self._plan_save(meta, rid, st, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request. Saves finish within their step, so no block is held past it."""
+        rid = request.request_id
+        self._hits.pop(rid, None)
+        self._local.pop(rid, None)
+        self._saving.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        return False, None
