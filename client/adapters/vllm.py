@@ -329,7 +329,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             raise InvalidRequestError(
                 f"kvstore connector: layers use attention backends {names}; one expected"
             )
-        self._work().register_kv_caches(kv_caches, names[0], self._geometry)
+        layout = getattr(self._vllm_config.cache_config, "kv_cache_layout", None)
+        self._work().register_kv_caches(kv_caches, names[0], self._geometry, layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().start_load_kv(self._get_connector_metadata())

@@ -55,6 +55,7 @@ BACKEND_SPLITS: Mapping[str, KVSplit] = {
     "TRITON_ATTN": KVSplit.CHANNELS,
     "ROCM_AITER_UNIFIED_ATTN": KVSplit.CHANNELS,
     "CPU_MLA": KVSplit.LATENT,
+    "AMX_MLA": KVSplit.LATENT,
     "FLASHMLA": KVSplit.LATENT,
     "FLASH_ATTN_MLA": KVSplit.LATENT,
     "FLASHINFER_MLA": KVSplit.LATENT,
@@ -258,6 +259,7 @@ def block_views(
     caches: Sequence[torch.Tensor | tuple[torch.Tensor, torch.Tensor]],
     geometry: CacheGeometry,
     backend: str,
+    layout: str | None = None,
 ) -> BlockViews:
     """Map the caches vLLM registered, one entry per layer in layer order, to block views.
 
@@ -267,6 +269,8 @@ def block_views(
             pair of ``[B, N, H, D]`` tensors.
         geometry: what a layer holds on this rank.
         backend: the attention backend's name (``CPU_ATTN``, ``FLASH_ATTN``, ...).
+        layout: vLLM's name of the resolved layout, for messages; None: read from the strides
+            (where a dimension has size 1 its place is ambiguous, so vLLM's name is better).
 
     Returns:
         The views; a save or a load through them touches no other byte of the cache.
@@ -279,7 +283,8 @@ def block_views(
         raise InvalidRequestError("kvstore connector: no KV cache registered")
     split = split_for(backend, geometry.mla)
     tensors = [c for c in caches if isinstance(c, torch.Tensor)]
-    layout = layout_name(tensors) if len(tensors) == len(caches) else "K/V pairs"
+    if layout is None:
+        layout = layout_name(tensors) if len(tensors) == len(caches) else "K/V pairs"
     views: list[torch.Tensor] = []
     for cache in caches:
         if isinstance(cache, tuple | list):

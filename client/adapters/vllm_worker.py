@@ -121,7 +121,11 @@ class KVStoreWorker:
         self._save_futures: list[Future[None]] = []
 
     def register_kv_caches(
-        self, kv_caches: Mapping[str, Any], backend: str, geometry: CacheGeometry
+        self,
+        kv_caches: Mapping[str, Any],
+        backend: str,
+        geometry: CacheGeometry,
+        layout: str | None = None,
     ) -> None:
         """Map each layer's paged cache to block views (:mod:`.vllm_layouts`).
 
@@ -129,6 +133,7 @@ class KVStoreWorker:
             kv_caches: what vLLM registers, by layer name (any layout of ``vllm_layouts``).
             backend: the attention backend's name.
             geometry: what one layer holds on this rank.
+            layout: vLLM's name of the resolved layout (for messages), if known.
 
         Raises:
             InvalidRequestError: a layout, backend, dtype or size this connector cannot serve
@@ -140,7 +145,7 @@ class KVStoreWorker:
             raise InvalidRequestError(
                 f"kvstore connector: {len(names)} KV layers registered, {ns.num_layers} expected"
             )
-        views = block_views([kv_caches[n] for n in names], geometry, backend)
+        views = block_views([kv_caches[n] for n in names], geometry, backend, layout)
         if views.itemsize != DTYPE_BYTES[ns.dtype]:
             raise InvalidRequestError(
                 f"kvstore connector: KV cache layout {views.layout} of backend {backend} holds "
