@@ -273,18 +273,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help=HOST_HELP)
     p.add_argument("--port", type=int, default=8000, help="port to serve on (0 picks a free one)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
-    p.add_argument(
-        "--max-body",
-        type=parse_size,
-        default=16 << 20,
-        help="largest request body read (beyond it: 413 unread), e.g. 16MiB",
-    )
-    p.add_argument(
-        "--max-chars-per-token",
-        type=int,
-        default=16,
-        help="a prompt longer than the context length times this is refused before tokenizing",
-    )
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser(
