@@ -58,11 +58,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace, kv_dtype_from
 from kvstore.client.adapters.vllm_layouts import CacheGeometry
-from kvstore.client.adapters.vllm_pool import KVStoreConnectorMetadata, Pool, logger
-from kvstore.client.adapters.vllm_scheduler import KVStoreScheduler
+from kvstore.client.adapters.vllm_pool import Counters, Pool, logger
+from kvstore.client.adapters.vllm_scheduler import KVStoreConnectorMetadata, KVStoreScheduler
 from kvstore.client.adapters.vllm_stats import (
     STAT_NAMES,
-    Counters,
     KVStoreConnectorStats,
     KVStorePromMetrics,
 )
@@ -284,7 +283,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self._counters.take()
+        data = self._counters.take()
+        return KVStoreConnectorStats(data=data) if data else None
 
     # ================================================================ scheduler side
     def _plan(self) -> KVStoreScheduler:
@@ -333,7 +333,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._work().register_kv_caches(kv_caches, names[0], self._geometry, layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._work().start_load_kv(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._work().start_load_kv(meta.loads if isinstance(meta, KVStoreConnectorMetadata) else [])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self._work().wait_for_layer_load(layer_name)
@@ -345,7 +346,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        self._work().save_kv_layer(self._get_connector_metadata(), layer_name)
+        meta = self._get_connector_metadata()
+        saves = meta.saves if isinstance(meta, KVStoreConnectorMetadata) else []
+        self._work().save_kv_layer(saves, layer_name)
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save()

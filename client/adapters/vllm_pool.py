@@ -1,19 +1,18 @@
-"""What both sides of the vLLM connector share: the pool behind a breaker, and the metadata
-the scheduler hands the workers each step."""
+"""What both sides of the vLLM connector share: the pool behind a breaker, the counters, and a
+transfer (the unit of the scheduler's per-step plan). Imports nothing of vLLM, so the worker side
+runs where vLLM is absent (a GPU check)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.logger import init_logger
 
 from kvstore import auth
 from kvstore.client.adapters.vllm_config import ConnectorConfig
-from kvstore.client.adapters.vllm_stats import Counters
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import (
@@ -26,7 +25,29 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 
 # Under "vllm." so that vLLM's logging config (level, format, process prefix) applies to our lines.
-logger = init_logger("vllm.kvstore_connector")
+logger = logging.getLogger("vllm.kvstore_connector")
+
+
+# ==================================================================== counters
+class Counters:
+    """Thread-safe counters, taken (and zeroed) by each ``get_kv_connector_stats``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, float] = {}
+        self.totals: dict[str, float] = {}
+
+    def add(self, **values: float) -> None:
+        with self._lock:
+            for k, v in values.items():
+                self._data[k] = self._data.get(k, 0) + v
+                self.totals[k] = self.totals.get(k, 0) + v
+
+    def take(self) -> dict[str, float] | None:
+        """The sums since the last call (None when all are zero), and zero them."""
+        with self._lock:
+            data, self._data = self._data, {}
+        return data if any(data.values()) else None
 
 
 # ==================================================================== the pool, with a breaker
@@ -115,7 +136,7 @@ def is_unreachable(err: BaseException) -> bool:
     )
 
 
-# ==================================================================== step metadata
+# ==================================================================== a transfer
 @dataclass
 class Transfer:
     """Blocks ``first .. first + len(block_ids)`` of a prompt, to load or save.
@@ -127,11 +148,3 @@ class Transfer:
     tokens: np.ndarray
     first: int
     block_ids: list[int]
-
-
-@dataclass
-class KVStoreConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler tells the workers for one step."""
-
-    loads: list[Transfer] = field(default_factory=list)
-    saves: list[Transfer] = field(default_factory=list)

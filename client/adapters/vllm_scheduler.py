@@ -1,9 +1,9 @@
 """The vLLM connector's scheduler side (one per engine): asks the prefix index what the pool
-holds, plans each step's loads and saves as :class:`~.vllm_pool.KVStoreConnectorMetadata`."""
+holds, plans each step's loads and saves as :class:`KVStoreConnectorMetadata`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,7 +11,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvstore.client.adapters.vllm_pool import (
     Counters,
-    KVStoreConnectorMetadata,
     Pool,
     Transfer,
     is_unreachable,
@@ -23,6 +22,14 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers for one step."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
 
 
 @dataclass

@@ -3,7 +3,6 @@ and on its ``/metrics`` as ``vllm:kvstore_<name>``."""
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -100,23 +99,3 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             per_engine = self._counters.get(name)
             if per_engine is not None and value:
                 per_engine[engine_idx].inc(value)
-
-
-class Counters:
-    """Thread-safe counters, taken (and zeroed) by each ``get_kv_connector_stats``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._data: dict[str, float] = {}
-        self.totals: dict[str, float] = {}
-
-    def add(self, **values: float) -> None:
-        with self._lock:
-            for k, v in values.items():
-                self._data[k] = self._data.get(k, 0) + v
-                self.totals[k] = self.totals.get(k, 0) + v
-
-    def take(self) -> KVStoreConnectorStats | None:
-        with self._lock:
-            data, self._data = self._data, {}
-        return KVStoreConnectorStats(data=data) if any(data.values()) else None

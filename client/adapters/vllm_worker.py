@@ -1,9 +1,9 @@
 """The vLLM connector's worker side (one per TP rank): the registered cache as block views
 (:mod:`.vllm_layouts`), layer-wise or asynchronous loads, saves handed off layer by layer.
 
-It knows no vLLM config: the facade (:mod:`kvstore.client.adapters.vllm`) gives it the namespace,
-the layer names, the backend and the geometry, so tests drive it on caches vLLM's own helpers
-allocate.
+It imports nothing of vLLM: the facade (:mod:`kvstore.client.adapters.vllm`) gives it the
+namespace, the layer names, the backend, the geometry and each step's transfers, so tests drive it
+on caches vLLM's own helpers allocate, and it runs where vLLM is absent.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from kvstore.client.adapters.vllm_config import ConnectorConfig
 from kvstore.client.adapters.vllm_layouts import BlockViews, CacheGeometry, block_views
 from kvstore.client.adapters.vllm_pool import (
     UNREACHABLE,
     Counters,
-    KVStoreConnectorMetadata,
     Pool,
     Transfer,
     is_unreachable,
@@ -335,7 +333,7 @@ class KVStoreWorker:
             failed = self._finish(loaded)
         return failed
 
-    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+    def start_load_kv(self, loads: list[Transfer]) -> None:
         """Start this step's loads on the io thread: in ``layer`` mode one load for all of
         them while the step starts, the forward's ``wait_for_layer_load`` waiting for it; in
         ``async`` mode one load per request, reported by ``get_finished``.
@@ -345,14 +343,14 @@ class KVStoreWorker:
         place is copied while still in cache from its checksum (one pass over memory, not
         two; the whole load of a 2K-token prompt is then ~20 ms here), and with the copy done
         in one go the forward never shares a core with it."""
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.loads:
+        if not loads:
             return
         if self._load_async:
-            for t in meta.loads:
+            for t in loads:
                 self._recving[t.req_id] = (self._io.submit(self._load_now, [t]), t)
             return
         self._layer_ready = [threading.Event() for _ in self._views.layers]
-        self._sync_read = self._io.submit(self._load_layerwise, meta.loads, self._layer_ready)
+        self._sync_read = self._io.submit(self._load_layerwise, loads, self._layer_ready)
 
     def _load_layerwise(self, loads: list[Transfer], ready: list[threading.Event]) -> set[int]:
         """:meth:`_load_now`, setting every layer's event when the copy is done, or when it
@@ -389,15 +387,15 @@ class KVStoreWorker:
             self._load_errors |= failed
 
     # ---------------------------------------------------------------- saves
-    def save_kv_layer(self, meta: KVConnectorMetadata | None, layer_name: str) -> None:
+    def save_kv_layer(self, saves: list[Transfer], layer_name: str) -> None:
         """Hand this layer's new prompt blocks to the save thread (the forward goes on)."""
-        if not isinstance(meta, KVStoreConnectorMetadata) or not meta.saves:
+        if not saves:
             return
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
         if self._save_staging is None:
-            ids = [b for t in meta.saves for b in t.block_ids]
+            ids = [b for t in saves for b in t.block_ids]
             self._save_staging = self._staging(len(ids), "save")
             self._save_runs = _runs(range(len(ids)), ids)
         staging, runs = self._save_staging, self._save_runs
@@ -418,7 +416,7 @@ class KVStoreWorker:
             def put() -> None:
                 for f in pending:
                     f.result()  # a gather that failed: store nothing (its rows are garbage)
-                self._put(meta.saves, staging)
+                self._put(saves, staging)
 
             gathers.append(self._saver.submit(put))
 

@@ -35,8 +35,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from kvstore.client import Client
 from kvstore.client.adapters.vllm_config import ConnectorConfig, engine_namespace
 from kvstore.client.adapters.vllm_layouts import CacheGeometry
-from kvstore.client.adapters.vllm_pool import KVStoreConnectorMetadata, Pool, Transfer
-from kvstore.client.adapters.vllm_stats import Counters
+from kvstore.client.adapters.vllm_pool import Counters, Pool, Transfer
 from kvstore.client.adapters.vllm_worker import KVStoreWorker
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError
@@ -177,17 +176,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     before = {n: [p.clone() for p in planes_as_backend_reads(dst_case, dst[n])] for n in names}
 
     saver = make_worker(master, src_case, src)
-    meta = KVStoreConnectorMetadata(saves=[Transfer("r", tokens, 0, src_ids)])
+    saves = [Transfer("r", tokens, 0, src_ids)]
     with torch.inference_mode():
         for n in names:
-            saver.save_kv_layer(meta, n)
+            saver.save_kv_layer(saves, n)
     saver.wait_for_save()
     saver.close()
     if spec.get("corrupt") is not None:
         corrupt(master, src_case, tokens, spec["corrupt"])
 
-    meta = KVStoreConnectorMetadata(loads=[Transfer("r", tokens, 0, dst_ids)])
-    loader.start_load_kv(meta)
+    loader.start_load_kv([Transfer("r", tokens, 0, dst_ids)])
     for n in names:
         loader.wait_for_layer_load(n)
     loader.wait_for_save()
