@@ -230,13 +230,18 @@ class BlockViews:
         return tuple(t.view(as_int) for t in self.layers)
 
     def gather(
-        self, layer: int, planes: torch.Tensor, runs: Sequence[tuple[int, int, int]]
+        self,
+        layer: int,
+        planes: torch.Tensor,
+        runs: Sequence[tuple[int, int, int]],
+        non_blocking: bool = False,
     ) -> None:
         """Copy blocks of ``layer`` into object rows: ``planes[s : s + n] <- blocks d .. d + n``
-        for each run ``(s, d, n)``; ``planes`` is ``[rows, 2, block_size, heads, head_dim]``."""
+        for each run ``(s, d, n)``; ``planes`` is ``[rows, 2, block_size, heads, head_dim]``
+        (``non_blocking``: asynchronous where the copy crosses to pinned host memory)."""
         src = self.layers[layer]
         for s, d, n in runs:
-            planes[s : s + n].copy_(src[d : d + n])
+            planes[s : s + n].copy_(src[d : d + n], non_blocking=non_blocking)
 
     def scatter_np(self, dst: Sequence[np.ndarray], block: int, obj: np.ndarray) -> None:
         """Copy one object (``[layers, 2, block_size, heads, head_dim]``, integer-typed) into

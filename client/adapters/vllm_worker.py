@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvstore.client.adapters.vllm_config import ConnectorConfig
+from kvstore.client.adapters.vllm_device import DeviceCopies
 from kvstore.client.adapters.vllm_layouts import BlockViews, CacheGeometry, block_views
 from kvstore.client.adapters.vllm_pool import (
     UNREACHABLE,
@@ -75,6 +76,8 @@ class _Loaded:
     in_place: dict[int, int] = field(default_factory=dict)
     read_s: float = 0.0
     copy_s: float = 0.0
+    rows: torch.Tensor | None = None  # the staging rows read into (a GPU cache copies from them)
+    row_of: dict[int, int] = field(default_factory=dict)  # block index -> its row in ``rows``
 
 
 class KVStoreWorker:
@@ -153,9 +156,10 @@ class KVStoreWorker:
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._dtype = views.dtype
         self._itemsize = views.itemsize
-        self._int_views = views.as_int()
-        self._np_dtype = self._int_views[0].numpy().dtype if views.device.type == "cpu" else None
-        # Loads into a host cache copy with numpy (see _copy); a device cache takes torch copies.
+        # numpy's integer type of the element size: objects are checked and copied as bits.
+        self._np_dtype = torch.empty(0, dtype=views.as_int()[0].dtype).numpy().dtype
+        # Loads into a host cache copy with numpy (see _copy); a GPU cache goes through
+        # vllm_device's streams (see _copy_to_device).
         self._kv_np = views.host_int_views() if views.device.type == "cpu" else []
         self._obj_shape = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
         self._block_nbytes = views.block_nbytes
@@ -165,6 +169,8 @@ class KVStoreWorker:
             2 * ns.num_layers, ns.block_size
         )
         self._bufs: dict[str, torch.Tensor] = {}
+        self._copies = DeviceCopies(views.device)
+        self._layer_events: list[Any] = [None] * len(views.layers)
         logger.info(
             "kvstore connector: KV cache layout %s of backend %s, %s on %s",
             views.layout,
@@ -187,11 +193,10 @@ class KVStoreWorker:
         if buf is not None and len(buf) >= num_blocks:
             return buf[:num_blocks]
         if nbytes > MAX_KEPT_STAGING:
-            return torch.empty((num_blocks, self._object_nbytes), dtype=torch.uint8)
+            return self._copies.host_buffer((num_blocks, self._object_nbytes))
         # zeros, not empty: every page is touched (faulted) once, here, not in each step.
-        buf = torch.zeros(
-            (max(num_blocks, 2 * (len(buf) if buf is not None else 0)), self._object_nbytes),
-            dtype=torch.uint8,
+        buf = self._copies.host_buffer(
+            (max(num_blocks, 2 * (len(buf) if buf is not None else 0)), self._object_nbytes)
         )
         self._bufs[kind] = buf
         return buf[:num_blocks]
@@ -243,15 +248,20 @@ class KVStoreWorker:
             for i, a in enumerate(answers)
             if isinstance(a, ObjectInfo) and a.size == self._object_nbytes
         ]
-        loaded.inplace = kv.client.read_in_place([a for _, a in found])
         rest: list[tuple[int, ObjectInfo]] = []
-        for j, (i, info) in enumerate(found):
-            if loaded.inplace.mapped(j):
-                loaded.in_place[i] = j
-            else:
-                rest.append((i, info))
+        if self._copies.on_gpu:  # a GPU copies from pinned staging, never from shared memory
+            rest = found
+        else:
+            loaded.inplace = kv.client.read_in_place([a for _, a in found])
+            for j, (i, info) in enumerate(found):
+                if loaded.inplace.mapped(j):
+                    loaded.in_place[i] = j
+                else:
+                    rest.append((i, info))
         if rest:
-            rows = self._staging(len(rest), "load").numpy()
+            loaded.rows = self._staging(len(rest), "load")
+            loaded.row_of = {i: k for k, (i, _) in enumerate(rest)}
+            rows = loaded.rows.numpy()
             reads = [
                 LocatedRead(info, memoryview(row))
                 for (_, info), row in zip(rest, rows, strict=False)
@@ -269,14 +279,18 @@ class KVStoreWorker:
         flat = np.frombuffer(obj, dtype=self._np_dtype, count=self._block_nbytes // self._itemsize)
         return flat.reshape(self._obj_shape)
 
-    def _copy(self, loaded: _Loaded) -> None:
+    def _copy(self, loaded: _Loaded, ready: list[threading.Event] | None = None) -> None:
         """Copy the loaded blocks into vLLM's paged cache, block by block, every layer of a
         block at once: a block read in place is checked (checksum) just before, so its bytes
         are copied while still in cache from the check. Per layer, one transposing copy,
         object ``[2, bs, heads, head]`` -> the cache's strided block view, with numpy: for
         these 24 KiB copies torch's per-call cost made a 2K prompt's copy 13 ms against 7 ms
-        (SmolLM2, measured apart)."""
+        (SmolLM2, measured apart). A GPU cache: :meth:`_copy_to_device`."""
         t0 = time.perf_counter()
+        if self._copies.on_gpu:
+            self._copy_to_device(loaded, ready)
+            loaded.copy_s += time.perf_counter() - t0
+            return
         inplace, kv_np = loaded.inplace, self._kv_np
         for i, block in enumerate(loaded.block_ids):
             planes = loaded.planes[i]
@@ -286,13 +300,29 @@ class KVStoreWorker:
                 planes = loaded.planes[i] = self._typed(view) if view is not None else None
             if planes is None:
                 continue
-            if kv_np:
-                for layer, dst in enumerate(kv_np):
-                    np.copyto(dst[block], planes[layer])
-            else:
-                for layer, dev in enumerate(self._int_views):
-                    dev[block].copy_(torch.from_numpy(planes[layer]))
+            for layer, dst in enumerate(kv_np):
+                np.copyto(dst[block], planes[layer])
         loaded.copy_s += time.perf_counter() - t0
+
+    def _copy_to_device(self, loaded: _Loaded, ready: list[threading.Event] | None) -> None:
+        """The GPU load: per layer, the good rows to the device and into their blocks on the
+        side stream, that layer's event recorded and its ``ready`` set at once (the forward's
+        stream waits on the event, not the host); then the host waits for the copies before
+        the staging may be reused."""
+        good = [
+            (loaded.row_of[i], block)
+            for i, block in enumerate(loaded.block_ids)
+            if loaded.planes[i] is not None
+        ]
+        planes = self._planes(loaded.rows) if loaded.rows is not None and good else None
+        for layer in range(len(self._views.layers)):
+            if planes is not None:
+                self._layer_events[layer] = self._copies.load_layer(
+                    self._views, layer, planes[:, layer], good
+                )
+            if ready is not None:
+                ready[layer].set()
+        self._copies.drain()
 
     def _finish(self, loaded: _Loaded) -> set[int]:
         """After the copies: drop the blocks read in place if their grants ran out meanwhile,
@@ -325,10 +355,12 @@ class KVStoreWorker:
             )
         return failed
 
-    def _load_now(self, loads: list[Transfer]) -> set[int]:
+    def _load_now(
+        self, loads: list[Transfer], ready: list[threading.Event] | None = None
+    ) -> set[int]:
         loaded = self._read(loads)
         try:
-            self._copy(loaded)
+            self._copy(loaded, ready)
         finally:
             failed = self._finish(loaded)
         return failed
@@ -350,6 +382,7 @@ class KVStoreWorker:
                 self._recving[t.req_id] = (self._io.submit(self._load_now, [t]), t)
             return
         self._layer_ready = [threading.Event() for _ in self._views.layers]
+        self._layer_events = [None] * len(self._views.layers)
         self._sync_read = self._io.submit(self._load_layerwise, loads, self._layer_ready)
 
     def _load_layerwise(self, loads: list[Transfer], ready: list[threading.Event]) -> set[int]:
@@ -358,7 +391,7 @@ class KVStoreWorker:
         instead)."""
         failed = {b for t in loads for b in t.block_ids}
         try:
-            failed = self._load_now(loads)
+            failed = self._load_now(loads, ready)
         except Exception as exc:  # noqa: BLE001 - recomputed, never raised into the forward
             logger.warning(
                 "kvstore: load failed (%s: %s); vLLM recomputes", type(exc).__name__, exc
@@ -376,6 +409,7 @@ class KVStoreWorker:
         layer = self._layer_index.get(layer_name)
         if layer is not None:
             self._layer_ready[layer].wait()
+            self._copies.wait(self._layer_events[layer])
 
     def _finish_sync_load(self) -> None:
         """At the end of the step: the load is over; collect its failed blocks."""
@@ -400,16 +434,11 @@ class KVStoreWorker:
             self._save_runs = _runs(range(len(ids)), ids)
         staging, runs = self._save_staging, self._save_runs
         planes = self._planes(staging)
-        views = self._views
-
-        def gather() -> None:
-            # The staging was made inside the forward's inference mode: only inference mode may
-            # write it.
-            with torch.inference_mode():
-                views.gather(layer, planes[:, layer], runs)
-
+        # On a GPU the copy is queued now, behind the forward's writes; the saver thread only
+        # waits for it. On the CPU the saver thread does the copy.
+        gathered = self._copies.start_save(self._views, layer, planes[:, layer], runs)
         gathers = self._save_futures
-        gathers.append(self._saver.submit(gather))
+        gathers.append(self._saver.submit(gathered))
         if layer == len(self._views.layers) - 1:
             pending = list(gathers)
 
