@@ -115,7 +115,7 @@ def layout_name(layers: Sequence[torch.Tensor]) -> str:
     """vLLM's name of the physical order of per-layer ``[B, H, N, C]`` views (e.g. ``LBHNC``,
     ``BLHNC``): axes by decreasing stride, the layer stride read from the views' addresses.
 
-    A single layer counts as layer-outermost. Returns ``"?"`` for anything else.
+    A single layer counts as layer-outermost; a tensor that is not 4-D is named by its rank.
     """
     first = layers[0]
     if first.dim() != 4:
@@ -299,7 +299,10 @@ def block_views(
         elif cache.dim() == 4:
             views.append(_from_4d(cache, geometry, split, layout, backend))
         elif cache.dim() == 5 and split is KVSplit.CHANNELS:
-            axis = 0 if cache.shape[0] == 2 and cache.shape[1] != 2 else 1
+            if cache.shape[0] == 2 and cache.shape[1] == 2:
+                # Two blocks and a K/V axis: which axis is which cannot be told from the shape.
+                raise _refuse(f"5-D shape {tuple(cache.shape)} is ambiguous", layout, backend)
+            axis = 0 if cache.shape[0] == 2 else 1
             if cache.shape[axis] != 2:
                 raise _refuse(f"5-D shape {tuple(cache.shape)} has no K/V axis", layout, backend)
             k, v = cache.select(axis, 0), cache.select(axis, 1)

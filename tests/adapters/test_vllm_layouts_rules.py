@@ -89,6 +89,21 @@ def test_what_it_cannot_serve_is_refused_in_one_line(
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("kv_axis", [0, 1])
+def test_a_legacy_5d_cache_splits_k_and_v_on_its_outer_axis(kv_axis: int) -> None:
+    shape = [B, N, H, D]
+    shape.insert(kv_axis, 2)
+    caches = [torch.arange(torch.Size(shape).numel(), dtype=torch.int16).view(shape)] * L
+    views = block_views(caches, GEO, "FLASH_ATTN")
+    assert torch.equal(views.layers[0][:, 1], caches[0].select(kv_axis, 1))
+
+
+def test_a_5d_cache_of_two_blocks_is_ambiguous_and_refused() -> None:
+    caches = [torch.zeros((2, 2, N, H, D), dtype=torch.int16)] * L
+    with pytest.raises(InvalidRequestError, match="ambiguous"):
+        block_views(caches, GEO, "FLASH_ATTN")
+
+
 def test_mla_backends_serve_only_mla() -> None:
     assert split_for("FLASHMLA", mla=True) is KVSplit.LATENT
     with pytest.raises(InvalidRequestError):
