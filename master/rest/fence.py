@@ -31,7 +31,13 @@ FENCE_KEY = web.AppKey("fence", AdminFence)
 #: Reads fenced like mutations: probes that say the master serves, and every read of the table
 #: (a master that may not lead must not pass its table off as the leader's).
 FENCED_READS = frozenset(
-    {"/ready", "/api/v1/events", "/api/v1/events/snapshot", "/api/v1/cluster", "/api/v1/prefix/match"}
+    {
+        "/ready",
+        "/api/v1/events",
+        "/api/v1/events/snapshot",
+        "/api/v1/cluster",
+        "/api/v1/prefix/match",
+    }
 )
 #: Reads of the table under a path: ``/api/v1/objects``, ``/api/v1/objects/KEY``, the nodes likewise.
 FENCED_READ_TREES = ("/api/v1/objects", "/api/v1/nodes")
