@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.adapters.test_vllm import BS, LIBRARY, MAX_TOKENS, _ask
-from tests.adapters.vllm_servers import VLLMServer, assert_greedy_close, kv_config, missing_engine
+from tests.adapters.vllm_servers import (
+    PoolServers,
+    VLLMServer,
+    assert_greedy_close,
+    kv_config,
+    kvstore_metric,
+    missing_engine,
+)
 from tests.support import Cluster, start_master, wait_until
 
 pytestmark = [
@@ -24,7 +31,7 @@ pytestmark = [
 FP8 = ["--kv-cache-dtype", "fp8"]
 
 
-class Trio:
+class Trio(PoolServers):
     def __init__(self, tmp: Path) -> None:
         self.cluster = Cluster(tmp, start_master())
         self.cluster.add_node("1GiB")
@@ -38,26 +45,12 @@ class Trio:
             prefix_caching=False,
             extra_args=FP8,
         )
-
-    def close(self) -> None:
-        for s in (self.ref, self.p, self.d):
-            s.stop()
-        self.cluster.stop()
+        self.servers = (self.ref, self.p, self.d)
 
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
-    t = Trio(Path(tmp_path_factory.mktemp("vllm-fp8")))
-    try:
-        for s in (t.ref, t.p, t.d):
-            s.wait_ready()
-        yield t
-    finally:
-        t.close()
-
-
-def _metric(server: VLLMServer, name: str) -> float:
-    return server.metrics().get(f"vllm:kvstore_{name}", 0.0)
+    yield from Trio(Path(tmp_path_factory.mktemp("vllm-fp8"))).serve()
 
 
 def test_decode_loads_fp8_blocks_and_answers_as_the_fp8_reference(trio: Trio) -> None:
@@ -66,18 +59,18 @@ def test_decode_loads_fp8_blocks_and_answers_as_the_fp8_reference(trio: Trio) ->
     want = trio.ref.complete_top(prompt, MAX_TOKENS)
     trio.p.complete(prompt, 1)
     wait_until(
-        lambda: _metric(trio.p, "saved_tokens") >= len(prompt) // BS * BS,
+        lambda: kvstore_metric(trio.p, "saved_tokens") >= len(prompt) // BS * BS,
         timeout=30,
         interval=0.2,
         what="prefill's fp8 blocks saved",
     )
     assert_greedy_close(trio.d.complete_top(prompt, MAX_TOKENS), want)
     wait_until(
-        lambda: _metric(trio.d, "loaded_tokens") >= full,
+        lambda: kvstore_metric(trio.d, "loaded_tokens") >= full,
         timeout=30,
         interval=0.2,
         what="decode's loaded_tokens",
     )
-    assert _metric(trio.d, "loaded_tokens") == full
-    assert _metric(trio.d, "load_errors") == 0
+    assert kvstore_metric(trio.d, "loaded_tokens") == full
+    assert kvstore_metric(trio.d, "load_errors") == 0
     assert "torch.uint8" in trio.d.log(), "the cache was fp8 (vLLM keeps it as bytes)"

@@ -25,9 +25,11 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
 from kvstore.client.adapters import vllm_server
 from tests.adapters.vllm_servers import (
+    PoolServers,
     VLLMServer,
     assert_greedy_close,
     kv_config,
+    kvstore_metric,
     missing_engine,
     model_dir,
     vllm_python,
@@ -113,7 +115,7 @@ def _mla_model(folder: Path) -> Path:
     return folder
 
 
-class Trio:
+class Trio(PoolServers):
     def __init__(self, tmp: Path) -> None:
         model = _mla_model(tmp / "tiny-mla")
         self.cluster = Cluster(tmp, start_master())
@@ -122,26 +124,12 @@ class Trio:
         self.ref = MLAServer(model, tmp / "ref.log", None, cpu=0)
         self.p = MLAServer(model, tmp / "p.log", kv_config("kv_producer", addr), cpu=1)
         self.d = MLAServer(model, tmp / "d.log", kv_config("kv_consumer", addr), cpu=0)
-
-    def close(self) -> None:
-        for s in (self.ref, self.p, self.d):
-            s.stop()
-        self.cluster.stop()
+        self.servers = (self.ref, self.p, self.d)
 
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
-    t = Trio(Path(tmp_path_factory.mktemp("vllm-mla")))
-    try:
-        for s in (t.ref, t.p, t.d):
-            s.wait_ready()
-        yield t
-    finally:
-        t.close()
-
-
-def _metric(server: VLLMServer, name: str) -> float:
-    return server.metrics().get(f"vllm:kvstore_{name}", 0.0)
+    yield from Trio(Path(tmp_path_factory.mktemp("vllm-mla"))).serve()
 
 
 def test_decode_loads_the_latent_cache_and_answers_as_the_reference(trio: Trio) -> None:
@@ -151,21 +139,21 @@ def test_decode_loads_the_latent_cache_and_answers_as_the_reference(trio: Trio) 
     saved = [0.0]
 
     def saved_all() -> bool:
-        saved[0] = _metric(trio.p, "saved_tokens")
+        saved[0] = kvstore_metric(trio.p, "saved_tokens")
         return saved[0] >= 7 * BS
 
     wait_until(saved_all, timeout=30, interval=0.2, what="prefill's blocks saved")
-    before = _metric(trio.d, "loaded_tokens")
+    before = kvstore_metric(trio.d, "loaded_tokens")
     got = trio.d.complete_top(prompt, MAX_TOKENS)
     assert_greedy_close(got, want)
     loaded = [0.0]
 
     def moved() -> bool:
-        loaded[0] = _metric(trio.d, "loaded_tokens") - before
+        loaded[0] = kvstore_metric(trio.d, "loaded_tokens") - before
         return loaded[0] > 0
 
     wait_until(moved, timeout=30, interval=0.2, what="decode's loaded_tokens")
     assert loaded[0] == 7 * BS, "decode loaded every full block of the prompt"
-    assert _metric(trio.d, "load_errors") == 0
+    assert kvstore_metric(trio.d, "load_errors") == 0
     log = trio.d.log()
     assert "KV cache layout" in log and "_MLA" in log, "the MLA cache was mapped"

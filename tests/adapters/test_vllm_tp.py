@@ -22,9 +22,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvstore.client.adapters import vllm_server
 from tests.adapters.vllm_servers import (
+    PoolServers,
     VLLMServer,
     assert_greedy_close,
     kv_config,
+    kvstore_metric,
     missing_engine,
     model_dir,
     vllm_python,
@@ -85,7 +87,7 @@ class TinyServer(VLLMServer):
         )
 
 
-class Engines:
+class Engines(PoolServers):
     def __init__(self, tmp: Path) -> None:
         model = _tiny_llama(tmp / "tiny-llama")
         self.cluster = Cluster(tmp, start_master())
@@ -95,33 +97,19 @@ class Engines:
         self.p = TinyServer(model, tmp / "p.log", kv_config("kv_producer", addr), 2, "0|1")
         self.d = TinyServer(model, tmp / "d.log", kv_config("kv_consumer", addr), 2, "0|1")
         self.d1 = TinyServer(model, tmp / "d1.log", kv_config("kv_consumer", addr), 1, "1")
-
-    def close(self) -> None:
-        for s in (self.ref, self.p, self.d, self.d1):
-            s.stop()
-        self.cluster.stop()
+        self.servers = (self.ref, self.p, self.d, self.d1)
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(Path(tmp_path_factory.mktemp("vllm-tp")))
-    try:
-        for s in (e.ref, e.p, e.d, e.d1):
-            s.wait_ready()
-        yield e
-    finally:
-        e.close()
-
-
-def _metric(server: VLLMServer, name: str) -> float:
-    return server.metrics().get(f"vllm:kvstore_{name}", 0.0)
+    yield from Engines(Path(tmp_path_factory.mktemp("vllm-tp"))).serve()
 
 
 def _wait_at_least(server: VLLMServer, name: str, value: float) -> float:
     seen = [0.0]
 
     def reached() -> bool:
-        seen[0] = _metric(server, name)
+        seen[0] = kvstore_metric(server, name)
         return seen[0] >= value
 
     wait_until(reached, timeout=30, interval=0.2, what=f"{name} >= {value}")
@@ -143,7 +131,7 @@ def test_a_tp2_consumer_loads_both_ranks_shares_and_answers_as_the_reference(
     assert_greedy_close(engines.d.complete_top(prompt, MAX_TOKENS), want)
     # Counters add up over the ranks: each loaded every full block of its share.
     assert _wait_at_least(engines.d, "loaded_tokens", 2 * NUM_FULL * BS) == 2 * NUM_FULL * BS
-    assert _metric(engines.d, "load_errors") == 0
+    assert kvstore_metric(engines.d, "load_errors") == 0
 
 
 def test_a_tp1_consumer_of_a_tp2_producer_misses_and_computes(
@@ -152,5 +140,5 @@ def test_a_tp1_consumer_of_a_tp2_producer_misses_and_computes(
     want = engines.ref.complete_top(prompt, MAX_TOKENS)
     assert_greedy_close(engines.d1.complete_top(prompt, MAX_TOKENS), want)
     assert _wait_at_least(engines.d1, "lookups", 1) >= 1
-    assert _metric(engines.d1, "hit_tokens") == 0
-    assert _metric(engines.d1, "loaded_tokens") == 0
+    assert kvstore_metric(engines.d1, "hit_tokens") == 0
+    assert kvstore_metric(engines.d1, "loaded_tokens") == 0

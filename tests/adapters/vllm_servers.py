@@ -13,6 +13,7 @@ import os
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +186,30 @@ class VLLMServer(vllm_server.VLLMServer):
         ):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
         return out
+
+
+def kvstore_metric(server: VLLMServer, name: str) -> float:
+    """The connector's counter ``vllm:kvstore_NAME`` on ``server`` (0 before any)."""
+    return server.metrics().get(f"vllm:kvstore_{name}", 0.0)
+
+
+class PoolServers:
+    """A pool (``cluster``) and the vLLM servers a test module starts against it (``servers``,
+    set by the subclass once every one is started)."""
+
+    cluster: Any
+    servers: tuple[VLLMServer, ...] = ()
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop()
+        self.cluster.stop()
+
+    def serve(self) -> Iterator[Any]:
+        """A module fixture's body: wait until every server is ready, yield, then stop them."""
+        try:
+            for s in self.servers:
+                s.wait_ready()
+            yield self
+        finally:
+            self.close()
