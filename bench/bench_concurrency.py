@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client
-from kvstore.embedded import EmbeddedCluster
 
 
 def _worker(address: str, key: str, lease: bool, seconds: float, out: mp.Queue) -> None:

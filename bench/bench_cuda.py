@@ -21,8 +21,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client
-from kvstore.embedded import EmbeddedCluster
 
 SIZES = [("1MiB", 1 << 20), ("16MiB", 16 << 20), ("64MiB", 64 << 20)]
 BATCH = 8

@@ -25,12 +25,12 @@ import time
 
 import torch
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client, KVCache
-from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate
-from kvstore.client.adapters.models import build_model
-from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
-from kvstore.embedded import EmbeddedCluster
+from kvstore.demo import hf
+from kvstore.demo.models import build_model
+from kvstore.demo.workers import DecodeWorker, PrefillWorker
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 BLOCK = 64

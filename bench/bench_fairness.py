@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client, KVCache, Namespace
-from kvstore.embedded import EmbeddedCluster
 from kvstore.master.prefix import MAX_PROMPT_BLOCKS
 
 MAX_KEYS = 65536

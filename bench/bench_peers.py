@@ -140,7 +140,7 @@ class Proc:
 def kvstore_cluster(tmp: Path) -> Iterator[tuple[str, int]]:
     """``kvstore up --shm``, warmed up (its arena pre-faulted); yields the control address and
     the master's PID (``kvstore up`` serves the master in-process, the node is its child)."""
-    from kvstore.embedded import EmbeddedCluster
+    from kvstore.cli.embedded import EmbeddedCluster
 
     with EmbeddedCluster(str(tmp / "kvstore-data"), str(SEGMENT), ["--shm"]) as cluster:
         cluster.wait_warm(READY_TIMEOUT_S)

@@ -53,8 +53,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.client.adapters.vllm_server import VLLMServer, free_port  # noqa: E402
-from kvstore.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.demo.vllm_server import VLLMServer, free_port  # noqa: E402
 from kvstore.replay.cli import (  # noqa: E402
     ReplayRun,
     load_slice,

@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client
-from kvstore.embedded import EmbeddedCluster
 
 SIZES = [("4KiB", 4 << 10), ("64KiB", 64 << 10), ("1MiB", 1 << 20), ("16MiB", 16 << 20)]
 BATCH = 16

@@ -38,8 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.client import Client, KVCache  # noqa: E402
-from kvstore.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.keys import Namespace  # noqa: E402
 from tests.adapters.vllm_servers import (  # noqa: E402
     VLLMServer,

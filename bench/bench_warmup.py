@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
+from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client import Client
-from kvstore.embedded import EmbeddedCluster
 
 
 def run(dram: str, prefault: bool) -> list[float]:

@@ -25,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.client import Client, KVCache, Namespace  # noqa: E402
-from kvstore.embedded import EmbeddedCluster  # noqa: E402
 
 #: (layers, KV heads, head size) of each model's KV; blocks of 64 tokens.
 SHAPES = {"llama3": (32, 8, 128), "smollm2": (30, 3, 64)}

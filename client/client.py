@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import auth
-from kvstore.buffers import Segments, as_bytes_view
+from kvstore.client.buffers import Segments, as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
 from kvstore.client.datapath import DataPath
 from kvstore.client.inplace import InPlaceReads
@@ -252,7 +252,7 @@ class Client:
     ) -> list[KVStoreError | None]:
         """Store many objects: one master call to allocate, one write per node, one to commit.
         CUDA tensors are staged through pinned host buffers first (see
-        :mod:`kvstore.client.staging`). A value may be a :class:`~kvstore.buffers.Segments`:
+        :mod:`kvstore.client.staging`). A value may be a :class:`~kvstore.client.buffers.Segments`:
         the object is its pieces' concatenation, sent without joining them.
 
         Args:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvstore import auth, grants, rdma
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.client.rdma import RdmaTransport
 from kvstore.client.shm import ShmTransport
 from kvstore.client.transport import InFlight, ReadItem, TcpTransport, WriteItem

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.buffers import Segments, as_bytes_view
+from kvstore.client.buffers import Segments, as_bytes_view
 from kvstore.client.client import Client, PromptCommit
 from kvstore.client.reads import LocatedRead
 from kvstore.client.transport import ReadItem

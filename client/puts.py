@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import grants
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache

@@ -31,7 +31,7 @@ from typing import Any
 import xxhash
 
 from kvstore import grants
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.client.transport import (
     ReadItem,
     WriteItem,

@@ -16,7 +16,7 @@ from typing import Any
 import xxhash
 
 from kvstore import auth, grants, protocol
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.errors import (
     KVStoreError,
     KVTimeoutError,

@@ -152,7 +152,7 @@ class Segment:
     # offset -> key of every committed replica here (what eviction and drain walk).
     holding: Holding = field(default_factory=Holding)
     # The newest write claim (grant expiry, wall ms) of any allocation freed here. Nodes order
-    # the writes of reused bytes by that stamp (kvstore.grants.WriteClaims) and cannot order
+    # the writes of reused bytes by that stamp (kvstore.claims.WriteClaims) and cannot order
     # equal ones, so space freed in the millisecond it was allocated (an eviction right after
     # a commit) must go to a strictly later stamp: see :meth:`claim_stamp`.
     reuse_floor: int = 0

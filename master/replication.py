@@ -115,7 +115,7 @@ class Replicator:
             "stamp": dst.stamp,
             "deadline_ms": expires,
             # Where the node writes is a new allocation: its place among write grants for
-            # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
+            # those bytes (their expiry) fences every older one (kvstore.claims.WriteClaims).
             "claim_ms": claim,
         }
         deadline = now + timeout + TASK_GRACE_S

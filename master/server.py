@@ -142,7 +142,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
 
 def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
     # The node reports the tasks it ran; the reply carries what to forget and what to do next
-    # (see kvstore/node/tasks.py), and whether a drained node may stop.
+    # (see node/tasks.py), and whether a drained node may stop.
     node_id = _arg(args, "node_id", str)
     svc.check_node_identity(node_id, _arg(args, "identity", bytes) if "identity" in args else None)
     if "done" in args:

@@ -487,7 +487,7 @@ class TierManager:
             "stamp": dst.stamp,
             "deadline_ms": self.wall_ms() + int(self.config.task_timeout_s * 1000),
             # Where the node writes is a new allocation: its place among write grants for
-            # those bytes (their expiry) fences every older one (kvstore.grants.WriteClaims).
+            # those bytes (their expiry) fences every older one (kvstore.claims.WriteClaims).
             "claim_ms": claim,
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))

@@ -1,33 +1,52 @@
 """The layers of the whole tree, read from the source with ``ast`` (nothing is imported).
 
-    top      kvstore.cli, kvstore.router, kvstore.replay, kvstore.sim  (may import every layer)
-    client   kvstore.client                    master   kvstore.master
-    core     kvstore (errors, protocol, serving, node, rdma, ...), kvstore.cuda
+    apps     kvstore.cli, .router, .replay, .sim, .demo   (apps/: may import every layer)
+    client   kvstore.client (client/)   master   kvstore.master (master/)   node   kvstore.node (node/)
+    core     kvstore (kvstore/: types, errors, keys, wire, grants, transports), kvstore.cuda (cuda/)
 
-A layer imports only itself and the layers below it: the core neither the master nor the client,
-the client and the master never each other (they meet only on the wire). No module-level import
-cycle anywhere, and an import inside a function between our modules only where the list below says
-why. (The master's and the client's own finer rules: tests/master/test_layers.py,
+The folders are the layers: each source folder holds one layer (pyproject.toml's package-dir maps
+them into the one ``kvstore`` namespace). A layer imports only itself and the layers below it: the
+core none of the others; the node, the master and the client never each other (they meet only on
+the wire). A core module that only one other layer uses belongs in that layer. No module-level
+import cycle anywhere, and an import inside a function between our modules only where the list
+below says why. (The master's and the client's own finer rules: tests/master/test_layers.py,
 tests/client/test_layers.py.)
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Source folder -> package (pyproject.toml's package-dir).
-FOLDERS = {"kvstore": "kvstore", "master": "kvstore.master", "client": "kvstore.client"}
-FOLDERS["cuda"] = "kvstore.cuda"
-TOP = ("kvstore.cli", "kvstore.router", "kvstore.replay", "kvstore.sim")
+#: Package -> source folder, as pyproject.toml maps them.
+PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"][
+    "setuptools"
+]["package-dir"]
+#: Each top-level package's layer, and the folder its layer lives in.
+LAYERS = {
+    "kvstore": ("core", "kvstore"),
+    "kvstore.cuda": ("core", "cuda"),
+    "kvstore.node": ("node", "node"),
+    "kvstore.master": ("master", "master"),
+    "kvstore.client": ("client", "client"),
+    "kvstore.cli": ("apps", "apps/cli"),
+    "kvstore.router": ("apps", "apps/router"),
+    "kvstore.replay": ("apps", "apps/replay"),
+    "kvstore.sim": ("apps", "apps/sim"),
+    "kvstore.demo": ("apps", "apps/demo"),
+}
+FOLDERS = {folder: package for package, folder in PACKAGE_DIRS.items()}
+TOP = tuple(p for p, (name, _) in LAYERS.items() if name == "apps")
 ALLOWED_BELOW = {
     "core": {"core"},
+    "node": {"core", "node"},
     "client": {"core", "client"},
     "master": {"core", "master"},
-    "top": {"core", "client", "master", "top"},
+    "apps": {"core", "node", "client", "master", "apps"},
 }
 #: Imports inside functions, each with its reason: (importing module, imported module).
 LAZY_ALLOWED = {
@@ -40,16 +59,16 @@ LAZY_ALLOWED = {
     ("kvstore.cli.daemons", "kvstore.master.service"),
     ("kvstore.cli.daemons", "kvstore.master.tiering"),
     # ... and for the same reason, the vLLM demo and proxy (aiohttp) where they run.
-    ("kvstore.cli.engines", "kvstore.client.adapters.vllm_demo"),
-    ("kvstore.cli.engines", "kvstore.client.adapters.vllm_proxy"),
+    ("kvstore.cli.engines", "kvstore.demo.vllm_demo"),
+    ("kvstore.cli.engines", "kvstore.demo.vllm_proxy"),
     # These need torch, which the pool itself does not; the demo imports them when it runs.
-    ("kvstore.client.adapters.demo", "kvstore.client.adapters.models"),
-    ("kvstore.client.adapters.demo", "kvstore.client.adapters.workers"),
-    ("kvstore.client.adapters.serve", "kvstore.client"),
-    ("kvstore.client.adapters.serve", "kvstore.client.adapters.hf"),
-    ("kvstore.client.adapters.serve", "kvstore.client.adapters.fp8"),
-    ("kvstore.client.adapters.serve", "kvstore.client.adapters.models"),
-    ("kvstore.client.adapters.serve", "kvstore.client.adapters.workers"),
+    ("kvstore.demo.demo", "kvstore.demo.models"),
+    ("kvstore.demo.demo", "kvstore.demo.workers"),
+    ("kvstore.demo.serve", "kvstore.client"),
+    ("kvstore.demo.serve", "kvstore.demo.hf"),
+    ("kvstore.demo.serve", "kvstore.client.adapters.fp8"),
+    ("kvstore.demo.serve", "kvstore.demo.models"),
+    ("kvstore.demo.serve", "kvstore.demo.workers"),
 }
 
 
@@ -69,12 +88,9 @@ SOURCES = _sources()
 
 
 def layer(module: str) -> str:
-    if any(module == t or module.startswith(t + ".") for t in TOP):
-        return "top"
-    for name in ("master", "client"):
-        if module.startswith(f"kvstore.{name}"):
-            return name
-    return "core"
+    """The layer of a module: that of the longest package in :data:`LAYERS` it is in."""
+    owner = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[owner][0]
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str) -> list[str]:
@@ -124,7 +140,40 @@ GRAPH = {m: _walk(m) for m in SOURCES}
 
 def test_the_tree_is_found() -> None:
     assert {"kvstore.protocol", "kvstore.master.service", "kvstore.client.client"} <= set(SOURCES)
-    assert "kvstore.cli" in SOURCES and "kvstore.sim" in SOURCES
+    assert {"kvstore.cli", "kvstore.sim", "kvstore.node.server", "kvstore.demo"} <= set(SOURCES)
+
+
+def test_the_folders_are_the_layers() -> None:
+    """Every package lives in its layer's folder, and no folder holds two layers."""
+    assert {p: folder for p, (_, folder) in LAYERS.items()} == PACKAGE_DIRS
+    top_folders = {f.split("/")[0] for f in PACKAGE_DIRS.values()}
+    assert top_folders == {"kvstore", "cuda", "node", "master", "client", "apps"}
+    for package, folder in PACKAGE_DIRS.items():
+        for sub in sorted((ROOT / folder).iterdir()):
+            if (sub / "__init__.py").exists():
+                name = f"{package}.{sub.name}"
+                assert layer(name) == LAYERS[package][0], f"{sub} is in {package}'s folder"
+
+
+def test_a_core_module_serves_more_than_one_layer() -> None:
+    """Code that only one layer uses lives in that layer's folder, not in the core (a core
+    subpackage, such as the RDMA transport both ends use, counts as one)."""
+
+    def unit(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    users: dict[str, set[str]] = {unit(m): set() for m in SOURCES if layer(m) == "core"}
+    for module, (top, typing_only, nested) in GRAPH.items():
+        for target in top | typing_only | nested:
+            if unit(target) in users and unit(target) != unit(module):
+                users[unit(target)].add(layer(module))
+    entry_points = {"kvstore", "kvstore.__main__", "kvstore.cuda"}
+    single = {
+        m: sorted(u)
+        for m, u in users.items()
+        if len(u) == 1 and "core" not in u and m not in entry_points
+    }
+    assert not single, f"core modules that one other layer alone uses: {single}"
 
 
 @pytest.mark.parametrize("module", sorted(SOURCES))

@@ -66,7 +66,7 @@ from kvstore.client.adapters.vllm_stats import (
     KVStorePromMetrics,
 )
 from kvstore.client.adapters.vllm_worker import KVStoreWorker
-from kvstore.engine_registry import EngineAnnouncer
+from kvstore.client.engine_registry import EngineAnnouncer
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import Address
-from kvstore.engine_registry import (
+from kvstore.client.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
     DEFAULT_ENGINES_PREFIX,
     KV_ROLE_TO_ROLE,
@@ -18,6 +17,7 @@ from kvstore.engine_registry import (
     check_prefix,
     engine_key,
 )
+from kvstore.config import Address
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import is_etcd_url, parse_endpoints
 from kvstore.keys import Namespace
@@ -144,7 +144,7 @@ class ConnectorConfig:
         timeout_s: seconds any one pool call may wait.
         retry_s: seconds to serve without the pool after it failed, before trying it again.
         advertise_url: the engine's OpenAI URL as a router reaches it; given, the scheduler
-            side registers the engine in etcd (:mod:`kvstore.engine_registry`).
+            side registers the engine in etcd (:mod:`kvstore.client.engine_registry`).
         etcd: the registry's etcd ``HOST:PORT[,...]`` (default: the master's, when it is
             ``etcd://``).
         engines_prefix: the registry's prefix in etcd.

@@ -18,14 +18,14 @@ Not tested: a real NIC, RoCE GID selection, devices' limits (message size, outst
 performance.
 
 Shape, and why. The package sits in the core layer, so it holds what the node and the client
-share, and the node's half (the node is core too):
+share; the node's half lives in the node's layer:
 
 * :mod:`kvstore.rdma.devices`: pyverbs loading, device discovery, :class:`RdmaSettings` from the
   environment, and the fallback line ``"<role>: RDMA off (<why>); using TCP"``;
 * :mod:`kvstore.rdma.wire`: what the peers exchange (:class:`RdmaOffer`, :class:`QpEndpoint`);
 * :mod:`kvstore.rdma.verbs`: the verbs wrapper (memory regions, :class:`VerbsContext`,
   :class:`RcQueuePair`, :class:`RdmaOp`);
-* :mod:`kvstore.rdma.node`: the node's side (queue pairs per client connection, the
+* :mod:`kvstore.node.rdma` (``node/rdma.py``): the node's side (queue pairs per client connection, the
   ``rdma_connect`` / ``rdma_commit`` verbs, the offer to publish).
 
 The client's side stays in the client layer, as :mod:`kvstore.client.rdma`: it is a client
@@ -34,7 +34,7 @@ and the core must not import the client. It imports this package, never the reve
 The classes and functions below are re-exported so that callers write ``rdma.RdmaSettings``
 whichever module holds them (of the constants only ``TEST_DEVICE_ENV``, a name: patch the
 others where they live);
-:mod:`kvstore.rdma.node` is not imported here (the client has no use for it).
+:mod:`kvstore.node.rdma` is not imported here (the client has no use for it).
 
 How it fits together (Mooncake's transfer engine does the same with its metadata service):
 

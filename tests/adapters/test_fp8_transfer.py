@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvstore.client import Client, KVCache
-from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import calibrate, dequantize_layer, quantize_layers
-from kvstore.client.adapters.models import build_model
-from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
+from kvstore.demo import hf
+from kvstore.demo.models import build_model
+from kvstore.demo.workers import DecodeWorker, PrefillWorker
 
 BS = 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.client.adapters.vllm_config import DEFAULT_LOAD_MODE, ConnectorConfig
-from kvstore.engine_registry import EngineRecord
+from kvstore.client.engine_registry import EngineRecord
 from kvstore.errors import InvalidRequestError
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-from kvstore.client.adapters import vllm_server
+from kvstore.demo import vllm_server
 from tests.adapters.vllm_servers import (
     PoolServers,
     VLLMServer,

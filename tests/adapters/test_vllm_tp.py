@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvstore.client.adapters import vllm_server
+from kvstore.demo import vllm_server
 from tests.adapters.vllm_servers import (
     PoolServers,
     VLLMServer,

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvstore.client.adapters import realmodel, vllm_server
+from kvstore.demo import realmodel, vllm_server
 from kvstore.errors import KVStoreError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def assert_greedy_close(got: list[tuple[int, set[int]]], want: list[tuple[int, s
 
 
 class VLLMServer(vllm_server.VLLMServer):
-    """The product's server (:class:`kvstore.client.adapters.vllm_server.VLLMServer`) with the
+    """The product's server (:class:`kvstore.demo.vllm_server.VLLMServer`) with the
     real model and the vLLM venv, plus the requests the tests and the benchmark make.
 
     Args:

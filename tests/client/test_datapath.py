@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.buffers import Segments
 from kvstore.client import datapath
+from kvstore.client.buffers import Segments
 from kvstore.client.datapath import DataPath
 from kvstore.client.transport import ReadItem, WriteItem
 from kvstore.errors import MasterUnavailableError

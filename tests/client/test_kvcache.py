@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.client.client import PrefixBlock
 from kvstore.client.kvcache import KVCache
 from kvstore.client.puts import PromptCommit

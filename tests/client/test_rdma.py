@@ -29,11 +29,11 @@ from kvstore.errors import (
     OutOfRangeError,
     TransportUnavailableError,
 )
+from kvstore.node import rdma as rdma_node
 from kvstore.node.arena import ShmArena
+from kvstore.node.rdma import NodeRdma
 from kvstore.node.server import DataServer
-from kvstore.rdma import node as rdma_node
 from kvstore.rdma import verbs as rdma_verbs
-from kvstore.rdma.node import NodeRdma
 from kvstore.types import Location
 from tests.support import has_rdma_device, wait_until
 

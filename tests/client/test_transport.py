@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import auth, grants, protocol
-from kvstore.buffers import Segments
+from kvstore.client.buffers import Segments
 from kvstore.client.transport import (
     STREAM_CHUNK,
     STREAM_HASH_MIN,

@@ -14,7 +14,7 @@ from kvstore.errors import ErrorCode, KVStoreError, ProtocolError
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = [
     p
-    for folder in ("kvstore", "master", "client", "cuda")
+    for folder in ("kvstore", "master", "node", "client", "apps", "cuda")
     for p in (ROOT / folder).rglob("*.py")
     if p != ROOT / "kvstore" / "errors.py"
 ]

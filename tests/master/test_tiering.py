@@ -7,13 +7,13 @@ from typing import Any
 
 import pytest
 
-from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
 from kvstore.eviction import EVICTION_POLICIES, make_policy
 from kvstore.manifest import ManifestClaim
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.table import ObjectMeta, Replica
 from kvstore.master.tiering import TierConfig
+from kvstore.node.claims import WriteClaims
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
 
@@ -155,7 +155,7 @@ def test_bytes_reused_in_the_millisecond_they_were_freed_get_a_later_write_claim
     the later comer of a tie. An object committed and evicted within one millisecond must not
     hand its bytes to a put with the same expiry: that put's write would be refused as stale."""
     svc = make(clock, dram=256 * KIB, nvme=0)
-    node = grants.WriteClaims(clock.wall_ms)  # what the node remembers of each write
+    node = WriteClaims(clock.wall_ms)  # what the node remembers of each write
     stamps = []
     for i in range(5):  # one clock reading: all in the same millisecond; the 5th evicts one
         clock.now += 0.0001 if i == 4 else 0.0
@@ -171,7 +171,7 @@ def test_bytes_reused_in_the_millisecond_they_were_freed_get_a_later_write_claim
 
 def test_a_failed_move_s_bytes_reused_at_once_get_a_later_write_claim(clock: FakeClock) -> None:
     svc = make(clock, dram=256 * KIB)
-    node = grants.WriteClaims(clock.wall_ms)
+    node = WriteClaims(clock.wall_ms)
     for i in range(5):  # the fifth lands in NVMe
         put(svc, b"k%d" % i, 64 * KIB)
     svc.remove([b"k0", b"k1"])

@@ -9,7 +9,7 @@ import pytest
 
 from kvstore import protocol, rdma
 from kvstore.errors import ProtocolError, TransportUnavailableError
-from kvstore.rdma.node import QpBook
+from kvstore.node.rdma import QpBook
 
 
 def test_book_bounds_the_number_of_queue_pairs() -> None:

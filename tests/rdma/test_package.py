@@ -15,7 +15,7 @@ def test_core_half_imports_no_client_master_or_node() -> None:
     code = (
         "import sys, kvstore.rdma\n"
         "print(','.join(sorted(m for m in sys.modules\n"
-        "    if m.startswith(('kvstore.client', 'kvstore.master', 'kvstore.node', 'kvstore.rdma.node')))))\n"
+        "    if m.startswith(('kvstore.client', 'kvstore.master', 'kvstore.node', 'kvstore.node.rdma')))))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True
@@ -26,7 +26,7 @@ def test_core_half_imports_no_client_master_or_node() -> None:
 @pytest.mark.timeout(60)
 def test_node_half_imports_no_client_or_master() -> None:
     code = (
-        "import sys, kvstore.rdma.node\n"
+        "import sys, kvstore.node.rdma\n"
         "print(','.join(sorted(m for m in sys.modules\n"
         "    if m.startswith(('kvstore.client', 'kvstore.master')))))\n"
     )

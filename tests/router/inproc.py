@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from kvstore.engine_registry import DEFAULT_ENGINES_PREFIX, EngineRecord
+from kvstore.client.engine_registry import DEFAULT_ENGINES_PREFIX, EngineRecord
 from kvstore.etcd import EtcdStore
 from kvstore.router.app import STATE, RouterConfig, RouterState, start_router
 

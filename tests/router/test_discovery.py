@@ -27,8 +27,8 @@ import aiohttp
 import pytest
 from prometheus_client import generate_latest
 
-from kvstore.client.adapters.vllm_server import free_port
-from kvstore.engine_registry import EngineRecord, RegisteredEngine
+from kvstore.client.engine_registry import EngineRecord, RegisteredEngine
+from kvstore.demo.vllm_server import free_port
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, parse_endpoints
 from kvstore.processes import parse_ready, terminate

@@ -24,8 +24,8 @@ from typing import Any
 import openai
 import pytest
 
-from kvstore.client.adapters.vllm_server import free_port
-from kvstore.engine_registry import EngineRecord, RegisteredEngine, list_engines
+from kvstore.client.engine_registry import EngineRecord, RegisteredEngine, list_engines
+from kvstore.demo.vllm_server import free_port
 from kvstore.etcd import EtcdStore, parse_endpoints
 from kvstore.processes import terminate
 from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.client.adapters.vllm_server import free_port
+from kvstore.demo.vllm_server import free_port
 from tests.adapters.vllm_servers import VLLMServer, missing_engine
 from tests.router.rig import PoolRig, metric, post
 from tests.support import wait_until

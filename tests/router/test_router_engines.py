@@ -22,8 +22,8 @@ from typing import Any
 import openai
 import pytest
 
-from kvstore.client.adapters.vllm_server import free_port
 from kvstore.client.events import EventStream
+from kvstore.demo.vllm_server import free_port
 from kvstore.router.engines import EngineLoad
 from tests.adapters.vllm_servers import VLLMServer, missing_engine
 from tests.router.rig import PoolRig, metric, post

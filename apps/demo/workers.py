@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kvstore.client.adapters import hf
 from kvstore.client.adapters.fp8 import Fp8Scales, dequantize_layer, quantize_layers
 from kvstore.client.kvcache import KVCache
+from kvstore.demo import hf
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import DTYPE_BYTES, as_token_array
 

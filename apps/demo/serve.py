@@ -1,6 +1,6 @@
 """Run a prefill or decode worker as its own process, driven by JSON lines on stdin/stdout.
 
-``python -m kvstore.client.adapters.serve --role prefill --master HOST:PORT --model tiny-llama``
+``python -m kvstore.demo.serve --role prefill --master HOST:PORT --model tiny-llama``
 prints one ``ready ...`` line (weights digest, namespace digest), then answers one JSON request
 per line until stdin closes:
 
@@ -52,10 +52,10 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, str]:
     import torch
 
     from kvstore.client import Client, KVCache
-    from kvstore.client.adapters import hf
     from kvstore.client.adapters.fp8 import calibrate
-    from kvstore.client.adapters.models import build_model, weights_digest
-    from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker
+    from kvstore.demo import hf
+    from kvstore.demo.models import build_model, weights_digest
+    from kvstore.demo.workers import DecodeWorker, PrefillWorker
 
     torch.set_num_threads(1)  # two workers share a small machine
     model = build_model(
@@ -148,7 +148,7 @@ class WorkerProcess:
             [
                 sys.executable,
                 "-m",
-                "kvstore.client.adapters.serve",
+                "kvstore.demo.serve",
                 "--role",
                 role,
                 "--master",

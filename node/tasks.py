@@ -133,7 +133,7 @@ def _claim_destinations(
 ) -> list[tuple[int, StoredObject, memoryview]]:
     """Claim each byte-addressed destination for its task's new allocation before storing, so
     no write grant of an earlier allocation of those bytes can land on them afterwards (see
-    ``kvstore.grants.WriteClaims``). NVMe destinations are fresh ids: nothing to fence."""
+    ``kvstore.node.claims.WriteClaims``). NVMe destinations are fresh ids: nothing to fence."""
     tier = server.tiers.get(segment)
     if tier is not None and tier.tier == TIER_NVME:
         return batch

@@ -8,7 +8,7 @@ This module puts the two together:
 * **Router slots.** The router chooses an engine when a request arrives, then holds it in that
   engine's queue until one of the engine's ``max_inflight`` slots is free (``kvstore router
   --max-inflight``); a request with a slot reaches the engine ``request_overhead_s`` later.
-* **What the policies see** (``kvstore/router/policy.py``, by name in :data:`LIVE_POLICIES`):
+* **What the policies see** (``apps/router/policy.py``, by name in :data:`LIVE_POLICIES`):
 
   - the engines' ``num_requests_running`` / ``num_requests_waiting`` **as last polled**: the
     router reads ``/metrics`` every ``poll_interval_s`` (0.5 s), so the values are those at

@@ -3,7 +3,7 @@
 A client on this host that maps the arena (see ``kvstore.client.shm``) copies an object's bytes
 straight into the granted range, then sends ``shm_commit`` here over TCP (no payload): the node
 checks the write grant, checks that the range still belongs to that grant's allocation
-(``grants.WriteClaims``: a newer allocation's claim refuses it, and a commit uses the grant up),
+(``kvstore.node.claims.WriteClaims``: a newer allocation's claim refuses it, and a commit uses the grant up),
 checksums the bytes in its arena and records them in its manifest. Only then does the client
 commit the put at the master (``put_end``). So a write through shared memory is granted,
 checksummed and committed exactly like one over TCP.
@@ -58,7 +58,7 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> VerbHandler:
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
                 # The range must still belong to this grant's allocation (and any older write
-                # still streaming into it stops first): see grants.WriteClaims.
+                # still streaming into it stops first): see kvstore.node.claims.WriteClaims.
                 claim = server.claims.begin(grant, None)
                 ok = xxhash.xxh3_64_intdigest(view) == checksum
                 server.claims.end(claim, None, complete=ok)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client.adapters import realmodel
+from kvstore.demo import realmodel
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_BIN = REPO / ".venv-vllm" / "bin"

@@ -19,17 +19,17 @@ import time
 from pathlib import Path
 
 from kvstore.cli.common import run_loop
-from kvstore.client.adapters.demo import run_demo
-from kvstore.client.adapters.realmodel import fetch_model, model_dir, require_model
-from kvstore.config import parse_size
-from kvstore.embedded import EmbeddedCluster
-from kvstore.engine_registry import (
+from kvstore.cli.embedded import EmbeddedCluster
+from kvstore.client.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
     DEFAULT_ENGINES_PREFIX,
     ENGINE_ROLES,
     EngineAnnouncer,
     EngineRecord,
 )
+from kvstore.config import parse_size
+from kvstore.demo.demo import run_demo
+from kvstore.demo.realmodel import fetch_model, model_dir, require_model
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.etcd import parse_endpoints
 from kvstore.processes import ready_line
@@ -63,7 +63,7 @@ def _demo_vllm(args: argparse.Namespace) -> int:
     model = require_model("smollm2", args.model_dir)
     # NOTE: imported here, like the proxy below: they load aiohttp, which no daemon started
     # through this command line (a storage node above all) should pay for at start-up.
-    from kvstore.client.adapters.vllm_demo import QUESTIONS, run_vllm_demo
+    from kvstore.demo.vllm_demo import QUESTIONS, run_vllm_demo
 
     def interrupted(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the servers the way Ctrl-C does (finally blocks)
@@ -150,7 +150,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     for url in (args.prefill, args.decode):
         if not url.startswith(("http://", "https://")):
             raise InvalidRequestError(f"{url!r} is not an http(s):// URL")
-    from kvstore.client.adapters.vllm_proxy import ProxyConfig, serve_proxy  # see _demo_vllm
+    from kvstore.demo.vllm_proxy import ProxyConfig, serve_proxy  # see _demo_vllm
 
     config = ProxyConfig(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.timeout)
     run_loop(serve_proxy(config, args.host, args.port))
@@ -166,7 +166,7 @@ def _engine_events(value: str) -> tuple[str, str]:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    """The OpenAI-compatible router in front of vLLM engines (see kvstore/router/)."""
+    """The OpenAI-compatible router in front of vLLM engines (see apps/router/)."""
     from kvstore.router.app import RouterConfig, serve_router  # heavy: see the module docstring
 
     config = RouterConfig(

@@ -1,4 +1,4 @@
-"""The router's engine set from the etcd engine registry (:mod:`kvstore.engine_registry`).
+"""The router's engine set from the etcd engine registry (:mod:`kvstore.client.engine_registry`).
 
 Why a watch and not a poll: an engine that registers is routable on the next event (well under
 a second) instead of on the next poll period, and an engine that dies leaves with its lease's
@@ -19,13 +19,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
-from kvstore.config import Address
-from kvstore.engine_registry import (
+from kvstore.client.engine_registry import (
     DEFAULT_ENGINES_PREFIX,
     RegisteredEngine,
     check_prefix,
     list_engines,
 )
+from kvstore.config import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, WatchCompactedError, WatchEvent
 

@@ -100,7 +100,7 @@ class ListenAddresses:
 
         Args:
             url: an engine's base URL, checked
-                (:func:`~kvstore.engine_registry.check_engine_url`).
+                (:func:`~kvstore.client.engine_registry.check_engine_url`).
 
         Returns:
             True when it names the router itself.

@@ -1,7 +1,7 @@
 """Operator commands: ``kvstore status``, ``kvstore nodes``, ``kvstore evict``, ``kvstore drain``.
 
 They read the master's admin REST API (the same one the status page and Prometheus use) and
-print readable tables, or JSON with ``--json``. Settings: see :mod:`kvstore.settings`.
+print readable tables, or JSON with ``--json``. Settings: see :mod:`kvstore.cli.settings`.
 
 ``kvstore drain NODE`` posts ``/api/v1/nodes/{id}/drain`` (the same settings, token and TLS as
 ``kvstore status``), then polls the same endpoint until the node has retired (the master tells
@@ -21,6 +21,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.cli.settings import CliSettings, resolve
 from kvstore.config import format_size
 from kvstore.errors import (
     InvalidRequestError,
@@ -29,7 +30,6 @@ from kvstore.errors import (
     MasterUnavailableError,
     ProtocolError,
 )
-from kvstore.settings import CliSettings, resolve
 
 #: Seconds between two polls of a drain.
 POLL_S = 0.5
@@ -238,7 +238,7 @@ def add_parsers(sub: Any) -> None:
     """Register ``status``, ``nodes``, ``evict`` and ``drain`` on the ``kvstore`` subparsers."""
     epilog = (
         "settings: flags > environment > config file > defaults "
-        "(see `kvstore.settings` and README 'Operating')"
+        "(see `kvstore.cli.settings` and README 'Operating')"
     )
     p = sub.add_parser("status", help="cluster summary and tier fill", epilog=epilog)
     _common(p)

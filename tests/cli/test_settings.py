@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import settings
+from kvstore.cli import settings
 from kvstore.errors import InvalidRequestError
 
 TOKEN_A = "token-from-file-a-0123456789"

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvstore.client import Client, KVCache
-from kvstore.client.adapters import hf
-from kvstore.client.adapters.models import build_model
-from kvstore.client.adapters.workers import DecodeWorker, PrefillWorker, colocated_generate
+from kvstore.demo import hf
+from kvstore.demo.models import build_model
+from kvstore.demo.workers import DecodeWorker, PrefillWorker, colocated_generate
 from kvstore.errors import InvalidRequestError, NodeUnavailableError
 from kvstore.keys import Namespace
 
@@ -157,7 +157,7 @@ def test_a_block_lost_mid_load_falls_back_to_recompute_never_a_wrong_token(pool:
 
 
 def test_a_saved_model_folder_loads_with_the_same_weights(tmp_path: Path) -> None:
-    from kvstore.client.adapters.models import weights_digest
+    from kvstore.demo.models import weights_digest
 
     model = build_model("tiny-gpt2", seed=3)
     model.save_pretrained(tmp_path / "m")

@@ -1,4 +1,4 @@
-"""Users' buffers as flat byte views (kvstore.buffers.as_bytes_view): no copy, the same bytes,
+"""Users' buffers as flat byte views (kvstore.client.buffers.as_bytes_view): no copy, the same bytes,
 and a clear InvalidRequestError for what cannot be one."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstore.buffers import as_bytes_view
+from kvstore.client.buffers import as_bytes_view
 from kvstore.errors import InvalidRequestError
 
 

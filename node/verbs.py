@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import grants, protocol
 from kvstore.errors import GrantInvalidError, InvalidRequestError, KVStoreError, ProtocolError
 from kvstore.manifest import StoredObject
+from kvstore.node import claims
 from kvstore.node.tiers import TIER_NVME
 from kvstore.types import result_to_wire
 
@@ -92,11 +93,11 @@ def write(
     # any of them shuts that socket down, so they stop together anyway. It is stopped (and
     # its claims released) when the request is over.
     ok: Any = None if req.args.get("short") is True else [0, None]  # a success's answer
-    stream = grants.WriteStream(fs.sock)
+    stream = claims.WriteStream(fs.sock)
     now = server.clock_ms()
     reader = server.grant_reader(grants.OP_WRITE)
     plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
-    wanted: list[tuple[grants.Grant, bool, grants.WriteStream | None]] = []
+    wanted: list[tuple[grants.Grant, bool, claims.WriteStream | None]] = []
     for grant_wire, start, length, checksum in items:
         try:
             grant = reader.resolve(grant_wire)
@@ -124,7 +125,7 @@ def write(
             plan.append((None, grant, view[start : start + length]))
         except KVStoreError as err:
             plan.append((err, None, None))
-    # Claim every checked item's range at once (see grants.WriteClaims).
+    # Claim every checked item's range at once (see kvstore.node.claims).
     got = iter(server.claims.begin_many(wanted))
     claimed: list[Any] = []  # per planned item, its claim or None
     for k, (err, _, _) in enumerate(plan):

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.config import Address
-from kvstore.engine_registry import (
+from kvstore.client.engine_registry import (
     EngineAnnouncer,
     EngineRecord,
     RegisteredEngine,
     engine_key,
     list_engines,
 )
+from kvstore.config import Address
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, KeyValue, parse_endpoints
 from kvstore.processes import parse_ready, terminate

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client.adapters import realmodel
+from kvstore.demo import realmodel
 from kvstore.errors import InvalidRequestError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from kvstore.client.adapters import realmodel
-from kvstore.client.adapters.vllm_proxy import prefill_request
-from kvstore.client.adapters.vllm_server import VLLMServer, free_port
+from kvstore.demo import realmodel
+from kvstore.demo.vllm_proxy import prefill_request
+from kvstore.demo.vllm_server import VLLMServer, free_port
 from kvstore.processes import parse_ready, terminate
 
 REPO = Path(__file__).resolve().parents[2]

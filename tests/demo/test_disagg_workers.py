@@ -4,7 +4,7 @@ In float32 the greedy tokens of the disaggregated flow equal transformers' own `
 one process, for a cold prompt, a prompt sharing a cached prefix, a prefix that ends mid-block and
 a prompt entirely cached. Random weights can produce near-ties between the top two logits, where
 float rounding (a prompt computed in two chunks instead of one) could flip a greedy choice: the
-tiny models use a large weight scale (see kvstore.client.adapters.models) and every comparison
+tiny models use a large weight scale (see kvstore.demo.models) and every comparison
 first checks that the colocated run's smallest top-1/top-2 gap is far above float32 rounding.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.client.adapters.models import build_model, greedy_margins
-from kvstore.client.adapters.serve import WorkerProcess
-from kvstore.client.adapters.workers import colocated_generate
+from kvstore.demo.models import build_model, greedy_margins
+from kvstore.demo.serve import WorkerProcess
+from kvstore.demo.workers import colocated_generate
 from kvstore.errors import InvalidRequestError
 
 BS = 16

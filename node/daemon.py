@@ -16,6 +16,7 @@ from kvstore import auth, grants
 from kvstore.collector import tune_collector
 from kvstore.config import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.node import rdma as rdma_node
 from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena, default_arena_path, reclaim_stale_arenas
@@ -25,7 +26,6 @@ from kvstore.node.server import DataServer
 from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.node.tiers import Tier
 from kvstore.processes import ready_line
-from kvstore.rdma import node as rdma_node
 from kvstore.serving import WireDeadlines
 from kvstore.transports import ShmOffer
 from kvstore.types import SegmentSpec

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvstore.client.adapters.vllm_proxy import prefill_request
-from kvstore.client.adapters.vllm_server import VLLMServer, kv_transfer_config
+from kvstore.demo.vllm_proxy import prefill_request
+from kvstore.demo.vllm_server import VLLMServer, kv_transfer_config
 
 SYSTEM_PROMPT = (
     "You are the help desk of the Riverside Public Library. Answer in one or two short "

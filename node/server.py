@@ -37,7 +37,7 @@ from kvstore.errors import (
     OutOfRangeError,
 )
 from kvstore.manifest import StoredObject
-from kvstore.node import verbs
+from kvstore.node import claims, verbs
 from kvstore.node.arena import DramTier, ShmArena
 from kvstore.node.manifest import Manifest
 from kvstore.node.tiers import Tier
@@ -92,8 +92,8 @@ class DataServer:
         #: The master's clock, fed by the replies to registration and heartbeats (agent.py).
         self.master_clock = MasterClock()
         self.clock_ms = clock_ms or self.master_clock
-        #: Which allocation owns each granted range now (see grants.WriteClaims).
-        self.claims = grants.WriteClaims(lambda: self.clock_ms())
+        #: Which allocation owns each granted range now (see kvstore.node.claims).
+        self.claims = claims.WriteClaims(lambda: self.clock_ms())
         self.manifest = Manifest()
         for tier in self.tiers.values():
             self.manifest.record_many(tier.stored())
@@ -139,9 +139,9 @@ class DataServer:
         # A new secret (a new registration) forgets every grant verified under the old one, and
         # stops every write still streaming in under one of them.
         self.verified = grants.VerifiedGrants(secret)
-        claims = getattr(self, "claims", None)
-        if claims is not None:
-            claims.reset()
+        held = getattr(self, "claims", None)
+        if held is not None:
+            held.reset()
 
     def start(self) -> None:
         self._accept_thread.start()

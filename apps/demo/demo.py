@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.client.adapters.serve import WorkerProcess
+from kvstore.demo.serve import WorkerProcess
 
 SYSTEM_PROMPT = (
     "You are the on-call assistant of a distributed key-value cache for large language model "
@@ -71,7 +71,7 @@ def run_demo(
 
     Args:
         master: the cluster's control address.
-        model: a tiny model name (see kvstore.client.adapters.models) or a local model folder.
+        model: a tiny model name (see kvstore.demo.models) or a local model folder.
         block_size: tokens per block.
         max_new_tokens: tokens each decode generates.
         fp8: store KV as FP8 (decode output then is compared, not expected, to be equal).
@@ -83,8 +83,8 @@ def run_demo(
     """
     import torch
 
-    from kvstore.client.adapters.models import build_model
-    from kvstore.client.adapters.workers import colocated_generate
+    from kvstore.demo.models import build_model
+    from kvstore.demo.workers import colocated_generate
 
     torch.set_num_threads(1)
     opts = ["--model", model, "--block-size", str(block_size)] + (["--fp8"] if fp8 else [])

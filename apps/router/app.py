@@ -41,18 +41,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from transformers import AutoTokenizer
 
 from kvstore.client import Client
-from kvstore.client.adapters.vllm_proxy import (
-    forward_headers,
-    prefill_request,
-    serve_until_signal,
-)
-from kvstore.client.events import EventStream
-from kvstore.client.kvcache import KVCache
-from kvstore.engine_registry import (
+from kvstore.client.engine_registry import (
     DEFAULT_ENGINES_PREFIX,
     RegisteredEngine,
     check_engine_url,
     check_prefix,
+)
+from kvstore.client.events import EventStream
+from kvstore.client.kvcache import KVCache
+from kvstore.demo.vllm_proxy import (
+    forward_headers,
+    prefill_request,
+    serve_until_signal,
 )
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.etcd import parse_endpoints
