@@ -2,7 +2,7 @@
 
     apps     kvstore.cli, .router, .replay, .sim, .demo   (apps/: may import every layer)
     client   kvstore.client (client/)   master   kvstore.master (master/)   node   kvstore.node (node/)
-    core     kvstore (kvstore/: types, errors, keys, wire, grants, transports), kvstore.cuda (cuda/)
+    core     kvstore (kvstore/: types, errors, keys, wire, grants, transports, RDMA's shared half)
 
 The folders are the layers: each source folder holds one layer (pyproject.toml's package-dir maps
 them into the one ``kvstore`` namespace). A layer imports only itself and the layers below it: the
@@ -29,7 +29,6 @@ PACKAGE_DIRS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text
 #: Each top-level package's layer, and the folder its layer lives in.
 LAYERS = {
     "kvstore": ("core", "kvstore"),
-    "kvstore.cuda": ("core", "cuda"),
     "kvstore.node": ("node", "node"),
     "kvstore.master": ("master", "master"),
     "kvstore.client": ("client", "client"),
@@ -147,7 +146,7 @@ def test_the_folders_are_the_layers() -> None:
     """Every package lives in its layer's folder, and no folder holds two layers."""
     assert {p: folder for p, (_, folder) in LAYERS.items()} == PACKAGE_DIRS
     top_folders = {f.split("/")[0] for f in PACKAGE_DIRS.values()}
-    assert top_folders == {"kvstore", "cuda", "node", "master", "client", "apps"}
+    assert top_folders == {"kvstore", "node", "master", "client", "apps"}
     for package, folder in PACKAGE_DIRS.items():
         for sub in sorted((ROOT / folder).iterdir()):
             if (sub / "__init__.py").exists():
@@ -167,7 +166,7 @@ def test_a_core_module_serves_more_than_one_layer() -> None:
         for target in top | typing_only | nested:
             if unit(target) in users and unit(target) != unit(module):
                 users[unit(target)].add(layer(module))
-    entry_points = {"kvstore", "kvstore.__main__", "kvstore.cuda"}
+    entry_points = {"kvstore", "kvstore.__main__"}
     single = {
         m: sorted(u)
         for m, u in users.items()

@@ -21,11 +21,51 @@ from typing import Any
 import torch
 import xxhash
 
-from kvstore.cuda import reference as ref
 from kvstore.errors import InvalidRequestError
 
+#: Largest finite float8 E4M3 ("fn") value.
+E4M3_MAX = 448.0
 DEFAULT_HEADROOM = 2.0
 CALIBRATION_TOKENS = 256
+
+
+def head_amax(x: torch.Tensor) -> torch.Tensor:
+    """Per-head absolute maximum of ``[tokens, heads, head_dim]`` (float32, ``[heads]``)."""
+    return x.detach().float().abs().amax(dim=(0, 2))
+
+
+def scales_from_amax(amax: torch.Tensor, headroom: float = 1.0) -> torch.Tensor:
+    """Scales that map ``headroom * amax`` onto the largest E4M3 value (never zero)."""
+    return (amax.float() * headroom / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantise ``[tokens, heads, head_dim]`` to float8 E4M3 with one scale per head.
+
+    Values beyond the scale saturate at +-448 * scale (never NaN or inf).
+
+    Returns:
+        A ``torch.float8_e4m3fn`` tensor of the same shape.
+
+    Raises:
+        InvalidRequestError: ``scale`` is not ``[heads]`` of positive finite values.
+    """
+    if x.dim() != 3 or scale.shape != (x.shape[1],):
+        raise InvalidRequestError(
+            f"x must be [tokens, heads, dim] and scale [heads]; got {tuple(x.shape)}, {tuple(scale.shape)}"
+        )
+    scale = scale.float()
+    if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+        raise InvalidRequestError("scales must be positive and finite")
+    y = (x.float() / scale[None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return y.to(torch.float8_e4m3fn)
+
+
+def dequantize_e4m3(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_e4m3`: ``float(q) * scale[h]``, cast to ``dtype``."""
+    return (q.float() * scale.float()[None, :, None]).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -75,8 +115,8 @@ def calibrate(
     cache = model(input_ids=ids, use_cache=True).cache
     ks, vs = [], []
     for layer in cache.layers:
-        ks.append(ref.scales_from_amax(layer.keys[0].float().abs().amax(dim=(1, 2)), headroom))
-        vs.append(ref.scales_from_amax(layer.values[0].float().abs().amax(dim=(1, 2)), headroom))
+        ks.append(scales_from_amax(layer.keys[0].float().abs().amax(dim=(1, 2)), headroom))
+        vs.append(scales_from_amax(layer.values[0].float().abs().amax(dim=(1, 2)), headroom))
     return Fp8Scales(torch.stack(ks), torch.stack(vs))
 
 
@@ -91,7 +131,7 @@ def quantize_layers(
     """Per-layer ``(K, V)`` ``[tokens, heads, dim]`` -> float8 E4M3 tensors of the same shape."""
     _check(scales, len(layers))
     return [
-        (ref.quantize_e4m3(k, scales.k[i]), ref.quantize_e4m3(v, scales.v[i]))
+        (quantize_e4m3(k, scales.k[i]), quantize_e4m3(v, scales.v[i]))
         for i, (k, v) in enumerate(layers)
     ]
 
@@ -101,6 +141,6 @@ def dequantize_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's FP8 ``(K, V)`` back to ``dtype``."""
     return (
-        ref.dequantize_e4m3(k, scales.k[layer], dtype),
-        ref.dequantize_e4m3(v, scales.v[layer], dtype),
+        dequantize_e4m3(k, scales.k[layer], dtype),
+        dequantize_e4m3(v, scales.v[layer], dtype),
     )
