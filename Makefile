@@ -17,7 +17,7 @@ VLLM_BIN    = $(VLLM_VENV)/bin
 VLLM_STAMP  = $(VLLM_VENV)/.kvstore-installed
 MODEL      ?= smollm2
 
-.PHONY: up test lint bench venv clean demo demo-hf vllm-venv model
+.PHONY: up test lint bench venv clean demo demo-hf vllm-venv model gpu-wheels gpu-check
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -102,3 +102,18 @@ sglang-test: $(SGLANG_VENV)/.built
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DATA) build *.egg-info
+
+# The GPU check. Here (network): `make gpu-wheels` fills .gpu-wheels/ with what the GPU machine
+# lacks (kvstore's own wheel, lmdb, pytest-timeout; Python 3.12 manylinux). There (one CUDA GPU,
+# torch, CuPy, no vLLM, no network): `make gpu-check` runs the gpu-marked tests and bench_cuda.py.
+GPU_PY ?= 3.12
+gpu-wheels: $(BIN)/python
+	rm -rf .gpu-wheels && mkdir -p .gpu-wheels
+	$(BIN)/pip wheel -q --no-deps --no-build-isolation -w .gpu-wheels .
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PY) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .gpu-wheels lmdb==3.0.0 pytest-timeout==2.4.0
+	@du -sh .gpu-wheels
+
+gpu-check:
+	python3 bench/gpu_check.py
