@@ -126,18 +126,25 @@ class ModelInfo:
         model_dtype = dtype or str(c.get("dtype") or c.get("torch_dtype") or "bfloat16")
         heads = int(c["num_attention_heads"])
         head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
-        kv_heads = int(c.get("num_key_value_heads") or heads)
+        kv_heads = max(int(c.get("num_key_value_heads") or heads) // tp_size, 1)
+        mla = c.get("kv_lora_rank") is not None and c.get("qk_rope_head_dim") is not None
+        if mla:
+            # vLLM serves a DeepSeek-style config with an MLA backend: one latent of
+            # kv_lora_rank + qk_rope_head_dim per token, which the connector stores as two half
+            # planes of one head on every rank (CacheGeometry in vllm_layouts).
+            kv_heads, head_dim = 1, (int(c["kv_lora_rank"]) + int(c["qk_rope_head_dim"])) // 2
         return engine_namespace(
             served_model=self.model_id,
             revision=None,
             kv_dtype=kv_dtype_from(cache_dtype, model_dtype),
             num_layers=int(c["num_hidden_layers"]),
-            num_kv_heads=max(kv_heads // tp_size, 1),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
             block_size=block_size,
             salt=salt,
             tp_rank=0,
             tp_size=tp_size,
+            mla=mla,
         )
 
 

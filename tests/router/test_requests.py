@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvstore.client.adapters.vllm_config import engine_namespace, kv_dtype_from
+from kvstore.client.adapters.vllm_layouts import CacheGeometry
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace
 from kvstore.router.requests import (
@@ -193,6 +194,33 @@ def test_the_router_looks_up_in_the_connectors_namespace(tmp_path: Path) -> None
         ).digest
     )
     assert info.namespace(32, "fp8", dtype=None, salt="t").dtype == "float8_e4m3"
+
+
+def test_the_router_looks_up_an_mla_model_in_the_connectors_latent_namespace(
+    tmp_path: Path,
+) -> None:
+    """A DeepSeek-style config: vLLM serves it with an MLA backend, whose latent the connector
+    saves as two half planes of one head under the MLA mark; the router must ask there, or every
+    MLA engine's prefix lookup misses."""
+    config = dict(SMOLLM_CONFIG, kv_lora_rank=512, qk_rope_head_dim=64, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    info = ModelInfo.load({"id": "tiny-mla", "root": str(tmp_path)}, None)
+    geometry = CacheGeometry(num_kv_heads=1, block_size=32, head_size=512 + 64, mla=True)
+    for tp in (1, 2):
+        connector = engine_namespace(
+            served_model="tiny-mla",
+            revision=None,
+            kv_dtype="bfloat16",
+            num_layers=2,
+            num_kv_heads=geometry.plane_heads,
+            head_dim=geometry.plane_dim,
+            block_size=32,
+            salt=None,
+            tp_size=tp,
+            mla=True,
+        )
+        assert info.namespace(32, "auto", dtype=None, salt=None, tp_size=tp) == connector
+    assert info.namespace(32, "auto", dtype=None, salt=None).model == "tiny-mla#mla"
 
 
 @pytest.mark.parametrize(("cache", "model"), [("int4", "bfloat16"), ("auto", "int8")])
