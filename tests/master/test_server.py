@@ -20,12 +20,11 @@ from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key, tokens_to_wire
 from kvstore.master.prefix import MAX_PROMPT_BLOCKS
 from kvstore.master.puts import PendingPut
+from kvstore.master.rpc_chunks import PACK, pack_items
 from kvstore.master.server import (
-    _PACK,
     CHUNK_ITEMS,
     SWEEP_INTERVAL_S,
     ControlServer,
-    _pack_items,
     dispatch_bounded,
 )
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
@@ -308,7 +307,7 @@ def test_a_chunk_packs_like_its_items_one_by_one(n: int) -> None:
     """Chunks are packed in one call and joined under one array header: the bytes must be
     those of packing every item alone (whatever the chunk's own header length)."""
     items = [[0, [i, [b"x" * (i % 7)]]] for i in range(n)]
-    assert _pack_items(items) == b"".join(map(_PACK.pack, items))
+    assert pack_items(items) == b"".join(map(PACK.pack, items))
 
 
 def test_piggybacked_releases_are_given_back_a_chunk_a_turn() -> None:

@@ -1,0 +1,66 @@
+"""The argument checks of the master's RPC verbs.
+
+Every handler checks the types of its arguments with these before the service sees them, so a
+wrong type is an ``InvalidRequestError`` for the caller, never an internal error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.config import check_wire_key
+from kvstore.errors import InvalidRequestError, KVStoreError
+
+
+def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``args[name]``, which must be of ``kind`` (a bool is not an int here).
+
+    Raises:
+        InvalidRequestError: absent or of another type.
+    """
+    value = args.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise InvalidRequestError(f"argument {name!r} must be {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def optional_arg(
+    args: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any
+) -> Any:
+    """As :func:`arg`, but ``default`` where ``name`` is absent."""
+    return arg(args, name, kind) if name in args else default
+
+
+def list_arg(
+    args: dict[str, Any], name: str, item: type | tuple[type, ...] | None = None
+) -> list[Any]:
+    """``args[name]``, a list whose every item (unless ``item`` is None) is of ``item``.
+
+    Raises:
+        InvalidRequestError: not a list, or an item of another type.
+    """
+    value = arg(args, name, list)
+    if item is not None:
+        for v in value:
+            if not isinstance(v, item) or isinstance(v, bool):
+                raise InvalidRequestError(
+                    f"every item of {name!r} must be {getattr(item, '__name__', item)}"
+                )
+    return value
+
+
+def per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[Any]]) -> list[Any]:
+    """Run ``call(valid_keys, their_indices)``; invalid keys get their own error in place."""
+    out: list[Any] = [None] * len(raw_keys)
+    valid_idx: list[int] = []
+    valid: list[bytes] = []
+    for i, k in enumerate(raw_keys):
+        try:
+            valid.append(check_wire_key(k))
+            valid_idx.append(i)
+        except KVStoreError as err:
+            out[i] = err
+    for i, r in zip(valid_idx, call(valid, valid_idx), strict=True):
+        out[i] = r
+    return out
