@@ -35,13 +35,12 @@ log = logging.getLogger(__name__)
 #: The collector's young-generation threshold in a daemon (CPython's default is 700). A
 #: ``put_start`` batch keeps ~1,000 pending puts alive until its ``put_end``: at 700, young
 #: collections catch them alive and promote them, and the old generation's 25% growth rule then
-#: runs a full collection every few batches (67 while 1M objects were put, 9.4 s of pauses,
-#: the longest 185 ms: bench/bench_master_memory.py); at 10,000 they die young (1 full
-#: collection, 0.44 s in all, the longest 80 ms; put time 23.8 s -> 11.3 s, as with gc off).
-#: A node's write request keeps its items' claims and manifest records alive the same way: in
-#: bench/bench_small.py --keys 1000 --size 16 --rounds 40, with CPython's defaults, the node ran
-#: 4 full collections of ~50 ms each on its data threads (0.18 s in all, timed with
-#: gc.callbacks); with this policy none (0.035 s in all).
+#: runs a full collection every few batches; at 10,000 they die young, and the puts take about as
+#: long as with the collector off (``.venv/bin/python bench/bench_master_memory.py``, with and
+#: without ``--daemon-gc``, and with ``--gc-off``). A node's write request keeps its items'
+#: claims and manifest records alive the same way, and CPython's defaults run full collections on
+#: its data threads where this policy runs none (``.venv/bin/python bench/bench_small.py --keys
+#: 1000 --size 16 --rounds 40`` prints the node's collections).
 YOUNG_GC_THRESHOLD = 10_000
 
 #: A collection that holds the loop longer than this is logged (at debug level).
@@ -97,9 +96,10 @@ def tune_collector() -> int:
     recorded (:data:`PAUSES`).
 
     Why freeze (``gc.freeze``): a full collection walks every object the collector tracks.
-    The master's object table tracks almost nothing (``table.py``), so the ~50,000 modules,
-    classes and functions loaded at start-up are most of each full collection's work (~11 ms
-    each time) for objects that live as long as the process. ``gc.collect()`` runs first, so
+    The master's object table tracks almost nothing (``table.py``), so the modules, classes and
+    functions loaded at start-up are most of each full collection's work, for objects that live
+    as long as the process (``.venv/bin/python bench/bench_master_memory.py --daemon-gc`` against
+    the same without it times a full collection either way). ``gc.collect()`` runs first, so
     nothing that is already garbage is frozen (frozen cyclic garbage is never collected); what
     start-up created and a later term's fresh ``MasterService`` drops is freed by reference
     counting, so at worst a cycle among those stays, once, never growing. Call it once, after
@@ -154,11 +154,10 @@ class PausedCollector:
     answer, its replicas and grants, the read items), all freed by reference counting when
     the call is done and none in a cycle. Collections in the middle of the call find them alive
     and promote them, and the promotions then start full collections of the engine's whole
-    heap. ``bench/bench_small.py --keys 1000 --size 16 --rounds 40 --heap 2000000`` (a client
-    holding 2M objects, as an engine does): without the pause 1,283 young, 116 middle and 1 full
-    collections in its calls, ~3 µs a key, and 15-16 µs of client CPU a get; with it, 9-10 µs.
-    The collections due meanwhile run at the next allocation after the call: deferred by one
-    call, not skipped.
+    heap, a cost in client CPU per key that the pause removes (``.venv/bin/python
+    bench/bench_small.py --keys 1000 --size 16 --rounds 40 --heap 2000000``: a client holding
+    2M objects, as an engine does, with its collections in the calls). The collections due
+    meanwhile run at the next allocation after the call: deferred by one call, not skipped.
 
     Thread-safe: a call that finds the collector off (another call's pause, or the engine's own
     ``gc.disable()``) leaves it as it is. A call turns it back on at its end even while calls of

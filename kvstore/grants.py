@@ -117,7 +117,8 @@ class Grant:
 
 @functools.lru_cache(maxsize=64)
 def _keyed(secret: bytes) -> Any:
-    # A keyed BLAKE2b state per secret, copied per grant: copying is ~3x cheaper than keying.
+    # A keyed BLAKE2b state per secret, copied per grant: copying a keyed state is cheaper than
+    # keying a new one (the per-grant CPU is in ``.venv/bin/python bench/cpu_per_op.py``).
     return hashlib.blake2b(digest_size=16, key=secret)
 
 
@@ -240,8 +241,9 @@ class VerifiedGrants:
                 raise GrantInvalidError("batch grant signature does not verify")
             # Signed by the master: its items are well formed (see sign_batch). Tuples, not
             # lists: a tuple of a key, a segment and ints leaves the garbage collector's sight
-            # at its first pass, and the memo holds up to max_items of them (as lists, 300K
-            # were most of what a node's full collections walked after 300K tiny writes).
+            # at its first pass, and the memo holds up to max_items of them (as lists, they
+            # were most of what a node's full collections walked under many tiny writes:
+            # ``.venv/bin/python bench/bench_node_gc.py``).
             items = msgpack.unpackb(blob, use_list=False)
             batch = Batch(op_, expires_ms, sig, tuple(batch_wire), items)
             if op_ == OP_READ:

@@ -166,9 +166,9 @@ def _fill_table(
 
     The planes go in runs of about ``HASH_RUN`` bytes: each run's planes are hashed whole, then
     its chunks, while the run is still in the CPU cache, the chunk hashes of a run from one
-    ``map``. (Plane by plane, chunks then the whole plane, hashed a SmolLM2 prompt's blocks,
-    60 planes of 24 KiB each, in 1.6-1.8 ms against 0.9-1.0 so; a Llama-3-8B prompt's in 5.8-6.2
-    against 5.2.)"""
+    ``map``. (Hashing plane by plane, chunks then the whole plane, is slower, most of all for
+    many small planes: ``.venv/bin/python bench/profile_kvcache.py --model smollm2`` profiles
+    ``KVCache.store``.)"""
     n = chunks_per_plane(block_size)
     h64 = xxhash.xxh3_64_intdigest
     sums: list[int] = []

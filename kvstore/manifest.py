@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 # NOTE: not ``frozen`` (never changed all the same): a node makes one per object of every write,
-# and a frozen dataclass's __init__ costs ~1 us more (see the NOTE in kvstore.types).
+# and a frozen dataclass's __init__ costs more per object (see the NOTE in kvstore.types).
 @dataclass(slots=True, unsafe_hash=True)
 class StoredObject:
     """One object a node holds: where (segment, offset), what (key, size, checksum), when.

@@ -1,7 +1,8 @@
 """Polling before sleeping: how long a waiting reader stays awake for the next frame.
 
-Waking a sleeping thread costs tens of microseconds on virtual machines (the vCPU halts, and
-waking it takes the hypervisor), which is more than a whole small request costs otherwise. A
+Waking a sleeping thread on a virtual machine takes a trip through the hypervisor (the vCPU
+halts), which costs more than a whole small request does otherwise (``.venv/bin/python
+bench/bench_hops.py`` prints a round trip to a sleeping peer and to a spinning one). A
 reader that expects its peer to answer soon therefore polls for a short window before it sleeps
 in the kernel:
 
@@ -13,10 +14,12 @@ in the kernel:
   a client's next request, ``REPLY_BACKOFF`` for a client waiting for a reply;
 - of the threads of one process that wait for replies, one at a time polls (the others sleep
   in the kernel at once): eight threads of one shared client polling side by side fought over
-  the GIL and the CPU the master and node needed (``bench/bench_concurrency.py --threads 8``);
-- neither side polls around a large payload (over ``POLL_MAX_BYTES``) moving: measured here, a
-  vCPU polling slows a copy on the other vCPU by a quarter (they share a physical core), and the
-  peer is busy with the payload anyway; nor does a client for the answer to a data request of
+  the GIL and the CPU the master and node needed (``.venv/bin/python bench/bench_concurrency.py
+  --threads 8``);
+- neither side polls around a large payload (over ``POLL_MAX_BYTES``) moving: a vCPU polling
+  slows a copy on its sibling vCPU (they share a physical core), and the peer is busy with the
+  payload anyway (``.venv/bin/python bench/bench_poll_cost.py`` shows what polling takes from a
+  busy neighbour); nor does a client for the answer to a data request of
   many items (over ``POLL_MAX_ITEMS``), which keeps the node busy longer than the window;
 - the master's event loop keeps turning (polling its sockets with a zero timeout) for up to
   ``MASTER_WINDOWS`` windows after each request it answered (:class:`LoopAwake`), with the same
@@ -24,8 +27,8 @@ in the kernel:
 
 So idle connections and peers slower than the window cost nothing, and a busy client's next
 request (or reply) is read as soon as it lands. ``$KVSTORE_POLL_US`` sets the window in
-microseconds (100 by default; 0 never polls). Measured with ``bench/bench_store.py --small``
-(``KVSTORE_POLL_US=0`` against the default).
+microseconds (100 by default; 0 never polls). What polling gives the reads shows in
+``.venv/bin/python bench/bench_store.py --small``, run with ``KVSTORE_POLL_US=0`` and without.
 """
 
 from __future__ import annotations
@@ -38,44 +41,42 @@ from collections.abc import Callable
 from kvstore.env import read_poll_us
 
 #: Waits that sleep at once after a poll that found nothing: for requests, for replies. With
-#: more busy processes than cores, polling for every reply (no backoff, no yield) cut four
-#: clients' aggregate gets from 10.2K to 7.5K per second here; with both, 10.6K
-#: (bench/bench_concurrency.py).
+#: more busy processes than cores, polling for every reply (no backoff, no yield) takes the CPU
+#: the other clients, the master and the node need, and their aggregate gets per second drop
+#: (``.venv/bin/python bench/bench_concurrency.py``).
 POLL_BACKOFF = 15
 REPLY_BACKOFF = 3
 #: After sending a payload larger than this (or asking for one), a side sleeps through its next
 #: wait.
 POLL_MAX_BYTES = 256 << 10
-#: Likewise after sending a data request of more items than this: a node takes ~5 us an item, so
-#: the answer comes well after the window, and a client polling for it only took a core the node
-#: and the master needed (a chunk of 256 tiny reads or writes).
+#: Likewise after sending a data request of more items than this: the node's work grows with the
+#: items, so the answer comes well after the window, and a client polling for it only takes a
+#: core the node and the master need (a chunk of 256 tiny reads or writes; the node's CPU per
+#: key: ``.venv/bin/python bench/bench_small.py``).
 POLL_MAX_ITEMS = 32
 
 
 #: A server waiting for a client's next request polls up to this many windows, as long as it ran
 #: for most of the first (``SHARE_TO_EXTEND``): that request comes after the client's turn
 #: elsewhere (the master, another node) and its own work, not one round trip after the answer.
-#: With one window, a client alternating between master and node (every get) found both asleep:
-#: each poll ended before the client came back, the backoff followed, and every hop paid a
-#: wake-up (get of 4 KiB, p50: 290 us; with up to three windows 170-240 us). Unconditional,
-#: three windows cost four busy clients on two cores ~10% of their lease reads
-#: (bench/bench_concurrency.py): a poller that had to share its CPU stops after one.
+#: With one window, a client alternating between master and node (every get) finds both asleep:
+#: each poll ends before the client comes back, the backoff follows, and every hop pays a
+#: wake-up (``.venv/bin/python bench/bench_hops.py --reads-only``). Unconditional, three windows
+#: take CPU from busy clients sharing the cores (``.venv/bin/python bench/bench_concurrency.py``,
+#: its lease reads): a poller that had to share its CPU stops after one.
 REQUEST_WINDOWS = 3
 #: The master's window is this many of a connection's (and its extension, REQUEST_WINDOWS of
 #: those). A client's next request to the master comes after its round trip to a node (a get
-#: reads what the master located; a put writes what it allocated): 100-250 µs here. With one
-#: window the loop was asleep by then more often than not, its backoff followed, and each such
-#: request paid for waking the master. Measured here (``bench/bench_hops.py --reads-only
-#: --repeat 2 --ops 300``, one window and two alternating, three pairs): a lone client's
-#: get_into of distinct 4 KiB keys p50 228-359 → 231-284 µs (medians 323 → 248), batch_get_into
-#: of 16 such 622-803 → 535-764 µs (725 → 548); the master's CPU a 16-key read 210 → 540 µs,
-#: most of it polling. Four busy clients' gets/s (bench/bench_concurrency.py) and batches of
-#: 1,000 tiny keys (bench/bench_small.py) within noise; ``bench/bench_hops.py`` shows the
-#: cliff: a 16-key locate after the client spent 0-1,000 µs elsewhere.
+#: reads what the master located; a put writes what it allocated), often longer than one window:
+#: the loop is asleep by then, its backoff follows, and each such request pays for waking the
+#: master; two windows keep a lone client's gets off that cliff for some of the master's CPU
+#: (``.venv/bin/python bench/bench_hops.py --reads-only --repeat 2 --ops 300`` with one window
+#: and with two; without ``--reads-only`` it also prints the cliff, a locate after an idle gap).
 MASTER_WINDOWS = 2
 #: The least share of the first window's wall time a poller must have run (its thread's CPU
-#: time) to poll on. Measured here: a median of 0.97 for a server that a lone client alternates
-#: with, 0.24-0.35 with four busy clients on two cores.
+#: time) to poll on: a server that a lone client alternates with runs for nearly all of its
+#: window, one that shares its cores with busy clients for well under half of it
+#: (``.venv/bin/python bench/bench_concurrency.py`` is that second case).
 SHARE_TO_EXTEND = 0.5
 
 

@@ -177,9 +177,10 @@ class FrameSession:
         """A blocking server's next frame header, and when its body must be in.
 
         The rules of :meth:`header_deadline`, :meth:`check_header` and :meth:`body_deadline`
-        in one call: a node serves every small read through here, and four calls a frame
-        showed in its profile. Authenticated, the connection idles as long as it likes
-        (``fs.wait_frame``); the frame's clock starts at its first byte.
+        in one call: a node serves every small read through here, where four calls a frame
+        show in its profile (``.venv/bin/python bench/bench_small.py --profile DIR``).
+        Authenticated, the connection idles as long as it likes (``fs.wait_frame``); the frame's
+        clock starts at its first byte.
 
         Raises:
             KVStoreError: the header is refused (answer with request id 0, then hang up).
