@@ -9,6 +9,8 @@ the parts that own it, each in a module of its own:
 
 - :mod:`kvstore.client.control`: the channel to the master (a fixed address, or the leader of
   an HA cluster: one interface, the client does not know which);
+- :mod:`kvstore.client.endpoints`: what to say when the address is not a master's control
+  port (a node's data port, an admin API, an ``http://`` URL);
 - :mod:`kvstore.client.reads`: the one read pipeline (lease → speculate → locate → read, with
   replica fallback and byte ranges) behind every get and the KV-cache layer's loads;
 - :mod:`kvstore.client.puts`: the two-phase put of a batch (one :class:`PutBatch` record);
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import auth
+from kvstore.client import endpoints
 from kvstore.client.buffers import Segments, as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
 from kvstore.client.datapath import DataPath
@@ -48,8 +51,14 @@ from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import checksum
 from kvstore.clocks import MasterClock
-from kvstore.config import MAX_BATCH_KEYS, encode_key
-from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.config import MAX_BATCH_KEYS, Address, encode_key
+from kvstore.errors import (
+    InvalidRequestError,
+    KVStoreError,
+    KVTimeoutError,
+    ProtocolError,
+)
+from kvstore.etcd import is_etcd_url
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
 from kvstore.types import ObjectInfo, result_from_wire
@@ -168,9 +177,12 @@ class Client:
 
         Raises:
             InvalidRequestError: a malformed address or token.
+            WrongEndpointError: ``address`` is not a master's control port (a storage node's
+                data port, an admin API, an ``http://`` URL); the message says what to use.
             MasterUnavailableError: nothing answers there (no leader, for ``etcd://``).
             UnauthenticatedError: the master needs a token and this is not it.
         """
+        endpoints.check_address(address)
         if token is None:
             token = auth.load_token()
         elif not isinstance(token, auth.Token):
@@ -183,7 +195,13 @@ class Client:
             lease_reads=lease_reads,
         )
         try:
-            client._ping()
+            try:
+                endpoints.check_ping(address, client._ping())
+            except (ProtocolError, KVTimeoutError):
+                # Not a kvstore frame, or no answer: an HTTP port says so to an HTTP request.
+                if not is_etcd_url(address) and endpoints.speaks_http(Address.parse(address)):
+                    raise endpoints.http_port_error(address) from None
+                raise
             # The nodes' transports, learned up front (not from inside the first read).
             client._data.refresh_offers(force=True)
         except BaseException:
@@ -191,13 +209,14 @@ class Client:
             raise
         return client
 
-    def _ping(self) -> None:
-        """Ask the master how long its read leases hold, and its clock."""
+    def _ping(self) -> Any:
+        """Ask the master how long its read leases hold, and its clock; returns its answer."""
         sent = self._master_clock.sent()
         ping = self._control.call("ping", {})
         if isinstance(ping, dict):
             self._master_clock.observe(ping.get("now_ms"), sent)
         self._hello(ping)
+        return ping
 
     def _hello(self, ping: Any) -> None:
         """Learn from the master's ``ping`` answer how long its read leases hold."""

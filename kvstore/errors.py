@@ -127,6 +127,12 @@ class UnknownVerbError(InvalidRequestError):
     code = ErrorCode.UNKNOWN_VERB
 
 
+class WrongEndpointError(InvalidRequestError):
+    """A client was pointed at a port that is not a master's control port (a storage node's
+    data port, an admin API, an ``http://`` URL); the message says which one to use. Raised by
+    the client at connect, never sent on the wire (its code is INVALID_REQUEST)."""
+
+
 class KeyNotFoundError(KVStoreError, KeyError):
     """The key is not stored (or not yet committed). A miss is always a correct answer."""
 

@@ -25,6 +25,7 @@ PARTS = [
     CLIENT / f"{name}.py"
     for name in (
         "control",
+        "endpoints",
         "discovery",
         "pipeline",
         "reads",
