@@ -13,10 +13,11 @@ uses only the public methods of :class:`~kvstore.client.client.Client`.
 Every byte handed to an engine is verified. A block object ends with a checksum table (see
 :func:`kvstore.kvblocks.checksum_table`): an xxh3_64 per token chunk of each (layer, K/V) plane,
 sealed with the object key. A full block read whole is verified against the object checksum (one
-hash, as fast as before); the last, partial block of a match is a range read of its first k
-tokens rounded up to whole chunks (one range per layer and K/V) plus the table, verified chunk by
-chunk; a layer-wise load verifies each layer's chunks before it yields that layer. A block that
-fails its check ends the match there (``load``) or raises (``load_layers``): never wrong bytes.
+hash of the whole object, no per-chunk work); the last, partial block of a match is a range read
+of its first k tokens rounded up to whole chunks (one range per layer and K/V) plus the table,
+verified chunk by chunk; a layer-wise load verifies each layer's chunks before it yields that
+layer. A block that fails its check ends the match there (``load``) or raises (``load_layers``):
+never wrong bytes.
 """
 
 from __future__ import annotations

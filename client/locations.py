@@ -45,13 +45,14 @@ MAX_ENTRIES = 65536
 #: (the grant's fields: see kvstore.grants; a batch grant's wire form is a tuple). One tuple of
 #: plain values and not the answer's own records: the garbage collector stops tracking such a
 #: tuple the first time it sees it, whereas tens of thousands of kept records (an ObjectInfo,
-#: its list, its Locations, their Grants) were traversed by every full collection: a client
-#: reading distinct keys spent ~5 us of its ~13 us of CPU a key in the collector
-#: (bench/bench_small.py, batch_get of 1,000 x 16 B). (Flat: a tuple holding tuples made after it
-#: is not untracked at once.) Once an answer is used from the cache it is kept as
-#: ``(ObjectInfo, lease_until)`` instead: a hot key's reread then costs no rebuilding of the
-#: records (~2 us a key: a tenth of a leased batch of 16 x 4 KiB), nor does a newer answer for
-#: it (a speculative reread's); only reread keys are kept so.
+#: its list, its Locations, their Grants) are traversed by every full collection, a large share
+#: of the CPU a key of a client reading distinct keys (``.venv/bin/python bench/bench_small.py
+#: --keys 1000 --size 16``). (Flat: a tuple holding tuples made after it is not untracked at
+#: once.) Once an answer is used from the cache it is kept as ``(ObjectInfo, lease_until)``
+#: instead: a hot key's reread then costs no rebuilding of the records, a share of a leased batch
+#: read worth saving (``.venv/bin/python bench/bench_store.py --small``, the lease-read client's
+#: batch of 16 x 4 KiB), nor does a newer answer for it (a speculative reread's); only reread
+#: keys are kept so.
 _Entry = tuple[object, ...]
 _HEAD = 4  # size, checksum, lease, lease_until
 _REPLICA = 12  # fields of one replica

@@ -9,9 +9,9 @@ comes, then passes the reading on to another waiting thread, if any. The master 
 connection's requests one after another and answers them in order, so requests of many threads
 travel together (one ``recv`` of the master may take several) without a connection, an accept
 and a hello per thread; and a lone caller reads its own reply, with no thread in between (a
-reader thread that handed every reply on cost a thread wake-up per call, ~100 µs here when the
-client had paused: ``bench/bench_store.py --small``, 4 KiB get_into asking the master, p50
-~290 → ~170-210 µs).
+reader thread that handed every reply on costs a thread wake-up per call, a large share of a
+small call's latency when the client had paused: ``.venv/bin/python bench/bench_store.py
+--small``, its 4 KiB get_into asking the master).
 
 Failure rules:
 

@@ -371,7 +371,8 @@ class ReadPipeline:
 
         Without lease reads a bulk read's answers are not kept as guesses for later speculative
         reads (a guess only saves a small reread's latency, and keeping thousands of answers a
-        batch cost a client reading distinct keys ~3 us of CPU a key; a cached guess of one of
+        batch costs a client reading distinct keys CPU on every key, as ``.venv/bin/python
+        bench/bench_small.py`` shows in the client's CPU a key; a cached guess of one of
         these keys may be older, which is harmless: every guess is checked against the
         master's fresh answer). With lease reads they are kept: that is what lease reads are.
         """
@@ -429,7 +430,8 @@ class ReadPipeline:
             return rest
         # The first replica only, and no replica fallback here: any failure sends the key on
         # to the master's fresh answer (step 3), whose read (step 4) falls back and reports.
-        # (Step 4's machinery on this path cost a fifth of a leased 4 KiB read.)
+        # (Step 4's machinery on this path is a large share of a leased 4 KiB read:
+        # ``.venv/bin/python bench/bench_store.py --small``, the lease-read client.)
         items = list(self._guess_items(list(zip(js, infos, strict=True)), target).values())
         self._data.read(items)
         ok: list[int] = []

@@ -64,9 +64,10 @@ class LeaseReturns:
         self._thread: threading.Thread | None = None
         self._closed = False
         # Whether the flusher sleeps until woken (idle a while); otherwise it looks for tokens
-        # every ``delay_s`` on its own. NOTE: waking a thread for every read cost a single
-        # get of 4 KiB 50-150 us of its 290-350 us p50 here (a futex wake, and a fight for the
-        # GIL while the caller waits for the master's answer); a busy client wakes it no more.
+        # every ``delay_s`` on its own. NOTE: waking a thread for every read costs a single
+        # small get a large share of its latency (a futex wake, and a fight for the GIL while
+        # the caller waits for the master's answer: ``.venv/bin/python bench/bench_store.py
+        # --small``); a busy client wakes it no more.
         self._sleeping = False
         self.num_piggybacked = 0
         self.num_sent = 0

@@ -281,8 +281,9 @@ class ShmTransport:
 
 
 def _copy_hashing(src: memoryview, dest: memoryview | Segments) -> int:
-    """Copy chunk by chunk, hashing each chunk while it is in cache (1.6x copy-then-hash at
-    16 MiB here). Returns the xxh3_64 of the bytes copied."""
+    """Copy chunk by chunk, hashing each chunk while it is in cache: a whole copy then a hash
+    reads a large object from memory twice (``.venv/bin/python bench/profile_kvcache.py --shm``
+    profiles the loads that run this). Returns the xxh3_64 of the bytes copied."""
     h = xxhash.xxh3_64()
     at = 0
     for chunk in stream_chunks(dest):

@@ -40,8 +40,9 @@ CONFIG_KEYS = frozenset(
     }
 )
 LOAD_MODES = ("layer", "async")
-#: The default: bench/bench_vllm.py found layer-wise loads faster at 2K tokens 100% cached in
-#: every run here (other cells within the noise of a shared 2-core machine; docs/adapters.md).
+#: The default: layer-wise loads are faster than async ones with a long prompt fully cached and
+#: within noise elsewhere (``.venv/bin/python bench/bench_vllm.py``, its ``kvstore`` and
+#: ``kvstore-async`` rows; docs/adapters.md).
 DEFAULT_LOAD_MODE = "layer"
 
 #: vLLM's ``--kv-cache-dtype`` values that name an FP8 cache, as namespace dtypes.
