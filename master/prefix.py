@@ -10,11 +10,13 @@ Wraps :class:`kvstore.master.radix.RadixIndex` with the rules that keep it hones
   re-checks every block it returns against the object table and truncates at the first missing
   one, so a stale entry can only ever cost a miss, never a wrong hit.
 
-Bounded work per turn: a prompt at the block limit costs ~15 ms of index or match work (16,384
-blocks, hashing and one object key per block), too long to hold the master's event loop. So
-:meth:`PrefixIndex.index_steps` and :meth:`PrefixIndex.match_steps` do it in steps of a given
-number of blocks, as generators (this module knows no event loop): the RPC edge runs one step
-per turn of its loop (:func:`run_steps` runs them all at once). Other requests may run between
+Bounded work per turn: a prompt at the block limit (16,384 blocks, hashing and one object key
+per block) is too much index or match work to hold the master's event loop for
+(``.venv/bin/python bench/bench_fairness.py`` times a store and a lookup of one, and the other
+clients' latency meanwhile). So :meth:`PrefixIndex.index_steps` and
+:meth:`PrefixIndex.match_steps` do it in steps of a given number of blocks, as generators (this
+module knows no event loop): the RPC edge runs one step per turn of its loop (:func:`run_steps`
+runs them all at once). Other requests may run between
 two steps, so the step that changes the tree re-checks what earlier steps found.
 """
 
@@ -33,7 +35,7 @@ from kvstore.master.events import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, Even
 from kvstore.master.radix import RadixIndex
 
 #: Most full blocks one prompt may have in one call (index or match): the work grows with it
-#: (16384 blocks: 256k tokens at block size 16, about 15 ms of index work, served in steps).
+#: (16384 blocks: 256k tokens at block size 16, served in steps).
 MAX_PROMPT_BLOCKS = 16384
 
 T = TypeVar("T")

@@ -18,8 +18,8 @@ Why a pending put is kept as one plain tuple (:data:`PendingRecord`), not a reco
 client's maximum-size batch leaves 65,536 puts pending for as long as its writes take (seconds),
 long enough for the collector to promote them to the old generation. A record, its replica list
 and a ``Replica`` (a named tuple: never untracked) per key were three tracked objects a key, and
-each full collection walked them all: ~18 ms per collection at 65,536 pending puts on an idle
-core, 30-120 ms on a busy machine, during which the master serves no one (issue 16, item 8). A
+each full collection walked them all while the master served no one (``.venv/bin/python
+bench/bench_fairness.py`` prints the master's collections and loop lag around such batches). A
 flat tuple of bytes, strings and numbers is untracked by the collector at its first young
 collection, so pending puts cost a full collection nothing, as committed objects do
 (``table.py``). Flat, not a tuple of replica tuples: a collection may look at the outer tuple

@@ -31,9 +31,9 @@ int32 slot arena, first token, child count, XOR of child ids). The key -> slot m
 bit-plane per extra high bit actually used (17 bits for a 128K vocabulary: 2.125 B per token
 instead of 4); values are int32 until one needs int64.
 
-Measured with ``bench/bench_radix.py`` (1M blocks of 64 tokens, 128K vocabulary): ~175 B per
-block for conversations, ~195 B when every prompt adds only 2 unique blocks after a shared
-system prompt (``--suffix-blocks 2``: a tree node per 2 blocks; a node costs ~33 B).
+So the index stays within its per-block memory target even when almost every prompt makes a
+tree node of its own: ``.venv/bin/python bench/bench_radix.py`` prints the bytes per block, and
+``--suffix-blocks 2`` (a tree node per 2 blocks) the node-heavy case.
 
 This module is pure: no I/O, no clocks, no locks (the master serialises calls).
 """

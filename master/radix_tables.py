@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 #: Up to this many keys a batch probes or places them one by one: a vectorised round costs
-#: ~15 numpy calls, a key by itself a few microseconds (a prompt's 8 new blocks: the index's
-#: insert 158 -> 72 us).
+#: ~15 numpy calls, more than a few keys by themselves, and a prompt adds only a few new blocks
+#: (``.venv/bin/python bench/bench_radix.py`` prints the insert rate).
 SMALL_BATCH = 16
 
 

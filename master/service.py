@@ -80,8 +80,9 @@ log = logging.getLogger(__name__)
 #: MasterConfig is re-exported: callers configure the service through this module.
 __all__ = ["MasterConfig", "MasterService", "ServiceSlot"]
 
-#: Hot objects one cooling step looks at to turn back into tuples (table.py): ~1 ms of work on
-#: the master's loop (a step of 16,384 held it 8-11 ms on an idle core, 20+ on a busy one).
+#: Hot objects one cooling step looks at to turn back into tuples (table.py): a step this small
+#: holds the master's loop briefly, where a step many times larger delays every other client
+#: (``.venv/bin/python bench/bench_fairness.py`` prints the loop's longest lag around big reads).
 #: :meth:`MasterService.tick` runs one step; the daemon's housekeeping runs up to
 #: :data:`COOL_STEPS_PER_TICK` per tick, a turn of the loop each, so a 65,536-key read batch
 #: is cooled within a few ticks without holding the loop.
@@ -397,8 +398,9 @@ class MasterService:
     ) -> list[list[Any]]:
         """:meth:`get_locations` with each answer in its wire form (``result_to_wire`` of the
         ObjectInfo or the error), built without the records: what ``get_locations`` sends
-        (per key a grant, a location and an answer fewer to make and then encode: ~2 us of the
-        ~7 us a key the verb cost here).
+        (per key a grant, a location and an answer fewer to make and then encode, a large share
+        of the verb's cost a key: ``.venv/bin/python bench/bench_small.py`` prints the master's
+        CPU a key).
 
         Args:
             batch_grants: one batch grant per node for the whole answer, each replica's grant a

@@ -152,7 +152,7 @@ class Space:
         """No lease of ``obj`` is outstanding: it may be evicted, its held space freed."""
         obj.lease_until = 0.0
         # A lease that ran out without being given back may still have a read on its way to a
-        # node whose clock lags ours: space waits out the grace after its end, as before.
+        # node whose clock lags ours: space waits out the grace after its end.
         not_before = self.leases.last_unreleased_end + self.lease_grace_s
         for owner, replica in self.deferred.release_for(obj, not_before if not_before > now else 0):
             if self.membership.owns(owner):

@@ -2,8 +2,10 @@
 
 Why not one record object per key: the master holds millions of objects, and CPython's cyclic
 garbage collector walks every container object it tracks on each full collection. With a
-record, a list and a replica object per key that walk took seconds at a million objects (the
-master missed heartbeats and declared a live node dead) and cost ~500 bytes per object. A
+record, a list and a replica object per key that walk grows with the table until it outlasts
+the heartbeats (the master declares a live node dead), and the objects cost several times one
+record's memory (``.venv/bin/python bench/bench_master_memory.py`` prints bytes per object and a
+full collection's time). A
 ``bytes`` is not a container: the collector never tracks it, so a table of such records costs
 the collector one dict, whatever its size.
 
@@ -77,7 +79,7 @@ class ObjectMeta:
 
     Why replicas are stored as plain tuples, not ``Replica`` records in a list: the master
     holds millions of objects, and CPython's cyclic collector walks every container it tracks
-    on each full collection (seconds at a million objects, long enough to miss heartbeats). A
+    on each full collection (at millions of objects, long enough to miss heartbeats). A
     tuple that holds only strings and ints is untracked by the collector after its first
     young collection, and a list and a record per object cost ~180 bytes more than one tuple.
     So each object is one tracked record: ``_reps`` holds the fields of its only replica (the

@@ -135,7 +135,7 @@ def _check_marks(tier: str, high: object, low: object) -> None:
 
 #: A run of objects of one size in a put batch is allocated together on one node until that
 #: node's segment has this many bytes less free than a rival's (see :meth:`TierManager.run_length`):
-#: objects this large or larger alternate between equally free nodes one by one, as before.
+#: objects this large or larger alternate between equally free nodes one by one.
 RUN_BYTES = 16 << 10
 
 

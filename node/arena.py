@@ -13,7 +13,8 @@ lock, though, so the next node to start on the host removes every arena file nob
 (:func:`reclaim_stale_arenas`).
 
 The arena is pre-faulted in the background after start (:mod:`kvstore.pages`): without it the
-first writes to a new node were twice as slow as later ones.
+first writes to a new node pay a page fault for every page they touch and run slower than later
+ones (``.venv/bin/python bench/bench_warmup.py``).
 """
 
 from __future__ import annotations
