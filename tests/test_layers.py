@@ -34,6 +34,7 @@ LAYERS = {
     "kvstore.client": ("client", "client"),
     "kvstore.cli": ("apps", "apps/cli"),
     "kvstore.router": ("apps", "apps/router"),
+    "kvstore.routing": ("apps", "apps/routing"),
     "kvstore.replay": ("apps", "apps/replay"),
     "kvstore.sim": ("apps", "apps/sim"),
     "kvstore.demo": ("apps", "apps/demo"),

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
-from kvstore.sim.slo import SLOClass
+from kvstore.routing.slo import SLOClass
 from kvstore.sim.trace import TraceRequest, load_trace
 
 from . import report

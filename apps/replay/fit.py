@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidRequestError
+from kvstore.routing.cost import CostModel
+from kvstore.routing.policy import POLICIES
+from kvstore.routing.slo import SLOClass
 from kvstore.sim.cluster import ClusterConfig
-from kvstore.sim.cost import CostModel
 from kvstore.sim.engine import EngineConfig, StepCost
-from kvstore.sim.kvboth import LIVE_POLICIES, KvBothConfig, simulate_kv_both
+from kvstore.sim.kvboth import KvBothConfig, simulate_kv_both
 from kvstore.sim.scheduler import ROUTERS, SchedulerConfig
 from kvstore.sim.simulator import SimConfig, SimResult, simulate
-from kvstore.sim.slo import SLOClass
 from kvstore.sim.trace import TraceRequest
 
 from .loadgen import RequestResult
@@ -303,8 +304,8 @@ class SimShape:
             known = ", ".join(ENGINE_MODELS)
             raise InvalidRequestError(f"unknown engine model {self.engine_model!r}; known: {known}")
         if self.engine_model == "kv_both":
-            if self.router not in LIVE_POLICIES:
-                known = ", ".join(LIVE_POLICIES)
+            if self.router not in POLICIES:
+                known = ", ".join(POLICIES)
                 raise InvalidRequestError(
                     f"unknown policy {self.router!r} for kv_both engines; known: {known}"
                 )

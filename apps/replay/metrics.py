@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.errors import InvalidRequestError
-from kvstore.sim.slo import SLOClass
+from kvstore.routing.slo import SLOClass
 
 from .loadgen import RequestResult
 

@@ -13,8 +13,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvstore.routing.slo import SLOClass
 from kvstore.sim.report import format_table, pyplot, save_figure
-from kvstore.sim.slo import SLOClass
 
 from .fit import CostFit, Prediction, queue_ahead, relative_error
 from .loadgen import RequestResult

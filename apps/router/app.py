@@ -58,17 +58,8 @@ from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.etcd import parse_endpoints
 from kvstore.keys import Namespace, block_keys
 from kvstore.processes import ready_line
-from kvstore.sim.cost import CostModel
-from kvstore.sim.slo import SLOClass
-
-from .admission import EngineSlots
-from .discovery import EngineDiscovery
-from .engine_cache import EngineEvents, chain_keys
-from .engines import ROLES, Engine, EngineAnswerError, EngineLoad, make_engines
-from .fit import EngineFit
-from .listen import ROUTER_ID_HEADER, ListenAddresses
-from .metrics import RouterMetrics
-from .policy import (
+from kvstore.routing.cost import CostModel
+from kvstore.routing.policy import (
     DEFAULT_HIGH_WATERMARK,
     DEFAULT_LOW_WATERMARK,
     DEFAULT_POLICY,
@@ -79,6 +70,15 @@ from .policy import (
     choose,
     estimate_ttft,
 )
+from kvstore.routing.slo import SLOClass
+
+from .admission import EngineSlots
+from .discovery import EngineDiscovery
+from .engine_cache import EngineEvents, chain_keys
+from .engines import ROLES, Engine, EngineAnswerError, EngineLoad, make_engines
+from .fit import EngineFit
+from .listen import ROUTER_ID_HEADER, ListenAddresses
+from .metrics import RouterMetrics
 from .poolview import PoolView
 from .requests import (
     DEFAULT_ANSWER_TOKENS,

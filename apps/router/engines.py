@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.routing.policy import EngineView, watermark_state
+
 from .admission import EngineSlots
 from .fit import EngineFit
-from .policy import EngineView, watermark_state
 
 ROLES = ("prefill", "decode", "both")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")

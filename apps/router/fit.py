@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from kvstore.sim.cost import CostModel
+from kvstore.routing.cost import CostModel
 
 #: Samples a fit remembers: the engine's recent behaviour, not its whole life.
 WINDOW = 64

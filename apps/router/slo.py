@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
-from kvstore.sim.slo import SLOClass
+from kvstore.routing.slo import SLOClass
 
 #: The built-in classes, highest priority first. ``critical`` is the interactive target of the
 #: brief (300 ms TTFT, 20 ms between tokens); the others are looser tiers.

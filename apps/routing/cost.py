@@ -17,8 +17,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Protocol
 
 from kvstore.errors import InvalidRequestError
+
+
+class CostTerms(Protocol):
+    """The three timings a routing estimate reads of an engine (:mod:`.policy`).
+
+    :class:`CostModel` is the router's (a prior, then fitted per engine); the simulator of
+    ``kv_both`` engines gives its step model in these terms, so both run one estimate.
+    """
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds to compute ``new_tokens`` on top of ``cached_tokens`` already present."""
+        ...
+
+    def decode_step_s(self, batch_size: int, kv_tokens: int) -> float:
+        """Seconds of one decode step of ``batch_size`` sequences holding ``kv_tokens``."""
+        ...
+
+    def transfer_s(self, tokens: int) -> float:
+        """Seconds to load the KV of ``tokens`` tokens from the pool (0 for none)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

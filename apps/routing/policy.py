@@ -1,4 +1,8 @@
-"""The router's choice logic, on snapshots of live engine load (no I/O, no clock of its own).
+"""The routing choice, on snapshots of engine load (no I/O, no clock of its own).
+
+The live router (:mod:`kvstore.router`) calls :func:`choose` with what it polls and counts; the
+simulator of ``kv_both`` engines (:mod:`kvstore.sim.kvboth`) calls it with what it would have
+polled at its virtual time. Both use the same policy objects (:data:`POLICIES`).
 
 Per request (``p`` new tokens of which ``c`` are cached in the pool and ``l`` in an engine's
 own prefix cache, ``n = p - max(c, l)`` to compute there):
@@ -7,7 +11,7 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
   ``c - l`` cached tokens beyond the engine's own hit, if any) + prefill of ``n`` tokens on top
   of ``max(c, l)`` + one decode step of the batch already running there; in P/D mode the
   decode engine then loads the whole prompt from the pool (one more transfer). The terms are
-  :class:`~kvstore.sim.cost.CostModel`'s, with parameters fitted per engine (:mod:`.fit`).
+  :class:`~.cost.CostModel`'s, with parameters fitted per engine (``kvstore.router.fit``).
   On a kv_both engine a request holds its router slot to its last token, so the queue also
   counts the wait for a slot once all are taken. The queue wait is what the router itself
   still has in flight there (its predicted prefill seconds) plus the engine's own waiting
@@ -23,6 +27,9 @@ Which prefill (or kv_both) engine is chosen is a :class:`RoutingPolicy`, looked 
 :data:`POLICIES`: ``cache-aware`` (the smallest predicted TTFT, the logic above),
 ``round-robin`` and ``least-loaded`` (baselines). Admission is the same rule for all three, on
 the estimate of the engine the policy chose, so a comparison isolates the routing.
+
+NOTE: every tie is broken by the engine's name (the router's engines are URLs; the simulator
+names its engines so that name order is index order), so one state gives one choice.
 """
 
 from __future__ import annotations
@@ -33,9 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.sim.cost import CostModel
-from kvstore.sim.kvboth import least_loaded, slot_wait_s
-from kvstore.sim.slo import SLOClass
+from .cost import CostTerms
+from .slo import SLOClass
 
 #: Watermarks on a decode engine's KV use (fraction of its KV blocks). The high one is the
 #: scheduler package's default (``SchedulerConfig.kv_high_watermark``).
@@ -59,7 +65,7 @@ class EngineView:
             not had their first token yet.
         router_reserved_tokens: KV tokens the router's requests there will hold at the end.
         above_high: crossed the high watermark and not yet back under the low one.
-        cost: its cost model (prior, or fitted).
+        cost: its cost terms (the router: a prior, or fitted; the simulator: its step model).
         decode_fitted: whether ``cost``'s decode terms come from measurements.
         local_cached_tokens: leading prompt tokens of the request at hand in the engine's own
             prefix cache (whole blocks, at most the prompt less its last token; 0: unknown).
@@ -77,7 +83,7 @@ class EngineView:
     router_prefill_s: float
     router_reserved_tokens: int
     above_high: bool
-    cost: CostModel
+    cost: CostTerms
     decode_fitted: bool = False
     local_cached_tokens: int = 0
     slots: int = 0
@@ -150,6 +156,30 @@ class Choice:
     predicted_tbt_s: float | None
 
 
+def slot_wait_s(
+    slots: int, inflight: int, queued: int, answer_tokens: int, full_step_s: float
+) -> float:
+    """Predicted wait for one of an engine's router slots: zero while one is free, else the
+    slot releases needed before this request's turn, each a ``1/slots`` share of one answer's
+    decode in a full batch (``slots`` answers finish in the time of one).
+
+    Args:
+        slots: the engine's router slots (``--max-inflight``; 0: unbounded).
+        inflight: the router's requests holding a slot there.
+        queued: the router's requests queued for one there.
+        answer_tokens: tokens one answer generates (this request's ``max_tokens``, standing
+            in for those ahead of it).
+        full_step_s: one decode step of a batch of ``slots`` sequences.
+
+    Returns:
+        Seconds.
+    """
+    ahead = inflight + queued - slots + 1
+    if slots <= 0 or ahead <= 0:
+        return 0.0
+    return ahead * max(answer_tokens, 1) * full_step_s / slots
+
+
 def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTFTEstimate:
     """Predict TTFT of ``request`` on ``view``.
 
@@ -160,8 +190,7 @@ def estimate_ttft(view: EngineView, request: RequestShape, handoff: bool) -> TTF
 
     Returns:
         The estimate. Without ``handoff`` its queue includes the wait for one of the router's
-        slots there when all are taken (:func:`kvstore.sim.kvboth.slot_wait_s`: the answers
-        ahead must finish).
+        slots there when all are taken (:func:`slot_wait_s`: the answers ahead must finish).
     """
     cost = view.cost
     # The engine's own cache is free; the pool's tokens beyond it are loaded (the connector is
@@ -296,14 +325,22 @@ class RoundRobin:
 
 
 class LeastLoaded:
-    """The fewest requests on the engine by its own ``/metrics`` (running + waiting); ties by
-    fewer requests of the router's in flight there, then by name. Blind to caches."""
+    """The fewest requests on the engine by its own ``/metrics`` (running + waiting, as last
+    polled); ties by fewer requests of the router's in flight there, then by name. Blind to
+    caches, and to the requests queued in the router."""
 
     name = "least-loaded"
 
     def pick(self, candidates: list[EngineView], estimates: list[TTFTEstimate]) -> int:
         """See :class:`RoutingPolicy`."""
-        return least_loaded(candidates, [c.name for c in candidates])
+        return min(
+            range(len(candidates)),
+            key=lambda i: (
+                candidates[i].num_running + candidates[i].num_waiting,
+                candidates[i].router_inflight,
+                candidates[i].name,
+            ),
+        )
 
 
 #: Routing policies by name (``kvstore router --policy``); each call makes a fresh one.
@@ -360,18 +397,37 @@ def choose(
     estimates = [estimate_ttft(v, request, handoff) for v in candidates]
     best = estimates[(policy or _CACHE_AWARE).pick(candidates, estimates)]
     if early_rejection and best.ttft_s > slo.ttft_s:
-        over = best.ttft_s - slo.ttft_s
-        return Choice(
-            False,
-            f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo.name} {slo.ttft_s:.3f}s",
-            max(1, math.ceil(min(over, best.queue_s) if best.queue_s > 0 else over)),
-            best,
-            None,
-            None,
-        )
+        return _ttft_rejection(best, slo)
     if not handoff:
         by_name = {v.name: v for v in candidates}
         return Choice(True, None, 0, best, None, predicted_tbt(by_name[best.engine], request))
+    return _choose_decode(request, slo, best, pool, high, early_rejection)
+
+
+def _ttft_rejection(best: TTFTEstimate, slo: SLOClass) -> Choice:
+    """The early rejection of a request predicted past its class's TTFT target; the retry
+    hint is the queue ahead when there is one (it drains), else the excess."""
+    over = best.ttft_s - slo.ttft_s
+    return Choice(
+        False,
+        f"predicted TTFT {best.ttft_s:.3f}s > SLO {slo.name} {slo.ttft_s:.3f}s",
+        max(1, math.ceil(min(over, best.queue_s) if best.queue_s > 0 else over)),
+        best,
+        None,
+        None,
+    )
+
+
+def _choose_decode(
+    request: RequestShape,
+    slo: SLOClass,
+    best: TTFTEstimate,
+    pool: list[EngineView],
+    high: float,
+    early_rejection: bool,
+) -> Choice:
+    """P/D: the decode engine with room and the smallest predicted TBT (ties by name), for a
+    request whose prefill goes to ``best``."""
     roomy = [v for v in pool if kv_room(v, request, high)]
     if not roomy:
         if early_rejection:

@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.errors import KVStoreError
+from kvstore.routing.slo import SLOClass
 
 from . import report
 from .cluster import ClusterConfig
 from .experiments import CAPACITIES, hit_rate_grid, run_routers
 from .policies import POLICIES
 from .scheduler import ROUTERS, SchedulerConfig
-from .slo import DEFAULT_SLO, SLOClass
+from .slo import DEFAULT_SLO
 from .trace import load_trace
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidRequestError
+from kvstore.routing.cost import CostModel
 
-from .cost import CostModel
 from .policies import POLICIES, BlockCache
 
 

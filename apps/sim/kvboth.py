@@ -8,26 +8,25 @@ This module puts the two together:
 * **Router slots.** The router chooses an engine when a request arrives, then holds it in that
   engine's queue until one of the engine's ``max_inflight`` slots is free (``kvstore router
   --max-inflight``); a request with a slot reaches the engine ``request_overhead_s`` later.
-* **What the policies see** (``apps/router/policy.py``, by name in :data:`LIVE_POLICIES`):
+* **What the policies see.** The router's own policy objects and choice
+  (:mod:`kvstore.routing.policy`, by name in its ``POLICIES``) run on engine views
+  (:func:`engine_view`) built from:
 
   - the engines' ``num_requests_running`` / ``num_requests_waiting`` **as last polled**: the
     router reads ``/metrics`` every ``poll_interval_s`` (0.5 s), so the values are those at
     the latest multiple of the interval (plus ``poll_phase_s``), not the current ones;
-  - exactly: its own requests in flight per engine (holding a slot), the predicted prefill
-    seconds of its requests there without a first token yet (queued ones included), each
-    engine's own prefix cache (followed through vLLM's KV events, milliseconds behind) and
-    the pool (through the master's KV events).
+  - exactly: its own requests in flight per engine (holding a slot) and queued for one, the
+    predicted prefill seconds of its requests there without a first token yet (queued ones
+    included), each engine's own prefix cache (followed through vLLM's KV events,
+    milliseconds behind) and the pool (through the master's KV events).
 
-* **Policies.** ``round-robin`` cycles over the engines; ``least-loaded`` takes the fewest
-  polled running + waiting, ties by fewer of the router's in flight, then by index (blind to
+* **Policies.** As the router's: ``round-robin`` cycles over the engines; ``least-loaded``
+  takes the fewest polled running + waiting, ties by fewer of the router's in flight (blind to
   the requests queued in the router: a burst between two polls all goes to the engine that
-  looked emptier); ``cache-aware`` takes the smallest predicted TTFT, the live router's
-  estimate (:func:`estimate_ttft`): max(queue, pool load beyond the engine's own hit) +
-  prefill of the tokens neither holds + one step of the polled running batch, where the
-  queue is the router's predicted prefill seconds there plus the polled waiting requests,
-  each costed like this one, plus the wait for a router slot when all are taken
-  (:func:`slot_wait_s`). Its costs are the engine model's own (a router whose fit is
-  exact).
+  looked emptier); ``cache-aware`` takes the smallest predicted TTFT
+  (``kvstore.routing.policy.estimate_ttft``). Ties go by name, and the engines are named so
+  that name order is index order (:func:`engine_names`). The estimate's costs are the engine
+  model's own (:class:`StepCostTerms`: a router whose fit is exact).
 * **Admission.** With ``admission_ttft_s`` a request whose estimate on the chosen engine
   exceeds it is rejected (the router's early rejection for the request's class; 10 s for
   ``standard``), whatever the policy.
@@ -46,16 +45,18 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
 from kvstore.errors import InternalError, InvalidRequestError
+from kvstore.routing.cost import CostTerms
+from kvstore.routing.policy import POLICIES, EngineView, RequestShape, choose
+from kvstore.routing.slo import SLOClass
 
 from .engine import EngineConfig, EngineRequest, KvBothEngine, StepCost
 from .policies import BlockCache
 from .simulator import SimResult
-from .slo import DEFAULT_SLO, SLOClass
+from .slo import DEFAULT_SLO
 from .trace import TraceRequest
 
 _REACH = 0
@@ -63,183 +64,86 @@ _STEP_END = 1
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """One engine as a policy sees it for one request.
+class StepCostTerms:
+    """An engine's :class:`~.engine.StepCost` in the terms the routing estimate reads
+    (:class:`kvstore.routing.cost.CostTerms`): the simulated router's fit is exact.
 
     Attributes:
-        engine_id: its index.
-        num_running: running requests at the last poll.
-        num_waiting: waiting requests at the last poll.
-        router_inflight: the router's requests holding a slot there now.
-        router_prefill_s: predicted prefill seconds of the router's requests there that have
-            no first token yet (queued in the router too).
-        local_tokens: prompt tokens in its own prefix cache now.
-        pool_tokens: prompt tokens in the pool now.
-        prefill_s: predicted prefill of this request's uncached tokens there.
-        ttft_s: predicted TTFT there (:func:`estimate_ttft`).
+        step: the engine's step cost.
     """
 
-    engine_id: int
-    num_running: int
-    num_waiting: int
-    router_inflight: int
-    router_prefill_s: float
-    local_tokens: int
-    pool_tokens: int
-    prefill_s: float
-    ttft_s: float
+    step: StepCost
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """A prefill alone on an idle engine (one step; the cached tokens cost nothing)."""
+        return self.step.prefill_s(new_tokens)
+
+    def decode_step_s(self, batch_size: int, kv_tokens: int) -> float:
+        """One step of ``batch_size`` decoding sequences (the KV they hold costs nothing)."""
+        return self.step.step_s(batch_size, 0)
+
+    def transfer_s(self, tokens: int) -> float:
+        """Loading ``tokens`` tokens from the pool."""
+        return tokens * self.step.load_s_per_token if tokens > 0 else 0.0
 
 
-def slot_wait_s(
-    slots: int, inflight: int, queued: int, answer_tokens: int, full_step_s: float
-) -> float:
-    """Predicted wait for one of an engine's router slots: zero while one is free, else the
-    slot releases needed before this request's turn, each a ``1/slots`` share of one answer's
-    decode in a full batch (``slots`` answers finish in the time of one).
+def engine_names(num_engines: int) -> list[str]:
+    """The simulated engines' names, whose order is their index order (every routing tie goes
+    by name, :mod:`kvstore.routing.policy`).
 
     Args:
-        slots: the engine's router slots (``--max-inflight``; 0: unbounded).
-        inflight: the router's requests holding a slot there.
-        queued: the router's requests queued for one there.
-        answer_tokens: tokens one answer generates (this request's ``max_tokens``, standing
-            in for those ahead of it).
-        full_step_s: one decode step of a batch of ``slots`` sequences.
+        num_engines: engines (>= 1).
 
     Returns:
-        Seconds.
+        ``engine-0`` .. ``engine-N``, zero-padded to one width.
     """
-    ahead = inflight + queued - slots + 1
-    if slots <= 0 or ahead <= 0:
-        return 0.0
-    return ahead * max(answer_tokens, 1) * full_step_s / slots
+    width = len(str(num_engines - 1))
+    return [f"engine-{i:0{width}d}" for i in range(num_engines)]
 
 
-def estimate_ttft(
-    cost: StepCost,
-    prompt_tokens: int,
+def engine_view(
+    name: str,
+    cost: CostTerms,
+    polled: tuple[int, int],
+    inflight: int,
+    queued: int,
+    prefill_s: float,
     local_tokens: int,
-    pool_tokens: int,
-    num_running: int,
-    num_waiting: int,
-    router_prefill_s: float,
-    slot_wait: float = 0.0,
-) -> tuple[float, float]:
-    """The live router's TTFT estimate (``kvstore.router.policy.estimate_ttft``) in step terms.
+    slots: int,
+) -> EngineView:
+    """One simulated engine as the live router would see it.
 
     Args:
-        cost: the engine's step cost (prefill alone = base + per token; a decode step of
-            ``b`` = base + ``b`` per sequence; a pool load = per token).
-        prompt_tokens: the prompt (>= 1).
-        local_tokens: its tokens in the engine's own cache.
-        pool_tokens: its tokens in the pool.
-        num_running: the engine's running requests as polled.
-        num_waiting: its waiting requests as polled.
-        router_prefill_s: the router's predicted prefill seconds there.
-        slot_wait: :func:`slot_wait_s` there.
+        name: its name (:func:`engine_names`).
+        cost: its cost terms (:class:`StepCostTerms`).
+        polled: its (running, waiting) at the last poll.
+        inflight: the router's requests holding a slot there.
+        queued: the router's requests waiting for one of its slots.
+        prefill_s: predicted prefill seconds of the router's requests there without a first
+            token yet (queued ones included).
+        local_tokens: the request's prompt tokens in its own prefix cache.
+        slots: its router slots (``max_inflight``).
 
     Returns:
-        ``(ttft_s, prefill_s)``.
+        The view: always healthy, KV room not modelled (capacity unknown).
     """
-    local = min(local_tokens, prompt_tokens - 1)
-    uncached = max(prompt_tokens - max(local, pool_tokens), 1)
-    cached = prompt_tokens - uncached
-    prefill = cost.prefill_s(uncached)
-    queue = router_prefill_s + num_waiting * prefill + slot_wait
-    transfer = (
-        (min(pool_tokens, cached) - local) * cost.load_s_per_token if pool_tokens > local else 0.0
+    running, waiting = polled
+    return EngineView(
+        name=name,
+        healthy=True,
+        num_running=running,
+        num_waiting=waiting,
+        kv_usage=0.0,
+        kv_capacity_tokens=0,
+        router_inflight=inflight,
+        router_prefill_s=prefill_s,
+        router_reserved_tokens=0,
+        above_high=False,
+        cost=cost,
+        local_cached_tokens=local_tokens,
+        slots=slots,
+        router_queued=queued,
     )
-    step = cost.step_s(num_running, 0) if num_running else 0.0
-    return max(queue, transfer) + prefill + step, prefill
-
-
-class EngineLoadView(Protocol):
-    """What :func:`least_loaded` reads of an engine (the router's ``EngineView`` and
-    :class:`EngineSnapshot` both have it)."""
-
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def router_inflight(self) -> int: ...
-
-
-def least_loaded(views: SequenceOf[EngineLoadView], tiebreak: SequenceOf[int | str]) -> int:
-    """The ``least-loaded`` rule, shared by the live router and this simulator: the fewest
-    polled running + waiting, ties by fewer of the router's requests in flight, then by
-    ``tiebreak``.
-
-    Args:
-        views: the engines (never empty).
-        tiebreak: per engine, the last key (the router: its name; here: its index).
-
-    Returns:
-        An index into ``views``.
-    """
-    return min(
-        range(len(views)),
-        key=lambda i: (
-            views[i].num_running + views[i].num_waiting,
-            views[i].router_inflight,
-            tiebreak[i],
-        ),
-    )
-
-
-class LivePolicy(Protocol):
-    """Picks the engine for a request from snapshots (``kvstore.router.policy.RoutingPolicy``).
-
-    Attributes:
-        name: the router's ``--policy`` name.
-    """
-
-    name: str
-
-    def pick(self, views: list[EngineSnapshot]) -> int:
-        """The index of the chosen engine in ``views`` (never empty, in engine order)."""
-        ...
-
-
-class CacheAwarePolicy:
-    """The smallest predicted TTFT; ties by engine index."""
-
-    name = "cache-aware"
-
-    def pick(self, views: list[EngineSnapshot]) -> int:
-        """See :class:`LivePolicy`."""
-        return min(range(len(views)), key=lambda i: (views[i].ttft_s, views[i].engine_id))
-
-
-class RoundRobinPolicy:
-    """The engines in turn, blind to caches and load."""
-
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._turn = itertools.count()
-
-    def pick(self, views: list[EngineSnapshot]) -> int:
-        """See :class:`LivePolicy`."""
-        return next(self._turn) % len(views)
-
-
-class LeastLoadedPolicy:
-    """The fewest polled running + waiting; ties by fewer of the router's in flight, then
-    index."""
-
-    name = "least-loaded"
-
-    def pick(self, views: list[EngineSnapshot]) -> int:
-        """See :class:`LivePolicy`."""
-        return least_loaded(views, [v.engine_id for v in views])
-
-
-#: The live router's policies by name; each call makes a fresh one.
-LIVE_POLICIES: dict[str, Callable[[], LivePolicy]] = {
-    CacheAwarePolicy.name: CacheAwarePolicy,
-    RoundRobinPolicy.name: RoundRobinPolicy,
-    LeastLoadedPolicy.name: LeastLoadedPolicy,
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +153,7 @@ class KvBothConfig:
     Attributes:
         num_engines: kv_both engines (>= 1).
         engine: each engine's sizes and step cost.
-        policy: a key of :data:`LIVE_POLICIES`.
+        policy: a key of :data:`kvstore.routing.policy.POLICIES`.
         shared_pool: the engines share a kvstore pool (unlimited); else only own caches hit.
         poll_interval_s: how often the router reads the engines' load (> 0).
         poll_phase_s: when, within the interval, the polls happen (>= 0).
@@ -278,8 +182,8 @@ class KvBothConfig:
             raise InvalidRequestError("num_engines and max_inflight must be >= 1")
         if not self.poll_interval_s > 0 or not self.poll_phase_s >= 0:
             raise InvalidRequestError("poll_interval_s must be > 0 and poll_phase_s >= 0")
-        if self.policy not in LIVE_POLICIES:
-            known = ", ".join(LIVE_POLICIES)
+        if self.policy not in POLICIES:
+            known = ", ".join(POLICIES)
             raise InvalidRequestError(f"unknown policy {self.policy!r}; known: {known}")
         if not self.speedup > 0:
             raise InvalidRequestError(f"speedup must be > 0, got {self.speedup}")
@@ -330,7 +234,7 @@ def simulate_kv_both(
 ) -> SimResult:
     """Replay ``requests`` through the live router's policy onto ``kv_both`` engines.
 
-    Deterministic: ties by engine index, events by sequence number; an arrival is handled
+    Deterministic: ties by engine name (index order), events by sequence number; an arrival is handled
     before an event at the same time.
 
     Args:
@@ -357,7 +261,16 @@ def simulate_kv_both(
     pool = BlockCache(None, "lru") if config.shared_pool else None
     engines = [KvBothEngine(config.engine, pool) for _ in range(config.num_engines)]
     history = [_LoadHistory() for _ in engines]
-    policy = LIVE_POLICIES[config.policy]()
+    policy = POLICIES[config.policy]()
+    terms = StepCostTerms(cost)
+    names = engine_names(len(engines))
+    ids = {name: e for e, name in enumerate(names)}
+    # The router's early rejection, on the admission target (TBT is not judged on kv_both).
+    admission = (
+        config.slo
+        if config.admission_ttft_s is None
+        else SLOClass(config.slo.name, config.admission_ttft_s, config.slo.tbt_s)
+    )
     inflight = [0] * len(engines)
     pending: list[deque[int]] = [deque() for _ in engines]
     router_prefill_s = [0.0] * len(engines)
@@ -392,54 +305,45 @@ def simulate_kv_both(
         if plan is not None:
             push(now_s + plan.duration_s, _STEP_END, engine_id)
 
-    def snapshot(engine_id: int, request: TraceRequest, now_s: float) -> EngineSnapshot:
-        engine = engines[engine_id]
+    def views(request: TraceRequest, now_s: float) -> list[EngineView]:
         keys = tuple(request.hash_ids)
-        running, waiting = history[engine_id].at(
-            last_poll_s(now_s, config.poll_interval_s, config.poll_phase_s)
-        )
-        local_tokens = engine.local_hit_tokens(keys, request.input_length)
-        pool_tokens = engine.pool_hit_tokens(keys, request.input_length)
-        estimate, prefill = estimate_ttft(
-            cost,
-            request.input_length,
-            local_tokens,
-            pool_tokens,
-            running,
-            waiting,
-            router_prefill_s[engine_id],
-            slot_wait_s(
+        polled = last_poll_s(now_s, config.poll_interval_s, config.poll_phase_s)
+        return [
+            engine_view(
+                names[e],
+                terms,
+                history[e].at(polled),
+                inflight[e],
+                len(pending[e]),
+                router_prefill_s[e],
+                engine.local_hit_tokens(keys, request.input_length),
                 config.max_inflight,
-                inflight[engine_id],
-                len(pending[engine_id]),
-                request.output_length,
-                cost.step_s(config.max_inflight, 0),
-            ),
-        )
-        return EngineSnapshot(
-            engine_id,
-            running,
-            waiting,
-            inflight[engine_id],
-            router_prefill_s[engine_id],
-            local_tokens,
-            pool_tokens,
-            prefill,
-            estimate,
-        )
+            )
+            for e, engine in enumerate(engines)
+        ]
 
     def arrive(index: int, now_s: float) -> None:
         request = requests[index]
-        views = [snapshot(e, request, now_s) for e in range(len(engines))]
-        view = views[policy.pick(views)]
-        if config.admission_ttft_s is not None and view.ttft_s > config.admission_ttft_s:
+        # The pool is shared: its hit is the same from every engine.
+        pool_tokens = engines[0].pool_hit_tokens(tuple(request.hash_ids), request.input_length)
+        shape = RequestShape(request.input_length, pool_tokens, request.output_length)
+        choice = choose(
+            shape,
+            admission,
+            views(request, now_s),
+            None,
+            early_rejection=config.admission_ttft_s is not None,
+            policy=policy,
+        )
+        if not choice.accepted:
             return
-        engine_id = view.engine_id
+        assert choice.prefill is not None
+        engine_id = ids[choice.prefill.engine]
         accepted[index] = True
         engine_ids[index] = engine_id
         served[engine_id] += 1
-        predicted_prefill_s[index] = view.prefill_s
-        router_prefill_s[engine_id] += view.prefill_s
+        predicted_prefill_s[index] = choice.prefill.prefill_s
+        router_prefill_s[engine_id] += choice.prefill.prefill_s
         if inflight[engine_id] < config.max_inflight:
             send(index, engine_id, now_s)
         else:

@@ -12,9 +12,10 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.routing.slo import SLOClass
+
 from .policies import HitStats
 from .simulator import SimResult
-from .slo import SLOClass
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

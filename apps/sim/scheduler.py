@@ -33,10 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidRequestError
+from kvstore.routing.slo import SLOClass
 
 from .cluster import ClusterState, DecodeInstance, PrefillInstance
 from .policies import BlockKey
-from .slo import DEFAULT_SLO, SLOClass
+from .slo import DEFAULT_SLO
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from kvstore.router.engine_cache import (
     parse_batch,
 )
 from kvstore.router.metrics import RouterMetrics
-from kvstore.router.policy import EngineView, RequestShape, choose, estimate_ttft
-from kvstore.sim.slo import SLOClass
+from kvstore.routing.policy import EngineView, RequestShape, choose, estimate_ttft
+from kvstore.routing.slo import SLOClass
 
 # ``msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.5, events=[...], data_parallel_rank=0))``
 # under vLLM 0.32 with: BlockStored(hashes [01*32, 02*32], parent None, tokens 0..7, block size

@@ -12,7 +12,7 @@ from kvstore.router.admission import EngineSlots
 from kvstore.router.engines import EngineLoad, make_engines
 from kvstore.router.fit import EngineFit, LineFit
 from kvstore.router.slo import SLOPolicy
-from kvstore.sim.cost import CostModel
+from kvstore.routing.cost import CostModel
 
 
 def _slots() -> EngineSlots:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
-from kvstore.sim.cost import CostModel
+from kvstore.routing.cost import CostModel
 
 COST = CostModel()
 

@@ -1,15 +1,13 @@
-"""The router's choice logic on fake engine loads (no engines, no clock)."""
+"""The routing choice on fake engine loads (no engines, no clock)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from prometheus_client import generate_latest
 
-from kvstore.errors import InvalidRequestError
-from kvstore.router.app import RouterConfig, RouterState
-from kvstore.router.policy import (
+from kvstore.routing.cost import CostModel
+from kvstore.routing.policy import (
     DEFAULT_POLICY,
     POLICIES,
     EngineView,
@@ -20,8 +18,7 @@ from kvstore.router.policy import (
     predicted_tbt,
     watermark_state,
 )
-from kvstore.sim.cost import CostModel
-from kvstore.sim.slo import SLOClass
+from kvstore.routing.slo import SLOClass
 
 COST = CostModel(
     block_size_tokens=32,
@@ -243,16 +240,3 @@ def test_cache_aware_is_the_default_policy() -> None:
     default = choose(shape(), LOOSE, engines, None)
     explicit = choose(shape(), LOOSE, engines, None, policy=POLICIES[DEFAULT_POLICY]())
     assert default == explicit and default.prefill is not None and default.prefill.engine == "b"
-
-
-@pytest.mark.parametrize("name", sorted(POLICIES))
-def test_the_router_exports_its_policy(name: str) -> None:
-    state = RouterState(RouterConfig(engines=("http://a", "http://b"), policy=name))
-    assert state.policy.name == name
-    text = generate_latest(state.metrics.registry).decode()
-    assert f'kvstore_router_policy_info{{policy="{name}"}} 1.0' in text
-
-
-def test_an_unknown_policy_is_refused() -> None:
-    with pytest.raises(InvalidRequestError, match="unknown policy"):
-        RouterConfig(engines=("http://a",), policy="random")

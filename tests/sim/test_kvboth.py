@@ -8,13 +8,22 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequestError
+from kvstore.router import app as router_state
+from kvstore.router.app import RouterConfig, RouterState
+from kvstore.router.engines import EngineLoad
+from kvstore.routing import policy as routing
+from kvstore.routing.cost import CostModel
+from kvstore.routing.policy import RequestShape, estimate_ttft, slot_wait_s
+from kvstore.routing.slo import SLOClass
+from kvstore.sim import kvboth
 from kvstore.sim.engine import EngineConfig, StepCost
 from kvstore.sim.kvboth import (
     KvBothConfig,
-    estimate_ttft,
+    StepCostTerms,
+    engine_names,
+    engine_view,
     last_poll_s,
     simulate_kv_both,
-    slot_wait_s,
 )
 from kvstore.sim.trace import TraceRequest
 
@@ -140,7 +149,10 @@ def test_admission_rejects_a_request_predicted_past_its_target() -> None:
 
 def test_estimate_matches_the_live_router_terms() -> None:
     cost = StepCost(0.01, 0.002, 0.0001, load_s_per_token=1e-5)
-    ttft, prefill = estimate_ttft(cost, 100, 32, 96, 2, 1, 0.5)
+    # 32 tokens in the engine's cache, 96 in the pool; polled 2 running, 1 waiting.
+    view = engine_view("e", StepCostTerms(cost), (2, 1), 0, 0, 0.5, 32, 4)
+    estimate = estimate_ttft(view, RequestShape(100, 96, 1), handoff=False)
+    ttft, prefill = estimate.ttft_s, estimate.prefill_s
     assert prefill == pytest.approx(0.01 + 4 * 0.0001)
     # queue 0.5 + 1 waiting x prefill; load of 64 tokens overlaps it; then one decode step of 2.
     assert ttft == pytest.approx(0.5 + prefill + prefill + 0.01 + 0.004)
@@ -152,7 +164,10 @@ def test_a_request_waits_for_a_router_slot_when_all_are_taken() -> None:
     assert slot_wait_s(4, 4, 2, 16, 0.1) == pytest.approx(3 * 16 * 0.1 / 4)  # two queued ahead
     assert slot_wait_s(0, 9, 9, 16, 0.1) == 0.0  # unbounded
     cost = StepCost(0.01, 0.002, 0.0001)
-    ttft, _ = estimate_ttft(cost, 100, 0, 0, 0, 0, 0.0, slot_wait=0.4)
+    # All 5 slots held: one answer of 100 tokens in a full batch (0.02 s a step) must finish,
+    # a fifth of it: 0.4 s.
+    full = engine_view("e", StepCostTerms(cost), (0, 0), 5, 0, 0.0, 0, 5)
+    ttft = estimate_ttft(full, RequestShape(100, 0, 100), handoff=False).ttft_s
     assert ttft == pytest.approx(0.4 + 0.01 + 100 * 0.0001)
 
 
@@ -164,6 +179,49 @@ def test_cache_aware_sends_a_burst_where_slots_are_free() -> None:
     trace = [request(0.1, 10, 200), request(0.3, 10, 2, request_id=1)]
     result = simulate_kv_both(trace, config(num_engines=2, policy="cache-aware", max_inflight=1))
     assert result.prefill_ids.tolist() == [0, 1]
+
+
+def test_the_simulator_and_the_router_run_the_same_policy_objects() -> None:
+    assert kvboth.POLICIES is routing.POLICIES is router_state.POLICIES
+    assert kvboth.choose is routing.choose is router_state.choose
+
+
+@pytest.mark.parametrize("name", sorted(routing.POLICIES))
+@pytest.mark.parametrize(
+    "loads",
+    [
+        # (running, waiting, router in flight, router prefill s, own cached tokens) per engine
+        [(0, 0, 0, 0.0, 0), (0, 0, 0, 0.0, 0), (0, 0, 0, 0.0, 0)],  # a three-way tie
+        [(2, 1, 1, 0.3, 0), (0, 0, 2, 0.0, 0), (1, 0, 0, 0.0, 960)],
+        [(0, 3, 0, 0.0, 640), (1, 0, 1, 0.1, 0), (1, 0, 0, 0.1, 0)],
+    ],
+)
+def test_the_simulator_chooses_the_engine_the_router_chooses(
+    name: str, loads: list[tuple[int, int, int, float, int]]
+) -> None:
+    cost = CostModel(block_size_tokens=32, transfer_bytes_per_s=1e9)
+    names = engine_names(len(loads))
+    state = RouterState(
+        RouterConfig(engines=tuple(f"http://{n}" for n in names), policy=name, prior=cost)
+    )
+    sim_policy = routing.POLICIES[name]()
+    request = RequestShape(1000, 320, 50)
+    slo = SLOClass("loose", ttft_s=100.0, tbt_s=10.0)
+    for _ in range(len(loads) + 1):  # round robin moves on at every request
+        local, views = {}, []
+        for engine, (running, waiting, inflight, prefill_s, own) in zip(
+            state.engines, loads, strict=True
+        ):
+            engine.healthy, engine.inflight, engine.prefill_s = True, inflight, prefill_s
+            engine.load = EngineLoad(num_running=running, num_waiting=waiting)
+            local[engine.url] = own
+            polled = (running, waiting)
+            views.append(engine_view(engine.url, cost, polled, inflight, 0, prefill_s, own, 4))
+        live = state.choose(request, slo, local)
+        simulated = routing.choose(request, slo, views, None, policy=sim_policy)
+        assert live.prefill is not None and simulated.prefill is not None
+        assert live.prefill.engine == simulated.prefill.engine
+        assert live.prefill.ttft_s == simulated.prefill.ttft_s
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ SIM_MODULES = [
     "kvstore.sim",
     "kvstore.sim.__main__",
     "kvstore.sim.cluster",
-    "kvstore.sim.cost",
     "kvstore.sim.engine",
     "kvstore.sim.experiments",
     "kvstore.sim.kvboth",

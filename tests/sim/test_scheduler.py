@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
+from kvstore.routing.cost import CostModel
+from kvstore.routing.slo import SLOClass
 from kvstore.sim.cluster import ClusterConfig, ClusterState
-from kvstore.sim.cost import CostModel
 from kvstore.sim.scheduler import (
     ROUTERS,
     Router,
@@ -16,7 +17,6 @@ from kvstore.sim.scheduler import (
     ScheduleRequest,
     make_router,
 )
-from kvstore.sim.slo import SLOClass
 
 BS = 512
 COST = CostModel()

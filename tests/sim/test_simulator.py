@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore.errors import InvalidRequestError
+from kvstore.routing.cost import CostModel
 from kvstore.sim.cluster import ClusterConfig
-from kvstore.sim.cost import CostModel
 from kvstore.sim.experiments import BASELINES, best_baseline, run_routers
 from kvstore.sim.replay import replay_pool
 from kvstore.sim.scheduler import ROUTERS, SchedulerConfig
