@@ -33,23 +33,25 @@ _logged: set[str] = set()
 _logged_lock = threading.Lock()
 
 
-def log_once(what: str, message: str) -> None:
-    """Log ``message`` at INFO once per process per ``what`` (the fallback must not spam)."""
+def log_once(what: str, message: str, level: int = logging.INFO) -> None:
+    """Log ``message`` at ``level`` once per process per ``what`` (the fallback must not spam)."""
     with _logged_lock:
         if what in _logged:
             return
         _logged.add(what)
-    log.info(message)
+    log.log(level, message)
 
 
-def log_fallback(what: str, role: str, why: str) -> None:
+def log_fallback(what: str, role: str, why: str, level: int = logging.INFO) -> None:
     """Say once per ``what`` that ``role`` (client, node ...) uses TCP instead of RDMA, and why.
 
     Every fallback line has one shape, ``"<role>: RDMA off (<why>); using TCP"``, so an operator
     (or a test) finds it by "RDMA off" whatever the cause: no pyverbs, no device, a refused
-    connect, a bad offer.
+    connect, a bad offer. ``level``: INFO where RDMA was asked for or a device (here or on the
+    peer) exists; DEBUG where nobody asked and there is none (every start on a host without
+    RDMA would say it otherwise).
     """
-    log_once(what, f"{role}: RDMA off ({why}); using TCP")
+    log_once(what, f"{role}: RDMA off ({why}); using TCP", level)
 
 
 # ---------------------------------------------------------------- discovery
@@ -135,15 +137,17 @@ class RdmaSettings:
 def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice | None:
     """The device to use, or None after logging once why TCP is used instead."""
     settings = settings or RdmaSettings.from_env()
-    if not settings.enabled:
-        log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off")
+    if not settings.enabled:  # the operator said so: nothing to tell them
+        log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off", logging.DEBUG)
         return None
     if settings.pretend_device:
         return RdmaDevice(settings.pretend_device)
     try:
         found = discover()
     except TransportUnavailableError as err:
-        log_fallback("rdma-fallback", role, err.message)
+        # NOTE: only a device asked for by name makes its absence news (INFO).
+        level = logging.DEBUG if settings.device is None else logging.INFO
+        log_fallback("rdma-fallback", role, err.message, level)
         return None
     if settings.device is None:
         return found[0]
