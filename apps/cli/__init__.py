@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 
 from kvstore.cli import daemons, engines, ops
-from kvstore.cli.common import Parser, os_error_text
+from kvstore.cli.common import Parser, os_error_text, port_in_use_text
 from kvstore.env import LOG_LEVELS, Env
 from kvstore.errors import KVStoreError
 from kvstore.replay import cli as replay_cli
@@ -88,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvstore {args.command}: {err.message}", file=sys.stderr)
         return 2
     except OSError as exc:  # a port in use, a data dir we may not write: one line, no traceback
-        print(f"kvstore {args.command}: {os_error_text(exc)}", file=sys.stderr)
+        text = port_in_use_text(exc, args) or os_error_text(exc)
+        print(f"kvstore {args.command}: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

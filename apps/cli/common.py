@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import re
 from collections.abc import Coroutine
 from typing import Any
 
@@ -110,3 +112,46 @@ def os_error_text(exc: OSError) -> str:
     if exc.filename is not None and str(exc.filename) not in text:
         text = f"{text}: {exc.filename}"
     return text
+
+
+#: The flags that choose a port a daemon binds: (attribute, flag, offset from ``--port`` where
+#: the flag is left out and its default is derived, 0: not derived).
+PORT_FLAGS = (
+    ("port", "--port", 0),
+    ("admin_port", "--admin-port", 1),
+    ("node_port", "--node-port", 2),
+)
+
+
+def port_in_use_text(exc: OSError, args: argparse.Namespace) -> str | None:
+    """One line for a bind that failed because another process holds the port: which port,
+    and which flag chooses another; None when ``exc`` is something else.
+
+    The port is the one whose number the error names (asyncio's and ``socket.create_server``'s
+    errors do); else every port the command asked for (``http.server``'s error names none).
+    """
+    if exc.errno != errno.EADDRINUSE:
+        return None
+    base = getattr(args, "port", None) or 0
+    asked: list[tuple[int, str]] = []
+    for attr, flag, offset in PORT_FLAGS:
+        if not hasattr(args, attr):
+            continue
+        port = getattr(args, attr)
+        if port is None and offset and base:
+            port = base + offset
+        if port:
+            asked.append((port, flag))
+    if getattr(args, "parent_pipe", None) is not None:  # the storage node of `kvstore up`
+        asked = [(port, "kvstore up --node-port") for port, flag in asked if flag == "--port"]
+    named = [(port, flag) for port, flag in asked if re.search(rf"\b{port}\b", str(exc))]
+    chosen = named or asked
+    if not chosen:
+        return None
+    fix = "stop it, or choose another port with {} (0 picks a free one)"
+    if len(chosen) == 1:
+        port, flag = chosen[0]
+        where = f"port {port}" + (f" on {args.host}" if getattr(args, "host", None) else "")
+        return f"{where} is already in use (another kvstore may be running): " + fix.format(flag)
+    ports = ", ".join(f"{port} ({flag})" for port, flag in chosen)
+    return f"one of ports {ports} is already in use: " + fix.format("its flag")

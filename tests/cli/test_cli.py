@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,42 @@ def test_node_options_are_validated(tmp_path: Path, bad: dict[str, object]) -> N
     fields = {"host": "127.0.0.1", "port": 0, "dram_bytes": 1 << 20, "data_dir": tmp_path}
     with pytest.raises(InvalidRequestError):
         NodeOptions(**{**fields, **bad})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["up", "--port", "{p}"], "--port"),
+        (["up", "--port", "0", "--admin-port", "{p}"], "--admin-port"),
+        (["master", "--port", "{p}", "--admin-port", "0"], "--port"),
+        (["node", "--master", "127.0.0.1:1", "--port", "{p}"], "--port"),
+        (["node", "--master", "127.0.0.1:1", "--admin-port", "{p}"], "--admin-port"),
+        (["up", "--port", "0", "--node-port", "{p}"], "kvstore up --node-port"),
+    ],
+)
+def test_a_taken_port_is_one_line_naming_the_port_and_its_flag(
+    argv: list[str], flag: str, tmp_path: Path
+) -> None:
+    """A second ``kvstore up`` (or master, or node) on a port another process holds."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        args = [a.format(p=port) for a in argv]
+        if args[0] in ("up", "node"):
+            args += ["--data-dir", str(tmp_path)]
+        out = subprocess.run(
+            [sys.executable, "-m", "kvstore", "--log-level", "warning", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.strip().splitlines()
+    role = "node" if flag.startswith("kvstore up") else args[0]
+    assert lines[0] == (
+        f"kvstore {role}: port {port} on 127.0.0.1 is already in use (another kvstore may be "
+        f"running): stop it, or choose another port with {flag} (0 picks a free one)"
+    ), lines
+    if role == args[0]:
+        assert len(lines) == 1, lines
+    else:  # `kvstore up` adds that its node failed, and nothing else
+        assert len(lines) == 2 and lines[1].startswith("kvstore up: the storage node failed"), lines
