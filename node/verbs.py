@@ -7,8 +7,8 @@
            reference to a batch grant given earlier in the items (``kvstore.grants``)
 
 Both take ``"short": true`` too: then a success is answered by its value alone (``None`` for
-a write, the length for a read), not ``[0, value]``; an error as always. (A client asks for
-it; a node that predates it ignores the flag and answers in full, which the client also reads.)
+a write, the length for a read), not ``[0, value]``; an error as always. Without the flag
+every item is answered in full, and the client reads either form.
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
 A verb is a handler ``(conn, request, payload_len, scratch)`` registered on the
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,72 @@ def write(
     payload_len: int,
     scratch: memoryview,
 ) -> None:
-    """``write``: stream each item's bytes into its granted range (see the module docstring)."""
+    """``write``: stream each item's bytes into its granted range (see the module docstring).
+
+    Five steps: check the request (:func:`check_write_items`, the only refusal of the whole
+    request), plan each item (:func:`plan_write_item`), claim the planned ranges
+    (:func:`claim_write_items`), receive the payload (:func:`receive_write_items`), store the
+    buffered whole objects (:func:`store_buffered_objects`); then answer per item.
+    """
+    raw_items = check_write_items(req, payload_len)
+    ok: Any = None if req.args.get("short") is True else [0, None]  # a success's answer
+    # NOTE: one WriteStream for the whole request: its items share one socket, and fencing
+    # any of them shuts that socket down, so they stop together anyway. It is stopped (and
+    # its claims released) when the request is over.
+    stream = claims.WriteStream(fs.sock)
+    now = server.clock_ms()
+    reader = server.grant_reader(grants.OP_WRITE)
+    items = [plan_write_item(server, reader, now, *raw) for raw in raw_items]
+    claim_write_items(server, items, stream)
+    try:
+        results, buffered = receive_write_items(server, fs, items, scratch, stream.is_aborted, ok)
+        store_buffered_objects(server, items, buffered, results, ok)
+    finally:
+        _end_write(server, items, stream)
+    server.num_writes += len(items)
+    fs.send_frame(protocol.encode_response(req.req_id, results))
+
+
+@dataclass(slots=True)
+class WriteItem:
+    """One item of a ``write`` request as its steps see it: planned, then claimed, then
+    received (and stored)."""
+
+    start: int
+    length: int
+    checksum: Any
+    #: Why the item is refused (its bytes are skipped and it is answered this error), or None.
+    error: KVStoreError | None = None
+    grant: grants.Grant | None = None
+    #: The bytes it streams into (a tier with memory in place), or None: a whole object,
+    #: buffered and stored after the payload.
+    dest: memoryview | None = None
+    #: Its claim is by object id, not by byte range (NVMe).
+    by_id: bool = False
+    claim: claims.Claim | None = None
+    #: All its bytes arrived (and, when buffered, were stored).
+    done: bool = False
+
+    def wrote_whole_in_place(self) -> bool:
+        """Whether a whole object streamed into a tier with memory in place (the manifest
+        records it; a buffered one is recorded by ``DataServer.store_objects``)."""
+        grant = self.grant
+        whole = grant is not None and self.start == 0 and self.length == grant.size
+        return self.done and self.dest is not None and whole
+
+
+#: Per segment, its buffered whole objects: ``(item index, object, bytes)``.
+Buffered = dict[str, list[tuple[int, StoredObject, memoryview]]]
+
+
+def check_write_items(req: protocol.Request, payload_len: int) -> list[list[Any]]:
+    """The items of a ``write`` request, checked as a whole before any payload byte is read.
+
+    Raises:
+        InvalidRequestError: items that are not ``[grant, start, length, checksum]`` lists, or
+            a length that is not a non-negative int.
+        ProtocolError: a payload that is not the items' lengths added up.
+    """
     items = req.args.get("items")
     if not isinstance(items, list) or not all(isinstance(i, list) and len(i) == 4 for i in items):
         raise InvalidRequestError("write takes items: [[grant, start, length, checksum], ...]")
@@ -88,109 +154,127 @@ def write(
         raise ProtocolError(
             f"payload of {payload_len} bytes does not match the items' {sum(lengths)}"
         )
-    # Check every item before touching the payload, then stream each into place.
-    # NOTE: one WriteStream for the whole request: its items share one socket, and fencing
-    # any of them shuts that socket down, so they stop together anyway. It is stopped (and
-    # its claims released) when the request is over.
-    ok: Any = None if req.args.get("short") is True else [0, None]  # a success's answer
-    stream = claims.WriteStream(fs.sock)
-    now = server.clock_ms()
-    reader = server.grant_reader(grants.OP_WRITE)
-    plan: list[tuple[KVStoreError | None, grants.Grant | None, memoryview | None]] = []
-    wanted: list[tuple[grants.Grant, bool, claims.WriteStream | None]] = []
-    for grant_wire, start, length, checksum in items:
-        try:
-            grant = reader.resolve(grant_wire)
-            if grant is None:
-                # One-key write grants are used once: not worth a place in the memo of
-                # verified grants.
-                grant = server.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
-            view = server.granted_bytes(grant)
-            if view is None:  # a tier without memory to write into: whole objects only
-                if start != 0 or length != grant.size:
-                    raise InvalidRequestError(
-                        f"writes to segment {grant.segment!r} carry whole objects"
-                    )
-                if type(checksum) is not int:
-                    raise InvalidRequestError("checksum must be an integer")
-                # (bytes buffered, stored after the payload: no stream to fence)
-                by_id = server.tiers[grant.segment].tier == TIER_NVME  # (NVMe: ids)
-                wanted.append((grant, by_id, None))
-                plan.append((None, grant, None))
-                continue
-            grants.check_range(grant, start, length)
-            if type(checksum) is not int:
-                raise InvalidRequestError("checksum must be an integer")
-            wanted.append((grant, False, stream))
-            plan.append((None, grant, view[start : start + length]))
-        except KVStoreError as err:
-            plan.append((err, None, None))
-    # Claim every checked item's range at once (see kvstore.node.claims).
-    got = iter(server.claims.begin_many(wanted))
-    claimed: list[Any] = []  # per planned item, its claim or None
-    for k, (err, _, _) in enumerate(plan):
-        if err is not None:
-            claimed.append(None)
-            continue
-        c = next(got)
-        if isinstance(c, KVStoreError):
-            claimed.append(None)
-            plan[k] = (c, None, None)
-        else:
-            claimed.append(c)
-    results: list[Any] = []
-    # Whole objects for tiers without in-place memory, stored in one batch per tier after the payload.
-    tier_items: dict[str, list[tuple[int, StoredObject, memoryview]]] = {}
-    done: set[int] = set()  # planned items whose bytes all arrived
-    stored: list[StoredObject] = []
-    aborted = stream.is_aborted
+    return items
+
+
+def plan_write_item(
+    server: DataServer,
+    reader: grants.GrantReader,
+    now: int,
+    grant_wire: Any,
+    start: Any,
+    length: int,
+    checksum: Any,
+) -> WriteItem:
+    """Check one item's grant, range and checksum, and say where its bytes go; a refusal is
+    kept on the item (nothing is touched yet)."""
+    item = WriteItem(start, length, checksum)
     try:
-        for i, ((err, grant, dest), (_, start, length, checksum)) in enumerate(
-            zip(plan, items, strict=True)
-        ):
-            if grant is not None and dest is None and err is None:
-                buf = memoryview(bytearray(length))
-                fs.recv_into(buf)
-                obj = StoredObject.written(grant, checksum)
-                tier_items.setdefault(grant.segment, []).append((len(results), obj, buf))
-                results.append(ok)
-                continue
-            if grant is None or dest is None:
-                fs.discard(length, scratch)
-                results.append(result_to_wire(err))
-                continue
+        grant = reader.resolve(grant_wire)
+        if grant is None:
+            # One-key write grants are used once: not worth a place in the memo of verified
+            # grants.
+            grant = server.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
+        view = server.granted_bytes(grant)
+        if view is None:  # a tier without memory to write into: whole objects only
+            if start != 0 or length != grant.size:
+                raise InvalidRequestError(
+                    f"writes to segment {grant.segment!r} carry whole objects"
+                )
+        else:
+            grants.check_range(grant, start, length)
+        if type(checksum) is not int:
+            raise InvalidRequestError("checksum must be an integer")
+        if view is None:  # (bytes buffered, stored after the payload: no stream to fence)
+            item.by_id = server.tiers[grant.segment].tier == TIER_NVME  # (NVMe: ids)
+        else:
+            item.dest = view[start : start + length]
+        item.grant = grant
+    except KVStoreError as err:
+        item.error = err
+    return item
+
+
+def claim_write_items(
+    server: DataServer, items: list[WriteItem], stream: claims.WriteStream
+) -> None:
+    """Claim every planned item's range at once (see :mod:`kvstore.node.claims`): a write
+    refused there (a stale grant, a newer write of the same bytes) keeps the refusal."""
+    planned = [i for i in items if i.error is None]
+    wanted = [(i.grant, i.by_id, None if i.dest is None else stream) for i in planned]
+    for item, got in zip(planned, server.claims.begin_many(wanted), strict=True):
+        if isinstance(got, KVStoreError):
+            item.error, item.grant, item.dest = got, None, None
+        else:
+            item.claim = got
+
+
+def receive_write_items(
+    server: DataServer,
+    fs: protocol.FramedSocket,
+    items: list[WriteItem],
+    scratch: memoryview,
+    aborted: Callable[[], bool],
+    ok: Any,
+) -> tuple[list[Any], Buffered]:
+    """Read the payload, item by item: a refused item's bytes are skipped, an in-place item's
+    streamed into its tier, a whole object's buffered for :func:`store_buffered_objects`.
+
+    Returns:
+        The answer per item so far, and the buffered objects by segment.
+    """
+    results: list[Any] = []
+    buffered: Buffered = {}
+    for i, item in enumerate(items):
+        if item.error is not None or item.grant is None:
+            fs.discard(item.length, scratch)
+            results.append(result_to_wire(item.error))
+        elif item.dest is None:
+            buf = memoryview(bytearray(item.length))
+            fs.recv_into(buf)
+            obj = StoredObject.written(item.grant, item.checksum)
+            buffered.setdefault(item.grant.segment, []).append((i, obj, buf))
+            results.append(ok)
+        else:
             # No socket read starts once the grant has expired (or a newer write of these
             # bytes fenced this one): no byte of it lands on another allocation's bytes.
-            left_s = (grant.expires_ms - server.clock_ms()) / 1000
-            fs.recv_into_before(dest, time.monotonic() + left_s, aborted)
-            done.add(i)
-            if start == 0 and length == grant.size:
-                stored.append(StoredObject.written(grant, checksum))
+            left_s = (item.grant.expires_ms - server.clock_ms()) / 1000
+            fs.recv_into_before(item.dest, time.monotonic() + left_s, aborted)
+            item.done = True
             results.append(ok)
-        for segment, batch in tier_items.items():
-            now = server.clock_ms()
-            live = []
-            for i, obj, buf in batch:
-                if now > obj.stamp:  # (the stamp is the write grant's expiry)
-                    results[i] = result_to_wire(
-                        GrantInvalidError("write grant expired before its bytes arrived")
-                    )
-                else:
-                    live.append((i, obj, buf))
-            errs = server.store_objects(segment, [(obj, buf) for _, obj, buf in live])
-            for (i, _, _), e in zip(live, errs, strict=True):
-                results[i] = ok if e is None else result_to_wire(e)
-                if e is None:
-                    done.add(i)
-    finally:
-        if stored:
-            server.manifest.record_many(stored)
-        server.claims.end_many(
-            [(c, i in done) for i, c in enumerate(claimed) if c is not None], stream
-        )
-        stream.stopped.set()
-    server.num_writes += len(items)
-    fs.send_frame(protocol.encode_response(req.req_id, results))
+    return results, buffered
+
+
+def store_buffered_objects(
+    server: DataServer, items: list[WriteItem], buffered: Buffered, results: list[Any], ok: Any
+) -> None:
+    """Store the buffered whole objects, one batch per tier (one lmdb transaction for NVMe),
+    each answer in ``results``: a grant that expired while its bytes arrived stores nothing."""
+    for segment, batch in buffered.items():
+        now = server.clock_ms()
+        live = []
+        for i, obj, buf in batch:
+            if now > obj.stamp:  # (the stamp is the write grant's expiry)
+                results[i] = result_to_wire(
+                    GrantInvalidError("write grant expired before its bytes arrived")
+                )
+            else:
+                live.append((i, obj, buf))
+        errs = server.store_objects(segment, [(obj, buf) for _, obj, buf in live])
+        for (i, _, _), e in zip(live, errs, strict=True):
+            results[i] = ok if e is None else result_to_wire(e)
+            if e is None:
+                items[i].done = True
+
+
+def _end_write(server: DataServer, items: list[WriteItem], stream: claims.WriteStream) -> None:
+    """Whatever happened: record the whole objects written in place in the manifest, release
+    every claim (a completed one as done), and mark the request's stream stopped."""
+    stored = [StoredObject.written(i.grant, i.checksum) for i in items if i.wrote_whole_in_place()]
+    if stored:
+        server.manifest.record_many(stored)
+    server.claims.end_many([(i.claim, i.done) for i in items if i.claim is not None], stream)
+    stream.stopped.set()
 
 
 def read(
