@@ -21,8 +21,8 @@ value (Mooncake's rule; ``upsert`` replaces). As in the wheel, the copying verbs
 in the ``local_buffer_size`` set up (a put or batch larger than it is refused, a get that does
 not fit is a miss); the verbs on caller buffers (``*_from``, ``*_into``, ranges) need none.
 
-The deliberate differences, and what is not covered, are listed in the README's Mooncake
-section; the contract script skips exactly those, by name, with the reason.
+The deliberate differences, and what is not covered, are listed in docs/engines/mooncake.md
+("Deliberate differences"); the contract script skips exactly those, by name, with the reason.
 """
 
 from __future__ import annotations
@@ -920,7 +920,7 @@ class MooncakeDistributedStore:
             return _code(err)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """0, or -704 when the key is not stored. (Never -706: see the README's differences.)"""
+        """0, or -704 when the key is not stored. (Never -706: see docs/engines/mooncake.md.)"""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
