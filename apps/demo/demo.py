@@ -130,7 +130,7 @@ def run_demo(
     if fp8:
         print(
             "FP8 is lossy: decode output is compared with, not expected to equal, colocated "
-            "generation (figures in docs/adapters.md)",
+            "generation (figures in docs/benchmarks.md)",
             file=out,
         )
     print(f"done in {time.perf_counter() - started:.1f} s", file=out)

@@ -6,7 +6,7 @@ Use from vLLM 0.32 (``KVConnectorBase_V1``)::
       '{"kv_connector":"KVStoreConnector","kv_connector_module_path":"kvstore.client.adapters.vllm",
         "kv_role":"kv_both","kv_connector_extra_config":{"master":"127.0.0.1:7700"}}'
 
-Mapping (see docs/adapters.md, "vLLM"):
+Mapping (see docs/engines/vllm.md):
 
 - One vLLM block is one pool block object: the namespace's block size IS vLLM's ``--block-size``.
   vLLM only accepts block-aligned external hits and reports load failures per block id, so a

@@ -42,7 +42,7 @@ CONFIG_KEYS = frozenset(
 LOAD_MODES = ("layer", "async")
 #: The default: layer-wise loads are faster than async ones with a long prompt fully cached and
 #: within noise elsewhere (``.venv/bin/python bench/bench_vllm.py``, its ``kvstore`` and
-#: ``kvstore-async`` rows; docs/adapters.md).
+#: ``kvstore-async`` rows; docs/benchmarks.md).
 DEFAULT_LOAD_MODE = "layer"
 
 #: vLLM's ``--kv-cache-dtype`` values that name an FP8 cache, as namespace dtypes.

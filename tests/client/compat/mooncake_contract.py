@@ -8,7 +8,7 @@ real wheel (``mooncake-transfer-engine-non-cuda``, against ``mooncake_master`` a
 process) and under kvstore's compat layer (through the ``mooncake`` alias package, against a
 kvstore cluster). Every assertion is a return value Mooncake 0.3.13 gives. Every public method
 of the wheel is named: either the script calls it (``CALLED`` is checked at the end) or it is in
-``SKIPPED`` with the reason, the list the README's Mooncake section documents. Where kvstore's
+``SKIPPED`` with the reason, the list docs/engines/mooncake.md documents. Where kvstore's
 lease rule differs (remove right after a read), both answers are accepted. Prints
 ``contract ok``.
 """
@@ -140,7 +140,7 @@ _CUDA = "CUDA tensors: the wheel here is the non-CUDA build and the machine has 
 _DUMMY = "the dummy client that borrows a real client's memory over IPC: no kvstore counterpart"
 _SAFETENSORS = "safetensors files: not covered by the drop-in"
 
-#: The wheel's methods this script does not call, each with the reason (the README lists them).
+#: The wheel's methods this script does not call, each with the reason (docs/engines/mooncake.md lists them).
 SKIPPED: dict[str, str] = {
     "alloc_from_mem_pool": _DUMMY,
     "setup_dummy": _DUMMY,
