@@ -262,10 +262,11 @@ HANDLERS: dict[str, Handler] = {
 
 
 #: Verbs whose handler can leave work until its answer is written: ``kv_commit`` answers once its
-#: puts are committed and indexes the prompt after (the radix insert is most of what a small
-#: one costs the master, and the writer waits for nothing of it). The loop is single-threaded
-#: and the server runs that work before its next turn, so every request sent after the answer
-#: arrived, on any connection, finds the prompt indexed.
+#: puts are committed and indexes the prompt after, because the radix insert is most of what a
+#: small one costs the master and its writer needs none of it (``KVCache.store`` waits for that
+#: answer: ``.venv/bin/python bench/profile_kvcache.py --model smollm2`` times it). The loop is
+#: single-threaded and the server runs that work before its next turn, so every request sent
+#: after the answer arrived, on any connection, finds the prompt indexed.
 AFTER_REPLY: dict[
     str, Callable[[MasterService, dict[str, Any], list[Callable[[], None]] | None], Any]
 ] = {"kv_commit": _kv_commit_then_index}
