@@ -14,7 +14,9 @@ import aiohttp
 
 from kvstore.client.engine_registry import DEFAULT_ENGINES_PREFIX, EngineRecord
 from kvstore.etcd import EtcdStore
-from kvstore.router.app import STATE, RouterConfig, RouterState, start_router
+from kvstore.router.app import start_router
+from kvstore.router.config import RouterConfig
+from kvstore.router.state import STATE, RouterState
 
 
 async def until(

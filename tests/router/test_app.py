@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from kvstore.etcd import EtcdStore, parse_endpoints
-from kvstore.router.app import RouterConfig
+from kvstore.router.config import RouterConfig
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
 from tests.router.fake_engine import FakeEngine, metrics_text, write_model
 from tests.router.inproc import SpyTokenizer, health, health_is, post, register, router, until

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.router.app import RouterConfig
+from kvstore.router.config import RouterConfig
 
 
 def test_an_unknown_policy_is_refused() -> None:

@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from kvstore.errors import InvalidRequestError
-from kvstore.router.app import CPU_PRIOR, RouterConfig
+from kvstore.router.config import CPU_PRIOR, RouterConfig
 from kvstore.router.engine_cache import (
     EngineCacheEvent,
     EngineEvents,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from kvstore.router.app import RouterConfig, RouterState
+from kvstore.router.config import RouterConfig
+from kvstore.router.state import RouterState
 from kvstore.routing.policy import POLICIES
 
 

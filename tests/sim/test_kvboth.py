@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequestError
-from kvstore.router import app as router_state
-from kvstore.router.app import RouterConfig, RouterState
+from kvstore.router import state as router_state
+from kvstore.router.config import RouterConfig
 from kvstore.router.engines import EngineLoad
+from kvstore.router.state import RouterState
 from kvstore.routing import policy as routing
 from kvstore.routing.cost import CostModel
 from kvstore.routing.policy import RequestShape, estimate_ttft, slot_wait_s
