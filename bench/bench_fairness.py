@@ -16,7 +16,7 @@ bucket it fell in: an upper bound of its longest turn, within the timer's ~1 ms)
 with fewer cores than busy processes, a client's p99 also counts the time the client itself
 waited for a core; the loop lag is the master's share alone (its long turns, its collections,
 its own waits for a core). The master serves big batches in chunks
-(``kvstore.master.server.CHUNK_ITEMS``) and keeps what they leave pending out of the
+(``kvstore.master.rpc_chunks.CHUNK_ITEMS``) and keeps what they leave pending out of the
 collector's sight, so the target is p99 < 50 ms. ``--compare`` also runs a master that serves
 every batch in one turn; ``--gc-off`` repeats each run with the cluster's cyclic garbage
 collector off (through a ``sitecustomize`` on the cluster's ``PYTHONPATH`` only), to tell

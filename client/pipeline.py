@@ -59,7 +59,7 @@ IDLE_READ_S = 0.1
 EXCLUSIVE_VERBS = frozenset({"events", "events_snapshot", "list_keys"})
 #: A batch with more items than this goes on a connection of its own too. The master serves
 #: a connection's requests one after another but a large batch in chunks, with other
-#: connections' requests between two chunks (master/server.py, CHUNK_ITEMS): on a connection of
+#: connections' requests between two chunks (master/rpc_chunks.py, CHUNK_ITEMS): on a connection of
 #: its own a large batch holds up nobody else's small calls.
 PIPELINE_MAX_ITEMS = 256
 #: Likewise a request with a bytes argument longer than this (a long prompt's tokens).

@@ -3,7 +3,7 @@
 Why one module: the variables used to be read in six modules, four different ways (a bare
 ``os.environ.get`` at import time, a lenient float parse, a strict integer parse, a string
 compared with ``"0"``), so a bad value failed in one place, was ignored in another, and the
-master's chunk size was frozen the moment ``kvstore.master.server`` was imported. Here every
+master's chunk size was frozen the moment ``kvstore.master.rpc_chunks`` was imported. Here every
 variable has one name, one type, one default and one error; nothing is read at import time:
 :meth:`Env.read` reads the environment when a process starts something (a daemon, a client, a
 command), and the code that needs a value takes it as an argument or an option.
@@ -50,7 +50,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_POLL_US = 100.0
 #: The longest window accepted (a longer one would burn a core on every idle connection).
 MAX_POLL_US = 10_000.0
-#: Default items a master serves per turn of its event loop (kvstore.master.server).
+#: Default items a master serves per turn of its event loop (kvstore.master.rpc_chunks).
 DEFAULT_CHUNK_ITEMS = 256
 TOKEN_ENV = "KVSTORE_TOKEN"
 TOKEN_FILE_ENV = "KVSTORE_TOKEN_FILE"

@@ -35,7 +35,7 @@ from prometheus_client.registry import Collector
 
 from kvstore import collector, protocol
 from kvstore.errors import ErrorCode
-from kvstore.master.server import HANDLERS
+from kvstore.master.rpc_verbs import HANDLERS
 from kvstore.master.service import MasterService, ServiceSlot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
