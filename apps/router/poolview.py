@@ -17,7 +17,7 @@ States (the ``kvstore_router_pool_view_state`` gauge):
   its position and resumes (or resyncs) when the master answers again.
 
 Outside ``synced`` :meth:`PoolView.count_blocks` answers None and the router asks the prefix
-index per request, as it did before (``kvstore_router_pool_view_fallbacks_total``).
+index per request (``kvstore_router_pool_view_fallbacks_total`` counts those).
 """
 
 from __future__ import annotations

@@ -103,9 +103,9 @@ def model(tmp_path: Path) -> Path:
 def test_a_block_size_of_zero_routes_without_a_pool_lookup(
     model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """``cache_config_info{block_size="0"}`` once made every request a 500 (a division by
-    zero where the prompt's full blocks are counted): it reads as unknown, like an engine that
-    exports no block size, and is said once."""
+    """``cache_config_info{block_size="0"}`` must not divide by zero where the prompt's full
+    blocks are counted: it reads as unknown, like an engine that exports no block size, and is
+    said once."""
     caplog.set_level(logging.INFO, logger="kvstore.router")
 
     async def run() -> None:
@@ -161,8 +161,8 @@ LONG = list(range(1, 41))
     ],
 )
 def test_token_ids_out_of_range_are_a_400_openai_error(model: Path, prompt: list[Any]) -> None:
-    """A token id the router cannot hash (it packs them as uint32) was a 500 text/plain
-    OverflowError; in any prompt of a batch it is the client's error, before any engine."""
+    """A token id the router cannot hash (it packs them as uint32) is the client's error, in
+    any prompt of a batch, before any engine: a 400, not a 500 text/plain OverflowError."""
 
     async def run() -> None:
         engine = FakeEngine(model)
@@ -206,8 +206,8 @@ def test_token_ids_out_of_range_are_a_400_openai_error(model: Path, prompt: list
 def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
     model: Path, route: str, body: dict[str, Any]
 ) -> None:
-    """Tokenizing a 10 MB prompt took the router from 143 to 865 MiB, for a 400 anyway: a
-    prompt of more characters than the context holds tokens of (at 16 characters a token at
+    """Tokenizing a 10 MB prompt costs the router several times its memory, for a 400 anyway:
+    a prompt of more characters than the context holds tokens of (at 16 characters a token at
     most) is refused before the tokenizer is loaded or called."""
 
     async def run() -> None:
