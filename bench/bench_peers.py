@@ -1,6 +1,7 @@
 """kvstore side by side with Mooncake Store and Redis, on this machine, in one command.
 
 Run:  .venv/bin/python bench/bench_peers.py [--repeat 3] [--only kvstore,redis] [--objects N]
+      [--markdown]
 
 What it does, in one run:
 1. installs what it needs outside the repo: a throwaway venv under /tmp with the PyPI wheels
@@ -53,6 +54,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np  # noqa: F401 - the worker needs it in this venv too
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+from bench import markdown  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peers_worker.py"
@@ -452,10 +456,13 @@ def main() -> None:
         default=1_000_000,
         help="16 B objects put to measure master memory per object (0: skip)",
     )
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
-    ensure_debian_packages()
-    peers_python = ensure_peers_venv() if {"mooncake", "redis"} & set(only) else None
+    peers = {"mooncake", "redis"} & set(only)
+    if peers:  # kvstore alone needs neither Redis nor Mooncake's libibverbs
+        ensure_debian_packages()
+    peers_python = ensure_peers_venv() if peers else None
     runs: dict[str, list[dict]] = {s: [] for s in only}
     memory: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvstore-peers-") as tmp_s:
@@ -503,24 +510,30 @@ def main() -> None:
                         peers_python, "redis", address, "", pid, n
                     )
     results = {s: best(r) for s, r in runs.items() if r}
-    print(
+    parts = [
         f"GB/s = bytes per op / median op time; best of {args.repeat} run(s); "
         f"load average {os.getloadavg()[0]:.2f}; "
         f"{os.cpu_count()} cores; loopback; storage in separate processes"
-    )
+    ]
     if results:
-        print("\n## Headline: distinct keys, each read once, node warm\n")
-        print(table(results, hot=False))
-        print("\n## Hot key: one key (one batch) reread every time (flatters caches and leases)\n")
-        print(table(results, hot=True))
-        print(
-            f"\n## KV-cache level: a {KV_PROMPT} prompt's blocks (64 tokens, 2 bytes an element), "
-            "each prompt new, each read once\n"
-        )
-        print(kv_table(results))
+        parts += [
+            "**Headline: distinct keys, each read once, node warm**",
+            table(results, hot=False),
+            "**Hot key: one key (one batch) reread every time (flatters caches and leases)**",
+            table(results, hot=True),
+            f"**KV-cache level: a {KV_PROMPT} prompt's blocks (64 tokens, 2 bytes an element), "
+            "each prompt new, each read once**",
+            kv_table(results),
+        ]
     if results or memory:
-        print("\n## Metadata: 1,000 x 16 B batches; master memory per object\n")
-        print(metadata_table(results, memory))
+        parts += [
+            "**Metadata: 1,000 x 16 B batches; master memory per object**",
+            metadata_table(results, memory),
+        ]
+    text = "\n\n".join(parts)
+    print(text)
+    if args.markdown:
+        markdown.write_table("peers", text)
 
 
 if __name__ == "__main__":

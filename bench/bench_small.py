@@ -1,6 +1,7 @@
 """Per-key cost of small objects: batch_put then batch_get of many tiny distinct keys, over TCP.
 
 Run:  .venv/bin/python bench/bench_small.py [--rounds N] [--keys K] [--size B] [--profile DIR]
+      [--heap N] [--markdown]
 
 Starts a real master and one storage node, each its own process (``kvstore master``,
 ``kvstore node``), then from this process, for each of ``--rounds`` rounds of fresh keys:
@@ -41,10 +42,13 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvstore import protocol
-from kvstore.client import Client
-from kvstore.collector import CollectorPauses
-from kvstore.processes import parse_ready
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore import protocol  # noqa: E402
+from kvstore.client import Client  # noqa: E402
+from kvstore.collector import CollectorPauses  # noqa: E402
+from kvstore.processes import parse_ready  # noqa: E402
 
 READY_TIMEOUT_S = 30.0
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -202,6 +206,7 @@ def main() -> int:
     ap.add_argument("--size", type=int, default=16)
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--heap", type=int, default=0, help="live objects the client holds")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     heap = [[i] for i in range(args.heap)]  # noqa: F841 - held for the collector to walk
 
@@ -276,18 +281,22 @@ def main() -> int:
         daemon_gc = {name: gc_used(gc_before[name], gc_metrics(a)) for name, a in admins.items()}
 
         n = args.rounds * args.keys
-        print(f"bench_small: {args.rounds} rounds x {args.keys} keys x {args.size} B, TCP, 1 node")
-        print("| op        | best keys/s | median keys/s | wall µs/key | master | node | client |")
-        print("| --------- | ----------: | ------------: | ----------: | -----: | ---: | -----: |")
+        lines = [
+            f"bench_small: {args.rounds} rounds x {args.keys} keys x {args.size} B, TCP, 1 node; "
+            f"load average {os.getloadavg()[0]:.1f}",
+            "",
+            "| op        | best keys/s | median keys/s | wall µs/key | master | node | client |",
+            "| --------- | ----------: | ------------: | ----------: | -----: | ---: | -----: |",
+        ]
         for phase, rates in (("batch_put", put_rates), ("batch_get", get_rates)):
             p = phase[6:]
-            print(
+            lines.append(
                 f"| {phase} | {max(rates):11,.0f} | {statistics.median(rates):13,.0f} "
                 f"| {cpu[f'{p} wall'] / n * 1e6:11.1f} "
                 f"| {cpu[f'{p} master'] / n * 1e6:6.1f} | {cpu[f'{p} node'] / n * 1e6:4.1f} "
                 f"| {cpu[f'{p} client'] / n * 1e6:6.1f} |"
             )
-        print("(master / node / client: CPU µs per key; /proc tick resolution, 10 ms)")
+        lines += ["", "(master / node / client: CPU µs per key; /proc tick resolution, 10 ms)"]
         young, middle, full = collector.num_collections
         seconds = sum(collector.seconds)
         figures = [
@@ -298,7 +307,10 @@ def main() -> int:
             figures.append(
                 f"{name} -" if got is None else f"{name} {got[0]:.0f} collections, {got[1]:.3f} s"
             )
-        print("collector over the timed rounds: " + "; ".join(figures))
+        lines += ["", "collector over the timed rounds: " + "; ".join(figures)]
+        print("\n".join(lines))
+        if args.markdown:
+            markdown.write_table("small", "\n".join(lines))
 
         if prof is not None:
             for name, spy, out in spies:
