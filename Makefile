@@ -17,7 +17,7 @@ VLLM_BIN    = $(VLLM_VENV)/bin
 VLLM_STAMP  = $(VLLM_VENV)/.kvstore-installed
 MODEL      ?= smollm2
 
-.PHONY: up test lint bench venv clean demo demo-hf vllm-venv model gpu-wheels gpu-check
+.PHONY: up test lint bench venv clean demo demo-hf vllm-venv model gpu-wheels gpu-check docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,7 @@ test: $(BIN)/python vllm-venv model
 	@echo "==> test venv $(VENV): kvstore + test extras + torch"
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r docs/requirements.txt
 	$(BIN)/ruff check .
 	@echo "==> test suite (everything but the engine group)"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not engine"
@@ -74,6 +75,14 @@ demo-hf: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/kvstore demo --engine hf
+
+# The documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails it.
+docs: $(BIN)/python
+	$(BIN)/pip install -q -r docs/requirements.txt
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --site-dir site
+
+docs-serve: docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
 
 bench: venv
 	$(BIN)/python bench/bench_store.py
