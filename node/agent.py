@@ -84,6 +84,12 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
         self.heartbeat_interval_s = 1.0
+        #: Seconds the daemon waits for the first registration (said in the first "unreachable"
+        #: line); None: it waits as long as it runs.
+        self.patience_s: float | None = None
+        #: Whether this outage was already said (one line per outage; each retry is DEBUG).
+        self._outage_said = False
+        self._ever_registered = False
 
     def start(self) -> None:
         self._thread.start()
@@ -161,7 +167,32 @@ class MasterLink:
         if self.resolver is not None:
             self._registered_to = (self.master, self.epoch)
         self.registered.set()
+        self._outage_said = False
+        self._ever_registered = True
         log.info("registered with master %s as %s", self.master, self.node_id)
+
+    def _say_unreachable(self, exc: BaseException, backoff: float) -> None:
+        """One line per outage: which master, why, and that the node retries; then each retry
+        at DEBUG only (a node started before its master used to print a warning every 2 s).
+        With etcd, a failover is routine: that line is INFO."""
+        if self._outage_said:
+            log.debug("master %s unreachable (%s); retrying in %.1fs", self.master, exc, backoff)
+            return
+        self._outage_said = True
+        if self.patience_s is not None and not self._ever_registered:
+            until = f"for up to {self.patience_s:g}s"
+        else:
+            until = "until it answers"
+        # NOTE: registered is still set here when a link that served drops (cleared after).
+        level = logging.INFO if self.resolver and not self.registered.is_set() else logging.WARNING
+        log.log(
+            level,
+            "master %s unreachable (%s); retrying every %gs at most %s, quietly",
+            self.master,
+            exc,
+            self.max_backoff_s,
+            until,
+        )
 
     def _run(self) -> None:
         backoff = 0.1
@@ -180,6 +211,7 @@ class MasterLink:
                     self._register(conn)
                 else:
                     self.registered.set()  # same leader: resume; it says if it forgot us
+                    self._outage_said = False
                 backoff = 0.1
                 wait_s = self.heartbeat_interval_s
                 while not self._stop.wait(wait_s):
@@ -212,20 +244,8 @@ class MasterLink:
                         self.retired.set()
                         return
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
-                # With etcd, a failover is routine: say it once per outage, not every retry.
-                level = (
-                    logging.INFO
-                    if self.resolver and not self.registered.is_set()
-                    else logging.WARNING
-                )
+                self._say_unreachable(exc, backoff)
                 self.registered.clear()
-                log.log(
-                    level,
-                    "master %s unreachable (%s); retrying in %.1fs",
-                    self.master,
-                    exc,
-                    backoff,
-                )
             except KVStoreError as err:
                 self.registered.clear()
                 if err.code in _FOLLOW_CODES:

@@ -180,11 +180,13 @@ class StorageNode:
         self.server.start()
         if self.admin is not None:
             self.admin.start()
+        self.link.patience_s = register_timeout_s  # said in its first "unreachable" line
         self.link.start()
         if not self.link.registered.wait(register_timeout_s):
             self.stop()
             raise MasterUnavailableError(
-                f"could not register with master {self.link.master} in {register_timeout_s:.0f}s"
+                f"could not register with master {self.link.master} in {register_timeout_s:.0f}s "
+                "(is a master running there? kvstore master, or kvstore up, starts one)"
             )
 
     def stop(self) -> None:

@@ -4,6 +4,7 @@ registration offers and claims, what a heartbeat carries and what its reply make
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -24,6 +25,7 @@ from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
 from kvstore.node.tiers import checksum_of
 from kvstore.types import SegmentSpec
+from tests.support import wait_until
 
 WAIT_S = 10.0
 BEAT_S = 0.02
@@ -347,6 +349,44 @@ def test_an_unreachable_master_leaves_the_node_unregistered(rig: NodeRig) -> Non
         assert not link.registered.wait(0.3)
     finally:
         link.stop()
+
+
+def test_a_master_not_there_yet_is_said_once_then_retried_quietly(
+    rig: NodeRig, master: FakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node started before its master: one line at once (which master, that it retries and
+    for how long), each retry at DEBUG, then it registers when the master answers."""
+    tries: list[int] = []
+    with socket.create_server(("127.0.0.1", 0)) as refusing:  # accepts, then hangs up
+
+        def hang_up() -> None:
+            while True:
+                try:
+                    conn, _ = refusing.accept()
+                except OSError:
+                    return
+                tries.append(1)
+                conn.close()
+
+        threading.Thread(target=hang_up, daemon=True).start()
+        address = Address("127.0.0.1", refusing.getsockname()[1])
+        link = MasterLink(address, "node-a", "h", rig.server, rig.segments)
+        link.max_backoff_s = 0.02
+        link.patience_s = 30.0
+        with caplog.at_level(logging.DEBUG, logger="kvstore.node.agent"):
+            link.start()
+            try:
+                wait_until(lambda: len(tries) >= 5, what="five tries")
+                link.master = master.address  # the master is up now
+                assert link.registered.wait(WAIT_S)
+            finally:
+                link.stop()
+    said = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    loud = [r.getMessage() for r in said if r.levelno >= logging.INFO]
+    assert len(loud) == 1, loud
+    assert loud[0].startswith(f"master {address} unreachable ("), loud
+    assert loud[0].endswith("); retrying every 0.02s at most for up to 30s, quietly"), loud
+    assert len(said) - len(loud) >= 4  # the other tries, at DEBUG
 
 
 # ---------------------------------------------------------------- with a resolver (HA)
