@@ -7,8 +7,13 @@ Order of precedence, highest first:
    ``KVSTORE_TOKEN_FILE``, ``KVSTORE_CA_FILE``, ``KVSTORE_TIMEOUT``;
 3. the TOML config file: ``--config PATH``, else ``$KVSTORE_CONFIG``, else
    ``~/.config/kvstore/config.toml`` when it exists. Keys: ``admin``, ``token_file``, ``ca_file``,
-   ``timeout`` (a token itself never goes into the file: only the path of a file holding it);
+   ``timeout``, ``master`` (a token itself never goes into the file: only the path of a file
+   holding it);
 4. defaults: ``admin = "http://127.0.0.1:7701"``, no token, system CAs, ``timeout = 10``.
+
+The data commands (``kvstore get|put|ls|rm``, :mod:`kvstore.cli.keys`) talk to the master's
+control port instead: ``--master``, else ``$KVSTORE_MASTER``, else the file's ``master``, else
+``127.0.0.1:7700`` (where ``kvstore up`` listens by default); see :func:`resolve_master`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ from kvstore.errors import InvalidRequestError
 
 DEFAULT_ADMIN = "http://127.0.0.1:7701"
 DEFAULT_TIMEOUT_S = 10.0
-_FILE_KEYS = {"admin": str, "token_file": str, "ca_file": str, "timeout": (int, float)}
+#: The control address of ``kvstore up``'s master with its default ``--port``.
+DEFAULT_MASTER = "127.0.0.1:7700"
+_FILE_KEYS = {
+    "admin": str,
+    "token_file": str,
+    "ca_file": str,
+    "timeout": (int, float),
+    "master": str,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,3 +150,32 @@ def resolve(
     else:
         token, sources["token"] = None, "default"
     return CliSettings(admin, token, values["ca_file"], timeout, sources)
+
+
+def resolve_master(
+    flag: str | None,
+    env: Mapping[str, str] | None = None,
+    config_path: str | None = None,
+) -> tuple[str, str]:
+    """The master's control address for the data commands, and where it came from.
+
+    Args:
+        flag: ``--master``, if given.
+        env: the environment (default ``os.environ``).
+        config_path: ``--config``, if given.
+
+    Returns:
+        ``(address, source)``, the source one of flag, env, file, default.
+
+    Raises:
+        InvalidRequestError: a bad config file (EnvError for a bad ``KVSTORE_*`` variable).
+    """
+    read = Env.read(env)
+    file = load_config_file(config_path, read)
+    if flag is not None:
+        return flag, "flag"
+    if read.master is not None:
+        return read.master, "env"
+    if "master" in file:
+        return file["master"], "file"
+    return DEFAULT_MASTER, "default"
