@@ -23,7 +23,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvstore.cli import daemons, engines, keys, ops
+from kvstore.cli import daemon_config, daemons, engines, keys, ops
 from kvstore.cli.common import Parser, os_error_text, port_in_use_text
 from kvstore.env import LOG_LEVELS, Env
 from kvstore.errors import KVStoreError
@@ -82,7 +82,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVStoreError as err:  # a bad KVSTORE_* variable: before any command is parsed
         print(f"kvstore: {err.message}", file=sys.stderr)
         return 2
-    args = build_parser(env).parse_args(argv)
+    parser = build_parser(env)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        command = daemon_config.apply(parser, argv)  # --config FILE of up|master|node|router
+    except KVStoreError as err:
+        print(f"kvstore {daemon_config.find(argv)[0]}: {err.message}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    if command is not None:
+        daemon_config.fill_lists(args)
     _setup_logging(args.log_level)
     try:
         return int(args.func(args))

@@ -22,6 +22,7 @@ from kvstore.cli.common import (
     run_loop,
     wire_deadlines,
 )
+from kvstore.cli.daemon_config import add_config_flag
 from kvstore.config import Address, format_size, parse_size
 from kvstore.env import Env
 from kvstore.etcd import parse_endpoints
@@ -345,6 +346,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     add_security_flags(p, tls=True)
     add_wire_flags(p)
+    add_config_flag(p)
     p.set_defaults(func=cmd_master)
 
     p = sub.add_parser("node", help="run a storage node")
@@ -369,6 +371,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shm", action="store_true", help=SHM_HELP)
     # Internal (kvstore up): the read end of a pipe; EOF on it means the parent died.
     p.add_argument("--parent-pipe", type=int, default=None, help=argparse.SUPPRESS)
+    add_config_flag(p)
     p.set_defaults(func=cmd_node)
 
     p = sub.add_parser("up", help="run an embedded master and one storage node (no etcd)")
@@ -387,4 +390,5 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     _add_master_flags(p)
     add_security_flags(p, tls=True)
     add_wire_flags(p)
+    add_config_flag(p)
     p.set_defaults(func=cmd_up)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from kvstore.cli.common import run_loop
+from kvstore.cli.daemon_config import add_config_flag
 from kvstore.cli.embedded import EmbeddedCluster
 from kvstore.client.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
@@ -346,6 +347,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_ENGINES_PREFIX,
         help="the engine registry's prefix in etcd",
     )
+    add_config_flag(p)
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("engine", help="an inference engine's registration in etcd")
