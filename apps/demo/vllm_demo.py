@@ -21,8 +21,10 @@ each server's ``/metrics`` (``vllm:kvstore_*``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -163,12 +165,30 @@ def _counter_delta(
         time.sleep(0.1)  # polling a state, bounded by the deadline
 
 
-def stop_all(servers: Sequence[VLLMServer], timeout: float = 20.0) -> None:
-    """Signal every server's process group at once, then reap each (SIGKILL what lingers)."""
+#: Seconds the vLLM servers have, all together, to exit after SIGTERM before SIGKILL (a server
+#: still starting can take 20 s and more to heed it; the demo has nothing of theirs to keep).
+STOP_GRACE_S = 5.0
+#: Seconds to reap a server after SIGKILL.
+KILL_WAIT_S = 10.0
+
+
+def stop_all(servers: Sequence[VLLMServer], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM to every server's process group at once, wait for them together until one
+    shared deadline, then SIGKILL every group still there at once and reap them.
+
+    NOTE: one deadline for all, not a grace per server: waiting for each in turn made Ctrl-C
+    while the servers started take 23 s and more, in silence.
+    """
     for server in servers:
         server.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
     for server in servers:
-        server.stop(timeout)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for server in servers:
+        server.signal_group(signal.SIGKILL)
+    for server in servers:
+        server.stop(KILL_WAIT_S)  # reaps, kills what is left of the group, closes the log
 
 
 def _fmt_bytes(n: float) -> str:
@@ -220,12 +240,16 @@ def run_vllm_demo(
 ) -> list[Row]:
     """Start the three vLLM servers, ask the questions, print the table; stop the servers.
 
+    Ctrl-C (KeyboardInterrupt) stops the servers within :data:`STOP_GRACE_S` (and a kill),
+    says so, prints the rows of the questions already answered, and is raised again.
+
     Args:
         master: the pool's control address.
         model: the model folder (``kvstore model fetch smollm2``).
         max_tokens: tokens per answer.
         block_size: vLLM's block size (one pool block object per vLLM block).
-        log_dir: where the servers' logs go (default: a temporary folder, removed after).
+        log_dir: where the servers' logs go (default: a new ``kvstore-demo-logs-*`` folder
+            in the temporary directory); kept after the demo, which says where.
         questions: what to ask, each after the shared system prompt.
         say: where progress lines go (default: stderr).
         out: where the table goes (default: stdout).
@@ -237,42 +261,54 @@ def run_vllm_demo(
         KVStoreError: a server failed to start (the message has its log's tail).
     """
     say = say or (lambda line: print(f"kvstore demo: {line}", file=sys.stderr, flush=True))
-    with tempfile.TemporaryDirectory(prefix="kvstore-demo-logs-") as tmp:
-        logs = Path(log_dir or tmp)
-        logs.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
-        servers: list[VLLMServer] = []
-        try:
-            for name, role, core in (
-                ("prefill", "kv_producer", 0),
-                ("decode", "kv_consumer", 1),
-                ("reference", None, 0),
-            ):
-                kv = kv_transfer_config(master, role) if role else None
-                server = VLLMServer(
-                    model,
-                    name,
-                    logs / f"{name}.log",
-                    kv_config=kv,
-                    cpu_core=core,
-                    block_size=block_size,
-                    prefix_caching=role is None,  # the reference's "local" answers use it
-                )
-                servers.append(server)
-                say(
-                    f"starting vLLM {name:<9} pid {server.pid:<7} {server.url}"
-                    + (f" ({role})" if role else " (no connector)")
-                    + f", log {server.log_path}"
-                )
-            say("waiting for the three vLLM servers (~30-90 s on 2 cores)")
-            for server in servers:
-                server.wait_ready()
-                say(f"vLLM {server.name} ready after {time.monotonic() - started:.0f} s")
-            prefill, decode, reference = servers
-            rows = _ask(prefill, decode, reference, questions, max_tokens, say)
-        finally:
-            stop_all(servers)
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="kvstore-demo-logs-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    servers: list[VLLMServer] = []
+    rows: list[Row] = []
+    try:
+        for name, role, core in (
+            ("prefill", "kv_producer", 0),
+            ("decode", "kv_consumer", 1),
+            ("reference", None, 0),
+        ):
+            kv = kv_transfer_config(master, role) if role else None
+            server = VLLMServer(
+                model,
+                name,
+                logs / f"{name}.log",
+                kv_config=kv,
+                cpu_core=core,
+                block_size=block_size,
+                prefix_caching=role is None,  # the reference's "local" answers use it
+            )
+            servers.append(server)
+            say(
+                f"starting vLLM {name:<9} pid {server.pid:<7} {server.url}"
+                + (f" ({role})" if role else " (no connector)")
+                + f", log {server.log_path}"
+            )
+        say("waiting for the three vLLM servers (~30-90 s on 2 cores)")
+        for server in servers:
+            server.wait_ready()
+            say(f"vLLM {server.name} ready after {time.monotonic() - started:.0f} s")
+        prefill, decode, reference = servers
+        _ask(prefill, decode, reference, questions, max_tokens, say, rows)
+    except KeyboardInterrupt:
+        say(f"interrupted: stopping the vLLM servers (at most {STOP_GRACE_S:g} s)")
+        stop_all(servers)
+        say(f"stopped; the servers' logs are kept in {logs}")
+        if rows:
+            print_table(rows, out=out)
+            say(f"interrupted after {len(rows)} of {len(questions)} questions: the rows above")
+        raise
+    except BaseException:
+        stop_all(servers)
+        say(f"the servers' logs are kept in {logs}")
+        raise
+    stop_all(servers)
     print_table(rows, out=out)
+    say(f"the servers' logs are kept in {logs}")
     return rows
 
 
@@ -283,13 +319,15 @@ def _ask(
     questions: Sequence[str],
     max_tokens: int,
     say: Callable[[str], None],
-) -> list[Row]:
+    rows: list[Row],
+) -> None:
+    """Ask each question; its row goes into ``rows`` as soon as it is complete (an interrupted
+    demo prints the rows it has)."""
     # One short unrelated request each first: the first request of a fresh server pays one-off
     # costs (allocations, thread start-up) that are not what the table compares.
     warm = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     for server in (prefill, decode, reference):
         _post_json(server.url + "/v1/chat/completions", {**warm, "temperature": 0})
-    rows = []
     for i, question in enumerate(questions, 1):
         body = {
             "model": "smollm2",
@@ -323,4 +361,3 @@ def _ask(
                 recompute=recomputed.text,
             )
         )
-    return rows
