@@ -80,7 +80,7 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--dram", "lots"], ["bad size", "lots"]),
         (["--nvme", "heaps"], ["bad size", "heaps"]),
-        (["--port", "{busy}"], ["address already in use"]),
+        (["--port", "{busy}"], ["is already in use", "--port"]),
     ],
     ids=["bad-dram", "bad-nvme", "port-in-use"],
 )
