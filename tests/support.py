@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,3 +191,20 @@ def flip_arena_byte(cluster: Cluster, node_id: str, offset: int) -> None:
                 f.write(bytes([b[0] ^ 0xFF]))
             return
     raise AssertionError(f"no node {node_id} in this cluster")
+
+
+#: Headless Chromium for the browser checks (status page, docs site), and the flags that keep it
+#: off the network and out of /dev/shm.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+]

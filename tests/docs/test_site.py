@@ -23,7 +23,6 @@ import itertools
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,22 +36,12 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.support import CHROMIUM
+from tests.support import FLAGS as CHROMIUM_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "assets" / "home.png"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--hide-scrollbars",
-    "--window-size=1280,900",
-]
+FLAGS = [*CHROMIUM_FLAGS, "--window-size=1280,900"]
 
 
 def _missing_docs_packages() -> list[str]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import html.parser
 import json
-import shutil
 import subprocess
 import tempfile
 import urllib.request
@@ -17,22 +16,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import Client
-from tests.support import wait_until
+from tests.support import CHROMIUM, FLAGS, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-    "--hide-scrollbars",
-]
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None, reason="headless Chromium not installed (apt-get install chromium)"
