@@ -16,30 +16,23 @@ from kvstore.errors import (
     KVStoreError,
     OutOfRangeError,
 )
-from kvstore.node.arena import DramTier, ShmArena
-from kvstore.node.nvme import NvmeTier
+from kvstore.node.arena import DramTier
 from kvstore.node.server import DataServer
+from tests.node import data_server
 
 SIZE = 1 << 16
 
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[DataServer]:
-    arena = ShmArena(tmp_path / "arena", SIZE, prefault=False)
-    nvme = NvmeTier(tmp_path / "nvme", 1 << 20)
-    srv = DataServer({"dram": arena}, grants.new_secret(), tiers={"nvme": nvme})
-    srv.start()
-    yield srv
-    srv.stop()
-    arena.close()
-    nvme.close()
+    with data_server.running(tmp_path, SIZE, 1 << 20) as srv:
+        yield srv
 
 
 @pytest.fixture
 def conn(server: DataServer) -> Iterator[protocol.FramedSocket]:
-    c = protocol.FramedSocket.connect(server.host, server.port, timeout=10)
-    yield c
-    c.close()
+    with data_server.connected(server) as c:
+        yield c
 
 
 def test_every_segment_is_a_tier(server: DataServer) -> None:

@@ -14,10 +14,9 @@ import xxhash
 
 from kvstore import grants, protocol
 from kvstore.errors import ErrorCode, InvalidRequestError, ProtocolError
-from kvstore.node.arena import ShmArena
-from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
 from kvstore.node.verbs import check_write_items
+from tests.node import data_server
 
 SIZE = 1 << 20
 #: Far in the future: a grant that does not expire during the test.
@@ -26,21 +25,14 @@ LATER = 2**62
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[DataServer]:
-    arena = ShmArena(tmp_path / "arena", SIZE, prefault=False)
-    nvme = NvmeTier(tmp_path / "nvme", 4 << 20)
-    srv = DataServer({"dram": arena}, grants.new_secret(), tiers={"nvme": nvme})
-    srv.start()
-    yield srv
-    srv.stop()
-    arena.close()
-    nvme.close()
+    with data_server.running(tmp_path, SIZE, 4 << 20) as srv:
+        yield srv
 
 
 @pytest.fixture
 def conn(server: DataServer) -> Iterator[protocol.FramedSocket]:
-    c = protocol.FramedSocket.connect(server.host, server.port, timeout=10)
-    yield c
-    c.close()
+    with data_server.connected(server) as c:
+        yield c
 
 
 def _grant(

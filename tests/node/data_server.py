@@ -1,0 +1,38 @@
+"""An in-process storage node's data server (a DRAM arena and an NVMe tier under ``tmp_path``)
+and a framed connection to it, for the node's verb tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvstore import grants, protocol
+from kvstore.node.arena import ShmArena
+from kvstore.node.nvme import NvmeTier
+from kvstore.node.server import DataServer
+
+
+@contextlib.contextmanager
+def running(tmp_path: Path, dram: int, nvme: int) -> Iterator[DataServer]:
+    """A started :class:`DataServer` with ``dram`` bytes of arena and ``nvme`` bytes of NVMe."""
+    arena = ShmArena(tmp_path / "arena", dram, prefault=False)
+    tier = NvmeTier(tmp_path / "nvme", nvme)
+    srv = DataServer({"dram": arena}, grants.new_secret(), tiers={"nvme": tier})
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        arena.close()
+        tier.close()
+
+
+@contextlib.contextmanager
+def connected(server: DataServer) -> Iterator[protocol.FramedSocket]:
+    """A framed connection to ``server``."""
+    c = protocol.FramedSocket.connect(server.host, server.port, timeout=10)
+    try:
+        yield c
+    finally:
+        c.close()
