@@ -11,7 +11,7 @@ while the table grew (``gc.callbacks``: their total and the longest; these are C
 less disturbed by a busy machine than the batch times). Run it once with the cyclic collector
 on (the default) and once with ``--gc-off`` to tell collection pauses apart from the master's
 own work. ``--daemon-gc`` applies the master daemon's collector policy before the first put
-(``kvstore.collector.tune_collector``: a larger young threshold, start-up frozen).
+(``kvstore.gc_policy.tune_collector``: a larger young threshold, start-up frozen).
 ``--tracemalloc`` traces allocations (slower; RSS is
 measured either way).
 """
@@ -24,7 +24,7 @@ import resource
 import time
 import tracemalloc
 
-from kvstore.collector import CollectorPauses, tune_collector
+from kvstore.gc_policy import CollectorPauses, tune_collector
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.types import SegmentSpec
 

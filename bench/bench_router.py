@@ -69,12 +69,12 @@ from kvstore.replay.fit import (  # noqa: E402
     simulate_slice,
 )
 from kvstore.replay.loadgen import LoadConfig  # noqa: E402
-from kvstore.replay.metrics import SLO_CLASSES  # noqa: E402
+from kvstore.replay.summary import SLO_CLASSES  # noqa: E402
 from kvstore.replay.workload import ScaleConfig  # noqa: E402
 from kvstore.router.app import RouterConfig  # noqa: E402
-from kvstore.router.slo import DEFAULT_CLASSES  # noqa: E402
+from kvstore.router.slo_classes import DEFAULT_CLASSES  # noqa: E402
+from kvstore.sim.default_slo import SLOClass  # noqa: E402
 from kvstore.sim.report import format_table  # noqa: E402
-from kvstore.sim.slo import SLOClass  # noqa: E402
 from kvstore.sim.trace import TraceRequest  # noqa: E402
 from tests.adapters.vllm_servers import (  # noqa: E402
     kv_config,

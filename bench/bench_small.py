@@ -47,7 +47,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
 from bench import markdown  # noqa: E402
 from kvstore import protocol  # noqa: E402
 from kvstore.client import Client  # noqa: E402
-from kvstore.collector import CollectorPauses  # noqa: E402
+from kvstore.gc_policy import CollectorPauses  # noqa: E402
 from kvstore.processes import parse_ready  # noqa: E402
 
 READY_TIMEOUT_S = 30.0

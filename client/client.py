@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import auth
+from kvstore.address import Address
 from kvstore.client import endpoints
 from kvstore.client.buffers import Segments, as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
@@ -51,7 +52,6 @@ from kvstore.client.releases import LeaseReturns
 from kvstore.client.staging import CudaStaging, PinnedPool, is_cuda_tensor
 from kvstore.client.transport import checksum
 from kvstore.clocks import MasterClock
-from kvstore.config import MAX_BATCH_KEYS, Address, encode_key
 from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
@@ -61,6 +61,7 @@ from kvstore.errors import (
 from kvstore.etcd import is_etcd_url
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
+from kvstore.limits import MAX_BATCH_KEYS, encode_key
 from kvstore.types import ObjectInfo, result_from_wire
 
 __all__ = ["Client", "LocatedRead", "PrefixBlock", "PromptCommit", "checksum"]

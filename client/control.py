@@ -6,7 +6,7 @@ get its answer within a timeout, typed errors otherwise. Two channels implement 
 - :class:`FixedChannel` (here): a master at a fixed ``HOST:PORT``. Every thread's requests share
   one pipelined connection (:mod:`kvstore.client.pipeline`); large or long requests take one of
   their own.
-- :class:`~kvstore.client.discovery.LeaderChannel`: the leading master of an HA cluster, found
+- :class:`~kvstore.client.leader.LeaderChannel`: the leading master of an HA cluster, found
   through etcd and followed across failovers (requests carry the leader's epoch).
 
 :func:`open_channel` picks one from the address, so that nothing above this module knows which
@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvstore import auth, protocol
-from kvstore.client.discovery import LeaderChannel
+from kvstore.address import Address
+from kvstore.client.leader import LeaderChannel
 from kvstore.client.pipeline import Pipeline, close_released, pipelined
 from kvstore.client.releases import LeaseReturns
-from kvstore.config import Address
 from kvstore.errors import (
     KVStoreError,
     KVTimeoutError,

@@ -60,7 +60,7 @@ class DataPath:
         self._fetched_at = float("-inf")
         self._lock = threading.Lock()
         self._rdma_local: rdma.RdmaDevice | None | bool = False  # False: not looked yet
-        self._rdma_settings = rdma.RdmaSettings.from_env()
+        self._rdma_settings = rdma.RdmaConfig.from_env()
         self.rdma: RdmaTransport | None = None  # made when a node offers RDMA and we have it
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import WrongEndpointError
 
 #: Where a user finds the right address.

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, KeyValue
 

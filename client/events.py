@@ -13,7 +13,7 @@ The stream remembers its position (epoch, seq) and resumes from it after a lost 
 master restart or an HA failover: it gets exactly the events after its position, or the master
 says it must resync (another epoch, or events the ring no longer holds); the stream then yields
 a :class:`ResyncNotice` and a fresh :class:`Snapshot`, and follows on from the snapshot's
-position. Nothing is lost or applied twice. See ``master/events.py`` for the master's side.
+position. Nothing is lost or applied twice. See ``master/event_ring.py`` for the master's side.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvstore.errors import (
     StaleEpochError,
 )
 
-#: The master's bound on ``max`` per call (``kvstore.master.events.MAX_EVENTS_PER_CALL``).
+#: The master's bound on ``max`` per call (``kvstore.master.event_ring.MAX_EVENTS_PER_CALL``).
 MAX_EVENTS_PER_CALL = 10_000
 #: Failures worth retrying: the master (or the leader) is away or busy for now.
 _TRANSIENT = (

@@ -34,8 +34,8 @@ from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.transport import InFlight, WriteItem, checksum
-from kvstore.collector import PausedCollector
 from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
+from kvstore.gc_policy import PausedCollector
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
 from kvstore.types import PutTicket, result_from_wire

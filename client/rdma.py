@@ -43,7 +43,7 @@ from kvstore import grants, protocol
 from kvstore.client.shm import SHM_WRITE_MARGIN_MS
 from kvstore.client.transport import Endpoint, NodePool, ReadItem, WriteItem
 from kvstore.errors import KVStoreError, ProtocolError, TransportUnavailableError
-from kvstore.rdma import devices, verbs, wire
+from kvstore.rdma import devices, ibverbs, wire
 from kvstore.types import Location
 
 log = logging.getLogger(__name__)
@@ -79,14 +79,14 @@ class MrCache:
 
     def __init__(
         self,
-        register: Callable[[str, memoryview], verbs.MemoryRegion],
+        register: Callable[[str, memoryview], ibverbs.MemoryRegion],
         deregister: Callable[[str], None],
         capacity: int = MR_CACHE_SIZE,
     ) -> None:
         self._register = register
         self._deregister = deregister
         self.capacity = capacity
-        self.table = verbs.MemoryRegionTable()
+        self.table = ibverbs.MemoryRegionTable()
         self._keep: OrderedDict[str, memoryview] = OrderedDict()
         # name -> how many batches in flight use it (pinned: never evicted while counted)
         self._in_use: Counter[str] = Counter()
@@ -134,7 +134,7 @@ class MrCache:
                 return
             self._drop(name)
 
-    def _add(self, view: memoryview, addr: int) -> verbs.MemoryRegion:
+    def _add(self, view: memoryview, addr: int) -> ibverbs.MemoryRegion:
         whole = _whole_buffer(view, addr)
         self._trim(self.capacity - 1)  # batches may exceed the capacity until end_batch()
         overlapping = [
@@ -175,7 +175,7 @@ def _whole_buffer(view: memoryview, addr: int) -> tuple[memoryview, int]:
         with contextlib.suppress(TypeError, ValueError, KVStoreError):
             whole = memoryview(obj)
             if whole.contiguous and whole.nbytes >= view.nbytes:
-                start = verbs.address_of(whole)
+                start = ibverbs.address_of(whole)
                 if start <= addr and addr + view.nbytes <= start + whole.nbytes:
                     return whole, start
     return view, addr
@@ -228,7 +228,7 @@ class _Plan:
     items: list[Any] = field(default_factory=list)
     todo: list[tuple[Any, memoryview, int, list[list[int]]]] = field(default_factory=list)
     session: _Session | None = None
-    ops: list[verbs.RdmaOp] = field(default_factory=list)
+    ops: list[ibverbs.RdmaOp] = field(default_factory=list)
     pins: list[str] = field(default_factory=list)
 
 
@@ -256,7 +256,7 @@ class RdmaTransport:
       thread at a time (completions would otherwise be counted by the wrong poller). Holding a
       lock there is acceptable because the lock belongs to one node's queue pair (never shared
       across nodes, so another node's users never wait on it), ``run`` calls nothing of ours and
-      is bounded by :data:`~kvstore.rdma.verbs.COMPLETION_TIMEOUT_S`, and a waiter waits for it with
+      is bounded by :data:`~kvstore.rdma.ibverbs.COMPLETION_TIMEOUT_S`, and a waiter waits for it with
       its own deadline, then uses TCP for that batch. Under it, ``_Node.lock`` is taken only to
       read whether the session was retired meanwhile.
     - The device context (opened once, ``ibv_open_device``) and memory registrations are local
@@ -267,8 +267,8 @@ class RdmaTransport:
         pool: where TCP connections to nodes come from (for ``rdma_connect``); its timeout is
             also the longest a batch waits for another thread's connect or queue pair.
         settings: port and GID index.
-        open_context: opens the device (:class:`~kvstore.rdma.verbs.VerbsContext`) and
-        make_qp: makes a queue pair on it (:class:`~kvstore.rdma.verbs.RcQueuePair`); tests pass
+        open_context: opens the device (:class:`~kvstore.rdma.ibverbs.VerbsContext`) and
+        make_qp: makes a queue pair on it (:class:`~kvstore.rdma.ibverbs.RcQueuePair`); tests pass
             software stand-ins, as no device exists where they run.
     """
 
@@ -276,15 +276,15 @@ class RdmaTransport:
         self,
         device: devices.RdmaDevice,
         pool: NodePool,
-        settings: devices.RdmaSettings,
+        settings: devices.RdmaConfig,
         open_context: Callable[[], Any] | None = None,
         make_qp: Callable[[Any], Any] | None = None,
     ) -> None:
         self.device = device
         self.pool = pool
         self.settings = settings
-        self._open_context = open_context or (lambda: verbs.VerbsContext(device, settings))
-        self._make_qp = make_qp or verbs.RcQueuePair
+        self._open_context = open_context or (lambda: ibverbs.VerbsContext(device, settings))
+        self._make_qp = make_qp or ibverbs.RcQueuePair
         self._nodes: dict[str, _Node] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -595,10 +595,12 @@ class RdmaTransport:
             pos = 0
             write = grant.op == grants.OP_WRITE
             for start, length in ranges:
-                for done in range(0, length, verbs.MAX_OP_BYTES):
-                    n = min(verbs.MAX_OP_BYTES, length - done)
+                for done in range(0, length, ibverbs.MAX_OP_BYTES):
+                    n = min(ibverbs.MAX_OP_BYTES, length - done)
                     remote = raddr + grant.offset + start + done
-                    plan.ops.append(verbs.RdmaOp(write, laddr + pos + done, lkey, n, remote, rkey))
+                    plan.ops.append(
+                        ibverbs.RdmaOp(write, laddr + pos + done, lkey, n, remote, rkey)
+                    )
                 pos += length
 
     def _run_node(self, plan: _Plan, deadline: float) -> bool:
@@ -650,7 +652,7 @@ class RdmaTransport:
                 ranges = self._eligible(
                     node, loc, view, op, item.ranges if op == grants.OP_READ else None
                 )
-                laddr = verbs.address_of(view) if ranges is not None else 0
+                laddr = ibverbs.address_of(view) if ranges is not None else 0
             except KVStoreError as err:
                 if op == grants.OP_READ and not isinstance(err, TransportUnavailableError):
                     item.result = err

@@ -45,13 +45,13 @@ from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.releases import LeaseReturns
 from kvstore.client.transport import InFlight, ReadItem, digest
-from kvstore.collector import PausedCollector
 from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
     NodeUnavailableError,
 )
+from kvstore.gc_policy import PausedCollector
 from kvstore.types import Location, ObjectInfo, result_from_wire
 
 log = logging.getLogger(__name__)

@@ -454,11 +454,11 @@ def _router_metrics() -> list[Metric]:
 def _gc_metrics() -> list[Metric]:
     from prometheus_client import CollectorRegistry
 
-    from kvstore import collector
+    from kvstore import gc_policy
 
     class _Gc:
         def collect(self) -> Iterator[Any]:
-            yield from collector.metric_families()
+            yield from gc_policy.metric_families()
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Gc())

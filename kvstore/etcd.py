@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 
 log = logging.getLogger(__name__)

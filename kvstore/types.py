@@ -129,6 +129,15 @@ class ObjectInfo:
 #: ``retired`` (drained; told to stop).
 NODE_STATES = ("active", "draining", "retired")
 
+#: The tiers, one vocabulary for master, node, client and operator: fastest first. A replica lives
+#: in one; a node registers a segment in each it has; demotion moves one step right, promotion
+#: one step left.
+TIER_HBM = "hbm"
+TIER_DRAM = "dram"
+TIER_NVME = "nvme"
+TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
+TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+
 
 def node_state(draining: bool, retired: bool) -> str:
     """The state word (:data:`NODE_STATES`) of a node with these flags."""

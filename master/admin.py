@@ -16,7 +16,7 @@ from aiohttp import web, web_protocol, web_server
 
 from kvstore.errors import ErrorCode, KVStoreError
 from kvstore.master.metrics import MasterMetrics
-from kvstore.master.rest import events as event_routes
+from kvstore.master.rest import event_stream as event_routes
 from kvstore.master.rest import openapi, page, routes
 from kvstore.master.rest.fence import FENCE_KEY, AdminFence, fence_middleware
 from kvstore.master.rest.history import History, history_ctx
@@ -26,7 +26,7 @@ from kvstore.master.rest.state import (
     METRICS_KEY,
     SERVICE_KEY,
     SETTINGS_KEY,
-    AdminSettings,
+    AdminConfig,
 )
 from kvstore.master.service import MasterService, ServiceSlot
 
@@ -132,7 +132,7 @@ def _history_sample(service: MasterService, metrics: MasterMetrics) -> dict[str,
 def init_app(
     slot: ServiceSlot,
     metrics: MasterMetrics | None = None,
-    settings: AdminSettings | None = None,
+    settings: AdminConfig | None = None,
     fence: AdminFence | None = None,
 ) -> web.Application:
     """Build the admin application around a live service (nothing starts at import time).
@@ -147,7 +147,7 @@ def init_app(
     Returns:
         The application; its history sampler runs while the app runs (``cleanup_ctx``).
     """
-    settings = settings or AdminSettings()
+    settings = settings or AdminConfig()
     metrics = metrics or MasterMetrics(slot)
     app = web.Application(
         middlewares=[error_middleware, auth_middleware, fence_middleware],
@@ -225,6 +225,6 @@ __all__ = [
     "init_app",
     "error_body",
     "http_status",
-    "AdminSettings",
+    "AdminConfig",
     "SERVICE_KEY",
 ]

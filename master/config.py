@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sized
 from dataclasses import dataclass
 
-from kvstore.config import MAX_BATCH_KEYS, MAX_OBJECT_BYTES
 from kvstore.errors import InvalidRequestError
-from kvstore.master.events import DEFAULT_RING_BLOCKS, DEFAULT_RING_EVENTS
+from kvstore.limits import MAX_BATCH_KEYS, MAX_OBJECT_BYTES
+from kvstore.master.event_ring import DEFAULT_RING_BLOCKS, DEFAULT_RING_EVENTS
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,12 @@
 """Run a master: the control server, the admin API and the housekeeping loop on one event loop.
 
-What a master runs with is one frozen, validated :class:`MasterOptions` (like the node's
-``NodeOptions``): the ``kvstore master`` flags, the environment's defaults and, with etcd, its
+What a master runs with is one frozen, validated :class:`MasterDaemonConfig` (like the node's
+``NodeDaemonConfig``): the ``kvstore master`` flags, the environment's defaults and, with etcd, its
 :class:`~kvstore.master.ha.HAConfig`. One :func:`serve_master` runs a plain master and a member
 of an HA group alike: the HA part only adds a leadership fence and an elector around the same
 :class:`Master`. This module sits above ``ha.py`` (it imports it, never the reverse). A process
 that runs a master sets the collector's policy once it has started (:func:`apply_collector_policy`,
-``kvstore/collector.py``).
+``kvstore/gc_policy.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from kvstore.auth import Token
-from kvstore.collector import tune_collector
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore
-from kvstore.master.admin import AdminRunner, AdminSettings, init_app
+from kvstore.gc_policy import tune_collector
+from kvstore.master.admin import AdminConfig, AdminRunner, init_app
 from kvstore.master.ha import Elector, HAConfig, Leadership
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.prefix_restore import fetch_objects
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class MasterOptions:
+class MasterDaemonConfig:
     """How a master runs: the ``kvstore master`` flags. Validated on creation.
 
     Attributes:
@@ -94,8 +94,8 @@ class MasterEndpoints:
 class Master:
     """A running master. ``start()`` binds, ``stop()`` releases everything it started."""
 
-    def __init__(self, options: MasterOptions | None = None) -> None:
-        options = options or MasterOptions()
+    def __init__(self, options: MasterDaemonConfig | None = None) -> None:
+        options = options or MasterDaemonConfig()
         self.options = options
         #: The current term's service (an HA master swaps in a fresh one each term).
         self.slot = ServiceSlot(MasterService(options.config, tiers=options.tiers))
@@ -109,7 +109,7 @@ class Master:
             chunk_items=options.chunk_items,
             deadlines=options.deadlines,
         )
-        self.admin_settings = AdminSettings(token=options.token, public_reads=options.public_reads)
+        self.admin_settings = AdminConfig(token=options.token, public_reads=options.public_reads)
         self.ssl_context = options.ssl_context
         #: With HA: the leadership fence the admin API obeys too (set before ``start``).
         self.admin_fence: AdminFence | None = None
@@ -206,7 +206,7 @@ class Master:
 
 def apply_collector_policy() -> None:
     """Set the collector's policy for a process that runs a master, once it has started
-    (``kvstore/collector.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
+    (``kvstore/gc_policy.py`` says why; ``kvstore master`` and ``kvstore up`` both call it)."""
     log.debug("froze %d start-up objects", tune_collector())
 
 
@@ -216,7 +216,7 @@ def install_stop_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-async def serve_master(options: MasterOptions) -> None:
+async def serve_master(options: MasterDaemonConfig) -> None:
     """Run a master until SIGINT/SIGTERM. Prints one ready line (:func:`ready_line`) with both
     endpoints.
 

@@ -40,8 +40,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstore import protocol
-from kvstore.config import Address
-from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
+from kvstore.address import Address
 from kvstore.errors import (
     EtcdUnavailableError,
     InvalidRequestError,
@@ -50,6 +49,7 @@ from kvstore.errors import (
     StaleEpochError,
 )
 from kvstore.etcd import EtcdStore, KeyValue, self_cancelled
+from kvstore.etcd_keys import DEFAULT_PREFIX, EtcdLayout, LeaderRecord, read_members
 from kvstore.master.service import MasterService, ServiceSlot
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from kvstore.errors import ForbiddenError, InvalidRequestError, NodeUnavailableE
 from kvstore.master.allocator import OffsetAllocator, SpaceAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.config import MasterConfig
-from kvstore.master.table import TIER_NVME, TIER_RANK, Replica
-from kvstore.types import Location, SegmentSpec, node_state
+from kvstore.master.table import Replica
+from kvstore.types import TIER_NVME, TIER_RANK, Location, SegmentSpec, node_state
 
 log = logging.getLogger(__name__)
 

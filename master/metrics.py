@@ -9,7 +9,7 @@ Two kinds of figures:
 * read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
   (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist;
-* the process's garbage collector (``kvstore_gc_*``, ``kvstore/collector.py``): collections and the time
+* the process's garbage collector (``kvstore_gc_*``, ``kvstore/gc_policy.py``): collections and the time
   they held the event loop, per generation, and the objects frozen at start-up (process-wide
   figures: every master of a process shows the same).
 
@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore import collector, protocol
+from kvstore import gc_policy, protocol
 from kvstore.errors import ErrorCode
 from kvstore.master.rpc_verbs import HANDLERS
 from kvstore.master.service import MasterService, ServiceSlot
@@ -320,7 +320,7 @@ class _ServiceCollector(Collector):
             "kvstore_reclaimed_puts", "Puts reclaimed after their timeout", svc.num_reclaimed
         )
         yield _counter("kvstore_dead_nodes", "Nodes declared dead", svc.num_dead_nodes)
-        yield from collector.metric_families()
+        yield from gc_policy.metric_families()
         prefix = stats.get("prefix") if isinstance(stats.get("prefix"), dict) else {}
         yield _gauge(
             "kvstore_prefix_match_hit_ratio",

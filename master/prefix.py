@@ -31,7 +31,7 @@ import numpy as np
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_keys, parse_kv_object_key
-from kvstore.master.events import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
+from kvstore.master.event_ring import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
 from kvstore.master.radix import RadixIndex
 
 #: Most full blocks one prompt may have in one call (index or match): the work grows with it

@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvstore.errors import NodeUnavailableError
-from kvstore.manifest import ManifestClaim
 from kvstore.master.membership import Membership, Node
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.stored_object import ManifestClaim
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvstore.config import check_wire_key
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.limits import check_wire_key
 
 
 def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:

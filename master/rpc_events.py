@@ -1,8 +1,8 @@
 """The KV event verbs of the master's RPC edge: ``events`` (with its long poll) and
 ``events_snapshot``.
 
-The event log itself (sequence numbers, epochs, resyncs) is ``master/events.py``; the REST
-stream of the same events is ``master/rest/events.py``. Here: the checks of the arguments,
+The event log itself (sequence numbers, epochs, resyncs) is ``master/event_ring.py``; the REST
+stream of the same events is ``master/rest/event_stream.py``. Here: the checks of the arguments,
 the answers, and :func:`await_events`, the wait the frame loop runs before ``events`` answers.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from kvstore import protocol
 from kvstore.errors import InvalidRequestError, KVStoreError
-from kvstore.master.events import (
+from kvstore.master.event_ring import (
     MAX_EVENTS_PER_CALL,
     EventBatch,
     EventLog,
@@ -93,7 +93,7 @@ def read_events(log_: EventLog, q: EventsQuery) -> EventBatch | Resync:
 
 def events(svc: MasterService, args: dict[str, Any]) -> Any:
     """``events``: the KV events after the caller's position, or a resync (see
-    ``master/events.py``).
+    ``master/event_ring.py``).
 
     The long poll (``wait_s``) happens in :func:`await_events`, before this.
     """

@@ -14,15 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import protocol
-from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
-from kvstore.manifest import ManifestClaim, claims_from_wire
+from kvstore.limits import MAX_KEY_BYTES
 from kvstore.master.leases import check_lease_tokens
 from kvstore.master.rpc_args import arg, list_arg, optional_arg, per_key
 from kvstore.master.rpc_events import events, events_snapshot
 from kvstore.master.service import MasterService
+from kvstore.stored_object import ManifestClaim, claims_from_wire
 from kvstore.transports import check_transports
 from kvstore.types import SegmentSpec, result_to_wire
 

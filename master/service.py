@@ -59,9 +59,8 @@ from kvstore import grants
 from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import KV_META_PREFIX
-from kvstore.manifest import ManifestClaim
 from kvstore.master.config import MasterConfig
-from kvstore.master.events import EVENT_REMOVED, EventLog
+from kvstore.master.event_ring import EVENT_REMOVED, EventLog
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
@@ -73,6 +72,7 @@ from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
+from kvstore.stored_object import ManifestClaim
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvstore.master.config import MasterConfig
-from kvstore.master.events import EVENT_EVICTED
+from kvstore.master.event_ring import EVENT_EVICTED
 from kvstore.master.leases import DeferredFrees, ReadLeases
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
-from kvstore.master.table import TIER_NVME, ObjectMeta, ObjectTable, Replica
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.types import TIER_NVME
 
 
 class Space:

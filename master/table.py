@@ -42,14 +42,7 @@ from collections.abc import Iterable, Iterator, MutableMapping
 from typing import NamedTuple
 
 from kvstore.master.leases import PIN_NONE
-
-#: The tiers, fastest first. A replica lives in one (``Replica.tier``); a node registers segments
-#: in them (``membership.py``); the tier manager moves replicas between them (``tiering.py``).
-TIER_HBM = "hbm"
-TIER_DRAM = "dram"
-TIER_NVME = "nvme"
-TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
-TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+from kvstore.types import TIER_DRAM
 
 
 class Replica(NamedTuple):

@@ -32,26 +32,13 @@ from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.puts import Place, Puts
 from kvstore.master.space import Space
-from kvstore.master.table import (
-    TIER_DRAM,
-    TIER_HBM,
-    TIER_NVME,
-    TIER_ORDER,
-    TIER_RANK,
-    ObjectMeta,
-    ObjectTable,
-    Replica,
-)
+from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
+from kvstore.types import TIER_DRAM, TIER_ORDER, TIER_RANK
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "TIER_DRAM",
-    "TIER_HBM",
-    "TIER_NVME",
-    "TIER_ORDER",
-    "TIER_RANK",
     "Candidates",
     "TierConfig",
     "TierManager",

@@ -8,7 +8,7 @@ What each module owns, from the wire inwards:
 * ``verbs``: the verbs every node serves (``write``, ``read``, ``ping``, ``manifest``,
   ``stats``); ``shm_verbs`` and the RDMA verbs add theirs where those transports are on;
 * ``manifest``: what the node holds whole, to claim to a new master (its records are the core
-  ``kvstore.manifest.StoredObject``, the same the tiers store);
+  ``kvstore.stored_object.StoredObject``, the same the tiers store);
 * ``tiers``: the tier interface; ``arena`` (DRAM, the one tier writes land in in place),
   ``nvme`` and ``hbm`` implement it;
 * ``agent`` and ``follow``: the link to the master (register, heartbeat, follow the leader);

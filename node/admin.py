@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore import auth, collector
+from kvstore import auth, gc_policy
 from kvstore.errors import ErrorCode
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,7 +80,7 @@ class _NodeCollector(Collector):
         for name, (tier, capacity) in sorted(self.segments.items()):
             cap.add_metric([name, tier], capacity)
         yield cap
-        yield from collector.metric_families()
+        yield from gc_policy.metric_families()
 
 
 class NodeAdmin:

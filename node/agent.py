@@ -14,12 +14,12 @@ import threading
 from collections.abc import Callable
 
 from kvstore import auth, grants, protocol
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import ErrorCode, KVStoreError, NodeUnavailableError
-from kvstore.manifest import StoredObject
 from kvstore.node.server import DataServer
 from kvstore.node.tasks import run_tasks
 from kvstore.node.tiers import checksum_of
+from kvstore.stored_object import StoredObject
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from kvstore import pages
 from kvstore.errors import InvalidRequestError, KVStoreError, NoSpaceError, OutOfRangeError
-from kvstore.node.tiers import TIER_DRAM, StoredObject, Tier
+from kvstore.node.tiers import StoredObject, Tier
 from kvstore.pages import Prefaulter
+from kvstore.types import TIER_DRAM
 
 log = logging.getLogger(__name__)
 

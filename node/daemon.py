@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore import auth, grants
-from kvstore.collector import tune_collector
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.gc_policy import tune_collector
 from kvstore.node import rdma as rdma_node
 from kvstore.node.admin import NodeAdmin
 from kvstore.node.agent import MasterLink
@@ -72,7 +72,7 @@ def load_node_key(data_dir: Path) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeOptions:
+class NodeDaemonConfig:
     """How a storage node runs: the ``kvstore node`` flags, whatever finds its master.
     Validated on creation.
 
@@ -110,7 +110,7 @@ class NodeOptions:
 class StorageNode:
     """A node's parts, started and stopped together."""
 
-    def __init__(self, master: Address, options: NodeOptions) -> None:
+    def __init__(self, master: Address, options: NodeDaemonConfig) -> None:
         self.options = options
         host, port, data_dir = options.host, options.port, options.data_dir
         dram_bytes, nvme_bytes, hbm_bytes = (
@@ -213,7 +213,7 @@ def node_transports(
     return offered
 
 
-def serve_node(master: Address, options: NodeOptions) -> None:
+def serve_node(master: Address, options: NodeDaemonConfig) -> None:
     """Run a node until SIGINT/SIGTERM (or the master retires it). Prints one ``ready`` line."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -224,7 +224,7 @@ def serve_node(master: Address, options: NodeOptions) -> None:
 
 
 def run_until_stopped(node: StorageNode, master_label: str, stop: threading.Event) -> None:
-    """Set the daemon's collector policy (:func:`~kvstore.collector.tune_collector`: this is
+    """Set the daemon's collector policy (:func:`~kvstore.gc_policy.tune_collector`: this is
     a node's own process), print the ready line (:func:`~kvstore.processes.ready_line`), serve
     until ``stop`` (a signal) or retirement, then stop the node."""
     log.debug("froze %d start-up objects", tune_collector())

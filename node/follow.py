@@ -14,11 +14,11 @@ import logging
 import signal
 import threading
 
-from kvstore.config import Address
-from kvstore.discovery import EtcdLayout, LeaderResolver, NodeRecord
+from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdThread, parse_endpoints
-from kvstore.node.daemon import NodeOptions, StorageNode, run_until_stopped
+from kvstore.etcd_keys import EtcdLayout, LeaderResolver, NodeRecord
+from kvstore.node.daemon import NodeDaemonConfig, StorageNode, run_until_stopped
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def serve_node_ha(
     etcd_url: str,
     prefix: str,
     ttl_s: int,
-    options: NodeOptions,
+    options: NodeDaemonConfig,
     join_timeout_s: float = 30.0,
 ) -> None:
     """Run a node that finds its master through etcd, until SIGINT/SIGTERM.

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidRequestError, KVStoreError, OutOfRangeError, TierError
-from kvstore.node.tiers import TIER_HBM, StoredObject, Tier
+from kvstore.node.tiers import StoredObject, Tier
+from kvstore.types import TIER_HBM
 
 log = logging.getLogger(__name__)
 

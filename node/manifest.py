@@ -1,14 +1,14 @@
 """The node's manifest: every object this node holds whole, by where it lies.
 
 The manifest is what the node can claim to a master that does not know it (a new leader after
-a failover, a restart with durable tiers; see ``kvstore.manifest``). An object enters it only
+a failover, a restart with durable tiers; see ``kvstore.stored_object``). An object enters it only
 once all its bytes arrived (a whole-object write verb, an shm/RDMA commit, a task's copy), and
 leaves it when the master frees it (the heartbeat's ``forget``) or a registration starts over.
 
 It is its own module because three writers share it: the data server's verbs (one thread per
 connection), the tasks the master hands out, and the agent that registers the node; each goes
 through :class:`Manifest`'s lock and nothing else. The records are the core
-:class:`~kvstore.manifest.StoredObject`, the same the tiers store and the master admits; the
+:class:`~kvstore.stored_object.StoredObject`, the same the tiers store and the master admits; the
 manifest keeps each as a plain tuple of its fields, which the garbage collector stops tracking
 at its first pass (a tuple of strings, bytes and ints cannot be part of a cycle). Kept as
 objects, a node's records were walked by every full collection, which held the data threads
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from kvstore.manifest import StoredObject
+from kvstore.stored_object import StoredObject
 
 
 class Manifest:

@@ -42,7 +42,8 @@ from kvstore.errors import (
     NoSpaceError,
     TierError,
 )
-from kvstore.node.tiers import TIER_NVME, StoredObject, Tier, verify_checksum
+from kvstore.node.tiers import StoredObject, Tier, verify_checksum
+from kvstore.types import TIER_NVME
 
 log = logging.getLogger(__name__)
 

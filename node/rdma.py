@@ -4,7 +4,7 @@ Part of the experimental :mod:`kvstore.rdma` package (what is tested is said the
 is not). Here rather than in :mod:`kvstore.node` so that all of RDMA's node code is one place that
 reads as experimental; the node daemon calls :func:`install` and nothing else. Where this node has
 a device it opens it at start, registers every DRAM arena once as a memory region with remote
-READ/WRITE (kept in the context's :class:`~kvstore.rdma.verbs.MemoryRegionTable`) and publishes an
+READ/WRITE (kept in the context's :class:`~kvstore.rdma.ibverbs.MemoryRegionTable`) and publishes an
 :class:`~kvstore.rdma.wire.RdmaOffer`. Clients then connect queue pairs over their TCP connection:
 
 ``rdma_connect``  ``{"endpoint": QpEndpoint}`` → ``{"endpoint": QpEndpoint}``: the node makes an
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from kvstore import protocol
 from kvstore.errors import ProtocolError, TransportUnavailableError
 from kvstore.node.shm_verbs import make_shm_commit
-from kvstore.rdma import devices, verbs, wire
+from kvstore.rdma import devices, ibverbs, wire
 
 if TYPE_CHECKING:
     from kvstore.node.arena import ShmArena
@@ -107,7 +107,7 @@ class NodeRdma:
     Args:
         ctx: the opened device with the arenas registered (see :meth:`open`).
         max_qps: the most queue pairs alive at once.
-        make_qp: makes a queue pair on ``ctx`` (:class:`~kvstore.rdma.verbs.RcQueuePair`; tests pass a
+        make_qp: makes a queue pair on ``ctx`` (:class:`~kvstore.rdma.ibverbs.RcQueuePair`; tests pass a
             software stand-in, as no device exists where they run).
     """
 
@@ -119,18 +119,18 @@ class NodeRdma:
     ) -> None:
         self.ctx = ctx
         self.book: QpBook[Any] = QpBook(max_qps)
-        self._make_qp = make_qp or verbs.RcQueuePair
+        self._make_qp = make_qp or ibverbs.RcQueuePair
 
     @staticmethod
     def open(
-        device: devices.RdmaDevice, arenas: dict[str, ShmArena], settings: devices.RdmaSettings
+        device: devices.RdmaDevice, arenas: dict[str, ShmArena], settings: devices.RdmaConfig
     ) -> NodeRdma:  # pragma: no cover - needs an RDMA device
         """Open ``device`` and register every arena once with remote READ/WRITE.
 
         Raises:
             TransportUnavailableError: the device cannot be opened or an arena registered.
         """
-        ctx = verbs.VerbsContext(device, settings)
+        ctx = ibverbs.VerbsContext(device, settings)
         try:
             for name, arena in arenas.items():
                 ctx.register(name, arena.view, remote=True)
@@ -203,11 +203,11 @@ def serve(server: DataServer, service: NodeRdma | None) -> None:
 
 
 def install(
-    server: DataServer, settings: devices.RdmaSettings | None = None
+    server: DataServer, settings: devices.RdmaConfig | None = None
 ) -> dict[str, Any] | None:
     """Open this host's device (if any) and serve RDMA; returns the offer to publish, or None
     (logged once why)."""
-    settings = settings or devices.RdmaSettings.from_env()
+    settings = settings or devices.RdmaConfig.from_env()
     device = devices.first_device("node", settings)
     service: NodeRdma | None = None
     if device is not None and not settings.pretend_device:  # pragma: no cover - needs a device

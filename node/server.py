@@ -36,11 +36,11 @@ from kvstore.errors import (
     KVStoreError,
     OutOfRangeError,
 )
-from kvstore.manifest import StoredObject
 from kvstore.node import claims, verbs
 from kvstore.node.arena import DramTier, ShmArena
 from kvstore.node.manifest import Manifest
 from kvstore.node.tiers import Tier
+from kvstore.stored_object import StoredObject
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from kvstore.errors import (
     KVStoreError,
     ProtocolError,
 )
-from kvstore.manifest import StoredObject
+from kvstore.stored_object import StoredObject
 from kvstore.types import result_to_wire
 
 if TYPE_CHECKING:

@@ -32,9 +32,9 @@ from kvstore.errors import (
     NodeUnavailableError,
     ProtocolError,
 )
-from kvstore.manifest import StoredObject
-from kvstore.node.tiers import TIER_NVME, checksum_of
-from kvstore.types import Location, result_from_wire
+from kvstore.node.tiers import checksum_of
+from kvstore.stored_object import StoredObject
+from kvstore.types import TIER_NVME, Location, result_from_wire
 
 if TYPE_CHECKING:
     from kvstore.node.server import DataServer

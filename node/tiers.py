@@ -11,7 +11,7 @@ copies, reads and the manifest treat all tiers alike. What sets DRAM apart is on
 (``recv_into``) and a read can send from without a copy. The other tiers answer None there, and
 their writes carry whole objects, stored in one batch per tier (one lmdb transaction for NVMe).
 
-The objects a tier stores are the core :class:`~kvstore.manifest.StoredObject` records, the
+The objects a tier stores are the core :class:`~kvstore.stored_object.StoredObject` records, the
 same the node's manifest keeps and the master admits.
 """
 
@@ -22,24 +22,14 @@ import abc
 import xxhash
 
 from kvstore.errors import ChecksumMismatchError, KVStoreError
-from kvstore.manifest import StoredObject
+from kvstore.stored_object import StoredObject
 
 __all__ = [
-    "TIER_DRAM",
-    "TIER_HBM",
-    "TIER_NVME",
-    "TIER_ORDER",
     "StoredObject",
     "Tier",
     "checksum_of",
     "verify_checksum",
 ]
-
-TIER_HBM = "hbm"
-TIER_DRAM = "dram"
-TIER_NVME = "nvme"
-#: Fastest first. Demotion moves one step right, promotion one step left.
-TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
 
 
 def checksum_of(view: memoryview | bytes) -> int:

@@ -35,10 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import grants, protocol
 from kvstore.errors import GrantInvalidError, InvalidRequestError, KVStoreError, ProtocolError
-from kvstore.manifest import StoredObject
 from kvstore.node import claims
-from kvstore.node.tiers import TIER_NVME
-from kvstore.types import result_to_wire
+from kvstore.stored_object import StoredObject
+from kvstore.types import TIER_NVME, result_to_wire
 
 if TYPE_CHECKING:
     from kvstore.node.server import DataServer, VerbHandler

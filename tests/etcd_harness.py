@@ -374,7 +374,7 @@ def master_says(m: Daemon) -> str:
 def master_stats(m: Daemon) -> dict[str, object] | None:
     """The master's ``stats`` over the control protocol, or None when it refuses or is away."""
     from kvstore import protocol
-    from kvstore.config import Address
+    from kvstore.address import Address
     from kvstore.errors import KVStoreError
 
     addr = Address.parse(m.field("control"))

@@ -51,7 +51,7 @@ ALLOWED_BELOW = {
 #: Imports inside functions, each with its reason: (importing module, imported module).
 LAZY_ALLOWED = {
     # The router loads transformers (seconds); other subcommands should not wait for it.
-    ("kvstore.cli.engines", "kvstore.router.app"),
+    ("kvstore.cli.inference", "kvstore.router.app"),
     # The master's modules (aiohttp, prometheus) are two thirds of the CLI's start-up; a
     # ``kvstore node`` process (one per node, many per test run) never loads them.
     ("kvstore.cli.daemons", "kvstore.master.daemon"),
@@ -59,8 +59,8 @@ LAZY_ALLOWED = {
     ("kvstore.cli.daemons", "kvstore.master.service"),
     ("kvstore.cli.daemons", "kvstore.master.tiering"),
     # ... and for the same reason, the vLLM demo and proxy (aiohttp) where they run.
-    ("kvstore.cli.engines", "kvstore.demo.vllm_demo"),
-    ("kvstore.cli.engines", "kvstore.demo.vllm_proxy"),
+    ("kvstore.cli.inference", "kvstore.demo.vllm_demo"),
+    ("kvstore.cli.inference", "kvstore.demo.vllm_proxy"),
     # These need torch, which the pool itself does not; the demo imports them when it runs.
     ("kvstore.demo.demo", "kvstore.demo.models"),
     ("kvstore.demo.demo", "kvstore.demo.workers"),
@@ -155,6 +155,36 @@ def test_the_folders_are_the_layers() -> None:
                 assert layer(name) == LAYERS[package][0], f"{sub} is in {package}'s folder"
 
 
+#: File names that may repeat, each the same role in each package it is in: a daemon's
+#: ``server``/``daemon``/``admin``/``tasks``/``metrics``/``config``, each side's half of two-phase
+#: ``puts`` and of ``rdma``, an HTTP application's ``routes`` and ``state``, a run's ``report``.
+SAME_ROLE_NAMES = {
+    "__init__",
+    "__main__",
+    "admin",
+    "config",
+    "daemon",
+    "metrics",
+    "puts",
+    "rdma",
+    "report",
+    "routes",
+    "server",
+    "state",
+    "tasks",
+}
+
+
+def test_a_file_name_says_what_is_inside_and_repeats_only_for_one_role() -> None:
+    """A name used by two packages for different things (``events``, ``discovery``, ``slo``,
+    ``verbs``) makes a newcomer open the wrong file; a repeat is allowed only for one role."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in SOURCES.items():
+        by_name.setdefault(path.stem, []).append(module)
+    repeated = {n: ms for n, ms in by_name.items() if len(ms) > 1 and n not in SAME_ROLE_NAMES}
+    assert not repeated, repeated
+
+
 def test_a_core_module_serves_more_than_one_layer() -> None:
     """Code that only one layer uses lives in that layer's folder, not in the core (a core
     subpackage, such as the RDMA transport both ends use, counts as one)."""
@@ -226,3 +256,14 @@ def test_no_module_level_import_cycle() -> None:
         if v not in index:
             connect(v)
     assert not cycles, cycles
+
+
+def test_one_word_for_a_validated_configuration_record() -> None:
+    """A component is built from a frozen, validated ``*Config`` (``MasterConfig``,
+    ``NodeDaemonConfig``, ``RouterConfig``); no second or third word for the same thing."""
+    others = []
+    for module, path in SOURCES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Settings", "Options")):
+                others.append(f"{module}.{node.name}")
+    assert not others, others

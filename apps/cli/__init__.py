@@ -10,8 +10,8 @@ One module per command group:
 
 * :mod:`~kvstore.cli.daemons`: ``master``, ``node``, ``up``;
 * :mod:`~kvstore.cli.ops`: ``status``, ``nodes``, ``evict``, ``drain`` (the admin REST API);
-* :mod:`~kvstore.cli.keys`: ``get``, ``put``, ``ls``, ``rm`` (the pool by hand, through the SDK);
-* :mod:`~kvstore.cli.engines`: ``demo``, ``proxy``, ``router``, ``engine``, ``model``;
+* :mod:`~kvstore.cli.objects`: ``get``, ``put``, ``ls``, ``rm`` (the pool by hand, through the SDK);
+* :mod:`~kvstore.cli.inference`: ``demo``, ``proxy``, ``router``, ``engine``, ``model``;
 * ``replay``: registered by :mod:`kvstore.replay.cli`, next to the replay it drives.
 """
 
@@ -23,7 +23,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvstore.cli import daemon_config, daemons, engines, keys, ops
+from kvstore.cli import daemon_config, daemons, inference, objects, ops
 from kvstore.cli.common import Parser, os_error_text, port_in_use_text
 from kvstore.env import LOG_LEVELS, Env
 from kvstore.errors import KVStoreError
@@ -68,9 +68,9 @@ def build_parser(env: Env | None = None) -> Parser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     daemons.add_parsers(sub)
-    engines.add_parsers(sub)
+    inference.add_parsers(sub)
     ops.add_parsers(sub)
-    keys.add_parsers(sub)
+    objects.add_parsers(sub)
     replay_cli.add_parser(sub)
     return parser
 

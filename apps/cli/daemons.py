@@ -1,8 +1,8 @@
 """``kvstore master``, ``kvstore node`` and ``kvstore up``: the daemons of the store.
 
 Each command turns its flags (and the environment, :class:`kvstore.env.Env`) into the daemon's
-frozen options (:class:`~kvstore.master.daemon.MasterOptions`,
-:class:`~kvstore.node.daemon.NodeOptions`) and runs it; the daemons know nothing of argparse.
+frozen options (:class:`~kvstore.master.daemon.MasterDaemonConfig`,
+:class:`~kvstore.node.daemon.NodeDaemonConfig`) and runs it; the daemons know nothing of argparse.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvstore import auth
+from kvstore.address import Address
 from kvstore.cli.common import (
     add_security_flags,
     add_wire_flags,
@@ -23,21 +24,21 @@ from kvstore.cli.common import (
     wire_deadlines,
 )
 from kvstore.cli.daemon_config import add_config_flag
-from kvstore.config import Address, format_size, parse_size
 from kvstore.env import Env
 from kvstore.etcd import parse_endpoints
-from kvstore.node.daemon import NodeOptions, serve_node
+from kvstore.limits import format_size, parse_size
+from kvstore.node.daemon import NodeDaemonConfig, serve_node
 from kvstore.node.follow import serve_node_ha
 from kvstore.processes import die_with_parent, parse_ready, ready_line
 
 if TYPE_CHECKING:
-    from kvstore.master.daemon import Master, MasterEndpoints, MasterOptions
+    from kvstore.master.daemon import Master, MasterDaemonConfig, MasterEndpoints
 
 #: Seconds ``kvstore up`` waits for its node's ready line.
 READY_TIMEOUT_S = 60.0
 
 
-def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> MasterOptions:
+def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> MasterDaemonConfig:
     """The options of ``kvstore master`` (and of the master ``kvstore up`` runs).
 
     Raises:
@@ -45,7 +46,7 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
     """
     # NOTE: the master's modules (aiohttp, prometheus; two thirds of this command's start-up)
     # are imported where a master runs, so that a ``kvstore node`` process never loads them.
-    from kvstore.master.daemon import MasterOptions
+    from kvstore.master.daemon import MasterDaemonConfig
     from kvstore.master.ha import HAConfig
     from kvstore.master.service import MasterConfig
     from kvstore.master.tiering import TierConfig
@@ -60,7 +61,7 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
             connect_attempts=args.etcd_attempts,
             advertise_host=args.advertise_host or "",
         )
-    return MasterOptions(
+    return MasterDaemonConfig(
         host=args.host,
         port=args.port,
         admin_port=admin_port,
@@ -101,7 +102,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     if args.parent_pipe is not None:  # started by `kvstore up`: stop when it dies
         die_with_parent(args.parent_pipe)
 
-    options = NodeOptions(
+    options = NodeDaemonConfig(
         host=args.host,
         port=args.port,
         dram_bytes=parse_size(args.dram),

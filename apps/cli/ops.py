@@ -21,8 +21,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.cli.settings import CliSettings, resolve
-from kvstore.config import format_size
+from kvstore.cli.settings import CliConfig, resolve
 from kvstore.errors import (
     InvalidRequestError,
     KVStoreError,
@@ -30,6 +29,7 @@ from kvstore.errors import (
     MasterUnavailableError,
     ProtocolError,
 )
+from kvstore.limits import format_size
 
 #: Seconds between two polls of a drain.
 POLL_S = 0.5
@@ -42,7 +42,7 @@ class AdminClient:
         settings: where to connect, the token, TLS and timeout.
     """
 
-    def __init__(self, settings: CliSettings) -> None:
+    def __init__(self, settings: CliConfig) -> None:
         self.settings = settings
         self._ssl: ssl.SSLContext | None = None
         if settings.admin.startswith("https://"):

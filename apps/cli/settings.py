@@ -11,7 +11,7 @@ Order of precedence, highest first:
    holding it);
 4. defaults: ``admin = "http://127.0.0.1:7701"``, no token, system CAs, ``timeout = 10``.
 
-The data commands (``kvstore get|put|ls|rm``, :mod:`kvstore.cli.keys`) talk to the master's
+The data commands (``kvstore get|put|ls|rm``, :mod:`kvstore.cli.objects`) talk to the master's
 control port instead: ``--master``, else ``$KVSTORE_MASTER``, else the file's ``master``, else
 ``127.0.0.1:7700`` (where ``kvstore up`` listens by default); see :func:`resolve_master`.
 """
@@ -43,7 +43,7 @@ _FILE_KEYS = {
 
 
 @dataclass(frozen=True, slots=True)
-class CliSettings:
+class CliConfig:
     """Where the operator commands connect and how.
 
     Attributes:
@@ -100,7 +100,7 @@ def resolve(
     flags: Mapping[str, Any],
     env: Mapping[str, str] | None = None,
     config_path: str | None = None,
-) -> CliSettings:
+) -> CliConfig:
     """Merge flags, environment, config file and defaults (in that order of precedence).
 
     Args:
@@ -149,7 +149,7 @@ def resolve(
         token, sources["token"] = auth.load_token(file["token_file"], env={}), "file"
     else:
         token, sources["token"] = None, "default"
-    return CliSettings(admin, token, values["ca_file"], timeout, sources)
+    return CliConfig(admin, token, values["ca_file"], timeout, sources)
 
 
 def resolve_master(

@@ -12,7 +12,7 @@ Modules, each owning one thing:
 """
 
 from .loadgen import RequestResult, run_replay
-from .metrics import ReplaySummary, summarize
+from .summary import ReplaySummary, summarize
 from .workload import ReplayRequest, build_requests, synthesize_prompt
 
 __all__ = [

@@ -22,8 +22,8 @@ from kvstore.sim.trace import TraceRequest, load_trace
 from . import report
 from .fit import ENGINE_MODELS, CostFit, Prediction, SimShape, fit_cost_model, simulate_slice
 from .loadgen import LoadConfig, RequestResult, resolve_model, run_replay
-from .metrics import SLO_CLASSES, ReplaySummary, summarize
 from .stepfit import StepFit, fit_step_model
+from .summary import SLO_CLASSES, ReplaySummary, summarize
 from .workload import ReplayRequest, ScaleConfig, build_requests, ideal_cached_tokens
 
 DEFAULT_NUM_REQUESTS = 20

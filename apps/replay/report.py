@@ -18,8 +18,8 @@ from kvstore.sim.report import format_table, pyplot, save_figure
 
 from .fit import CostFit, Prediction, queue_ahead, relative_error
 from .loadgen import RequestResult
-from .metrics import PERCENTILES, ReplaySummary
 from .stepfit import StepFit
+from .summary import PERCENTILES, ReplaySummary
 
 
 def _ms(values: Sequence[float]) -> list[float]:

@@ -20,7 +20,7 @@ from kvstore.routing.policy import (
 )
 
 from .requests import DEFAULT_MAX_CHARS_PER_TOKEN
-from .slo import SLOPolicy
+from .slo_classes import SLOPolicy
 
 #: Largest request body read: room for a million-token context as JSON token ids (or as
 #: ASCII-escaped text), and a bound on what one request makes the router hold.

@@ -24,7 +24,7 @@ from typing import Any
 from kvstore.routing.policy import EngineView, watermark_state
 
 from .admission import EngineSlots
-from .fit import EngineFit
+from .live_fit import EngineFit
 
 ROLES = ("prefill", "decode", "both")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")

@@ -23,11 +23,11 @@ from kvstore.routing.slo import SLOClass
 
 from .admission import EngineSlots
 from .config import RouterConfig
-from .discovery import EngineDiscovery
 from .engine_cache import EngineEvents, chain_keys
+from .engine_watch import EngineDiscovery
 from .engines import ROLES, Engine, EngineAnswerError, EngineLoad, make_engines
-from .fit import EngineFit
 from .listen import ROUTER_ID_HEADER, ListenAddresses
+from .live_fit import EngineFit
 from .metrics import RouterMetrics
 from .poolhits import PoolLookup
 from .requests import ModelInfo, RequestError

@@ -12,7 +12,7 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
   of ``max(c, l)`` + one decode step of the batch already running there; in P/D mode the
   decode engine then loads the whole prompt from the pool (one more transfer). The terms are
   the engine's :class:`~.cost.CostTerms`: the router's :class:`~.cost.CostModel`, fitted per
-  engine (``kvstore.router.fit``), or the simulated engine's own step model.
+  engine (``kvstore.router.live_fit``), or the simulated engine's own step model.
   On a kv_both engine a request holds its router slot to its last token, so the queue also
   counts the wait for a slot once all are taken. The queue wait is what the router itself
   still has in flight there (its predicted prefill seconds) plus the engine's own waiting

@@ -25,7 +25,7 @@ Modules, each owning one thing:
 * :mod:`.report` turns results into tables and PNG plots.
 """
 
-from .slo import DEFAULT_SLO
+from .default_slo import DEFAULT_SLO
 from .trace import TraceFormatError, TraceRequest, load_trace, parse_trace_lines
 
 __all__ = [

@@ -23,10 +23,10 @@ from kvstore.routing.slo import SLOClass
 
 from . import report
 from .cluster import ClusterConfig
+from .default_slo import DEFAULT_SLO
 from .experiments import CAPACITIES, hit_rate_grid, run_routers
 from .policies import POLICIES
 from .scheduler import ROUTERS, SchedulerConfig
-from .slo import DEFAULT_SLO
 from .trace import load_trace
 
 

@@ -53,10 +53,10 @@ from kvstore.routing.cost import CostTerms
 from kvstore.routing.policy import POLICIES, EngineView, RequestShape, choose
 from kvstore.routing.slo import SLOClass
 
+from .default_slo import DEFAULT_SLO
 from .engine import EngineConfig, EngineRequest, KvBothEngine, StepCost
 from .policies import BlockCache
 from .simulator import SimResult
-from .slo import DEFAULT_SLO
 from .trace import TraceRequest
 
 _REACH = 0

@@ -36,8 +36,8 @@ from kvstore.errors import InvalidRequestError
 from kvstore.routing.slo import SLOClass
 
 from .cluster import ClusterState, DecodeInstance, PrefillInstance
+from .default_slo import DEFAULT_SLO
 from .policies import BlockKey
-from .slo import DEFAULT_SLO
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.address import Address
 from kvstore.client.engine_registry import (
     DEFAULT_ENGINE_TTL_S,
     DEFAULT_ENGINES_PREFIX,
@@ -17,7 +18,6 @@ from kvstore.client.engine_registry import (
     check_prefix,
     engine_key,
 )
-from kvstore.config import Address
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import is_etcd_url, parse_endpoints
 from kvstore.keys import Namespace

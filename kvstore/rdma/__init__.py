@@ -20,10 +20,10 @@ performance.
 Shape, and why. The package sits in the core layer, so it holds what the node and the client
 share; the node's half lives in the node's layer:
 
-* :mod:`kvstore.rdma.devices`: pyverbs loading, device discovery, :class:`RdmaSettings` from the
+* :mod:`kvstore.rdma.devices`: pyverbs loading, device discovery, :class:`RdmaConfig` from the
   environment, and the fallback line ``"<role>: RDMA off (<why>); using TCP"``;
 * :mod:`kvstore.rdma.wire`: what the peers exchange (:class:`RdmaOffer`, :class:`QpEndpoint`);
-* :mod:`kvstore.rdma.verbs`: the verbs wrapper (memory regions, :class:`VerbsContext`,
+* :mod:`kvstore.rdma.ibverbs`: the verbs wrapper (memory regions, :class:`VerbsContext`,
   :class:`RcQueuePair`, :class:`RdmaOp`);
 * :mod:`kvstore.node.rdma` (``node/rdma.py``): the node's side (queue pairs per client connection, the
   ``rdma_connect`` / ``rdma_commit`` verbs, the offer to publish).
@@ -31,7 +31,7 @@ share; the node's half lives in the node's layer:
 The client's side stays in the client layer, as :mod:`kvstore.client.rdma`: it is a client
 transport built on the client's connection pool and item types (``kvstore.client.transport``),
 and the core must not import the client. It imports this package, never the reverse.
-The classes and functions below are re-exported so that callers write ``rdma.RdmaSettings``
+The classes and functions below are re-exported so that callers write ``rdma.RdmaConfig``
 whichever module holds them (of the constants only ``TEST_DEVICE_ENV``, a name: patch the
 others where they live);
 :mod:`kvstore.node.rdma` is not imported here (the client has no use for it).
@@ -59,21 +59,21 @@ can read and write the node's whole arena, grant or not: the same trust as the s
 
 Where either side has no device, pyverbs is missing, or anything on the RDMA path fails, the
 node and the client each log one line saying so and use TCP. Settings come from the environment
-(:class:`RdmaSettings`): ``KVSTORE_RDMA=off`` disables RDMA, ``KVSTORE_RDMA_DEVICE`` picks a
+(:class:`RdmaConfig`): ``KVSTORE_RDMA=off`` disables RDMA, ``KVSTORE_RDMA_DEVICE`` picks a
 device, ``KVSTORE_RDMA_PORT`` and ``KVSTORE_RDMA_GID_INDEX`` (RoCE v2: usually 1 or 3).
 """
 
 from kvstore.rdma.devices import (
     TEST_DEVICE_ENV,
+    RdmaConfig,
     RdmaDevice,
-    RdmaSettings,
     discover,
     first_device,
     import_pyverbs,
     log_fallback,
     log_once,
 )
-from kvstore.rdma.verbs import (
+from kvstore.rdma.ibverbs import (
     MemoryRegion,
     MemoryRegionTable,
     RcQueuePair,
@@ -93,7 +93,7 @@ __all__ = [
     "RdmaDevice",
     "RdmaOffer",
     "RdmaOp",
-    "RdmaSettings",
+    "RdmaConfig",
     "VerbsContext",
     "address_of",
     "choose",

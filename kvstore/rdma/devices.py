@@ -111,7 +111,7 @@ TEST_DEVICE_ENV = "KVSTORE_TEST_RDMA_DEVICE"  # read by kvstore.env.Env (test_rd
 
 
 @dataclass(frozen=True, slots=True)
-class RdmaSettings:
+class RdmaConfig:
     """Where and whether to use RDMA, from the environment (see :mod:`kvstore.rdma`)."""
 
     enabled: bool = True
@@ -121,11 +121,11 @@ class RdmaSettings:
     pretend_device: str | None = None
 
     @staticmethod
-    def from_env(env: Mapping[str, str] | None = None) -> RdmaSettings:
+    def from_env(env: Mapping[str, str] | None = None) -> RdmaConfig:
         """Raises EnvError (an InvalidRequestError) for a port or GID index that is not a small
         integer (:class:`kvstore.env.Env` reads the variables)."""
         read = Env.read(env)
-        return RdmaSettings(
+        return RdmaConfig(
             enabled=read.rdma,
             device=read.rdma_device,
             port=read.rdma_port,
@@ -134,9 +134,9 @@ class RdmaSettings:
         )
 
 
-def first_device(role: str, settings: RdmaSettings | None = None) -> RdmaDevice | None:
+def first_device(role: str, settings: RdmaConfig | None = None) -> RdmaDevice | None:
     """The device to use, or None after logging once why TCP is used instead."""
-    settings = settings or RdmaSettings.from_env()
+    settings = settings or RdmaConfig.from_env()
     if not settings.enabled:  # the operator said so: nothing to tell them
         log_fallback("rdma-off", role, "disabled by KVSTORE_RDMA=off", logging.DEBUG)
         return None

@@ -11,9 +11,9 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.config import MAX_KEY_BYTES
 from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
-from kvstore.master.rest.events import MAX_STREAMS
+from kvstore.limits import MAX_KEY_BYTES
+from kvstore.master.rest.event_stream import MAX_STREAMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS
 from kvstore.master.rest.state import SETTINGS_KEY

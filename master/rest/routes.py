@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from kvstore.config import MAX_KEY_BYTES, encode_key
 from kvstore.errors import (
     ErrorCode,
     InvalidRequestError,
@@ -24,6 +23,7 @@ from kvstore.errors import (
     NodeUnavailableError,
 )
 from kvstore.keys import Namespace, as_token_array
+from kvstore.limits import MAX_KEY_BYTES, encode_key
 from kvstore.master.metrics import CONTENT_TYPE
 from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
 from kvstore.master.service import MasterService

@@ -13,7 +13,7 @@ from kvstore.master.service import ServiceSlot
 
 
 @dataclass(frozen=True, slots=True)
-class AdminSettings:
+class AdminConfig:
     """How the admin API guards itself.
 
     Attributes:
@@ -34,5 +34,5 @@ class AdminSettings:
 #: The slot of the current term's service: routes read ``app[SERVICE_KEY].service`` per request.
 SERVICE_KEY = web.AppKey("service", ServiceSlot)
 METRICS_KEY = web.AppKey("metrics", MasterMetrics)
-SETTINGS_KEY = web.AppKey("settings", AdminSettings)
+SETTINGS_KEY = web.AppKey("settings", AdminConfig)
 HISTORY_KEY = web.AppKey("history", History)

@@ -15,8 +15,8 @@ from kvstore.cli.common import wire_deadlines
 from kvstore.cli.daemons import master_options, node_argv
 from kvstore.env import Env
 from kvstore.errors import InvalidRequestError
-from kvstore.master.daemon import MasterOptions
-from kvstore.node.daemon import NodeOptions
+from kvstore.master.daemon import MasterDaemonConfig
+from kvstore.node.daemon import NodeDaemonConfig
 from kvstore.serving import WireDeadlines
 
 
@@ -172,7 +172,7 @@ def test_up_without_tls_gives_its_node_none(tmp_path: Path) -> None:
 )
 def test_master_options_are_validated(bad: dict[str, object]) -> None:
     with pytest.raises(InvalidRequestError):
-        MasterOptions(**bad)  # type: ignore[arg-type]
+        MasterDaemonConfig(**bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -181,7 +181,7 @@ def test_master_options_are_validated(bad: dict[str, object]) -> None:
 def test_node_options_are_validated(tmp_path: Path, bad: dict[str, object]) -> None:
     fields = {"host": "127.0.0.1", "port": 0, "dram_bytes": 1 << 20, "data_dir": tmp_path}
     with pytest.raises(InvalidRequestError):
-        NodeOptions(**{**fields, **bad})  # type: ignore[arg-type]
+        NodeDaemonConfig(**{**fields, **bad})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

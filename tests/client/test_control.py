@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from kvstore.address import Address
 from kvstore.client.control import ControlChannel, FixedChannel, open_channel
-from kvstore.client.discovery import LeaderChannel
-from kvstore.config import Address
+from kvstore.client.leader import LeaderChannel
 from kvstore.errors import InvalidRequestError
 
 PROTOCOL_METHODS = ("call", "call_epoch", "call_overlapped", "close")

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvstore.address import Address
 from kvstore.client.engine_registry import (
     EngineAnnouncer,
     EngineRecord,
@@ -21,7 +22,6 @@ from kvstore.client.engine_registry import (
     engine_key,
     list_engines,
 )
-from kvstore.config import Address
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, KeyValue, parse_endpoints
 from kvstore.processes import parse_ready, terminate

@@ -33,7 +33,7 @@ from kvstore.node import rdma as rdma_node
 from kvstore.node.arena import ShmArena
 from kvstore.node.rdma import NodeRdma
 from kvstore.node.server import DataServer
-from kvstore.rdma import verbs as rdma_verbs
+from kvstore.rdma import ibverbs as rdma_verbs
 from kvstore.types import Location
 from tests.support import has_rdma_device, wait_until
 
@@ -361,7 +361,7 @@ def loopback(tmp_path):
         t = RdmaTransport(
             rdma.RdmaDevice("loop0"),
             tcp.pool,
-            rdma.RdmaSettings(),
+            rdma.RdmaConfig(),
             open_context=lambda: LoopbackContext(fabric, "loop0"),
             make_qp=LoopbackQp,
         )

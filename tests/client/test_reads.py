@@ -393,7 +393,7 @@ def test_reads_run_with_the_collector_paused_and_leave_it_as_they_found_it(
     cluster: FakeCluster,
 ) -> None:
     """A data call's per-key records die by reference counting; collections in the middle of
-    it would only promote them (kvstore.collector.PausedCollector)."""
+    it would only promote them (kvstore.gc_policy.PausedCollector)."""
     assert gc.isenabled()
     cluster.put(b"a", b"x" * 10)
     on_in_read: list[bool] = []

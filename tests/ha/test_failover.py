@@ -12,8 +12,8 @@ import threading
 import time
 
 from kvstore import protocol
+from kvstore.address import Address
 from kvstore.client import Client
-from kvstore.config import Address
 from kvstore.errors import ErrorCode, KVStoreError
 from tests.etcd_harness import (  # noqa: F401 - fixtures
     LoadProcess,

@@ -10,11 +10,11 @@ import sys
 import pytest
 
 from kvstore import protocol
+from kvstore.address import Address
 from kvstore.client import Client
-from kvstore.config import Address
-from kvstore.discovery import EtcdLayout
 from kvstore.errors import MasterUnavailableError
 from kvstore.etcd import EtcdStore
+from kvstore.etcd_keys import EtcdLayout
 from tests.etcd_harness import etcd, free_port, ha_factory  # noqa: F401 - fixtures
 from tests.support import wait_until
 

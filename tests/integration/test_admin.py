@@ -353,7 +353,7 @@ def test_node_rest(cluster: Cluster, client: Client) -> None:
     status, text = node_http("GET", "/metrics")
     assert status == 200 and "kvstore_node_writes_total" in text
     assert 'kvstore_node_segment_capacity_bytes{segment="dram",tier="dram"}' in text
-    # A node's own process sets the daemons' collector policy (kvstore/collector.py): start-up
+    # A node's own process sets the daemons' collector policy (kvstore/gc_policy.py): start-up
     # frozen out of the full collections' way, the collections' pauses recorded.
     frozen = next(
         float(line.split()[1])

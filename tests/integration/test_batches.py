@@ -141,7 +141,7 @@ def test_a_batch_larger_than_one_call_is_split_by_the_client(
     client's batch verbs split any batch into calls under it, so a batch of any length lands whole
     (as the README says)."""
     from kvstore import protocol
-    from kvstore.config import Address
+    from kvstore.address import Address
     from kvstore.errors import InvalidRequestError
     from kvstore.master.config import MasterConfig
 

@@ -175,7 +175,7 @@ def _metric(text: str, name: str) -> float:
 def test_the_master_of_up_runs_with_the_collectors_policy(tmp_path: Path) -> None:
     """``kvstore up`` runs a master in its own process, so it sets the master's collector
     policy as ``kvstore master`` does: start-up frozen out of the full collections' way, and
-    the collections' pauses recorded (kvstore/collector.py); and its loop's lag is sampled."""
+    the collections' pauses recorded (kvstore/gc_policy.py); and its loop's lag is sampled."""
     up = Daemon(
         ["up", "--port", "0", "--data-dir", str(tmp_path), "--dram", "32MiB"],
         ready=r"kvstore up: ready",

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from kvstore.config import Address
-from kvstore.discovery import EtcdLayout, LeaderRecord, read_leader, read_members
+from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, EtcdThread, parse_endpoints, prefix_end
+from kvstore.etcd_keys import EtcdLayout, LeaderRecord, read_leader, read_members
 from tests.etcd_harness import etcd, free_port  # noqa: F401 - fixture
 
 

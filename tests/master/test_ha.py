@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvstore import protocol
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import ErrorCode, EtcdUnavailableError, InvalidRequestError
 from kvstore.master.ha import HAConfig, Leadership, supervise
 from kvstore.master.service import MasterService, ServiceSlot

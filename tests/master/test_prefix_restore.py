@@ -16,10 +16,10 @@ import xxhash
 from kvstore import auth, grants, protocol
 from kvstore.keys import Namespace
 from kvstore.kvblocks import encode_prompt_meta
-from kvstore.manifest import StoredObject
 from kvstore.master.prefix_restore import PromptMetaBacklog, fetch_objects
 from kvstore.node.arena import ShmArena
 from kvstore.node.server import DataServer
+from kvstore.stored_object import StoredObject
 from kvstore.types import Location, ObjectInfo
 
 TOKEN = "prefix-restore-test-token-0123"

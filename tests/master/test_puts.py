@@ -18,7 +18,7 @@ from kvstore.errors import (
 )
 from kvstore.kvblocks import is_kv_key
 from kvstore.master.config import MasterConfig
-from kvstore.master.events import EventLog
+from kvstore.master.event_ring import EventLog
 from kvstore.master.leases import PIN_SOFT
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.prefix import PrefixIndex

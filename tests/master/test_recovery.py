@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from kvstore.errors import NodeUnavailableError
-from kvstore.manifest import ManifestClaim, claims_from_wire, verify_claims
 from kvstore.master.service import MasterConfig, MasterService
+from kvstore.stored_object import ManifestClaim, claims_from_wire, verify_claims
 from kvstore.types import PutTicket, SegmentSpec
 
 SECRET = b"s" * 32

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.config import MAX_KEY_BYTES
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.limits import MAX_KEY_BYTES
 from kvstore.master.rpc_args import arg, list_arg, optional_arg, per_key
 
 

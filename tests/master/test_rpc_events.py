@@ -14,7 +14,7 @@ import pytest
 
 from kvstore import protocol
 from kvstore.errors import InvalidRequestError
-from kvstore.master.events import EVENT_STORED
+from kvstore.master.event_ring import EVENT_STORED
 from kvstore.master.rpc_events import EVENTS_MAX_WAIT_S, await_events, events_query
 from kvstore.master.service import MasterService, ServiceSlot
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.master.config import MasterConfig
-from kvstore.master.events import EVENT_EVICTED, EventLog
+from kvstore.master.event_ring import EVENT_EVICTED, EventLog
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.space import Space

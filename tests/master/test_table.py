@@ -154,7 +154,7 @@ def test_mapping_verbs() -> None:
 
 FREEZE_CHECK = """
 import gc, sys, weakref
-from kvstore.collector import YOUNG_GC_THRESHOLD, tune_collector
+from kvstore.gc_policy import YOUNG_GC_THRESHOLD, tune_collector
 
 class Cycle:
     pass

@@ -9,11 +9,11 @@ import pytest
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, NoSpaceError
 from kvstore.eviction import EVICTION_POLICIES, make_policy
-from kvstore.manifest import ManifestClaim
 from kvstore.master.service import MasterConfig, MasterService
 from kvstore.master.table import ObjectMeta, Replica
 from kvstore.master.tiering import TierConfig
 from kvstore.node.claims import WriteClaims
+from kvstore.stored_object import ManifestClaim
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
 

@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 
 from kvstore import grants, protocol
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import ErrorCode, ForbiddenError, KVStoreError, NodeUnavailableError
-from kvstore.manifest import StoredObject
 from kvstore.node.agent import MasterLink
 from kvstore.node.arena import ShmArena
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
 from kvstore.node.tiers import checksum_of
+from kvstore.stored_object import StoredObject
 from kvstore.types import SegmentSpec
 from tests.support import wait_until
 

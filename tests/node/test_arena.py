@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from kvstore.errors import InvalidRequestError, OutOfRangeError
-from kvstore.manifest import StoredObject
 from kvstore.node.arena import DramTier, ShmArena, reclaim_stale_arenas
 from kvstore.node.tiers import checksum_of
+from kvstore.stored_object import StoredObject
 from tests.support import wait_until
 
 HOLD = """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import gc
 
-from kvstore.manifest import StoredObject
 from kvstore.node.manifest import Manifest
+from kvstore.stored_object import StoredObject
 
 
 def test_a_forget_drops_only_the_version_it_names() -> None:

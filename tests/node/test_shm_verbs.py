@@ -12,10 +12,10 @@ import xxhash
 
 from kvstore import grants, protocol
 from kvstore.errors import ErrorCode, KVStoreError
-from kvstore.manifest import StoredObject
 from kvstore.node.arena import ShmArena
 from kvstore.node.server import DataServer
 from kvstore.node.shm_verbs import make_shm_commit
+from kvstore.stored_object import StoredObject
 
 SIZE = 1 << 16
 NOW_MS = 1_000_000_000

@@ -34,7 +34,7 @@ def test_no_device_falls_back_with_one_log_line(caplog) -> None:
 def test_a_device_asked_for_by_name_and_absent_is_said_at_info(caplog) -> None:
     rdma.devices._logged.clear()
     with caplog.at_level(logging.INFO, logger="kvstore.rdma"):
-        assert rdma.first_device("node", rdma.RdmaSettings(device="mlx5_9")) is None
+        assert rdma.first_device("node", rdma.RdmaConfig(device="mlx5_9")) is None
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("node: RDMA off ("), lines
 
@@ -42,21 +42,21 @@ def test_a_device_asked_for_by_name_and_absent_is_said_at_info(caplog) -> None:
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, rdma.RdmaSettings()),
-        ({"KVSTORE_RDMA": "off"}, rdma.RdmaSettings(enabled=False)),
+        ({}, rdma.RdmaConfig()),
+        ({"KVSTORE_RDMA": "off"}, rdma.RdmaConfig(enabled=False)),
         (
             {
                 "KVSTORE_RDMA_DEVICE": "mlx5_1",
                 "KVSTORE_RDMA_PORT": "2",
                 "KVSTORE_RDMA_GID_INDEX": "3",
             },
-            rdma.RdmaSettings(device="mlx5_1", port=2, gid_index=3),
+            rdma.RdmaConfig(device="mlx5_1", port=2, gid_index=3),
         ),
-        ({rdma.TEST_DEVICE_ENV: "pretend0"}, rdma.RdmaSettings(pretend_device="pretend0")),
+        ({rdma.TEST_DEVICE_ENV: "pretend0"}, rdma.RdmaConfig(pretend_device="pretend0")),
     ],
 )
 def test_settings_from_env(env, expected) -> None:
-    assert rdma.RdmaSettings.from_env(env) == expected
+    assert rdma.RdmaConfig.from_env(env) == expected
 
 
 @pytest.mark.parametrize(
@@ -65,15 +65,15 @@ def test_settings_from_env(env, expected) -> None:
 )
 def test_bad_settings_are_refused(env) -> None:
     with pytest.raises(InvalidRequestError):
-        rdma.RdmaSettings.from_env(env)
+        rdma.RdmaConfig.from_env(env)
 
 
 def test_disabled_and_pretend_devices(caplog) -> None:
     rdma.devices._logged.clear()
     with caplog.at_level(logging.DEBUG, logger="kvstore.rdma"):
-        assert rdma.first_device("client", rdma.RdmaSettings(enabled=False)) is None
+        assert rdma.first_device("client", rdma.RdmaConfig(enabled=False)) is None
     assert [r.levelno for r in caplog.records if "KVSTORE_RDMA=off" in r.getMessage()] == [
         logging.DEBUG
     ]
-    pretend = rdma.RdmaSettings(pretend_device="pretend0")
+    pretend = rdma.RdmaConfig(pretend_device="pretend0")
     assert rdma.first_device("client", pretend) == rdma.RdmaDevice("pretend0")

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from kvstore import rdma
-from kvstore.rdma import devices, verbs, wire
+from kvstore.rdma import devices, ibverbs, wire
 
 
 @pytest.mark.timeout(60)
@@ -39,7 +39,7 @@ def test_node_half_imports_no_client_or_master() -> None:
 @pytest.mark.parametrize("name", [n for n in rdma.__all__ if callable(getattr(rdma, n))])
 def test_package_names_are_the_modules_own(name: str) -> None:
     obj = getattr(rdma, name)
-    owner = {m.__name__: m for m in (devices, verbs, wire)}[obj.__module__]
+    owner = {m.__name__: m for m in (devices, ibverbs, wire)}[obj.__module__]
     assert getattr(owner, name) is obj
 
 

@@ -20,7 +20,7 @@ from kvstore.replay.fit import (
 from kvstore.replay.loadgen import RequestResult
 from kvstore.replay.stepfit import fit_step_model
 from kvstore.replay.workload import ReplayRequest
-from kvstore.sim.slo import SLOClass
+from kvstore.sim.default_slo import SLOClass
 
 SLO = SLOClass("t", ttft_s=1.0, tbt_s=0.1)
 

@@ -6,9 +6,9 @@ import pytest
 
 from kvstore.errors import InvalidRequestError
 from kvstore.replay.loadgen import LoadConfig, request_body, resolve_model, run_replay
-from kvstore.replay.metrics import summarize
+from kvstore.replay.summary import summarize
 from kvstore.replay.workload import ScaleConfig, build_requests, ideal_cached_tokens
-from kvstore.sim.slo import SLOClass
+from kvstore.sim.default_slo import SLOClass
 from kvstore.sim.trace import TraceRequest
 from tests.replay.fake_openai import FakeOpenAI
 

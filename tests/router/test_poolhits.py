@@ -12,7 +12,7 @@ import pytest
 from kvstore.router.admission import EngineSlots
 from kvstore.router.config import CPU_PRIOR
 from kvstore.router.engines import Engine, EngineLoad
-from kvstore.router.fit import EngineFit
+from kvstore.router.live_fit import EngineFit
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.poolhits import POOL_RETRY_S, PoolHit, PoolLookup
 from kvstore.router.requests import ModelInfo

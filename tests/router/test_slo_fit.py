@@ -10,8 +10,8 @@ import pytest
 from kvstore.errors import InvalidRequestError
 from kvstore.router.admission import EngineSlots
 from kvstore.router.engines import EngineLoad, make_engines
-from kvstore.router.fit import EngineFit, LineFit
-from kvstore.router.slo import SLOPolicy
+from kvstore.router.live_fit import EngineFit, LineFit
+from kvstore.router.slo_classes import SLOPolicy
 from kvstore.routing.cost import CostModel
 
 

@@ -17,7 +17,7 @@ SIM_MODULES = [
     "kvstore.sim.report",
     "kvstore.sim.scheduler",
     "kvstore.sim.simulator",
-    "kvstore.sim.slo",
+    "kvstore.sim.default_slo",
     "kvstore.sim.trace",
 ]
 

@@ -28,13 +28,13 @@ from kvstore.client.engine_registry import (
     EngineAnnouncer,
     EngineRecord,
 )
-from kvstore.config import parse_size
 from kvstore.demo.demo import run_demo
 from kvstore.demo.realmodel import fetch_model, model_dir, require_model
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.etcd import parse_endpoints
+from kvstore.limits import parse_size
 from kvstore.processes import ready_line
-from kvstore.router.slo import SLOPolicy
+from kvstore.router.slo_classes import SLOPolicy
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import InvalidRequestError, OutOfRangeError, TransportUnavailableError
-from kvstore.rdma.devices import RdmaDevice, RdmaSettings, import_pyverbs
+from kvstore.rdma.devices import RdmaConfig, RdmaDevice, import_pyverbs
 from kvstore.rdma.wire import QpEndpoint
 
 
@@ -169,7 +169,7 @@ class VerbsContext:  # pragma: no cover - needs an RDMA device
         TransportUnavailableError: the device cannot be opened or queried.
     """
 
-    def __init__(self, device: RdmaDevice, settings: RdmaSettings) -> None:
+    def __init__(self, device: RdmaDevice, settings: RdmaConfig) -> None:
         import_pyverbs()
         try:
             import pyverbs.enums as e

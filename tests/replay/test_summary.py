@@ -8,8 +8,8 @@ import pytest
 
 from kvstore.errors import InvalidRequestError
 from kvstore.replay.loadgen import RequestResult
-from kvstore.replay.metrics import goodput_rps, met_slo, percentiles, summarize
-from kvstore.sim.slo import SLOClass
+from kvstore.replay.summary import goodput_rps, met_slo, percentiles, summarize
+from kvstore.sim.default_slo import SLOClass
 
 SLO = SLOClass("t", ttft_s=0.5, tbt_s=0.1)
 

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from kvstore.errors import InvalidRequestError, KVStoreError, OverloadedError
-from kvstore.master.events import (
+from kvstore.master.event_ring import (
     MAX_EVENTS_PER_CALL,
     EventBatch,
     Resync,

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.config import Address
+from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError, MasterUnavailableError
 from kvstore.etcd import EtcdStore, EtcdThread, KeyValue
 

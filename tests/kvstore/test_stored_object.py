@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore import manifest
+from kvstore import stored_object
 from kvstore.errors import InvalidRequestError
-from kvstore.manifest import ManifestClaim, StoredObject
+from kvstore.stored_object import ManifestClaim, StoredObject
 
 
 def test_the_claim_is_the_stored_object() -> None:
@@ -38,6 +38,6 @@ def test_malformed_records_are_refused(wire: object) -> None:
 
 
 def test_claims_from_wire_keeps_errors_in_place() -> None:
-    out = manifest.claims_from_wire([["dram", 0, b"k", 1, 1, 1], "junk"])
+    out = stored_object.claims_from_wire([["dram", 0, b"k", 1, 1, 1], "junk"])
     assert out[0] == StoredObject("dram", 0, b"k", 1, 1, 1)
     assert isinstance(out[1], InvalidRequestError)

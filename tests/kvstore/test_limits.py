@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.config import MAX_KEY_BYTES, Address, encode_key, parse_size
+from kvstore.address import Address
 from kvstore.errors import InvalidRequestError
+from kvstore.limits import MAX_KEY_BYTES, encode_key, parse_size
 
 
 @pytest.mark.parametrize(

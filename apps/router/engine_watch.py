@@ -19,13 +19,13 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from kvstore.address import Address
 from kvstore.client.engine_registry import (
     DEFAULT_ENGINES_PREFIX,
     RegisteredEngine,
     check_prefix,
     list_engines,
 )
-from kvstore.config import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, WatchCompactedError, WatchEvent
 

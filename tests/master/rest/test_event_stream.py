@@ -13,10 +13,10 @@ from aiohttp.test_utils import TestServer
 
 from kvstore.auth import Token
 from kvstore.master.admin import init_app
-from kvstore.master.events import EVENT_STORED
+from kvstore.master.event_ring import EVENT_STORED
 from kvstore.master.ha import Leadership
-from kvstore.master.rest import events as events_rest
-from kvstore.master.rest.state import AdminSettings
+from kvstore.master.rest import event_stream as events_rest
+from kvstore.master.rest.state import AdminConfig
 from kvstore.master.service import MasterService, ServiceSlot
 
 
@@ -152,7 +152,7 @@ def test_event_streams_are_capped_and_a_subscriber_that_reads_nothing_is_dropped
 
 def test_events_need_the_token_even_where_reads_are_public() -> None:
     async def run() -> None:
-        settings = AdminSettings(token=Token("events-secret-0123456789"), public_reads=True)
+        settings = AdminConfig(token=Token("events-secret-0123456789"), public_reads=True)
         server = TestServer(init_app(ServiceSlot(MasterService()), settings=settings))
         await server.start_server()
         try:

@@ -1,4 +1,4 @@
-"""The HA control channel (kvstore.client.discovery.LeaderChannel) against scripted masters and a
+"""The HA control channel (kvstore.client.leader.LeaderChannel) against scripted masters and a
 resolver of our own: every call carries its leader's epoch, a leader change or a silent leader
 moves the call to the next leader, a pinned call never moves, and other errors are not retried."""
 
@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from kvstore import protocol
-from kvstore.client.discovery import LeaderChannel
-from kvstore.config import Address
-from kvstore.discovery import LeaderRecord
+from kvstore.address import Address
+from kvstore.client.leader import LeaderChannel
 from kvstore.errors import (
     KeyNotFoundError,
     KVStoreError,
@@ -22,6 +21,7 @@ from kvstore.errors import (
     NotLeaderError,
     StaleEpochError,
 )
+from kvstore.etcd_keys import LeaderRecord
 
 WAIT_S = 10.0
 Handler = Callable[[str, dict[str, Any]], Any]

@@ -1,4 +1,4 @@
-"""What kvstore keeps in etcd (kvstore.discovery): the key layout, leader and node records and
+"""What kvstore keeps in etcd (kvstore.etcd_keys): the key layout, leader and node records and
 their epochs, and foreign values that are ignored rather than trusted. A fake store of our own
 stands in for etcd; the resolver's bound is checked against an etcd that is not there."""
 
@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from kvstore.config import Address
-from kvstore.discovery import (
+from kvstore.address import Address
+from kvstore.errors import InvalidRequestError, MasterUnavailableError
+from kvstore.etcd import KeyValue
+from kvstore.etcd_keys import (
     EtcdLayout,
     LeaderRecord,
     LeaderResolver,
@@ -19,8 +21,6 @@ from kvstore.discovery import (
     read_leader,
     read_members,
 )
-from kvstore.errors import InvalidRequestError, MasterUnavailableError
-from kvstore.etcd import KeyValue
 
 LAYOUT = EtcdLayout("/kv/test")
 

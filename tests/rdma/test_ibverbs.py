@@ -73,7 +73,7 @@ def test_address_of_sees_slices_and_read_only_buffers() -> None:
 @pytest.mark.rdma
 @pytest.mark.skipif(not has_rdma_device(), reason="no RDMA device on this host")
 def test_loopback_rdma_read_and_write() -> None:  # pragma: no cover - needs hardware
-    settings = rdma.RdmaSettings.from_env()
+    settings = rdma.RdmaConfig.from_env()
     device = rdma.first_device("test", settings)
     assert device is not None
     ctx = rdma.VerbsContext(device, settings)

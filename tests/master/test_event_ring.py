@@ -12,7 +12,7 @@ from kvstore import protocol
 from kvstore.errors import InvalidRequestError
 from kvstore.keys import Namespace, block_keys
 from kvstore.kvblocks import kv_object_key
-from kvstore.master.events import (
+from kvstore.master.event_ring import (
     EVENT_EVICTED,
     EVENT_MOVED,
     EVENT_REMOVED,

@@ -17,10 +17,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import auth, protocol
+from kvstore.address import Address
 from kvstore.client.pipeline import Pipeline, close_released, pipelined
 from kvstore.client.releases import LeaseReturns
-from kvstore.config import Address
-from kvstore.discovery import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
 from kvstore.errors import (
     KVStoreError,
     KVTimeoutError,
@@ -32,6 +31,7 @@ from kvstore.errors import (
     UnauthenticatedError,
 )
 from kvstore.etcd import parse_endpoints
+from kvstore.etcd_keys import DEFAULT_PREFIX, EtcdLayout, LeaderResolver
 
 DEFAULT_FAILOVER_TIMEOUT_S = 15.0
 #: A call to a leader that does not answer (paused, partitioned) gives up after this long and

@@ -33,7 +33,7 @@ from kvstore.errors import InvalidRequestError
 from kvstore.etcd import EtcdStore, parse_endpoints
 from kvstore.processes import parse_ready, terminate
 from kvstore.router.config import RouterConfig
-from kvstore.router.discovery import EngineDiscovery
+from kvstore.router.engine_watch import EngineDiscovery
 from kvstore.router.state import RouterState
 from tests.etcd_harness import EtcdProcess, etcd  # noqa: F401 - fixture
 from tests.router.fake_engine import FakeEngine, write_model

@@ -1,9 +1,8 @@
-"""Settings shared by every process: size parsing, key rules, protocol limits, addresses."""
+"""The protocol's limits and the rules that check values against them: keys, sizes, batches."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 from kvstore.errors import InvalidRequestError
 
@@ -88,31 +87,3 @@ def check_wire_key(key: object) -> bytes:
     if isinstance(key, bytes | str):
         return encode_key(key)
     raise InvalidRequestError(f"key must be bytes, got {type(key).__name__}")
-
-
-@dataclass(frozen=True, slots=True)
-class Address:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @staticmethod
-    def parse(text: str, *, default_host: str = "127.0.0.1") -> Address:
-        """Parse ``host:port`` (or ``:port``).
-
-        Raises:
-            InvalidRequestError: when it is not ``host:port`` with a port in 0..65535.
-        """
-        if not isinstance(text, str) or ":" not in text:
-            raise InvalidRequestError(f"address must look like HOST:PORT, got {text!r}")
-        host, _, port_text = text.rpartition(":")
-        host = host.strip("[]") or default_host
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise InvalidRequestError(f"bad port in address {text!r}") from None
-        if not 0 <= port <= 65535:
-            raise InvalidRequestError(f"port out of range in {text!r}")
-        return Address(host, port)

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from kvstore.config import check_wire_key
 from kvstore.errors import InvalidRequestError, KVStoreError
+from kvstore.limits import check_wire_key
 
 if TYPE_CHECKING:
     from kvstore.grants import Grant
