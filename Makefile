@@ -23,8 +23,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-venv: $(BIN)/python
+# Stamps: the editable install only changes with pyproject.toml (a second `make up` or `make test`
+# skips pip and its editable-install banner).
+VENV_STAMP = $(VENV)/.kvstore-installed
+DEV_STAMP  = $(VENV)/.kvstore-dev-installed
+
+$(VENV_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
+	touch $@
+
+venv: $(VENV_STAMP)
 
 up: venv
 	$(BIN)/kvstore up --port $(PORT) --dram $(DRAM) --data-dir $(DATA)
@@ -51,16 +59,20 @@ model: $(VLLM_STAMP)
 	$(VLLM_BIN)/kvstore model fetch $(MODEL)
 
 test: $(BIN)/python vllm-venv model
-	@echo "==> test venv $(VENV): kvstore + test extras + torch"
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r docs/requirements.txt
+	$(MAKE) $(DEV_STAMP)
 	$(BIN)/ruff check .
 	@echo "==> test suite (everything but the engine group)"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not engine"
 	@echo "==> engine group: real vLLM servers from $(VLLM_VENV) with the real model"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m engine
 	$(MAKE) sglang-test
+
+$(DEV_STAMP): pyproject.toml docs/requirements.txt | $(BIN)/python
+	@echo "==> test venv $(VENV): kvstore + test extras + torch + the docs' tools"
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r docs/requirements.txt
+	touch $@ $(VENV_STAMP)
 
 lint: $(BIN)/python
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
@@ -71,9 +83,7 @@ demo: vllm-venv model
 	$(VLLM_BIN)/kvstore demo
 
 # The transformers-worker demo of before (random-weight tiny models, no vLLM).
-demo-hf: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q torch==2.13.0
+demo-hf: $(DEV_STAMP)
 	$(BIN)/kvstore demo --engine hf
 
 # The documentation site (mkdocs.yml) into site/; --strict: a broken link or reference fails it.
