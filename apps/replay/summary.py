@@ -146,6 +146,39 @@ def run_duration_s(results: Sequence[RequestResult]) -> float:
     return max(r.finish_s for r in results) - min(r.sent_s for r in results)
 
 
+def _hit_rates(ok: Sequence[RequestResult]) -> tuple[float, str, float]:
+    """The hit rate of served requests, where it comes from, and the trace's ideal one.
+
+    The told counts are used only when every served request was told them by one source (the
+    module's definition), since only then do they cover the whole run; else the ideal stands in.
+    """
+    prompt = sum(r.prompt_tokens for r in ok)
+    ideal = sum(r.ideal_cached_tokens for r in ok)
+    sources = {r.cached_source for r in ok}
+    if ok and len(sources) == 1 and None not in sources:
+        source = sources.pop() or "ideal"
+        cached = sum(r.cached_tokens or 0 for r in ok)
+    else:
+        source, cached = "ideal", ideal
+    if not prompt:
+        return 0.0, source, 0.0
+    return cached / prompt, source, ideal / prompt
+
+
+def _latencies(
+    ok: Sequence[RequestResult],
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], float]:
+    """TTFT, pooled ITL and per-request TBT percentiles, and the mean TTFT, of served requests
+    (a failed request has no latency to count)."""
+    ttfts = [r.ttft_s for r in ok]
+    return (
+        percentiles(ttfts),
+        percentiles([gap for r in ok for gap in r.itl_s]),
+        percentiles([r.tbt_s for r in ok]),
+        float(np.mean(ttfts)) if ttfts else float("nan"),
+    )
+
+
 def summarize(results: Sequence[RequestResult], slo: SLOClass) -> ReplaySummary:
     """Sum up a run.
 
@@ -159,31 +192,24 @@ def summarize(results: Sequence[RequestResult], slo: SLOClass) -> ReplaySummary:
     ok = [r for r in results if r.outcome == "ok"]
     num_met = sum(met_slo(r, slo) for r in results)
     duration = run_duration_s(results)
-    prompt = sum(r.prompt_tokens for r in ok)
-    ideal = sum(r.ideal_cached_tokens for r in ok)
-    sources = {r.cached_source for r in ok}
-    if ok and len(sources) == 1 and None not in sources:
-        source = sources.pop() or "ideal"
-        cached = sum(r.cached_tokens or 0 for r in ok)
-    else:
-        source, cached = "ideal", ideal
-    ttfts = [r.ttft_s for r in ok]
+    hit_rate, source, ideal_hit_rate = _hit_rates(ok)
+    ttft_s, itl_s, tbt_s, mean_ttft_s = _latencies(ok)
     return ReplaySummary(
         num_requests=len(results),
         num_ok=len(ok),
         num_rejected=sum(r.outcome == "rejected" for r in results),
         num_errors=sum(r.outcome == "error" for r in results),
-        ttft_s=percentiles(ttfts),
-        itl_s=percentiles([gap for r in ok for gap in r.itl_s]),
-        tbt_s=percentiles([r.tbt_s for r in ok]),
-        mean_ttft_s=float(np.mean(ttfts)) if ttfts else float("nan"),
+        ttft_s=ttft_s,
+        itl_s=itl_s,
+        tbt_s=tbt_s,
+        mean_ttft_s=mean_ttft_s,
         num_met=num_met,
         slo_attainment=num_met / len(results) if results else 0.0,
         duration_s=duration,
         goodput_rps=goodput_rps(num_met, duration),
         throughput_tokens_s=sum(r.output_tokens for r in ok) / duration if duration else 0.0,
-        hit_rate=cached / prompt if prompt else 0.0,
+        hit_rate=hit_rate,
         hit_rate_source=source,
-        ideal_hit_rate=ideal / prompt if prompt else 0.0,
+        ideal_hit_rate=ideal_hit_rate,
         engine_load=dict(sorted(Counter(r.engine for r in ok if r.engine).items())),
     )

@@ -218,59 +218,10 @@ class ConnectorConfig:
             InvalidRequestError: no master, a token given inline, an unknown key or a bad value.
         """
         extra = dict(extra or {})
-        if "token" in extra:
-            raise InvalidRequestError(
-                "kvstore connector: the cluster token must not be in kv_connector_extra_config "
-                "(it would show on the command line and in logs); give token_file, or set "
-                "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
-            )
-        unknown = sorted(set(extra) - CONFIG_KEYS)
-        if unknown:
-            raise InvalidRequestError(
-                f"kvstore connector: unknown extra config {unknown}; known: {sorted(CONFIG_KEYS)}"
-            )
-        master = extra.get("master")
-        if not isinstance(master, str) or not master:
-            raise InvalidRequestError(
-                'kvstore connector: kv_connector_extra_config needs "master": "HOST:PORT" '
-                'or "etcd://HOST:PORT"'
-            )
-        mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
-        if mode not in LOAD_MODES:
-            raise InvalidRequestError(f"kvstore connector: load_mode must be one of {LOAD_MODES}")
-        for name in ("timeout_s", "retry_s"):
-            v = extra.get(name, 1.0)
-            if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
-                raise InvalidRequestError(f"kvstore connector: {name} must be a positive number")
-        for name in ("token_file", "salt"):
-            v = extra.get(name)
-            if v is not None and not (isinstance(v, str) and v):
-                raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
-        advertise = extra.get("advertise_url")
-        etcd = extra.get("etcd")
-        if advertise is not None:
-            EngineRecord(advertise, "both")  # the URL's own checks, typed errors
-            if etcd is None and not is_etcd_url(master):
-                raise InvalidRequestError(
-                    'kvstore connector: "advertise_url" registers the engine in etcd: give '
-                    '"etcd": "HOST:PORT", or the master as "etcd://HOST:PORT"'
-                )
-        elif etcd is not None or "engine_instance" in extra:
-            raise InvalidRequestError(
-                'kvstore connector: "etcd" / "engine_instance" need "advertise_url" (the URL a '
-                "router reaches this engine at)"
-            )
-        if etcd is not None:
-            parse_endpoints(etcd)
-        prefix = check_prefix(extra.get("engines_prefix", DEFAULT_ENGINES_PREFIX))
-        instance = extra.get("engine_instance")
-        if instance is not None:
-            if not isinstance(instance, str):
-                raise InvalidRequestError("kvstore connector: engine_instance must be a string")
-            engine_key(prefix, "both", instance)
-        ttl = extra.get("engine_ttl_s", DEFAULT_ENGINE_TTL_S)
-        if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1:
-            raise InvalidRequestError("kvstore connector: engine_ttl_s must be an integer >= 1")
+        _check_keys(extra)
+        master, mode = _checked_connection(extra)
+        advertise, etcd = _checked_registration(extra, master)
+        prefix, instance, ttl = _checked_engine_entry(extra)
         return ConnectorConfig(
             master=master,
             token_file=extra.get("token_file"),
@@ -284,3 +235,81 @@ class ConnectorConfig:
             engine_instance=instance,
             engine_ttl_s=ttl,
         )
+
+
+# The steps of ConnectorConfig.from_extra, in the order it checks: each raises the first error
+# of its part, so a config with several errors names the same one as a single pass would.
+
+
+def _check_keys(extra: dict[str, Any]) -> None:
+    """Refuse an inline token and any key the connector does not know."""
+    if "token" in extra:
+        raise InvalidRequestError(
+            "kvstore connector: the cluster token must not be in kv_connector_extra_config "
+            "(it would show on the command line and in logs); give token_file, or set "
+            "$KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE"
+        )
+    unknown = sorted(set(extra) - CONFIG_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"kvstore connector: unknown extra config {unknown}; known: {sorted(CONFIG_KEYS)}"
+        )
+
+
+def _checked_connection(extra: dict[str, Any]) -> tuple[str, str]:
+    """The master and the load mode, after checking them and the timeouts, token file and salt."""
+    master = extra.get("master")
+    if not isinstance(master, str) or not master:
+        raise InvalidRequestError(
+            'kvstore connector: kv_connector_extra_config needs "master": "HOST:PORT" '
+            'or "etcd://HOST:PORT"'
+        )
+    mode = extra.get("load_mode", DEFAULT_LOAD_MODE)
+    if mode not in LOAD_MODES:
+        raise InvalidRequestError(f"kvstore connector: load_mode must be one of {LOAD_MODES}")
+    for name in ("timeout_s", "retry_s"):
+        v = extra.get(name, 1.0)
+        if not isinstance(v, int | float) or isinstance(v, bool) or v <= 0:
+            raise InvalidRequestError(f"kvstore connector: {name} must be a positive number")
+    for name in ("token_file", "salt"):
+        v = extra.get(name)
+        if v is not None and not (isinstance(v, str) and v):
+            raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
+    return master, mode
+
+
+def _checked_registration(extra: dict[str, Any], master: str) -> tuple[Any, Any]:
+    """``advertise_url`` and ``etcd``: registering needs an etcd to register in, and the
+    registry's keys mean nothing without the URL a router would reach."""
+    advertise = extra.get("advertise_url")
+    etcd = extra.get("etcd")
+    if advertise is not None:
+        EngineRecord(advertise, "both")  # the URL's own checks, typed errors
+        if etcd is None and not is_etcd_url(master):
+            raise InvalidRequestError(
+                'kvstore connector: "advertise_url" registers the engine in etcd: give '
+                '"etcd": "HOST:PORT", or the master as "etcd://HOST:PORT"'
+            )
+    elif etcd is not None or "engine_instance" in extra:
+        raise InvalidRequestError(
+            'kvstore connector: "etcd" / "engine_instance" need "advertise_url" (the URL a '
+            "router reaches this engine at)"
+        )
+    if etcd is not None:
+        parse_endpoints(etcd)
+    return advertise, etcd
+
+
+def _checked_engine_entry(extra: dict[str, Any]) -> tuple[str, str | None, int]:
+    """The registry prefix, the registration's name and its lease TTL, checked as the registry
+    will use them so that a bad one fails at startup rather than at the first registration."""
+    prefix = check_prefix(extra.get("engines_prefix", DEFAULT_ENGINES_PREFIX))
+    instance = extra.get("engine_instance")
+    if instance is not None:
+        if not isinstance(instance, str):
+            raise InvalidRequestError("kvstore connector: engine_instance must be a string")
+        engine_key(prefix, "both", instance)
+    ttl = extra.get("engine_ttl_s", DEFAULT_ENGINE_TTL_S)
+    if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 1:
+        raise InvalidRequestError("kvstore connector: engine_ttl_s must be an integer >= 1")
+    return prefix, instance, ttl

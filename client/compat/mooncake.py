@@ -23,12 +23,14 @@ not fit is a miss); the verbs on caller buffers (``*_from``, ``*_into``, ranges)
 
 The deliberate differences, and what is not covered, are listed in docs/engines/mooncake.md
 ("Deliberate differences"); the contract script skips exactly those, by name, with the reason.
+The binding's error codes, value classes and argument conversions, and the steps of
+``get_into_ranges`` that need no cluster, live in ``mooncake_binding.py``; the public ones are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import re
 import sys
 import threading
@@ -37,6 +39,18 @@ from typing import Any
 
 from kvstore.client.client import Client
 from kvstore.client.compat.mooncake_alias import install_alias, uninstall_alias
+from kvstore.client.compat.mooncake_binding import (
+    BufferHandle,
+    ErrorCodes,
+    ReplicateConfig,
+    bytes_like,
+    copy_range,
+    error_code,
+    key_text,
+    plan_ranges,
+    range_arguments,
+    u64,
+)
 from kvstore.client.compat.mooncake_values import (
     MAX_LOCAL_BUFFER,
     MIN_CONFIG_SIZE,
@@ -54,132 +68,11 @@ from kvstore.client.compat.mooncake_values import (
 )
 from kvstore.env import Env
 from kvstore.errors import (
-    ErrorCode,
     InvalidRequestError,
     KVStoreError,
 )
 
 __all__ = ["BufferHandle", "MooncakeDistributedStore", "ReplicateConfig", "ErrorCodes"]
-
-
-class ErrorCodes:
-    """Mooncake's error codes (mooncake-store ``types.h``) that this layer answers with."""
-
-    OK = 0
-    INTERNAL_ERROR = -1
-    NO_AVAILABLE_HANDLE = -200
-    INVALID_PARAMS = -600
-    INVALID_READ = -701
-    REPLICA_IS_NOT_READY = -703
-    OBJECT_NOT_FOUND = -704
-    OBJECT_ALREADY_EXISTS = -705
-    OBJECT_HAS_LEASE = -706
-    TRANSFER_FAIL = -800
-    RPC_FAIL = -900
-
-
-_CODE_FOR = {
-    ErrorCode.KEY_NOT_FOUND: ErrorCodes.OBJECT_NOT_FOUND,
-    ErrorCode.INVALID_REQUEST: ErrorCodes.INVALID_PARAMS,
-    ErrorCode.OUT_OF_RANGE: ErrorCodes.INVALID_PARAMS,
-    ErrorCode.NO_SPACE: ErrorCodes.NO_AVAILABLE_HANDLE,
-    ErrorCode.OBJECT_BUSY: ErrorCodes.REPLICA_IS_NOT_READY,
-    ErrorCode.OBJECT_EXISTS: ErrorCodes.OBJECT_ALREADY_EXISTS,
-    ErrorCode.CHECKSUM_MISMATCH: ErrorCodes.INVALID_READ,
-    ErrorCode.NODE_UNAVAILABLE: ErrorCodes.TRANSFER_FAIL,
-    ErrorCode.NODE_NOT_FOUND: ErrorCodes.TRANSFER_FAIL,
-    ErrorCode.GRANT_INVALID: ErrorCodes.TRANSFER_FAIL,
-    ErrorCode.TRANSPORT_UNAVAILABLE: ErrorCodes.TRANSFER_FAIL,
-    ErrorCode.TIMEOUT: ErrorCodes.RPC_FAIL,
-    ErrorCode.MASTER_UNAVAILABLE: ErrorCodes.RPC_FAIL,
-    ErrorCode.NOT_LEADER: ErrorCodes.RPC_FAIL,
-    ErrorCode.ETCD_UNAVAILABLE: ErrorCodes.RPC_FAIL,
-}
-
-
-def _code(err: BaseException) -> int:
-    """The Mooncake code for a kvstore error (anything unexpected is INTERNAL_ERROR)."""
-    if isinstance(err, KVStoreError):
-        return _CODE_FOR.get(err.code, ErrorCodes.INTERNAL_ERROR)
-    return ErrorCodes.INTERNAL_ERROR
-
-
-class ReplicateConfig:
-    """Mooncake's per-put replication settings. kvstore honours ``replica_num`` (copies on
-    distinct nodes); the placement and pin fields are kept for programs that set them."""
-
-    def __init__(self) -> None:
-        self.replica_num = 1
-        self.nof_replica_num = 0
-        self.dfs_replica_num = 0
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.soft_pin_ttl_ms = 0
-        self.preferred_segment = ""
-        self.preferred_segments: list[str] = []
-        self.preferred_nof_segments: list[str] = []
-        self.prefer_alloc_in_same_node = False
-        self.group_ids: list[str] = []
-
-    def __repr__(self) -> str:
-        return f"ReplicateConfig: {{ replica_num: {self.replica_num} }}"
-
-
-class BufferHandle(bytearray):
-    """What ``get_buffer`` returns: the object's bytes, with Mooncake's ``ptr()`` / ``size()``.
-
-    A bytearray, so ``memoryview(handle)`` and ``bytes(handle)`` work as with Mooncake's."""
-
-    def ptr(self) -> int:
-        """Address of the first byte (valid while the handle lives and is not resized)."""
-        if not self:
-            return 0
-        return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
-
-    def size(self) -> int:
-        """Bytes held."""
-        return len(self)
-
-
-def _bytes_like(value: Any, what: str) -> memoryview:
-    """``value`` as bytes, as the wheel's ``Buffer`` arguments take it.
-
-    Raises:
-        TypeError: not a bytes-like object (the wheel's binding raises the same).
-    """
-    try:
-        return memoryview(value).cast("B")
-    except (TypeError, ValueError) as err:
-        raise TypeError(
-            f"{what}: a bytes-like object is required, not {type(value).__name__!r}"
-        ) from err
-
-
-def _u64(value: Any, what: str) -> int:
-    """An unsigned 64-bit integer argument, converted as the wheel's binding converts it.
-
-    Raises:
-        TypeError: not an integer in [0, 2**64).
-    """
-    if isinstance(value, int):
-        number = int(value)
-    elif hasattr(value, "__index__"):  # numpy integers
-        number = value.__index__()
-    else:
-        raise TypeError(f"{what}: incompatible function arguments ({type(value).__name__})")
-    if not 0 <= number < 1 << 64:
-        raise TypeError(f"{what}: incompatible function arguments ({number} is not a uint64)")
-    return number
-
-
-def _key_text(key: Any) -> Any:
-    """A key as the wheel reads it: ``bytes`` are decoded as UTF-8, the rest left as is."""
-    if isinstance(key, bytes):
-        try:
-            return key.decode("utf-8")
-        except UnicodeDecodeError:
-            return None
-    return key
 
 
 class MooncakeDistributedStore:
@@ -242,8 +135,8 @@ class MooncakeDistributedStore:
             if 0 < local_size < MIN_CONFIG_SIZE:
                 return ErrorCodes.INVALID_PARAMS
         else:
-            global_size = _u64(global_segment_size, "setup(): global_segment_size")
-            local_size = _u64(local_buffer_size, "setup(): local_buffer_size")
+            global_size = u64(global_segment_size, "setup(): global_segment_size")
+            local_size = u64(local_buffer_size, "setup(): local_buffer_size")
         if not isinstance(local_hostname, str) or not local_hostname:
             return ErrorCodes.INVALID_PARAMS
         if protocol not in PROTOCOLS:
@@ -260,7 +153,11 @@ class MooncakeDistributedStore:
         try:
             client = Client.connect(address, lease_reads=True)
         except KVStoreError as err:
-            return _code(err) if _code(err) != ErrorCodes.INTERNAL_ERROR else ErrorCodes.RPC_FAIL
+            return (
+                error_code(err)
+                if error_code(err) != ErrorCodes.INTERNAL_ERROR
+                else ErrorCodes.RPC_FAIL
+            )
         old, self._client = self._client, client
         if old is not None:
             old.close()
@@ -357,7 +254,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         out = [0] * len(keys)
         todo: list[int] = []
         for i, (k, v) in enumerate(zip(keys, views, strict=True)):
@@ -383,10 +280,10 @@ class MooncakeDistributedStore:
             )
         except KVStoreError as err:
             for i in todo:
-                out[i] = _code(err)
+                out[i] = error_code(err)
             return out
         for i, err in zip(todo, errs, strict=True):
-            out[i] = 0 if err is None else _code(err)
+            out[i] = 0 if err is None else error_code(err)
         return out
 
     def _staged_puts(
@@ -404,7 +301,7 @@ class MooncakeDistributedStore:
         Raises:
             TypeError: ``value`` is not bytes-like (as the wheel's binding).
         """
-        return self._staged_puts([key], [_bytes_like(value, "put()")], config, False)[0]
+        return self._staged_puts([key], [bytes_like(value, "put()")], config, False)[0]
 
     def upsert(self, key: str, value: Any, config: ReplicateConfig | None = None) -> int:
         """Store ``value``, replacing a stored one; 0 or a negative code.
@@ -412,10 +309,10 @@ class MooncakeDistributedStore:
         Raises:
             TypeError: ``value`` is not bytes-like.
         """
-        return self._staged_puts([key], [_bytes_like(value, "upsert()")], config, True)[0]
+        return self._staged_puts([key], [bytes_like(value, "upsert()")], config, True)[0]
 
     def _put_parts(self, key: str, parts: Sequence[Any], config: Any, overwrite: bool) -> int:
-        views = [_bytes_like(p, "put_parts()") for p in parts]
+        views = [bytes_like(p, "put_parts()") for p in parts]
         if sum(len(v) for v in views) == 0:
             return 0  # the wheel answers 0 and stores nothing
         return self._staged_puts([key], [memoryview(b"".join(views))], config, overwrite)[0]
@@ -439,7 +336,7 @@ class MooncakeDistributedStore:
         """Store many bytes-like values; 0 when all were stored, else the first failure's code."""
         if len(keys) != len(values):
             return ErrorCodes.INVALID_PARAMS
-        views = [_bytes_like(v, "put_batch()") for v in values]
+        views = [bytes_like(v, "put_batch()") for v in values]
         rcs = self._staged_puts(keys, views, config, False)
         return next((rc for rc in rcs if rc != 0), 0)
 
@@ -449,7 +346,7 @@ class MooncakeDistributedStore:
         """:meth:`put_batch`, replacing stored values."""
         if len(keys) != len(values):
             return ErrorCodes.INVALID_PARAMS
-        views = [_bytes_like(v, "upsert_batch()") for v in values]
+        views = [bytes_like(v, "upsert_batch()") for v in values]
         rcs = self._staged_puts(keys, views, config, True)
         return next((rc for rc in rcs if rc != 0), 0)
 
@@ -486,8 +383,8 @@ class MooncakeDistributedStore:
         """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size`` bytes
         at ``buffer_ptr`` as one object (the wheel's order); 0 without storing anything when
         ``size`` is 0, as the wheel."""
-        _u64(size, "put_from_with_metadata(): size")
-        _u64(metadata_size, "put_from_with_metadata(): metadata_size")
+        u64(size, "put_from_with_metadata(): size")
+        u64(metadata_size, "put_from_with_metadata(): metadata_size")
         if size == 0:
             return 0
         data = self._ptr_views([buffer_ptr], [size])[0]
@@ -527,7 +424,7 @@ class MooncakeDistributedStore:
     ) -> list[int]:
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [ErrorCodes.INVALID_PARAMS] * len(keys)
-        sizes = [_u64(n, "put_from(): size") for n in sizes]
+        sizes = [u64(n, "put_from(): size") for n in sizes]
         return self._put_many(keys, self._ptr_views(buffer_ptrs, sizes), config, upsert)
 
     def batch_put_from_multi_buffers(
@@ -558,7 +455,7 @@ class MooncakeDistributedStore:
             return [None] * len(keys)
         if self._local_buffer == 0:
             return [None] * len(keys)  # nothing can be staged: the wheel reads nothing either
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         try:
             got = client.batch_get(keys)
         except KVStoreError:
@@ -608,7 +505,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         views = self._ptr_views(buffer_ptrs, sizes)
         out = [ErrorCodes.INVALID_PARAMS] * len(keys)
         todo = [i for i, v in enumerate(views) if v is not None and isinstance(keys[i], str)]
@@ -617,9 +514,9 @@ class MooncakeDistributedStore:
         try:
             got = client.batch_get_into([keys[i] for i in todo], [views[i] for i in todo])
         except KVStoreError as err:
-            return [_code(err) if i in set(todo) else out[i] for i in range(len(keys))]
+            return [error_code(err) if i in set(todo) else out[i] for i in range(len(keys))]
         for i, g in zip(todo, got, strict=True):
-            out[i] = g if isinstance(g, int) else _code(g)
+            out[i] = g if isinstance(g, int) else error_code(g)
         return out
 
     def batch_get_into_multi_buffers(
@@ -657,16 +554,16 @@ class MooncakeDistributedStore:
     @staticmethod
     def _raw_get_into(client: Client, keys: Sequence[Any], bufs: Sequence[Any]) -> list[int]:
         out = [ErrorCodes.INVALID_PARAMS] * len(keys)
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         todo = [i for i, b in enumerate(bufs) if len(b) > 0]
         if not todo:
             return out
         try:
             got = client.batch_get_into([keys[i] for i in todo], [bufs[i] for i in todo])
         except KVStoreError as err:
-            return [_code(err)] * len(keys)
+            return [error_code(err)] * len(keys)
         for i, g in zip(todo, got, strict=True):
-            out[i] = g if isinstance(g, int) else _code(g)
+            out[i] = g if isinstance(g, int) else error_code(g)
         return out
 
     def get_into_ranges(
@@ -693,38 +590,12 @@ class MooncakeDistributedStore:
             TypeError: an offset, size or address that is not an unsigned 64-bit integer, or a
                 key that is not text (as the wheel's binding).
         """
-        ptrs = [_u64(p, "get_into_ranges(): buffer_ptrs") for p in buffer_ptrs]
-        keys = [[_key_text(k) for k in ks] for ks in all_keys]
-        if any(not isinstance(k, str) for ks in keys for k in ks):
-            raise TypeError("get_into_ranges(): incompatible function arguments (keys)")
-        nested = [
-            [[[_u64(x, f"get_into_ranges(): {name}") for x in r] for r in per_key]
-             for per_key in lists]
-            for name, lists in (
-                ("dst offsets", all_dst_offsets),
-                ("src offsets", all_src_offsets),
-                ("sizes", all_sizes),
-            )
-        ]  # fmt: skip
-        dst, src, sizes = nested
-        bad = ErrorCodes.INVALID_PARAMS
+        ptrs, keys, dst, src, sizes = range_arguments(
+            buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets, all_sizes
+        )
         if not len(ptrs) == len(keys) == len(dst) == len(src) == len(sizes):
-            return error_shape(len(ptrs), keys, dst, bad)
-        out: list[list[list[int]]] = []
-        wanted: list[tuple[int, int, int]] = []  # (buffer, key, range) to fill from an object
-        for i, ptr in enumerate(ptrs):
-            if not len(keys[i]) == len(dst[i]) == len(src[i]) == len(sizes[i]):
-                out.append(error_shape(1, [keys[i]], [dst[i]], bad)[0])
-                continue
-            end = self._registered_end(ptr)
-            per_key: list[list[int]] = []
-            for j in range(len(keys[i])):
-                if not len(dst[i][j]) == len(src[i][j]) == len(sizes[i][j]) or end is None:
-                    per_key.append([bad] * len(dst[i][j]))
-                else:
-                    per_key.append([0] * len(dst[i][j]))
-                    wanted.extend((i, j, r) for r in range(len(dst[i][j])))
-            out.append(per_key)
+            return error_shape(len(ptrs), keys, dst, ErrorCodes.INVALID_PARAMS)
+        out, wanted = plan_ranges(ptrs, keys, dst, src, sizes, self._registered_end)
         if not wanted:
             return out
         client = self._client
@@ -732,23 +603,25 @@ class MooncakeDistributedStore:
             for i, j, r in wanted:
                 out[i][j][r] = ErrorCodes.INTERNAL_ERROR
             return out
-        names = sorted({keys[i][j] for i, j, _ in wanted})
-        try:
-            got = dict(zip(names, client.batch_get(names), strict=True))
-        except KVStoreError as err:
-            got = dict.fromkeys(names, err)
+        got = self._read_whole(client, sorted({keys[i][j] for i, j, _ in wanted}))
         for i, j, r in wanted:
             data = got[keys[i][j]]
             if isinstance(data, KVStoreError):
-                out[i][j][r] = _code(data)
-                continue
-            start, n = ptrs[i] + dst[i][j][r], sizes[i][j][r]
-            if start + n > self._registered_end(ptrs[i]) or src[i][j][r] + n > len(data):  # type: ignore[operator]
-                out[i][j][r] = bad
-            elif n > 0:
-                memory_at(start, n)[:] = data[src[i][j][r] : src[i][j][r] + n]
-                out[i][j][r] = n
+                out[i][j][r] = error_code(data)
+            else:
+                out[i][j][r] = copy_range(
+                    data, ptrs[i], dst[i][j][r], src[i][j][r], sizes[i][j][r], self._registered_end
+                )
         return out
+
+    @staticmethod
+    def _read_whole(client: Client, names: list[str]) -> dict[str, Any]:
+        """Each named object whole (checked against its checksum), or the error that stopped
+        it; a failed batch gives every name its error, as no object of it was read."""
+        try:
+            return dict(zip(names, client.batch_get(names), strict=True))
+        except KVStoreError as err:
+            return dict.fromkeys(names, err)
 
     # ------------------------------------------------------------ tensors
     def _put_tensors(
@@ -817,7 +690,7 @@ class MooncakeDistributedStore:
         """Store buffers that hold a tensor object as :meth:`get_tensor_into` leaves it."""
         if not len(keys) == len(buffer_ptrs) == len(sizes):
             return [ErrorCodes.INVALID_PARAMS] * len(keys)
-        views = self._ptr_views(buffer_ptrs, [_u64(n, "put_tensor_from(): size") for n in sizes])
+        views = self._ptr_views(buffer_ptrs, [u64(n, "put_tensor_from(): size") for n in sizes])
         values: list[memoryview | None] = []
         for v in views:
             try:
@@ -893,7 +766,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return [-1] * len(keys)
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         named = [i for i, k in enumerate(keys) if isinstance(k, str) and k]
         out = [0] * len(keys)  # an empty key is never stored
         try:
@@ -909,7 +782,7 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return ErrorCodes.INTERNAL_ERROR
-        key = _key_text(key)
+        key = key_text(key)
         if key == "":
             return ErrorCodes.OBJECT_NOT_FOUND
         try:
@@ -917,7 +790,7 @@ class MooncakeDistributedStore:
             client.release_lease(info)  # only its size was wanted
             return info.size
         except KVStoreError as err:
-            return _code(err)
+            return error_code(err)
 
     def remove(self, key: str, force: bool = False) -> int:
         """0, or -704 when the key is not stored. (Never -706: see docs/engines/mooncake.md.)"""
@@ -928,15 +801,15 @@ class MooncakeDistributedStore:
         client = self._client
         if client is None:
             return [ErrorCodes.INTERNAL_ERROR] * len(keys)
-        keys = [_key_text(k) for k in keys]
+        keys = [key_text(k) for k in keys]
         named = [i for i, k in enumerate(keys) if isinstance(k, str) and k]
         out = [ErrorCodes.OBJECT_NOT_FOUND] * len(keys)  # an empty key is never stored
         try:
             errs = client.batch_remove([keys[i] for i in named]) if named else []
         except KVStoreError as e:
-            return [_code(e)] * len(keys)
+            return [error_code(e)] * len(keys)
         for i, e in zip(named, errs, strict=True):
-            out[i] = 0 if e is None else _code(e)
+            out[i] = 0 if e is None else error_code(e)
         return out
 
     def _remove_matching(self, pattern: re.Pattern[str] | None) -> int:
@@ -954,7 +827,7 @@ class MooncakeDistributedStore:
                 errs = client.batch_remove(chosen[start : start + 1000])
                 removed += sum(1 for e in errs if e is None)
         except KVStoreError as err:
-            return _code(err)
+            return error_code(err)
         return removed
 
     def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
