@@ -26,7 +26,7 @@ PARTS = [
     for name in (
         "control",
         "endpoints",
-        "discovery",
+        "leader",
         "pipeline",
         "reads",
         "puts",
