@@ -6,6 +6,10 @@ skips it, or sends a wrong one, gets one ``UNAUTHENTICATED`` error and is closed
 a token answers ``hello`` and serves everyone, so everything behaves as before when no token is
 configured anywhere.
 
+Tenants (:mod:`kvstore.tenants`): a server that knows tenant tokens binds a connection whose
+``hello`` carries one to that tenant (:attr:`Gate.tenant`); the cluster token binds none (the
+operator). A deleted tenant's connections are refused at their next request.
+
 Admin REST: the token is a bearer token (``Authorization: Bearer <token>``).
 
 NOTE: a token never appears in a log line, an error body, a ``repr`` or a process title: it is
@@ -29,6 +33,7 @@ from kvstore.env import TOKEN_ENV as TOKEN_ENV  # the variables' names, where th
 from kvstore.env import TOKEN_FILE_ENV as TOKEN_FILE_ENV
 from kvstore.env import Env
 from kvstore.errors import InvalidRequestError, UnauthenticatedError
+from kvstore.tenants import TenantDirectory
 
 HELLO_VERB = "hello"
 MIN_TOKEN_BYTES = 16
@@ -121,11 +126,15 @@ class Gate:
     request, or a reply frame to send instead (and whether to close the connection after it).
     """
 
-    __slots__ = ("_token", "open")
+    __slots__ = ("_seen", "_tenants", "_token", "open", "tenant")
 
-    def __init__(self, token: Token | None) -> None:
+    def __init__(self, token: Token | None, tenants: TenantDirectory | None = None) -> None:
         self._token = token
+        self._tenants = tenants
         self.open = token is None
+        #: The tenant this connection is bound to at ``hello`` (None: the operator's).
+        self.tenant: str | None = None
+        self._seen = -1  # the directory version the binding was last checked against
 
     def check_header(self, header: protocol.FrameHeader) -> None:
         """Refuse, from its header alone, a frame too large for a connection that has not
@@ -144,14 +153,27 @@ class Gate:
 
     def screen(self, request: protocol.Request) -> tuple[bytes, bool] | None:
         if request.verb == HELLO_VERB:
-            if self._token is not None and not self._token.matches(request.args.get("token")):
+            offered = request.args.get("token")
+            tenant = self._tenants.resolve(offered) if self._tenants is not None else None
+            if tenant is None and self._token is not None and not self._token.matches(offered):
                 err = UnauthenticatedError("wrong cluster token")
                 return protocol.encode_error(request.req_id, err), True
-            self.open = True
-            return protocol.encode_response(request.req_id, {"authenticated": True}), False
+            self.open, self.tenant = True, tenant
+            self._seen = self._tenants.version if self._tenants is not None else -1
+            reply: dict[str, Any] = {"authenticated": True}
+            if tenant is not None:
+                reply["tenant"] = tenant
+            return protocol.encode_response(request.req_id, reply), False
         if not self.open:
             err = UnauthenticatedError("this server needs a cluster token: send hello first")
             return protocol.encode_error(request.req_id, err), True
+        tenants = self._tenants
+        if self.tenant is not None and tenants is not None and tenants.version != self._seen:
+            if not tenants.has(self.tenant):
+                self.open = False  # deleted: its token no longer opens anything
+                err = UnauthenticatedError(f"tenant {self.tenant!r} was deleted")
+                return protocol.encode_error(request.req_id, err), True
+            self._seen = tenants.version
         return None
 
 

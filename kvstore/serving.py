@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from kvstore import auth, protocol
 from kvstore.errors import InvalidRequestError, KVStoreError, ProtocolError, UnknownVerbError
+from kvstore.tenants import TenantDirectory
 
 #: A refused request's payload up to this size is read and dropped (the connection stays
 #: usable); a larger one is not read at all: the connection is closed after the answer.
@@ -126,6 +127,7 @@ class FrameSession:
             names its verbs; None: the server checks verbs itself and its header limits refuse
             every payload (the master).
         deadlines: the server's wire deadlines.
+        tenants: the tenant tokens the server knows (None: the cluster token only).
     """
 
     __slots__ = ("deadlines", "gate", "hello_by", "payload_limits")
@@ -136,12 +138,18 @@ class FrameSession:
         accepted_at: float,
         payload_limits: Mapping[str, int] | None = None,
         deadlines: WireDeadlines = DEFAULT_DEADLINES,
+        tenants: TenantDirectory | None = None,
     ) -> None:
-        self.gate = auth.Gate(token)
+        self.gate = auth.Gate(token, tenants)
         self.deadlines = deadlines
         #: The whole hello must have arrived by this time (while not authenticated).
         self.hello_by = accepted_at + deadlines.hello_s
         self.payload_limits = payload_limits
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant the connection proved at ``hello`` (None: the operator's)."""
+        return self.gate.tenant
 
     @property
     def authenticated(self) -> bool:

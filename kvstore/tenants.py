@@ -1,0 +1,167 @@
+"""Tenants: who a connection is, and the part of the key space that is theirs.
+
+A pool serves many tenants (models, teams, customers). The store, not the client, keeps them
+apart: each tenant has its own token, a connection proves one token at ``hello`` and is bound to
+that tenant for its life, and every key it names is taken into the tenant's part of the key
+space on the server (:func:`tenant_key`). Two tenants' keys never collide and no key a tenant can
+name reaches another tenant's objects, whatever it guesses or replays.
+
+* The **operator** holds the cluster token (``--token-file``): its connections are bound to no
+  tenant (``None``) and see every object, each tenant's under its stored key.
+* A **tenant** holds a token the master made for it (``kvstore tenant create``): its connections
+  see only keys in its part of the key space (and namespaces marked shared).
+* Without tenants the pool behaves as before: the cluster token (or none) is the operator's.
+
+A token is kept only as its digest (:func:`token_digest`); a server holds a
+:class:`TenantDirectory` (digest -> tenant), replaced whole when tenants change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import threading
+from collections.abc import Mapping
+
+from kvstore.errors import InvalidRequestError
+from kvstore.limits import MAX_KEY_BYTES
+
+#: A tenant's name: lower-case letters, digits, ``-`` and ``_``, starting with a letter.
+NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+#: The first byte of a stored key in a tenant's part of the key space. A tenant's own keys may
+#: not start with it, so no key a tenant names can be taken for another tenant's.
+MARK = b"\x00"
+#: Bytes of a token digest.
+DIGEST_BYTES = 16
+
+
+def check_name(name: object) -> str:
+    """A tenant name, checked.
+
+    Raises:
+        InvalidRequestError: not a string of 1..32 lower-case letters, digits, ``-`` or ``_``
+            starting with a letter.
+    """
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidRequestError(
+            f"tenant name must be 1-32 of a-z, 0-9, '-', '_' starting with a letter, got {name!r}"
+        )
+    return name
+
+
+def token_digest(secret: bytes | str) -> bytes:
+    """What a server keeps of a tenant token (never the token itself)."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    return hashlib.blake2b(raw, digest_size=DIGEST_BYTES, person=b"kvstore-tenant").digest()
+
+
+def prefix_of(tenant: str) -> bytes:
+    """The bytes every stored key of ``tenant`` starts with."""
+    return MARK + tenant.encode() + MARK
+
+
+def tenant_key(tenant: str | None, key: bytes) -> bytes:
+    """The stored key for ``key`` named by a connection of ``tenant`` (None: the operator's
+    connection, whose keys are stored as named).
+
+    Raises:
+        InvalidRequestError: a tenant's key starting with :data:`MARK`, or one too long once in
+            the tenant's part of the key space.
+    """
+    if tenant is None:
+        return key
+    if key[:1] == MARK:
+        raise InvalidRequestError("a key may not start with a NUL byte")
+    stored = prefix_of(tenant) + key
+    if len(stored) > MAX_KEY_BYTES:
+        raise InvalidRequestError(
+            f"key is {len(key)} bytes; tenant {tenant!r}'s keys may have at most "
+            f"{MAX_KEY_BYTES - len(stored) + len(key)}"
+        )
+    return stored
+
+
+def owner_of(stored: bytes) -> str | None:
+    """The tenant a stored key belongs to (None: the operator's key space, no tenant)."""
+    if stored[:1] != MARK:
+        return None
+    end = stored.find(MARK, 1)
+    return stored[1:end].decode() if end > 1 else None
+
+
+def user_key(tenant: str | None, stored: bytes) -> bytes | None:
+    """The key a connection of ``tenant`` knows a stored key by, or None when that stored key
+    is not the tenant's (the operator knows every key by its stored form)."""
+    if tenant is None:
+        return stored
+    prefix = prefix_of(tenant)
+    return stored[len(prefix) :] if stored.startswith(prefix) else None
+
+
+class TenantDirectory:
+    """Token digests -> tenant names, as one server knows them. Thread-safe: :meth:`replace`
+    swaps the whole mapping (the master after a change; a node from the master's answer)."""
+
+    __slots__ = ("_by_digest", "_lock", "version")
+
+    def __init__(self, by_digest: Mapping[bytes, str] | None = None, version: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._by_digest: dict[bytes, str] = dict(by_digest or {})
+        #: Increases with every change the master makes; a node keeps the newest it saw.
+        self.version = version
+
+    def replace(self, by_digest: Mapping[bytes, str], version: int) -> bool:
+        """Take a newer mapping; an older or equal version changes nothing. Returns whether
+        it was taken."""
+        with self._lock:
+            if version <= self.version:
+                return False
+            self._by_digest = dict(by_digest)
+            self.version = version
+            return True
+
+    def resolve(self, offered: object) -> str | None:
+        """The tenant whose token ``offered`` is, or None when it is no tenant's."""
+        if not isinstance(offered, bytes | str) or not self._by_digest:
+            return None
+        digest = token_digest(offered)
+        by_digest = self._by_digest
+        for known, name in by_digest.items():  # compare_digest: no timing hint of near misses
+            if hmac.compare_digest(known, digest):
+                return name
+        return None
+
+    def has(self, tenant: str) -> bool:
+        """Whether ``tenant`` still exists here (a deleted tenant's connections are refused)."""
+        return tenant in self._by_digest.values()
+
+    def __len__(self) -> int:
+        return len(self._by_digest)
+
+    def wire(self) -> dict[str, object]:
+        """The form the master hands its nodes: ``{"version": v, "digests": {digest: name}}``."""
+        return {"version": self.version, "digests": dict(self._by_digest)}
+
+    def take_wire(self, wire: object) -> bool:
+        """Take the master's :meth:`wire` form; a malformed one changes nothing.
+
+        Raises:
+            InvalidRequestError: ``wire`` is not that form.
+        """
+        if not isinstance(wire, dict):
+            raise InvalidRequestError("tenants must be a map")
+        version, digests = wire.get("version"), wire.get("digests")
+        if type(version) is not int or not isinstance(digests, dict):
+            raise InvalidRequestError("tenants must carry an int version and a digests map")
+        clean: dict[bytes, str] = {}
+        for digest, name in digests.items():
+            if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
+                raise InvalidRequestError("a tenant digest must be 16 bytes")
+            clean[digest] = check_name(name)
+        with self._lock:
+            if version <= self.version:
+                return False
+            self._by_digest = clean
+            self.version = version
+            return True
