@@ -56,7 +56,12 @@ def cmd_put(args: argparse.Namespace) -> int:
     if (args.value is None) == (args.file is None):
         print("kvstore put: give VALUE or --file FILE (exactly one)", file=sys.stderr)
         return 2
-    value = args.value.encode() if args.value is not None else Path(args.file).read_bytes()
+    if args.value is not None:
+        value = args.value.encode()
+    elif args.file == "-":  # a pipe, as `redis-cli -x` takes one
+        value = sys.stdin.buffer.read()
+    else:
+        value = Path(args.file).read_bytes()
     with _connect(args) as client:
         client.put(args.key, value, replicas=args.replicas)
     print(f"stored {args.key!r} ({len(value)} bytes)")
@@ -109,7 +114,7 @@ def add_parsers(sub: Any) -> None:
     _common(p)
     p.add_argument("key", metavar="KEY", help="the key")
     p.add_argument("value", metavar="VALUE", nargs="?", default=None, help="the value, as text")
-    p.add_argument("--file", default=None, help="store this file's bytes instead of VALUE")
+    p.add_argument("--file", default=None, help="store this file's bytes instead of VALUE ('-': standard input)")
     p.add_argument("--replicas", type=int, default=1, help="copies on distinct nodes")
     p.set_defaults(func=cmd_put)
     p = sub.add_parser("ls", help="list the keys stored, sorted")

@@ -31,6 +31,9 @@ def test_put_get_ls_rm_like_redis_cli(cluster_factory, tmp_path: Path) -> None:
     assert out.returncode == 0 and out.stdout == b"stored 'greeting' (5 bytes)\n", out
     assert kv(m, "put", "gr/blob", "--file", str(tmp_path / "blob")).returncode == 0
     assert kv(m, "put", "other", "x").returncode == 0
+    assert kv(m, "put", "gr/piped", "--file", "-", stdin=blob[:100]).returncode == 0
+    assert kv(m, "get", "gr/piped").stdout == blob[:100]
+    assert kv(m, "rm", "gr/piped").returncode == 0
 
     assert kv(m, "get", "greeting").stdout == b"hello"  # a pipe gets the bytes as stored
     assert kv(m, "get", "gr/blob").stdout == blob
