@@ -5,7 +5,12 @@ A registration with a master that may not know our objects (HA, durable tiers) c
 node's manifest (``kvstore.node.manifest``): each record is checked against its tier first
 (durable tiers checked theirs when they stored them; DRAM and HBM are read back), so nothing
 overwritten or half-written is ever claimed. The heartbeat reply's tasks run here too
-(``kvstore.node.tasks``)."""
+(``kvstore.node.tasks``).
+
+Tenants: the master's directory of tenant tokens (``kvstore.tenants``) comes whole in every
+registration reply and in a heartbeat reply whenever it is newer than the version the heartbeat
+said the node holds; the data server checks every ``hello`` against it, so a tenant created or
+deleted at the master opens or closes this node's data port within a heartbeat."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from kvstore.node.server import DataServer
 from kvstore.node.tasks import run_tasks
 from kvstore.node.tiers import checksum_of
 from kvstore.stored_object import StoredObject
+from kvstore.tenants import TenantDirectory
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -164,12 +170,35 @@ class MasterLink:
         clock.observe(reply.get("now_ms"), sent)
         self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        if "tenants" in reply:
+            self._take_tenants(reply["tenants"], registering=True)
         if self.resolver is not None:
             self._registered_to = (self.master, self.epoch)
         self.registered.set()
         self._outage_said = False
         self._ever_registered = True
         log.info("registered with master %s as %s", self.master, self.node_id)
+
+    def _take_tenants(self, wire: object, registering: bool) -> None:
+        """Take the master's tenant directory (its ``TenantDirectory.wire`` form) into the data
+        server's; a malformed one is logged and changes nothing.
+
+        A registration's is taken whole even when its version is not newer: a master that
+        restarted counts its versions again, and it alone says which tokens open this node.
+        """
+        directory = self.server.tenants
+        taken = TenantDirectory(version=-1)  # checked in full before anything changes
+        try:
+            taken.take_wire(wire)
+        except KVStoreError as err:
+            log.warning("ignoring the master's malformed tenant directory: %s", err)
+            return
+        if registering and taken.version <= directory.version:
+            older = taken.version < directory.version
+            if older or taken.wire()["digests"] != directory.wire()["digests"]:
+                directory.version = -1  # (only this thread writes it: take_wire then takes)
+        if directory.take_wire(wire):
+            log.info("tenant directory version %d: %d tenant tokens", taken.version, len(taken))
 
     def _say_unreachable(self, exc: BaseException, backoff: float) -> None:
         """One line per outage: which master, why, and that the node retries; then each retry
@@ -223,6 +252,8 @@ class MasterLink:
                             beat["identity"] = self.identity
                         if self.resolver is not None:
                             beat["epoch"] = self.epoch
+                        # The master answers with its directory only when it is newer.
+                        beat["tenants_version"] = self.server.tenants.version
                         sent = self.server.master_clock.sent()
                         reply = conn.call("heartbeat", beat)
                         self.server.master_clock.observe(reply.get("now_ms"), sent)
@@ -232,6 +263,8 @@ class MasterLink:
                         log.warning("master forgot this node; registering again")
                         self._register(conn)
                         continue
+                    if "tenants" in reply:
+                        self._take_tenants(reply["tenants"], registering=False)
                     forget = reply.get("forget", [])
                     if forget:
                         self.server.forget([tuple(p) for p in forget])

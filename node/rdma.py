@@ -11,7 +11,9 @@ READ/WRITE (kept in the context's :class:`~kvstore.rdma.ibverbs.MemoryRegionTabl
                   RC queue pair for *this TCP connection*, moves it to RTS towards the client's
                   endpoint and answers with its own. The queue pair is destroyed when the
                   connection closes. At most ``max_qps`` live at once (TransportUnavailableError
-                  past it). A node without a device answers TransportUnavailableError.
+                  past it). A node without a device answers TransportUnavailableError, and so
+                  does every node to a tenant's connection (a queue pair is not checked per
+                  grant, so tenants use TCP).
 ``rdma_commit``   same as ``shm_commit`` (``{"items": [[grant, checksum], ...]}``): after a
                   client's one-sided WRITE, the node checks the write grant and the checksum of
                   the bytes in its arena and records them, before the client calls ``put_end``.
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvstore import protocol
 from kvstore.errors import ProtocolError, TransportUnavailableError
+from kvstore.node.server import DataConnection
 from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.rdma import devices, ibverbs, wire
 
@@ -187,6 +190,10 @@ def make_rdma_connect(service: NodeRdma | None) -> Callable[..., None]:
         remote = wire.QpEndpoint.from_wire(req.args.get("endpoint"))
         if service is None:
             raise TransportUnavailableError("this node has no usable RDMA device; use TCP")
+        if isinstance(fs, DataConnection) and fs.tenant is not None:
+            # A queue pair opens every arena to one-sided READ and WRITE that no grant checks:
+            # a tenant's connection moves its bytes over TCP, where each grant is checked.
+            raise TransportUnavailableError("a tenant's connection moves its bytes over TCP")
         local = service.accept(id(fs), remote)
         fs.send_frame(protocol.encode_response(req.req_id, {"endpoint": local.to_wire()}))
 

@@ -15,6 +15,12 @@ The node's data plane is split by what each part owns:
 * ``kvstore.node.manifest``: what the node holds whole, to claim it to a new master;
 * ``kvstore.node.tiers`` and its tiers (``arena`` for DRAM, ``nvme``, ``hbm``): where the bytes
   are. Every segment is a tier; the DRAM one lets writes land in place.
+
+Tenants (``kvstore.tenants``): a connection whose ``hello`` carries a tenant's token is bound to
+that tenant (:class:`DataConnection`), and every grant it presents must name a key in that
+tenant's part of the key space (:meth:`DataServer.check_owned`): another tenant's grant, or one of the
+operator's keys, is refused per item with ``FORBIDDEN`` and touches nothing, however validly
+signed. The node learns the tenant tokens from the master (``kvstore.node.agent``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 from kvstore import auth, grants, protocol, serving
 from kvstore.clocks import MasterClock
 from kvstore.errors import (
+    ForbiddenError,
     GrantInvalidError,
     InternalError,
     InvalidRequestError,
@@ -41,6 +48,7 @@ from kvstore.node.arena import DramTier, ShmArena
 from kvstore.node.manifest import Manifest
 from kvstore.node.tiers import Tier
 from kvstore.stored_object import StoredObject
+from kvstore.tenants import TenantDirectory, prefix_of
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,22 @@ IDLE_TIMEOUT_S = 120.0
 #: reading the request's ``payload_len`` payload bytes (``scratch``: a buffer to drop bytes
 #: into). A ``KVStoreError`` it raises before touching the payload is answered for it.
 VerbHandler = Callable[[protocol.FramedSocket, protocol.Request, int, memoryview], None]
+
+
+class DataConnection(protocol.FramedSocket):
+    """An accepted data connection, and whose it is: the verbs check each grant against
+    :attr:`owned` (see :meth:`DataServer.check_owned`)."""
+
+    #: The tenant the connection's ``hello`` bound it to (None: the operator's).
+    tenant: str | None = None
+    #: What every key granted to this connection starts with: its tenant's part of the key
+    #: space (None: the operator's connection, which may use any grant).
+    owned: bytes | None = None
+
+    def bind(self, tenant: str | None) -> None:
+        """Bind the connection to ``tenant`` (after a ``hello``; None: the operator)."""
+        self.tenant = tenant
+        self.owned = None if tenant is None else prefix_of(tenant)
 
 
 class DataServer:
@@ -66,6 +90,8 @@ class DataServer:
         tiers: the node's other tiers (NVMe, HBM) by segment name.
         token: the cluster token every connection must present first (None: no check).
         deadlines: how long a frame (and, before the token is proved, the hello) may take.
+        tenants: the tenant tokens this node knows, one directory per node process (the
+            master link keeps it current); None: a new, empty one (the cluster token only).
 
     Verbs are registered with :meth:`register_verb` before :meth:`start`.
     """
@@ -80,7 +106,11 @@ class DataServer:
         tiers: dict[str, Tier] | None = None,
         token: auth.Token | None = None,
         deadlines: serving.WireDeadlines = serving.DEFAULT_DEADLINES,
+        tenants: TenantDirectory | None = None,
     ) -> None:
+        #: The tenant tokens every connection's hello is checked against (kvstore.node.agent
+        #: replaces its contents from the master's replies).
+        self.tenants = tenants if tenants is not None else TenantDirectory()
         #: The DRAM arenas (shared-memory files, for the shm and RDMA transports' offers).
         self.segments = segments
         self.token = token
@@ -229,10 +259,10 @@ class DataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
-        fs = protocol.FramedSocket(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
+        fs = DataConnection(conn, max_payload=protocol.DEFAULT_MAX_PAYLOAD)
         scratch = memoryview(bytearray(1 << 16))
         session = serving.FrameSession(
-            self.token, time.monotonic(), self._payload_limits, self.deadlines
+            self.token, time.monotonic(), self._payload_limits, self.deadlines, self.tenants
         )
         try:
             while not self._stopped.is_set():
@@ -244,8 +274,10 @@ class DataServer:
                 body = fs.read_body(header, body_by)
                 step = session.open_request(header, body)
                 if isinstance(step, serving.Refusal):
+                    # (A hello is answered here: bind the connection to whom it proved.)
                     if session.authenticated:
                         self.pending.discard(conn)
+                        fs.bind(session.tenant)
                     if not self._answer(fs, step, scratch):
                         return
                     continue
@@ -292,6 +324,24 @@ class DataServer:
         except OutOfRangeError:
             raise OutOfRangeError("granted range lies outside the segment") from None
 
+    @staticmethod
+    def owned_by(fs: protocol.FramedSocket) -> bytes | None:
+        """What every key granted to connection ``fs`` must start with (None: any key): a
+        connection this server did not accept (a test calling a verb) is the operator's."""
+        return fs.owned if isinstance(fs, DataConnection) else None
+
+    @staticmethod
+    def check_owned(grant: grants.Grant, owned: bytes) -> None:
+        """Refuse a grant outside a tenant connection's part of the key space. Callers test
+        ``owned is not None`` first, so an operator's connection pays one comparison per item.
+
+        Raises:
+            ForbiddenError: the granted key does not start with ``owned``.
+        """
+        if not grant.key.startswith(owned):
+            # Not which tenant's it is (or whether any's): a guess learns nothing from it.
+            raise ForbiddenError("this connection's tenant may not use a grant for that key")
+
     def grant_reader(self, op: str) -> grants.GrantReader:
         """A reader of one request's batch grant references, verifying each batch for ``op``."""
         now = self.clock_ms()
@@ -305,6 +355,8 @@ class DataServer:
         op: str,
         remember: bool = True,
         reader: grants.GrantReader | None = None,
+        *,
+        owned: bytes | None,
     ) -> tuple[grants.Grant, memoryview]:
         """Check a grant for ``op`` and return it with the bytes it grants.
 
@@ -314,14 +366,20 @@ class DataServer:
             remember: keep the verified grant in the memo (reads reuse theirs).
             reader: the request's reader of batch grant references (:meth:`grant_reader`;
                 None: one-key grants only).
+            owned: what the granted key must start with, the connection's
+                (:meth:`owned_by`); None: any key (the operator's connection). Required, so
+                that no verb forgets whose connection it serves.
 
         Raises:
-            KVStoreError: the grant is invalid, expired or for another op; the segment is
-                not here or too small; a write to a tier without memory in place.
+            KVStoreError: the grant is invalid, expired or for another op; ForbiddenError: its
+                key is outside ``owned``; the segment is not here or too small; a write to a
+                tier without memory in place.
         """
         grant = reader.resolve(grant_wire) if reader is not None else None
         if grant is None:
             grant = self.verified.check(grant_wire, op, self.clock_ms(), remember)
+        if owned is not None:
+            self.check_owned(grant, owned)
         view = self.granted_bytes(grant)
         if view is not None:
             return grant, view

@@ -52,9 +52,12 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> VerbHandler:
             raise InvalidRequestError(f"{req.verb} takes items: [[grant, checksum], ...]")
         results: list[Any] = []
         reader = server.grant_reader(grants.OP_WRITE)
+        owned = server.owned_by(fs)  # a tenant's connection commits its own keys only
         for grant_wire, checksum in items:
             try:
-                grant, view = server.granted_view(grant_wire, grants.OP_WRITE, reader=reader)
+                grant, view = server.granted_view(
+                    grant_wire, grants.OP_WRITE, reader=reader, owned=owned
+                )
                 if not isinstance(checksum, int) or isinstance(checksum, bool):
                     raise InvalidRequestError("checksum must be an integer")
                 # The range must still belong to this grant's allocation (and any older write

@@ -11,6 +11,10 @@ a write, the length for a read), not ``[0, value]``; an error as always. Without
 every item is answered in full, and the client reads either form.
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
+A tenant's connection (``kvstore.node.server.DataConnection``) may use only grants for its own
+tenant's keys: any other item is answered ``FORBIDDEN`` and touches nothing. It may not ask for
+the ``manifest`` either (every tenant's keys are in it).
+
 A verb is a handler ``(conn, request, payload_len, scratch)`` registered on the
 :class:`~kvstore.node.server.DataServer` through its public ``register_verb``, like the optional
 verbs of the shm (``kvstore.node.shm_verbs``) and RDMA transports. They live apart from the
@@ -34,7 +38,13 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore import grants, protocol
-from kvstore.errors import GrantInvalidError, InvalidRequestError, KVStoreError, ProtocolError
+from kvstore.errors import (
+    ForbiddenError,
+    GrantInvalidError,
+    InvalidRequestError,
+    KVStoreError,
+    ProtocolError,
+)
 from kvstore.node import claims
 from kvstore.stored_object import StoredObject
 from kvstore.types import TIER_NVME, result_to_wire
@@ -53,7 +63,7 @@ def install(server: DataServer) -> None:
     server.register_verb("write", partial(write, server), max_payload=MAX_WRITE_PAYLOAD)
     server.register_verb("read", partial(read, server))
     server.register_verb("ping", simple(lambda args: {"role": "node"}))
-    server.register_verb("manifest", simple(lambda args: server.manifest.snapshot()))
+    server.register_verb("manifest", partial(manifest, server))
     server.register_verb("stats", simple(lambda args: server.stats()))
 
 
@@ -68,6 +78,21 @@ def simple(fn: Callable[[dict[str, Any]], Any]) -> VerbHandler:
         fs.send_frame(protocol.encode_response(req.req_id, fn(req.args)))
 
     return handler
+
+
+def manifest(
+    server: DataServer,
+    fs: protocol.FramedSocket,
+    req: protocol.Request,
+    payload_len: int,
+    scratch: memoryview,
+) -> None:
+    """``manifest``: what the node holds, for the operator only (it names every tenant's keys)."""
+    if payload_len:
+        raise ProtocolError("manifest takes no payload")
+    if server.owned_by(fs) is not None:
+        raise ForbiddenError("the manifest is the operator's: it names every tenant's keys")
+    fs.send_frame(protocol.encode_response(req.req_id, server.manifest.snapshot()))
 
 
 def write(
@@ -92,7 +117,8 @@ def write(
     stream = claims.WriteStream(fs.sock)
     now = server.clock_ms()
     reader = server.grant_reader(grants.OP_WRITE)
-    items = [plan_write_item(server, reader, now, *raw) for raw in raw_items]
+    owned = server.owned_by(fs)
+    items = [plan_write_item(server, reader, now, owned, *raw) for raw in raw_items]
     claim_write_items(server, items, stream)
     try:
         results, buffered = receive_write_items(server, fs, items, scratch, stream.is_aborted, ok)
@@ -160,13 +186,15 @@ def plan_write_item(
     server: DataServer,
     reader: grants.GrantReader,
     now: int,
+    owned: bytes | None,
     grant_wire: Any,
     start: Any,
     length: int,
     checksum: Any,
 ) -> WriteItem:
-    """Check one item's grant, range and checksum, and say where its bytes go; a refusal is
-    kept on the item (nothing is touched yet)."""
+    """Check one item's grant (``owned``: what its key must start with, None: any key),
+    range and checksum, and say where its bytes go; a refusal is kept on the item (nothing is
+    touched yet)."""
     item = WriteItem(start, length, checksum)
     try:
         grant = reader.resolve(grant_wire)
@@ -174,6 +202,8 @@ def plan_write_item(
             # One-key write grants are used once: not worth a place in the memo of verified
             # grants.
             grant = server.verified.check(grant_wire, grants.OP_WRITE, now, remember=False)
+        if owned is not None:
+            server.check_owned(grant, owned)
         view = server.granted_bytes(grant)
         if view is None:  # a tier without memory to write into: whole objects only
             if start != 0 or length != grant.size:
@@ -293,9 +323,12 @@ def read(
     results: list[Any] = []
     views: list[memoryview] = []
     reader = server.grant_reader(grants.OP_READ)
+    owned = server.owned_by(fs)
     for grant_wire, ranges in items:
         try:
-            grant, view = server.granted_view(grant_wire, grants.OP_READ, reader=reader)
+            grant, view = server.granted_view(
+                grant_wire, grants.OP_READ, reader=reader, owned=owned
+            )
             if ranges is None:
                 views.append(view)
                 results.append(len(view) if short else [0, len(view)])

@@ -7,18 +7,28 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvstore import grants, protocol
+from kvstore import auth, grants, protocol
 from kvstore.node.arena import ShmArena
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.tenants import TenantDirectory
 
 
 @contextlib.contextmanager
-def running(tmp_path: Path, dram: int, nvme: int) -> Iterator[DataServer]:
-    """A started :class:`DataServer` with ``dram`` bytes of arena and ``nvme`` bytes of NVMe."""
+def running(
+    tmp_path: Path,
+    dram: int,
+    nvme: int,
+    token: auth.Token | None = None,
+    tenants: TenantDirectory | None = None,
+) -> Iterator[DataServer]:
+    """A started :class:`DataServer` with ``dram`` bytes of arena and ``nvme`` bytes of NVMe
+    (``token``, ``tenants``: the cluster token and the tenant tokens it checks hellos against)."""
     arena = ShmArena(tmp_path / "arena", dram, prefault=False)
     tier = NvmeTier(tmp_path / "nvme", nvme)
-    srv = DataServer({"dram": arena}, grants.new_secret(), tiers={"nvme": tier})
+    srv = DataServer(
+        {"dram": arena}, grants.new_secret(), tiers={"nvme": tier}, token=token, tenants=tenants
+    )
     srv.start()
     try:
         yield srv

@@ -79,14 +79,14 @@ def test_granted_views_in_place_and_through_a_tier(server: DataServer) -> None:
         return grants.sign(server.secret, op, b"k", segment, offset, size, 2**62).to_wire()
 
     server.tiers["dram"].in_place(0, 4)[:] = b"abcd"
-    _, view = server.granted_view(grant(grants.OP_READ, "dram", 0, 4), grants.OP_READ)
+    _, view = server.granted_view(grant(grants.OP_READ, "dram", 0, 4), grants.OP_READ, owned=None)
     assert bytes(view) == b"abcd"
     with pytest.raises(OutOfRangeError, match="granted range"):
-        server.granted_view(grant(grants.OP_READ, "dram", SIZE - 2, 4), grants.OP_READ)
+        server.granted_view(grant(grants.OP_READ, "dram", SIZE - 2, 4), grants.OP_READ, owned=None)
     with pytest.raises(InvalidRequestError, match="whole-object"):
-        server.granted_view(grant(grants.OP_WRITE, "nvme", 3, 4), grants.OP_WRITE)
+        server.granted_view(grant(grants.OP_WRITE, "nvme", 3, 4), grants.OP_WRITE, owned=None)
     with pytest.raises(GrantInvalidError):
-        server.granted_view(grant(grants.OP_READ, "hbm", 0, 4), grants.OP_READ)
+        server.granted_view(grant(grants.OP_READ, "hbm", 0, 4), grants.OP_READ, owned=None)
 
 
 def test_a_read_takes_batch_grants_by_reference_and_a_write_refuses_a_read_batch(
