@@ -1,0 +1,122 @@
+"""The node's master link keeps the node's tenant directory (kvstore.node.agent): taken from
+every registration reply, and from a heartbeat reply when the master's is newer than the
+``tenants_version`` the heartbeat said; a malformed one is logged and changes nothing; a
+registration with a restarted master (an older version) is taken whole. Against the scripted
+master of test_agent, so each reply is exactly the one under test."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.errors import NodeUnavailableError
+from kvstore.tenants import TenantDirectory, token_digest
+from tests.node import data_server
+from tests.node.test_agent import WAIT_S, FakeMaster, NodeRig
+
+ACME = "acme-token-0123456789abcdef"
+BOLT = "bolt-token-0123456789abcdef"
+
+
+def _wire(version: int, **names: str) -> dict[str, object]:
+    """The master's directory: ``names`` maps each tenant to its token."""
+    return TenantDirectory(
+        {token_digest(token): name for name, token in names.items()}, version
+    ).wire()
+
+
+@pytest.fixture
+def master() -> Iterator[FakeMaster]:
+    m = FakeMaster()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def rig(tmp_path: Path, master: FakeMaster) -> Iterator[NodeRig]:
+    r = NodeRig(tmp_path, master)
+    yield r
+    r.close()
+
+
+def _hello_binds(rig: NodeRig, token: str) -> str | None:
+    """The tenant the node's data port binds a connection with ``token`` to."""
+    with data_server.connected(rig.server) as conn:
+        return conn.call("hello", {"token": token}).get("tenant")
+
+
+def _register(rig: NodeRig, master: FakeMaster, tenants: object) -> None:
+    master.script("register", {"heartbeat_interval_s": 0.02, "tenants": tenants})
+    rig.start()
+    master.next_call("register")
+    assert rig.link.registered.wait(WAIT_S)
+
+
+def test_the_registration_reply_gives_the_node_its_tenants(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    _register(rig, master, _wire(3, acme=ACME))
+    assert rig.server.tenants.version == 3
+    assert _hello_binds(rig, ACME) == "acme"
+    assert _hello_binds(rig, BOLT) is None, "no tenant's token: the operator's (no cluster token)"
+    assert master.next_call("heartbeat")["tenants_version"] == 3
+
+
+def test_a_heartbeat_reply_with_a_newer_directory_replaces_it(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    _register(rig, master, _wire(1, acme=ACME))
+    sent = master.script("heartbeat", {"tenants": _wire(2, bolt=BOLT)})
+    assert master.next_call_after(sent, "heartbeat")["tenants_version"] == 2
+    assert _hello_binds(rig, BOLT) == "bolt"
+    assert _hello_binds(rig, ACME) is None, "acme was deleted"
+    stale = master.script("heartbeat", {"tenants": _wire(1, acme=ACME)})
+    assert master.next_call_after(stale, "heartbeat")["tenants_version"] == 2, "older: ignored"
+    assert _hello_binds(rig, BOLT) == "bolt"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not a map",
+        {"version": "2", "digests": {}},
+        {"version": 2, "digests": {b"short": "acme"}},
+        {"version": 2, "digests": {bytes(16): "Not A Name"}},
+    ],
+    ids=["not-a-map", "version-not-int", "short-digest", "bad-name"],
+)
+def test_a_malformed_directory_is_logged_and_changes_nothing(
+    rig: NodeRig, master: FakeMaster, caplog: pytest.LogCaptureFixture, bad: object
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstore.node.agent")
+    _register(rig, master, _wire(1, acme=ACME))
+    sent = master.script("heartbeat", {"tenants": bad})
+    beat = master.next_call_after(sent, "heartbeat")
+    assert beat["tenants_version"] == 1 and beat["_conn"] == 1, "same link, nothing taken"
+    assert _hello_binds(rig, ACME) == "acme"
+    assert "malformed tenant directory" in caplog.text
+    assert rig.link.registered.is_set()
+
+
+def test_a_malformed_directory_in_the_registration_reply_changes_nothing(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    _register(rig, master, {"version": 5, "digests": [b"not a map"]})
+    assert rig.server.tenants.version == 0 and len(rig.server.tenants) == 0
+    assert master.next_call("heartbeat")["tenants_version"] == 0
+
+
+def test_a_registration_with_a_restarted_master_takes_its_directory_whole(
+    rig: NodeRig, master: FakeMaster
+) -> None:
+    """A restarted master counts its versions from the start again: its directory is the one
+    that holds, even at a version the node has seen (or passed)."""
+    _register(rig, master, _wire(7, acme=ACME))
+    master.script("register", {"heartbeat_interval_s": 0.02, "tenants": _wire(2, bolt=BOLT)})
+    master.script("heartbeat", NodeUnavailableError("unknown node"))
+    assert master.next_call("register")["_conn"] == 1, "registered again on the same link"
+    assert master.next_call("heartbeat")["tenants_version"] == 2
+    assert _hello_binds(rig, BOLT) == "bolt" and _hello_binds(rig, ACME) is None
