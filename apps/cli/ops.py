@@ -117,7 +117,8 @@ def _pct(used: int, cap: int) -> str:
     return f"{100 * used / cap:.1f}%" if cap else "-"
 
 
-def _client(args: argparse.Namespace) -> AdminClient:
+def admin_client(args: argparse.Namespace) -> AdminClient:
+    """The admin client the flags of :func:`add_admin_flags` (and the settings) point at."""
     flags = {
         "admin": args.admin,
         "token_file": args.token_file,
@@ -128,7 +129,7 @@ def _client(args: argparse.Namespace) -> AdminClient:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    client = _client(args)
+    client = admin_client(args)
     cluster = client.call("GET", "/api/v1/cluster")
     nodes = client.call("GET", "/api/v1/nodes")["nodes"]
     if args.json:
@@ -155,7 +156,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    nodes = _client(args).call("GET", "/api/v1/nodes")["nodes"]
+    nodes = admin_client(args).call("GET", "/api/v1/nodes")["nodes"]
     if args.json:
         print(json.dumps(nodes, indent=2))
         return 0
@@ -186,7 +187,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"keys": list(args.keys)} if args.keys else {"prefix": args.prefix}
     if args.prefix and args.limit is not None:
         body["limit"] = args.limit
-    reply = _client(args).call("POST", "/api/v1/evict", body)
+    reply = admin_client(args).call("POST", "/api/v1/evict", body)
     if args.json:
         print(json.dumps(reply))
     else:
@@ -201,7 +202,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         KeyNotFoundError: no such node; InvalidRequestError: nowhere to drain to;
         KVTimeoutError: not retired within ``--wait``.
     """
-    client = _client(args)
+    client = admin_client(args)
     path = f"/api/v1/nodes/{urllib.parse.quote(args.node_id, safe='')}/drain"
     deadline = time.monotonic() + args.wait
     while True:
@@ -223,7 +224,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
         time.sleep(POLL_S)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def add_admin_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of every command that calls the admin API (also ``kvstore tenant``'s)."""
     p.add_argument("--admin", default=None, help="admin URL (env KVSTORE_ADMIN)")
     p.add_argument(
         "--token-file", default=None, help="file holding the cluster token (env KVSTORE_TOKEN)"
@@ -241,13 +243,13 @@ def add_parsers(sub: Any) -> None:
         "(see `kvstore.cli.settings` and README 'Operating')"
     )
     p = sub.add_parser("status", help="cluster summary and tier fill", epilog=epilog)
-    _common(p)
+    add_admin_flags(p)
     p.set_defaults(func=cmd_status)
     p = sub.add_parser("nodes", help="storage nodes, one per line", epilog=epilog)
-    _common(p)
+    add_admin_flags(p)
     p.set_defaults(func=cmd_nodes)
     p = sub.add_parser("evict", help="remove objects by key or prefix", epilog=epilog)
-    _common(p)
+    add_admin_flags(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="the keys to evict")
     p.add_argument("--prefix", default=None, help="evict every key starting with this")
     p.add_argument("--limit", type=int, default=None, help="at most this many (with --prefix)")
@@ -255,7 +257,7 @@ def add_parsers(sub: Any) -> None:
     p = sub.add_parser(
         "drain", help="move a node's objects elsewhere, then retire the node", epilog=epilog
     )
-    _common(p)
+    add_admin_flags(p)
     p.add_argument("node_id", metavar="NODE", help="the node's id (kvstore nodes)")
     p.add_argument("--wait", type=float, default=600.0, help="seconds to wait for retirement")
     p.add_argument("--no-wait", action="store_true", help="start the drain and return")

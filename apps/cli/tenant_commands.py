@@ -1,0 +1,209 @@
+"""Tenant commands: ``kvstore tenant create|list|show|set|delete``.
+
+A tenant is a part of the pool with its own token and its own part of the key space
+(:mod:`kvstore.tenants`), and optionally a quota of bytes per tier. These commands are the
+operator's: they call the master's admin REST API (``/api/v1/tenants``) with the cluster token,
+with the same settings, TLS and output as ``kvstore status`` (:mod:`kvstore.cli.ops`): a table
+by default, JSON with ``--json``.
+
+``create`` prints the tenant's new token once: the master keeps only its digest, so it cannot be
+shown again (delete the tenant and create it again for a new one). Give it to the tenant's
+clients as their token (``--token-file``, ``KVSTORE_TOKEN``).
+
+Quotas are sizes (``20GiB``, ``512MiB``; :func:`kvstore.limits.parse_size`); ``set``'s
+``none`` removes a tier's quota.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import urllib.parse
+from typing import Any
+
+from kvstore.cli.ops import add_admin_flags, admin_client, format_table
+from kvstore.errors import InvalidRequestError
+from kvstore.limits import format_size, parse_size
+from kvstore.tenants import check_name
+from kvstore.types import TIER_ORDER
+
+#: The tenants' resource in the admin API.
+PATH = "/api/v1/tenants"
+#: What ``set --TIER-quota`` takes to remove a quota.
+NO_QUOTA = "none"
+#: The width of the field names of a tenant's printout.
+WIDTH = 12
+
+
+def _path(name: str) -> str:
+    return f"{PATH}/{urllib.parse.quote(check_name(name), safe='')}"
+
+
+def _quota_flags(args: argparse.Namespace, allow_none: bool) -> dict[str, int | None]:
+    """The quotas given on the command line, by tier (None: remove that tier's quota).
+
+    Raises:
+        InvalidRequestError: a size that does not parse, or ``none`` where it is not allowed.
+    """
+    quotas: dict[str, int | None] = {}
+    for tier in TIER_ORDER:
+        text = getattr(args, f"{tier}_quota")
+        if text is None:
+            continue
+        if text.strip().lower() == NO_QUOTA:
+            if not allow_none:
+                raise InvalidRequestError(
+                    f"--{tier}-quota {NO_QUOTA} only removes a quota (kvstore tenant set)"
+                )
+            quotas[tier] = None
+            continue
+        try:
+            quotas[tier] = parse_size(text)
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"--{tier}-quota: {err.message}") from None
+    return quotas
+
+
+def _quota_cells(quotas: dict[str, Any]) -> list[str]:
+    """One cell per tier: its quota, or ``-`` for none."""
+    return [
+        "-" if quotas.get(tier) is None else format_size(int(quotas[tier])) for tier in TIER_ORDER
+    ]
+
+
+def _created(ms: Any) -> str:
+    if not isinstance(ms, int | float):
+        return "-"
+    when = datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.UTC)
+    return when.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _print_tenant(tenant: dict[str, Any]) -> None:
+    """A tenant as ``field  value`` lines: its quotas per tier, then whatever else the master
+    said of it (usage, counts) as it came."""
+    quotas = tenant.get("quotas") or {}
+    print(f"{'name':<{WIDTH}}{tenant.get('name')}")
+    for tier, cell in zip(TIER_ORDER, _quota_cells(quotas), strict=True):
+        print(f"{tier + ' quota':<{WIDTH}}{cell}")
+    if "created_ms" in tenant:
+        print(f"{'created':<{WIDTH}}{_created(tenant['created_ms'])}")
+    for field, value in tenant.items():
+        if field not in ("name", "quotas", "created_ms", "token"):
+            shown = value if isinstance(value, str | int | float) else json.dumps(value)
+            print(f"{field:<{WIDTH}}{shown}")
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    body = {"name": check_name(args.name), "quotas": _quota_flags(args, allow_none=False)}
+    reply = admin_client(args).call("POST", PATH, body)
+    notice = (
+        f"The token of tenant {reply['name']!r} is shown only now: the master keeps only its "
+        "digest. Give it to the tenant's clients as their token (--token-file, KVSTORE_TOKEN)."
+    )
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        print(notice, file=sys.stderr)  # stdout stays JSON alone
+        return 0
+    _print_tenant(reply)
+    print(f"{'token':<{WIDTH}}{reply['token']}")
+    print()
+    print(notice)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    tenants = admin_client(args).call("GET", PATH)["tenants"]
+    if args.json:
+        print(json.dumps(tenants, indent=2))
+        return 0
+    rows = [
+        [t["name"], *_quota_cells(t.get("quotas") or {}), _created(t.get("created_ms"))]
+        for t in tenants
+    ]
+    quota_headers = [f"{tier.upper()} QUOTA" for tier in TIER_ORDER]
+    print(format_table(["TENANT", *quota_headers, "CREATED"], rows))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    tenant = admin_client(args).call("GET", _path(args.name))
+    if args.json:
+        print(json.dumps(tenant, indent=2))
+    else:
+        _print_tenant(tenant)
+    return 0
+
+
+def cmd_set(args: argparse.Namespace) -> int:
+    path = _path(args.name)
+    quotas = _quota_flags(args, allow_none=True)
+    if not quotas:
+        raise InvalidRequestError(
+            "give at least one of --hbm-quota, --dram-quota, --nvme-quota (a size, or none)"
+        )
+    reply = admin_client(args).call("PATCH", path, {"quotas": quotas})
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    else:
+        _print_tenant(reply)
+    return 0
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    reply = admin_client(args).call("DELETE", _path(args.name))
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        print(
+            f"deleted tenant {args.name!r}: {reply.get('objects_removed', 0)} object(s) removed; "
+            "its token opens nothing from now on"
+        )
+    return 0
+
+
+def _quota_args(p: argparse.ArgumentParser, removable: bool) -> None:
+    for tier in TIER_ORDER:
+        what = "a size like 20GiB" + (f", or {NO_QUOTA} to remove it" if removable else "")
+        p.add_argument(
+            f"--{tier}-quota",
+            default=None,
+            metavar="SIZE",
+            help=f"the most bytes the tenant may hold in {tier.upper()} ({what})",
+        )
+
+
+def add_parsers(sub: Any) -> None:
+    """Register ``tenant`` and its subcommands on the ``kvstore`` subparsers."""
+    epilog = (
+        "settings: flags > environment > config file > defaults; the cluster token is "
+        "needed (see `kvstore.cli.settings`)"
+    )
+    group = sub.add_parser(
+        "tenant", help="tenants: their tokens, quotas and keys (operator)", epilog=epilog
+    )
+    verbs = group.add_subparsers(dest="tenant_command", required=True)
+    p = verbs.add_parser("create", help="create a tenant and print its token once", epilog=epilog)
+    add_admin_flags(p)
+    p.add_argument("name", metavar="NAME", help="a-z, 0-9, '-', '_', starting with a letter")
+    _quota_args(p, removable=False)
+    p.set_defaults(func=cmd_create)
+    p = verbs.add_parser("list", help="every tenant and its quotas", epilog=epilog)
+    add_admin_flags(p)
+    p.set_defaults(func=cmd_list)
+    p = verbs.add_parser("show", help="one tenant", epilog=epilog)
+    add_admin_flags(p)
+    p.add_argument("name", metavar="NAME", help="the tenant")
+    p.set_defaults(func=cmd_show)
+    p = verbs.add_parser("set", help="change a tenant's quotas", epilog=epilog)
+    add_admin_flags(p)
+    p.add_argument("name", metavar="NAME", help="the tenant")
+    _quota_args(p, removable=True)
+    p.set_defaults(func=cmd_set)
+    p = verbs.add_parser(
+        "delete", help="delete a tenant, its objects, and its token", epilog=epilog
+    )
+    add_admin_flags(p)
+    p.add_argument("name", metavar="NAME", help="the tenant")
+    p.set_defaults(func=cmd_delete)
