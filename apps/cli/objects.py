@@ -114,7 +114,11 @@ def add_parsers(sub: Any) -> None:
     _common(p)
     p.add_argument("key", metavar="KEY", help="the key")
     p.add_argument("value", metavar="VALUE", nargs="?", default=None, help="the value, as text")
-    p.add_argument("--file", default=None, help="store this file's bytes instead of VALUE ('-': standard input)")
+    p.add_argument(
+        "--file",
+        default=None,
+        help="store this file's bytes instead of VALUE ('-': standard input)",
+    )
     p.add_argument("--replicas", type=int, default=1, help="copies on distinct nodes")
     p.set_defaults(func=cmd_put)
     p = sub.add_parser("ls", help="list the keys stored, sorted")
