@@ -12,10 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.errors import NodeUnavailableError
+from kvstore import auth, protocol
+from kvstore.address import Address
+from kvstore.cli.ops import AdminClient
+from kvstore.cli.settings import CliConfig
+from kvstore.errors import KVStoreError, NodeUnavailableError, UnauthenticatedError
 from kvstore.tenants import TenantDirectory, token_digest
 from tests.node import data_server
 from tests.node.test_agent import WAIT_S, FakeMaster, NodeRig
+from tests.support import Cluster, start_master, wait_until
 
 ACME = "acme-token-0123456789abcdef"
 BOLT = "bolt-token-0123456789abcdef"
@@ -120,3 +125,48 @@ def test_a_registration_with_a_restarted_master_takes_its_directory_whole(
     assert master.next_call("register")["_conn"] == 1, "registered again on the same link"
     assert master.next_call("heartbeat")["tenants_version"] == 2
     assert _hello_binds(rig, BOLT) == "bolt" and _hello_binds(rig, ACME) is None
+
+
+# ------------------------------------------------------------------ with a real master
+def _master_has_tenant_routes() -> bool:
+    """Whether the master's admin API serves /api/v1/tenants yet (the master's half of tenants
+    is written in parallel with the node's)."""
+    routes = Path(__file__).resolve().parents[2] / "master" / "rest" / "routes.py"
+    return "/api/v1/tenants" in routes.read_text()
+
+
+SECRET = "agent-tenants-test-token-0123456789"
+
+
+@pytest.mark.skipif(
+    not _master_has_tenant_routes(), reason="the master's /api/v1/tenants routes are not in yet"
+)
+def test_a_real_masters_tenants_open_and_close_the_nodes_data_port(tmp_path: Path) -> None:
+    """Created at the master, a tenant's token opens the node's data port as that tenant once a
+    heartbeat carried it; deleted, it opens nothing there."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    flags = ("--token-file", str(token_file))
+    cluster = Cluster(tmp_path, start_master(*flags), node_args=flags)
+    try:
+        node = cluster.add_node("32MiB")
+        admin = AdminClient(CliConfig(admin=cluster.admin, token=auth.Token(SECRET)))
+        token = admin.call("POST", "/api/v1/tenants", {"name": "acme", "quotas": {}})["token"]
+        data = Address.parse(node.field("data"))
+
+        def hello() -> str | None | KVStoreError:
+            conn = protocol.FramedSocket.connect(data.host, data.port, timeout=10)
+            try:
+                return conn.call("hello", {"token": token}).get("tenant")
+            except KVStoreError as err:
+                return err
+            finally:
+                conn.close()
+
+        wait_until(lambda: hello() == "acme", what="the node to learn acme's token")
+        admin.call("DELETE", "/api/v1/tenants/acme")
+        wait_until(
+            lambda: isinstance(hello(), UnauthenticatedError), what="acme's token to be refused"
+        )
+    finally:
+        cluster.stop()
