@@ -18,9 +18,9 @@ The node's data plane is split by what each part owns:
 
 Tenants (``kvstore.tenants``): a connection whose ``hello`` carries a tenant's token is bound to
 that tenant (:class:`DataConnection`), and every grant it presents must name a key in that
-tenant's part of the key space (:meth:`DataServer.check_owned`): another tenant's grant, or one of the
-operator's keys, is refused per item with ``FORBIDDEN`` and touches nothing, however validly
-signed. The node learns the tenant tokens from the master (``kvstore.node.agent``).
+tenant's part of the key space (:meth:`DataServer.check_owned`): another tenant's grant, or one
+of the operator's keys, is refused per item with ``FORBIDDEN`` and touches nothing, however
+validly signed. The node learns the tenant tokens from the master (``kvstore.node.agent``).
 """
 
 from __future__ import annotations
