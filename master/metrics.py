@@ -9,6 +9,9 @@ Two kinds of figures:
 * read from the service when Prometheus scrapes (:class:`_ServiceCollector`): tier fill, objects,
   nodes alive, pending puts, and the figures other subsystems keep in ``service.stats()``
   (evictions, demotions, promotions, leases, pins, replication backlog) — zero until they exist;
+* per tenant (label ``tenant``, ``kvstore_tenant_*``): bytes and quota per tier, objects,
+  evictions, demotions, hits, misses and refused puts, read from the service's
+  ``TenantQuotas`` at scrape time;
 * the process's garbage collector (``kvstore_gc_*``, ``kvstore/gc_policy.py``): collections and the time
   they held the event loop, per generation, and the objects frozen at start-up (process-wide
   figures: every master of a process shows the same).
@@ -343,6 +346,57 @@ class _ServiceCollector(Collector):
         yield _gauge(
             "kvstore_prefix_index_blocks", "Blocks in the prefix index", prefix.get("num_blocks", 0)
         )
+        yield from _tenant_families(svc)
+
+
+#: Per-tenant counters: (metric, help, ``TenantQuotas.describe`` field).
+_TENANT_COUNTERS = (
+    ("kvstore_tenant_evictions", "Replicas of a tenant deleted by eviction", "num_evictions"),
+    ("kvstore_tenant_demotions", "Replicas of a tenant moved to a lower tier", "num_demotions"),
+    ("kvstore_tenant_hits", "Keys of a tenant found when located for reading", "num_hits"),
+    ("kvstore_tenant_misses", "Keys of a tenant not found when located", "num_misses"),
+    (
+        "kvstore_tenant_refused_puts",
+        "Puts of a tenant refused because its quota could not take them",
+        "num_refused_puts",
+    ),
+)
+
+
+def _tenant_families(svc: MasterService) -> Iterator[Any]:
+    """Per tenant (label ``tenant``): bytes and quota per tier, objects, and its counters, from
+    the figures ``master/quotas.py`` keeps as replicas come and go (no walk over objects)."""
+    used = GaugeMetricFamily(
+        "kvstore_tenant_used_bytes",
+        "Committed bytes of a tenant in each tier (every replica)",
+        labels=["tenant", "tier"],
+    )
+    quota = GaugeMetricFamily(
+        "kvstore_tenant_quota_bytes",
+        "A tenant's quota in each tier it has one for",
+        labels=["tenant", "tier"],
+    )
+    objects = GaugeMetricFamily(
+        "kvstore_tenant_objects", "Committed objects of a tenant", labels=["tenant"]
+    )
+    counters = [
+        (CounterMetricFamily(name, doc, labels=["tenant"]), field)
+        for name, doc, field in _TENANT_COUNTERS
+    ]
+    for name in svc.quotas.tenants():
+        fig = svc.quotas.describe(name)
+        for tier, value in sorted(fig["used_bytes"].items()):  # type: ignore[attr-defined]
+            used.add_metric([name, tier], value)
+        for tier, value in sorted(fig["quotas"].items()):  # type: ignore[attr-defined]
+            quota.add_metric([name, tier], value)
+        objects.add_metric([name], fig["num_objects"])  # type: ignore[arg-type]
+        for family, field in counters:
+            family.add_metric([name], fig[field])  # type: ignore[arg-type]
+    yield used
+    yield quota
+    yield objects
+    for family, _ in counters:
+        yield family
 
 
 def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:

@@ -51,6 +51,7 @@ from kvstore.master.leases import PIN_NONE
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectTable, Replica
+from kvstore.tenants import MARK, owner_of
 from kvstore.types import PutTicket
 
 log = logging.getLogger(__name__)
@@ -58,8 +59,10 @@ log = logging.getLogger(__name__)
 #: Placement of a batch's objects of one size: ``place(size, num_replicas, count)`` -> a
 #: segment on each of as many distinct nodes, with room, and how many of the ``count`` objects
 #: of that size still to place (at least one) go there, allocated together
-#: (``tiering.TierManager.placer``).
-Place = Callable[[int, int, int], tuple[list[tuple[Segment, Node]], int]]
+#: (``tiering.TierManager.placer``). Objects of a tenant are placed with the tenant as a fourth
+#: argument, ``place(size, num_replicas, count, tenant)``: the count may shrink to what the
+#: tenant's quota takes.
+Place = Callable[..., tuple[list[tuple[Segment, Node]], int]]
 
 
 #: A pending put as :attr:`Puts.pending` keeps it: ``(key, size, deadline, replicas_wanted,
@@ -169,6 +172,8 @@ class Puts:
             raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
         results: list[PutTicket | list[Any] | KVStoreError | None] = [None] * len(keys)
         by_size: dict[int, list[int]] = {}  # size -> positions of the keys to place
+        # A tenant's keys are placed apart, each tenant's run checked against its quotas.
+        by_tenant: dict[tuple[int, str], list[int]] = {}
         taken: set[bytes] = set()  # (a key twice in one batch: the second is busy)
         for i, (key, size) in enumerate(zip(keys, sizes, strict=True)):
             try:
@@ -177,22 +182,32 @@ class Puts:
                 results[i] = err
                 continue
             taken.add(key)
-            by_size.setdefault(size, []).append(i)
+            if key[:1] == MARK and (tenant := owner_of(key)) is not None:
+                by_tenant.setdefault((size, tenant), []).append(i)
+            else:
+                by_size.setdefault(size, []).append(i)
         # Once per batch: the grants' expiry base (each allocation's claim stamp is still
         # ordered after every claim on its bytes, see Segment.claim_stamp) and the deadline.
         base = self.space.claim_base()
         deadline = self.clock() + self.config.put_timeout_s
-        for size, positions in by_size.items():
+        groups: list[tuple[int, str | None, list[int]]] = [(s, None, p) for s, p in by_size.items()]
+        groups += [(s, t, p) for (s, t), p in by_tenant.items()]
+        for size, owner, positions in groups:
             done = 0
             while done < len(positions):
                 try:
-                    picks, k = place(size, replicas, len(positions) - done)
+                    if owner is None:
+                        picks, k = place(size, replicas, len(positions) - done)
+                    else:
+                        picks, k = place(size, replicas, len(positions) - done, owner)
                 except KVStoreError as err:
                     results[positions[done]] = err
                     done += 1
                     continue
                 run = positions[done : done + k]
                 self._start_run(keys, run, size, picks, base, deadline, batcher, results)
+                if owner is not None:
+                    self.space.quotas.pend(owner, [seg.tier for seg, _ in picks], size * len(run))
                 done += k
         if batcher is not None:
             batcher.sign()
@@ -283,6 +298,8 @@ class Puts:
             key, size, _, replicas_wanted = record[:_REPLICAS]
             del self.pending_by_key[key]
             replicas = _replicas_of(record)
+            if key[:1] == MARK:  # a tenant's put: its bytes count as committed from here
+                self.space.quotas.unpend(key, [r.tier for r in replicas], size)
             old = objects.get(key)
             if old is not None:
                 space.release_all(old.replicas, hold_until=space.hold_until(old, now), lease_of=old)
@@ -326,8 +343,12 @@ class Puts:
 
     def _discard(self, put_id: int, record: PendingRecord) -> None:
         del self.pending[put_id]
-        del self.pending_by_key[record[0]]
-        self.space.release_all(_replicas_of(record))
+        key = record[0]
+        del self.pending_by_key[key]
+        replicas = _replicas_of(record)
+        if key[:1] == MARK:
+            self.space.quotas.unpend(key, [r.tier for r in replicas], record[1])
+        self.space.release_all(replicas)
 
     def on_node(self, node_id: str) -> list[PendingPut]:
         """Pending puts writing a replica on ``node_id``."""

@@ -15,6 +15,8 @@ Who owns what (each a class of its own module, one instance per master term)::
                     cover them end (it keeps the leases)
     puts.py         Puts, PendingPut: put_start / put_end / put_revoke, reclaiming expired puts
     tiering.py      TierManager: placement, watermark eviction, demotion and promotion
+    quotas.py       TenantQuotas: quotas and usage per tenant per tier (space counts,
+                    tiering enforces)
     replication.py  Replicator: re-replication after node deaths, drain
     recovery.py     Recovery: admitting node manifests (failover keeps the cache)
     prefix.py       PrefixIndex (over radix.py), which records KV events (events.py)
@@ -25,7 +27,7 @@ Import order, lowest first; each module imports only modules above it in this li
 
     events, leases, tasks, eviction, radix_tables, radix, allocator, budget, prefix_restore,
     collector
-    config, table, prefix
+    config, table, prefix, quotas
     membership
     space
     puts          (placement comes in as a callable: puts needs no tier manager)
@@ -66,6 +68,7 @@ from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.puts import PendingRecord, Puts
+from kvstore.master.quotas import TenantQuotas
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
@@ -73,6 +76,7 @@ from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.stored_object import ManifestClaim
+from kvstore.tenants import MARK
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -121,8 +125,18 @@ class MasterService:
         self.prefix = PrefixIndex(self.events)
         self.objects = ObjectTable()
         self.membership = Membership(config, clock)
+        #: Tenant quotas and usage per tier (master/quotas.py); the space counts what comes
+        #: and goes, the tier manager enforces them.
+        self.quotas = TenantQuotas()
         self.space = Space(
-            config, self.membership, self.objects, self.prefix, clock, wall_ms, tiers.lease_grace_s
+            config,
+            self.membership,
+            self.objects,
+            self.prefix,
+            clock,
+            wall_ms,
+            tiers.lease_grace_s,
+            quotas=self.quotas,
         )
         first_put_id = (epoch << 32) + 1 if epoch else 1
         self.puts = Puts(config, self.membership, self.objects, self.space, clock, first_put_id)
@@ -177,6 +191,7 @@ class MasterService:
         fresh = MasterService(
             self.config, self.clock, self.wall_ms, self.tiering.config, epoch=epoch
         )
+        fresh.quotas.carry_over(self.quotas)  # (usage is rebuilt from the manifests)
         self.events.wake()
         return fresh
 
@@ -307,6 +322,7 @@ class MasterService:
             stones.update((r.segment, r.offset) for r in put.replicas if r.node_id == node_id)
         held = self.objects.keys_on(node_id)
         self.space.fence_dropped(node, (self.objects[k] for k in held))
+        self.space.forget_node(node)
         self.membership.remove(node_id, stones)
         # From here on the node's space is gone with it: releases on it change nothing.
         for put in writes:
@@ -455,6 +471,8 @@ class MasterService:
                 results.append([0, [obj.size, obj.checksum, locs]])
         self.num_misses += misses
         self.num_hits += len(keys) - misses
+        if keys and (keys[0][:1] == MARK or keys[-1][:1] == MARK):
+            self.quotas.count_reads(keys, found)  # (a tenant's hits and misses)
         if batcher is not None:
             batcher.sign()
         return results

@@ -21,7 +21,9 @@ from kvstore.master.event_ring import EVENT_EVICTED
 from kvstore.master.leases import DeferredFrees, ReadLeases
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
+from kvstore.master.quotas import TenantQuotas
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
+from kvstore.tenants import MARK
 from kvstore.types import TIER_NVME
 
 
@@ -36,6 +38,8 @@ class Space:
         clock: monotonic seconds.
         wall_ms: wall-clock milliseconds (write claims, checked by nodes).
         lease_grace_s: how long freed space stays untouched past the end of a lease.
+        quotas: told of every committed replica of a tenant's key that comes or goes (a fresh
+            one when None).
     """
 
     def __init__(
@@ -47,8 +51,10 @@ class Space:
         clock: Callable[[], float],
         wall_ms: Callable[[], int],
         lease_grace_s: float,
+        quotas: TenantQuotas | None = None,
     ) -> None:
         self.config = config
+        self.quotas = quotas if quotas is not None else TenantQuotas()
         self.membership = membership
         self.objects = objects
         self.prefix = prefix
@@ -71,7 +77,10 @@ class Space:
         """Record a committed replica in its segment's index (eviction and drain walk it)."""
         node = self.membership.nodes.get(replica.node_id)
         if node is not None:
-            node.segments[replica.segment].holding.add(replica.offset, key, replica.size)
+            seg = node.segments[replica.segment]
+            seg.holding.add(replica.offset, key, replica.size)
+            if key[:1] == MARK:  # a tenant's: its usage grows (kvstore.tenants)
+                self.quotas.attached(key, seg.tier, replica.size)
 
     def hold_until(self, obj: ObjectMeta, now: float) -> float:
         """Until when freed space of ``obj`` must stay untouched (0 when no lease covers it)."""
@@ -88,7 +97,10 @@ class Space:
         if node is None:
             return  # the node is gone and its allocator with it
         seg = node.segments[replica.segment]
-        seg.holding.pop(replica.offset, None)
+        key = seg.holding.pop(replica.offset, None)
+        # (None: a put's or a move's bytes never committed here, which no usage counted)
+        if key is not None and key[:1] == MARK:
+            self.quotas.detached(key, seg.tier, replica.size)
         if hold_until > self.clock():
             self.deferred.hold(hold_until, node, replica, lease_of)
             return
@@ -195,6 +207,18 @@ class Space:
             self.fenced[node.node_id] = (max(u for _, u in fences), fences)
         else:
             self.fenced.pop(node.node_id, None)
+
+    def forget_node(self, node: Node) -> None:
+        """``node`` leaves with its replicas (dropped, not drained): its tenants' usage loses
+        them at once (its releases after this change nothing: the node is gone)."""
+        if not self.quotas.has_usage():
+            return
+        for seg in node.segments.values():
+            for _, key in seg.holding.items():
+                if key[:1] == MARK:
+                    obj = self.objects.peek(key)
+                    if obj is not None:
+                        self.quotas.detached(key, seg.tier, obj.size)
 
     def fence(self, node: Node) -> None:
         """Hold, in a node that registered again, the extents its earlier incarnation had under

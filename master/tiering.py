@@ -15,7 +15,15 @@ get their placement from :meth:`TierManager.placer` (so they need not import thi
   copies, the master switches the replica when the node reports success, and frees the old space
   only once no lease covers it); from the last tier they are deleted.
 - **Promotion**: an object read ``promote_after_hits`` times while it lives only below DRAM is
-  moved up one tier when that tier has room under its high watermark.
+  moved up one tier when that tier has room under its high watermark (and, for a tenant's
+  object, under the tenant's quota there).
+- **Tenant quotas** (``quotas.py``): a tenant's put that would take it over its quota in the
+  tier it is placed in first frees the tenant's own coldest objects there (demoted one tier
+  down on their node where that tier has room, else deleted), never another's, and is refused
+  ``NoSpaceError`` naming the tenant and tier when that cannot make room. Eviction for anyone
+  takes victims from tenants over their quota in the tier first, then from objects of no tenant
+  or of tenants without a quota there, and from tenants within their quota last: a quota is a
+  share the tenant keeps under another tenant's churn.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.puts import Place, Puts
+from kvstore.master.quotas import NEUTRAL, TenantQuotas
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
+from kvstore.tenants import MARK, owner_of
 from kvstore.types import TIER_DRAM, TIER_ORDER, TIER_RANK
 
 log = logging.getLogger(__name__)
@@ -179,6 +189,8 @@ class TierManager:
         self.clock = clock
         self.wall_ms = wall_ms
         self.policy = make_policy(config.eviction_policy)
+        #: Tenant quotas and usage (the space's: it counts what comes and goes).
+        self.quotas: TenantQuotas = space.quotas
         self.num_demotions = 0
         self.num_promotions = 0
         self.num_evictions = 0  # replicas deleted from their last tier (background)
@@ -207,9 +219,9 @@ class TierManager:
                 continue
             (soft if pin == PIN_SOFT else plain).append(obj)
             offset_of[id(obj)] = off
-        ranked = self.policy.rank(plain, limit)
+        ranked = self._rank(plain, limit, seg.tier)
         if len(ranked) < limit:
-            ranked += self.policy.rank(soft, limit - len(ranked))
+            ranked += self._rank(soft, limit - len(ranked), seg.tier)
         out: list[tuple[ObjectMeta, Replica]] = []
         for seen in ranked:
             off = offset_of[id(seen)]
@@ -219,6 +231,26 @@ class TierManager:
                     out.append((obj, r))
                     break
         return out
+
+    def _rank(self, objs: list[ObjectMeta], limit: int, tier: str) -> list[ObjectMeta]:
+        """The policy's ranking of ``objs`` (victims in ``tier``), tenants over their quota
+        there first and tenants within it last (see the module docstring); with no quota set
+        anywhere, the policy's ranking alone."""
+        quotas = self.quotas
+        if not quotas.limited:
+            return self.policy.rank(objs, limit)
+        standing = quotas.standing(tier)
+        classes: tuple[list[ObjectMeta], ...] = ([], [], [])
+        for obj in objs:
+            key = obj.key
+            tenant = owner_of(key) if key[:1] == MARK else None
+            classes[standing.get(tenant, NEUTRAL) if tenant is not None else NEUTRAL].append(obj)
+        ranked: list[ObjectMeta] = []
+        for group in classes:
+            if len(ranked) >= limit:
+                break
+            ranked += self.policy.rank(group, limit - len(ranked))
+        return ranked
 
     # ================================================================ placement
     def candidates(self, excluded: set[str]) -> Candidates:
@@ -238,14 +270,130 @@ class TierManager:
         computed once (membership does not change within a batch), and how many of the
         batch's next objects of that size may follow the first there (:meth:`run_length`)."""
         cands = self.candidates(excluded)
+        refused: dict[tuple[str, str], NoSpaceError] = {}  # (tenant, tier): once per batch
 
         def place(
-            size: int, num_replicas: int, count: int = 1
+            size: int, num_replicas: int, count: int = 1, tenant: str | None = None
         ) -> tuple[list[tuple[Segment, Node]], int]:
             picks = self.place(size, excluded, num_replicas, cands)
-            return picks, self.run_length(picks, size, count, cands)
+            k = self.run_length(picks, size, count, cands)
+            if tenant is not None and tenant in self.quotas.limited:
+                k = self.admit(tenant, picks, size, k, refused)
+            return picks, k
 
         return place
+
+    def admit(
+        self,
+        tenant: str,
+        picks: list[tuple[Segment, Node]],
+        size: int,
+        count: int,
+        refused: dict[tuple[str, str], NoSpaceError] | None = None,
+    ) -> int:
+        """How many of ``count`` objects of ``tenant`` (``size`` bytes each) placed at
+        ``picks`` its quotas take (at least one), after freeing its own coldest objects in
+        each tier it would go over.
+
+        Why free more than the run needs (down to the tier's low watermark's share of the
+        quota): a tenant writing steadily at its quota would otherwise rank its objects on
+        every batch.
+
+        Raises:
+            NoSpaceError: not one object fits the tenant's quota in a tier even once its own
+                evictable objects there are freed (nothing was freed); ``refused`` remembers it
+                for the rest of the batch.
+        """
+        per_tier: dict[str, int] = {}
+        for seg, _ in picks:
+            per_tier[seg.tier] = per_tier.get(seg.tier, 0) + size
+        quotas = self.quotas
+        for tier, per in per_tier.items():
+            quota = quotas.limit(tenant, tier)
+            if quota is None:
+                continue
+            err = refused.get((tenant, tier)) if refused else None
+            if err is not None:
+                raise err
+            room = quota - quotas.charged(tenant, tier)
+            if room >= count * per:
+                continue
+            high, low = self.config.marks(tier)
+            slack = int(quota * (1 - low / high))
+            room += self.free_own(tenant, tier, per - room, count * per - room + slack)
+            if room < per:
+                quotas.refused(tenant)
+                err = NoSpaceError(
+                    f"tenant {tenant!r} is at its {tier} quota ({quota} bytes, "
+                    f"{quotas.charged(tenant, tier)} used or being written) and none of its "
+                    f"own {tier} objects can go now (leased, pinned or moving)"
+                )
+                if refused is not None:
+                    refused[(tenant, tier)] = err
+                raise err
+            count = min(count, room // per)
+        return count
+
+    def free_own(self, tenant: str, tier: str, need: int, want: int) -> int:
+        """Free ``tenant``'s own coldest replicas in ``tier``: at least ``need`` bytes or none
+        at all, then on up to ``want``. Each is demoted one tier down on its node when that
+        tier has room there and the tenant's quota there takes it (else it is deleted): never
+        another's object goes for it.
+
+        Returns:
+            Bytes freed (0 when ``need`` could not be met: nothing changed).
+        """
+        now = self.clock()
+        plain: list[ObjectMeta] = []
+        soft: list[ObjectMeta] = []
+        objects = self.objects
+        for key in self.quotas.keys_in(tenant, tier):
+            obj = objects.peek(key)
+            if obj is None or obj.busy or obj.lease_until > now:
+                continue
+            pin = self.pin_of(obj, now)
+            if pin != PIN_HARD:
+                (soft if pin == PIN_SOFT else plain).append(obj)
+        ranked = self.policy.rank(plain, len(plain)) + self.policy.rank(soft, len(soft))
+        plan: list[tuple[ObjectMeta, list[Replica]]] = []
+        total = 0
+        for seen in ranked:
+            here_bytes = seen.size * sum(1 for r in seen.replicas if r.tier == tier)
+            if total >= need and total + here_bytes > want:
+                break  # (past what is needed, never beyond what is wanted)
+            obj = objects[seen.key]
+            here = [r for r in obj.replicas if r.tier == tier]
+            plan.append((obj, here))
+            total += here_bytes
+        if total < need:
+            return 0
+        freed = 0
+        for obj, here in plan:
+            for replica in here:
+                self._free_own_replica(tenant, obj, replica, now)
+                freed += obj.size
+        return freed
+
+    def _free_own_replica(self, tenant: str, obj: ObjectMeta, replica: Replica, now: float) -> None:
+        """Demote ``replica`` of ``tenant``'s ``obj`` where :meth:`free_own` may, else delete it."""
+        node = self.membership.nodes.get(replica.node_id)
+        if node is not None and not obj.busy:
+            segs = ordered_segments(node)
+            i = next(i for i, s in enumerate(segs) if s.name == replica.segment)
+            lower = segs[i + 1] if i + 1 < len(segs) else None
+            if lower is not None and self._quota_room(tenant, lower.tier, obj.size):
+                alloc = lower.allocator
+                if alloc.largest_free >= alloc.reserved_size(obj.size):
+                    self._move(obj, replica, node, lower, PURPOSE_DEMOTE, now)
+                    return
+        self.space.delete_replica(obj, replica)
+        self.quotas.evicted(obj.key)
+        self.num_sync_evictions += 1
+
+    def _quota_room(self, tenant: str, tier: str, size: int) -> bool:
+        """Whether ``tenant``'s quota in ``tier`` takes ``size`` more bytes (no quota: yes)."""
+        quota = self.quotas.limit(tenant, tier)
+        return quota is None or self.quotas.charged(tenant, tier) + size <= quota
 
     @staticmethod
     def run_length(
@@ -375,6 +523,8 @@ class TierManager:
         for obj, replica in self.victims(node, seg, now):
             self.space.delete_replica(obj, replica)
             self.num_sync_evictions += 1
+            if obj.key[:1] == MARK:
+                self.quotas.evicted(obj.key)
             if seg.allocator.largest_free >= need:
                 return True
         return False
@@ -432,6 +582,8 @@ class TierManager:
                     if lower is None:
                         self.space.delete_replica(obj, replica)
                         self.num_evictions += 1
+                        if obj.key[:1] == MARK:
+                            self.quotas.evicted(obj.key)
                     elif not self._demote(obj, replica, node, lower, now):
                         break  # the lower tier is full of what it may not evict
                     to_free -= seg.allocator.reserved_size(obj.size)
@@ -479,6 +631,8 @@ class TierManager:
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id
+        if obj.key[:1] == MARK:
+            self.quotas.move_started(obj.key, src.tier, dst.tier, obj.size, purpose)
 
     # ================================================================ promotion
     def on_read(self, obj: ObjectMeta, now: float) -> None:
@@ -505,9 +659,15 @@ class TierManager:
             if (
                 target.allocator.largest_free >= need
                 and target.allocator.used_bytes + need <= high * target.allocator.capacity
+                and (obj.key[:1] != MARK or self._promotable(obj, target.tier))
             ):
                 self._move(obj, r, node, target, PURPOSE_PROMOTE, now)
                 return
+
+    def _promotable(self, obj: ObjectMeta, tier: str) -> bool:
+        """Whether a tenant's ``obj`` may move up into ``tier``: its quota there takes it."""
+        tenant = owner_of(obj.key)
+        return tenant is None or self._quota_room(tenant, tier, obj.size)
 
     # ================================================================ completion
     def settle(self, task: Task, ok: bool, now: float) -> None:
@@ -518,7 +678,12 @@ class TierManager:
         same = obj is not None and obj.busy == task.task_id
         if same:
             obj.busy = 0
-        if ok and same and obj.swap_replica(task.src, task.dst):
+        moved = ok and same and obj.swap_replica(task.src, task.dst)
+        if task.key[:1] == MARK:
+            self.quotas.move_ended(
+                task.key, task.src.tier, task.dst.tier, task.src.size, task.purpose, moved
+            )
+        if moved:
             self.space.attach(obj.key, task.dst)
             self.space.release(task.src, hold_until=self.space.hold_until(obj, now), lease_of=obj)
             self.prefix.moved(obj.key, task.src.tier, task.dst.tier)
