@@ -49,9 +49,10 @@ from kvstore.kvblocks import is_kv_key
 from kvstore.master.config import MasterConfig
 from kvstore.master.leases import PIN_NONE
 from kvstore.master.membership import Membership, Node, Segment
+from kvstore.master.quotas import TENANT_END
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectTable, Replica
-from kvstore.tenants import MARK, owner_of
+from kvstore.tenants import owner_of
 from kvstore.types import PutTicket
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class Puts:
                 results[i] = err
                 continue
             taken.add(key)
-            if key[:1] == MARK and (tenant := owner_of(key)) is not None:
+            if key < TENANT_END and (tenant := owner_of(key)) is not None:
                 by_tenant.setdefault((size, tenant), []).append(i)
             else:
                 by_size.setdefault(size, []).append(i)
@@ -298,7 +299,7 @@ class Puts:
             key, size, _, replicas_wanted = record[:_REPLICAS]
             del self.pending_by_key[key]
             replicas = _replicas_of(record)
-            if key[:1] == MARK:  # a tenant's put: its bytes count as committed from here
+            if key < TENANT_END:  # a tenant's put: its bytes count as committed from here
                 self.space.quotas.unpend(key, [r.tier for r in replicas], size)
             old = objects.get(key)
             if old is not None:
@@ -346,7 +347,7 @@ class Puts:
         key = record[0]
         del self.pending_by_key[key]
         replicas = _replicas_of(record)
-        if key[:1] == MARK:
+        if key < TENANT_END:
             self.space.quotas.unpend(key, [r.tier for r in replicas], record[1])
         self.space.release_all(replicas)
 

@@ -35,7 +35,13 @@ from kvstore.master.tasks import PURPOSE_DEMOTE
 from kvstore.tenants import MARK, check_name, owner_of, prefix_of
 from kvstore.types import TIER_RANK
 
-__all__ = ["OVER", "NEUTRAL", "WITHIN", "TenantQuotas"]
+__all__ = ["NEUTRAL", "OVER", "TENANT_END", "WITHIN", "TenantQuotas"]
+
+#: Every stored key of a tenant sorts below this (it starts with ``MARK``, a NUL byte), and so
+#: does only the empty key besides: ``key < TENANT_END`` is the one check the owners make per
+#: key before asking :func:`~kvstore.tenants.owner_of` (a comparison, cheaper than a slice).
+TENANT_END = b"\x01"
+assert MARK < TENANT_END and len(MARK) == 1
 
 #: Eviction classes of a tenant in a tier (:meth:`TenantQuotas.standing`): victims are taken
 #: from the lowest class first.

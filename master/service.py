@@ -68,7 +68,7 @@ from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
 from kvstore.master.puts import PendingRecord, Puts
-from kvstore.master.quotas import TenantQuotas
+from kvstore.master.quotas import TENANT_END, TenantQuotas
 from kvstore.master.recovery import AdmissionReport, Recovery
 from kvstore.master.replication import Replicator
 from kvstore.master.space import Space
@@ -76,7 +76,6 @@ from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.stored_object import ManifestClaim
-from kvstore.tenants import MARK
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -471,7 +470,7 @@ class MasterService:
                 results.append([0, [obj.size, obj.checksum, locs]])
         self.num_misses += misses
         self.num_hits += len(keys) - misses
-        if keys and (keys[0][:1] == MARK or keys[-1][:1] == MARK):
+        if keys and (keys[0] < TENANT_END or keys[-1] < TENANT_END):
             self.quotas.count_reads(keys, found)  # (a tenant's hits and misses)
         if batcher is not None:
             batcher.sign()

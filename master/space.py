@@ -21,9 +21,8 @@ from kvstore.master.event_ring import EVENT_EVICTED
 from kvstore.master.leases import DeferredFrees, ReadLeases
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
-from kvstore.master.quotas import TenantQuotas
+from kvstore.master.quotas import TENANT_END, TenantQuotas
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
-from kvstore.tenants import MARK
 from kvstore.types import TIER_NVME
 
 
@@ -79,7 +78,7 @@ class Space:
         if node is not None:
             seg = node.segments[replica.segment]
             seg.holding.add(replica.offset, key, replica.size)
-            if key[:1] == MARK:  # a tenant's: its usage grows (kvstore.tenants)
+            if key < TENANT_END:  # a tenant's: its usage grows (kvstore.tenants)
                 self.quotas.attached(key, seg.tier, replica.size)
 
     def hold_until(self, obj: ObjectMeta, now: float) -> float:
@@ -99,7 +98,7 @@ class Space:
         seg = node.segments[replica.segment]
         key = seg.holding.pop(replica.offset, None)
         # (None: a put's or a move's bytes never committed here, which no usage counted)
-        if key is not None and key[:1] == MARK:
+        if key is not None and key < TENANT_END:
             self.quotas.detached(key, seg.tier, replica.size)
         if hold_until > self.clock():
             self.deferred.hold(hold_until, node, replica, lease_of)
@@ -215,7 +214,7 @@ class Space:
             return
         for seg in node.segments.values():
             for _, key in seg.holding.items():
-                if key[:1] == MARK:
+                if key < TENANT_END:
                     obj = self.objects.peek(key)
                     if obj is not None:
                         self.quotas.detached(key, seg.tier, obj.size)

@@ -39,11 +39,11 @@ from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.puts import Place, Puts
-from kvstore.master.quotas import NEUTRAL, TenantQuotas
+from kvstore.master.quotas import NEUTRAL, TENANT_END, TenantQuotas
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
-from kvstore.tenants import MARK, owner_of
+from kvstore.tenants import owner_of
 from kvstore.types import TIER_DRAM, TIER_ORDER, TIER_RANK
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class TierManager:
         classes: tuple[list[ObjectMeta], ...] = ([], [], [])
         for obj in objs:
             key = obj.key
-            tenant = owner_of(key) if key[:1] == MARK else None
+            tenant = owner_of(key) if key < TENANT_END else None
             classes[standing.get(tenant, NEUTRAL) if tenant is not None else NEUTRAL].append(obj)
         ranked: list[ObjectMeta] = []
         for group in classes:
@@ -523,7 +523,7 @@ class TierManager:
         for obj, replica in self.victims(node, seg, now):
             self.space.delete_replica(obj, replica)
             self.num_sync_evictions += 1
-            if obj.key[:1] == MARK:
+            if obj.key < TENANT_END:
                 self.quotas.evicted(obj.key)
             if seg.allocator.largest_free >= need:
                 return True
@@ -582,7 +582,7 @@ class TierManager:
                     if lower is None:
                         self.space.delete_replica(obj, replica)
                         self.num_evictions += 1
-                        if obj.key[:1] == MARK:
+                        if obj.key < TENANT_END:
                             self.quotas.evicted(obj.key)
                     elif not self._demote(obj, replica, node, lower, now):
                         break  # the lower tier is full of what it may not evict
@@ -631,7 +631,7 @@ class TierManager:
         }
         tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id
-        if obj.key[:1] == MARK:
+        if obj.key < TENANT_END:
             self.quotas.move_started(obj.key, src.tier, dst.tier, obj.size, purpose)
 
     # ================================================================ promotion
@@ -659,7 +659,7 @@ class TierManager:
             if (
                 target.allocator.largest_free >= need
                 and target.allocator.used_bytes + need <= high * target.allocator.capacity
-                and (obj.key[:1] != MARK or self._promotable(obj, target.tier))
+                and (obj.key >= TENANT_END or self._promotable(obj, target.tier))
             ):
                 self._move(obj, r, node, target, PURPOSE_PROMOTE, now)
                 return
@@ -679,7 +679,7 @@ class TierManager:
         if same:
             obj.busy = 0
         moved = ok and same and obj.swap_replica(task.src, task.dst)
-        if task.key[:1] == MARK:
+        if task.key < TENANT_END:
             self.quotas.move_ended(
                 task.key, task.src.tier, task.dst.tier, task.src.size, task.purpose, moved
             )

@@ -14,6 +14,7 @@ from kvstore.master.metrics import MasterMetrics
 from kvstore.master.puts import PendingPut
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import TierConfig
+from kvstore.stored_object import ManifestClaim
 from kvstore.tenants import owner_of, tenant_key
 from kvstore.types import PutTicket, SegmentSpec
 from tests.master.fakes import FakeClock
@@ -314,6 +315,44 @@ def test_promotion_respects_the_quota_of_the_tier_it_goes_to(clock: FakeClock) -
     clock.now += 10
     svc.get_locations(cold)
     assert len(svc.tasks.by_id) == 2
+
+
+def test_a_tenant_at_its_quota_frees_a_margin_so_the_next_puts_rank_nothing(
+    clock: FakeClock,
+) -> None:
+    """Past its quota, a tenant frees down to the tier's low watermark's share of it (the
+    tier manager's hysteresis), so a tenant writing steadily ranks its objects once in a while,
+    not on every batch."""
+    svc = make(clock, dram=4 * MIB, nvme=4 * MIB)
+    quota = 20 * OBJ  # its margin (1 - 0.8/0.9 of it) is two objects and a bit
+    svc.quotas.set_tenant("acme", {"dram": quota})
+    for i in range(20):
+        clock.now += 1
+        put(svc, key("acme", f"a{i}"))
+    clock.now += 10
+    put(svc, key("acme", "n0"))
+    assert len(svc.tasks.by_id) == 3, "one for the put, two for the margin"
+    run_tasks(svc)
+    put(svc, key("acme", "n1"))
+    put(svc, key("acme", "n2"))
+    assert not svc.tasks.by_id, "within the margin: nothing ranked, nothing moved"
+    assert svc.quotas.usage("acme")["dram"] == quota
+    check_exact(svc)
+
+
+def test_usage_comes_back_with_a_node_s_manifest(clock: FakeClock) -> None:
+    svc = make(clock)
+    svc.quotas.set_tenant("acme", {"nvme": MIB})
+    fresh = svc.next_term()
+    fresh.register("n0", "127.0.0.1", 9000, b"A" * 32, [SegmentSpec("nvme", "nvme", 4 * MIB)])
+    claims = [
+        ManifestClaim("nvme", 7, key("acme", "a"), 100, 5, 1),
+        ManifestClaim("nvme", 8, key(None, "p"), 10, 5, 1),
+    ]
+    assert fresh.admit_manifest("n0", claims).num_admitted == 2
+    assert fresh.quotas.usage("acme")["nvme"] == 100
+    assert fresh.quotas.limit("acme", "nvme") == MIB
+    check_exact(fresh)
 
 
 # ---------------------------------------------------------------- the order of eviction
