@@ -275,13 +275,39 @@ class TierManager:
         def place(
             size: int, num_replicas: int, count: int = 1, tenant: str | None = None
         ) -> tuple[list[tuple[Segment, Node]], int]:
+            limited = tenant if tenant is not None and tenant in self.quotas.limited else None
+            if limited is not None and not self._fits_without_eviction(size, num_replicas, cands):
+                # The cluster is full: placement will evict for this put. The tenant frees its
+                # own first (or is refused) in the tier it would land in, so that nobody
+                # else's object goes for a put its quota refuses.
+                self.admit(limited, self._landing(size, cands), size, 1, refused)
             picks = self.place(size, excluded, num_replicas, cands)
             k = self.run_length(picks, size, count, cands)
-            if tenant is not None and tenant in self.quotas.limited:
-                k = self.admit(tenant, picks, size, k, refused)
+            if limited is not None:
+                k = self.admit(limited, picks, size, k, refused)
             return picks, k
 
         return place
+
+    def _fits_without_eviction(self, size: int, num_replicas: int, cands: Candidates) -> bool:
+        """Whether :meth:`place` finds its ``num_replicas`` segments without evicting."""
+        chosen: list[str] = []
+        while len(chosen) < num_replicas:
+            pick = self._best_with_room(size, cands, chosen)
+            if pick is None:
+                return False
+            chosen.append(pick[1].node_id)
+        return True
+
+    def _landing(self, size: int, cands: Candidates) -> list[tuple[Segment, Node]]:
+        """Where a put that must evict lands on the first candidate node (its last tier that
+        can hold ``size``, as :meth:`make_room` tries them), for a quota check before it
+        evicts; nothing when there is no candidate."""
+        for n, segments in zip(cands.nodes, cands.segments, strict=True):
+            for seg in reversed(segments):
+                if seg.allocator.reserved_size(size) <= seg.allocator.capacity:
+                    return [(seg, n)]
+        return []
 
     def admit(
         self,

@@ -297,6 +297,32 @@ def test_a_quota_never_takes_another_tenant_s_object_even_with_the_lower_tier_fu
     check_exact(svc)
 
 
+def test_in_a_full_cluster_a_tenant_at_its_quota_frees_its_own_before_anyone_s(
+    clock: FakeClock,
+) -> None:
+    """The cluster is full, so placement would evict: a tenant at its quota must not have
+    another's object evicted for it, neither for a put that then goes in nor for one refused."""
+    svc = make(clock, dram=16 * OBJ, nvme=0)
+    svc.quotas.set_tenant("acme", {"dram": 2 * OBJ})
+    a = [key("acme", "a0"), key("acme", "a1")]
+    p = [key(None, f"p{i}") for i in range(14)]
+    for k in [*p, *a]:  # the operator's are the least recently used
+        clock.now += 1
+        put(svc, k)
+    svc.get_locations(a)  # leased: acme has nothing it may free
+    (refused,) = svc.put_start([key("acme", "a2")], [OBJ])
+    assert isinstance(refused, NoSpaceError) and "acme" in str(refused)
+    assert all(k in svc.objects for k in [*p, *a]), "nothing went for a refused put"
+    assert svc.tiering.num_sync_evictions == 0
+    clock.now += 10  # the leases end
+    put(svc, key("acme", "a2"))
+    assert a[0] not in svc.objects, "acme's own least recent went"
+    assert all(k in svc.objects for k in p), "nobody else's"
+    put(svc, key("bee", "b0"))  # without a quota: today's order, the operator's oldest
+    assert p[0] not in svc.objects and a[1] in svc.objects
+    check_exact(svc)
+
+
 def test_promotion_respects_the_quota_of_the_tier_it_goes_to(clock: FakeClock) -> None:
     svc = make(clock, dram=MIB, nvme=2 * MIB)
     svc.quotas.set_tenant("acme", {"dram": 2 * OBJ})
