@@ -3,7 +3,11 @@ and go.
 
 A tenant's objects are the stored keys in its part of the key space (``kvstore.tenants``:
 :func:`~kvstore.tenants.owner_of`); keys of no tenant (the operator's) are never counted here,
-and cost the owners that call in one byte check each.
+and cost the owners that call in one comparison each (:data:`TENANT_END`).
+
+Also a promotion only moves a tenant's object up where its quota there takes it; re-replication,
+a drain and a watermark's demotion do not ask (they keep what is stored; a tenant they take over
+a quota is then first in line for eviction there, and its next put there frees its own first).
 
 Why the figures are kept as replicas change, not counted when asked: a put of a tenant over its
 quota must know its usage at once, and a scan of the table per put is what the master cannot
