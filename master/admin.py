@@ -26,9 +26,11 @@ from kvstore.master.rest.state import (
     METRICS_KEY,
     SERVICE_KEY,
     SETTINGS_KEY,
+    TENANTS_KEY,
     AdminConfig,
 )
 from kvstore.master.service import MasterService, ServiceSlot
+from kvstore.master.tenant_book import TenantBook
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +136,7 @@ def init_app(
     metrics: MasterMetrics | None = None,
     settings: AdminConfig | None = None,
     fence: AdminFence | None = None,
+    tenants: TenantBook | None = None,
 ) -> web.Application:
     """Build the admin application around a live service (nothing starts at import time).
 
@@ -143,6 +146,7 @@ def init_app(
             one when None.
         settings: token, public reads, history sampling.
         fence: with HA masters, the leadership fence every mutation and ``/ready`` obey.
+        tenants: the master's tenants (``/api/v1/tenants``); a book of its own when None.
 
     Returns:
         The application; its history sampler runs while the app runs (``cleanup_ctx``).
@@ -160,6 +164,9 @@ def init_app(
     app[SETTINGS_KEY] = settings
     if fence is not None:
         app[FENCE_KEY] = fence
+    if tenants is None:
+        tenants = TenantBook(has_cluster_token=settings.token is not None)
+    app[TENANTS_KEY] = tenants
     app[HISTORY_KEY] = History(
         lambda: _history_sample(slot.service, metrics),
         settings.history_interval_s,

@@ -31,6 +31,7 @@ from kvstore.master.prefix_restore import fetch_objects
 from kvstore.master.rest.fence import AdminFence
 from kvstore.master.server import CHUNK_ITEMS, ControlServer
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
+from kvstore.master.tenant_book import EtcdTenantStore, FileTenantStore, TenantBook
 from kvstore.master.tiering import TierConfig
 from kvstore.processes import ready_line
 from kvstore.serving import WireDeadlines
@@ -57,6 +58,8 @@ class MasterDaemonConfig:
         deadlines: how long the control server waits for a frame and for a hello
             (``--frame-timeout``, ``--hello-timeout``).
         ha: join an HA group of masters through etcd (None: a plain, embedded master).
+        tenants_file: where a plain master keeps its tenants across restarts (None: in memory;
+            with ``ha`` they are kept in etcd).
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +73,7 @@ class MasterDaemonConfig:
     chunk_items: int = CHUNK_ITEMS
     deadlines: WireDeadlines = field(default_factory=WireDeadlines)
     ha: HAConfig | None = None
+    tenants_file: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -79,6 +83,11 @@ class MasterDaemonConfig:
                 raise InvalidRequestError(f"--{name.replace('_', '-')} must be 0..65535")
         if self.chunk_items < 1:
             raise InvalidRequestError("chunk_items must be >= 1")
+        if self.tenants_file is not None:
+            if self.ha is not None:
+                raise InvalidRequestError("--tenants-file: with --etcd the tenants are in etcd")
+            if self.token is None:
+                raise InvalidRequestError("tenants need a cluster token (--token-file)")
 
 
 #: How often a master samples its event loop's lag (``Master._watch_loop_lag``).
@@ -99,6 +108,13 @@ class Master:
         self.options = options
         #: The current term's service (an HA master swaps in a fresh one each term).
         self.slot = ServiceSlot(MasterService(options.config, tiers=options.tiers))
+        #: The tenants (master/tenant_book.py): kept across terms, as their directory is.
+        self.tenants = TenantBook(
+            has_cluster_token=options.token is not None,
+            store=FileTenantStore(options.tenants_file) if options.tenants_file else None,
+            on_change=self._tenant_changed,
+        )
+        self.slot.service.tenants = self.tenants.directory
         self.metrics = MasterMetrics(self.slot)
         self.control = ControlServer(
             self.slot,
@@ -108,6 +124,7 @@ class Master:
             token=options.token,
             chunk_items=options.chunk_items,
             deadlines=options.deadlines,
+            tenants=self.tenants.directory,
         )
         self.admin_settings = AdminConfig(token=options.token, public_reads=options.public_reads)
         self.ssl_context = options.ssl_context
@@ -120,9 +137,22 @@ class Master:
         self._lag_watch: asyncio.Task[None] | None = None
         self._restoring: asyncio.Task[None] | None = None
 
+    def _tenant_changed(self, name: str, quotas: dict[str, int] | None) -> None:
+        """Pass a tenant's quotas to the current term (None: it was deleted)."""
+        book = getattr(self.slot.service, "quotas", None)
+        if book is None:
+            return
+        if quotas is None:
+            book.drop_tenant(name)
+        else:
+            book.set_tenant(name, quotas)
+
     async def start(self) -> MasterEndpoints:
+        await self.tenants.load()  # (a plain master's file; with HA, etcd's at each term)
         await self.control.start()
-        app = init_app(self.slot, self.metrics, self.admin_settings, self.admin_fence)
+        app = init_app(
+            self.slot, self.metrics, self.admin_settings, self.admin_fence, tenants=self.tenants
+        )
         self._runner = AdminRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.admin_port, ssl_context=self.ssl_context)
@@ -233,10 +263,14 @@ async def serve_master(options: MasterDaemonConfig) -> None:
     )
     master = Master(options)
     fence: Leadership | None = None
-    if store is not None:
+    if store is not None and ha is not None:
         fence = Leadership(master.slot)
         master.control.fence = fence
         master.admin_fence = fence
+        # Its own client: a failed call cancels every other call on a client's channel.
+        master.tenants.store = EtcdTenantStore(
+            EtcdStore(ha.endpoints, op_timeout=store.op_timeout), ha.prefix
+        )
     endpoints = await master.start()
     apply_collector_policy()
     elector: Elector | None = None
@@ -245,7 +279,7 @@ async def serve_master(options: MasterDaemonConfig) -> None:
         advertise = ha.advertise_host or options.host
         control = f"{advertise}:{master.control.port}"
         admin = f"http://{advertise}:{master.admin_port}"
-        elector = Elector(store, ha, fence, control, admin)
+        elector = Elector(store, ha, fence, control, admin, on_lead=master.tenants.load)
         role = {"state": "standby", "etcd": ",".join(str(e) for e in ha.endpoints)}
     stop = asyncio.Event()
     install_stop_signals(stop)
@@ -261,6 +295,8 @@ async def serve_master(options: MasterDaemonConfig) -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 await campaign
         await master.stop()
+        if isinstance(master.tenants.store, EtcdTenantStore):
+            await master.tenants.store.close()
         if elector is not None and store is not None:
             await elector.close()
             await store.close()

@@ -261,9 +261,17 @@ class Elector:
     """
 
     def __init__(
-        self, store: EtcdStore, config: HAConfig, fence: Leadership, control: str, admin: str
+        self,
+        store: EtcdStore,
+        config: HAConfig,
+        fence: Leadership,
+        control: str,
+        admin: str,
+        on_lead: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.store = store
+        #: Run at the start of each term this master leads (the tenants are read from etcd).
+        self.on_lead = on_lead
         self.config = config
         self.layout = EtcdLayout(config.prefix)
         self.fence = fence
@@ -358,6 +366,8 @@ class Elector:
             asyncio.create_task(supervise("the membership watch", self._watch_members, leading)),
             asyncio.create_task(self._finish_recovery()),
         ]
+        if self.on_lead is not None:
+            tasks.append(asyncio.create_task(self._run_on_lead(self.on_lead, leading)))
         waiting = asyncio.create_task(lost.wait())
         try:
             await asyncio.wait([waiting, keep_alive], return_when=asyncio.FIRST_COMPLETED)
@@ -414,6 +424,23 @@ class Elector:
                 fence.lease_proven_again()  # it refused heartbeats until now
             fence.deadline = max(fence.deadline, t_send + remaining * LEASE_SAFETY)
             await asyncio.sleep(interval)
+
+    @staticmethod
+    async def _run_on_lead(
+        on_lead: Callable[[], Awaitable[object]], leading: Callable[[], bool]
+    ) -> None:
+        """Run ``on_lead`` once, retried with backoff while this term lasts if it fails."""
+        backoff = CAMPAIGN_BACKOFF_S
+        while leading():
+            try:
+                await on_lead()
+                return
+            except EtcdUnavailableError as err:
+                log.warning("reading the term's state: %s; retrying in %.1fs", err.message, backoff)
+            except Exception:
+                log.exception("reading the term's state failed; retrying")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_CAMPAIGN_BACKOFF_S)
 
     async def _finish_recovery(self) -> None:
         while self.fence.leading and self.fence.recovering(self.clock()):

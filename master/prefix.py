@@ -18,10 +18,17 @@ clients' latency meanwhile). So :meth:`PrefixIndex.index_steps` and
 module knows no event loop): the RPC edge runs one step per turn of its loop (:func:`run_steps`
 runs them all at once). Other requests may run between
 two steps, so the step that changes the tree re-checks what earlier steps found.
+
+Tenants (``kvstore.tenants``): a tenant's blocks are its own objects (their stored keys carry
+the tenant) and its prompts live in a tree of their own, keyed by :func:`scoped_digest` of the
+tenant and the namespace, so one tenant's prompt never matches another's blocks, and their
+events name that scoped digest (the RPC edge shows a tenant its own namespace's digest).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,6 +40,7 @@ from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_keys, parse_kv_object_key
 from kvstore.master.event_ring import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
 from kvstore.master.radix import RadixIndex
+from kvstore.tenants import owner_of, prefix_of, tenant_key, user_key
 
 #: Most full blocks one prompt may have in one call (index or match): the work grows with it
 #: (16384 blocks: 256k tokens at block size 16, served in steps).
@@ -67,6 +75,22 @@ def check_prompt_size(namespace: Namespace, tokens: np.ndarray) -> None:
         )
 
 
+def scoped_digest(tenant: str, digest: bytes) -> bytes:
+    """The digest a tenant's prompts of namespace ``digest`` are indexed under: one per tenant
+    and namespace, never a namespace's own."""
+    return hashlib.blake2b(
+        prefix_of(tenant) + digest, digest_size=16, person=b"kvstore-tscope"
+    ).digest()
+
+
+def _scoped(namespace: Namespace, tenant: str) -> Namespace:
+    """``namespace`` with the tenant's :func:`scoped_digest` (for the tree only: block keys are
+    still hashed with the namespace's own digest, as the tenant's client hashed them)."""
+    scoped = copy.copy(namespace)
+    object.__setattr__(scoped, "digest", scoped_digest(tenant, namespace.digest))
+    return scoped
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     """Leading tokens cached, and per block (object key, tokens of it that match)."""
@@ -90,9 +114,32 @@ class PrefixIndex:
         self.num_queries = 0
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        #: Scoped digest -> (tenant, the namespace's digest), for every tenant tree made.
+        self.scopes: dict[bytes, tuple[str, bytes]] = {}
+
+    def _object_keys(
+        self, digest: bytes, blocks: list[BlockKey], tenant: str | None
+    ) -> list[bytes]:
+        """The stored keys of ``blocks``' objects (a tenant's carry the tenant)."""
+        keys = kv_object_keys(digest, blocks)
+        return keys if tenant is None else [tenant_key(tenant, k) for k in keys]
+
+    def _parse(self, object_key: bytes) -> tuple[bytes, BlockKey] | None:
+        """(tree digest, block key) of a stored block object key, a tenant's too."""
+        owner = owner_of(object_key)
+        if owner is None:
+            return parse_kv_object_key(object_key)
+        parsed = parse_kv_object_key(user_key(owner, object_key) or b"")
+        if parsed is None:
+            return None
+        return scoped_digest(owner, parsed[0]), parsed[1]
 
     def index(
-        self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        is_committed: Callable[[bytes], bool],
+        tenant: str | None = None,
     ) -> int:
         """Index the full blocks of ``tokens`` up to the first block whose object is missing.
 
@@ -102,7 +149,8 @@ class PrefixIndex:
         Raises:
             InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
-        return run_steps(self.index_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS))
+        steps = self.index_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS, tenant)
+        return run_steps(steps)
 
     def index_steps(
         self,
@@ -110,6 +158,7 @@ class PrefixIndex:
         tokens: np.ndarray,
         is_committed: Callable[[bytes], bool],
         step_blocks: int,
+        tenant: str | None = None,
     ) -> Steps[int]:
         """:meth:`index` in steps of ``step_blocks`` blocks (hashing and checking each block),
         then one step that re-checks the committed prefix and changes the tree.
@@ -131,7 +180,7 @@ class PrefixIndex:
             parent = keys[-1] if keys else None
             chunk = block_keys(namespace, tokens[lo * block_size : hi * block_size], parent=parent)
             keys += chunk
-            object_keys += kv_object_keys(digest, chunk)
+            object_keys += self._object_keys(digest, chunk, tenant)
             while n < hi and is_committed(object_keys[n]):
                 n += 1
             if n < hi:
@@ -142,21 +191,30 @@ class PrefixIndex:
             n = next((i for i in range(n) if not is_committed(object_keys[i])), n)
         if n == 0:
             return 0
-        added = self.radix.insert(namespace, tokens[: n * block_size], keys[:n], [0] * n)
+        tree = namespace
+        if tenant is not None:
+            tree = _scoped(namespace, tenant)
+            self.scopes[tree.digest] = (tenant, digest)
+        added = self.radix.insert(tree, tokens[: n * block_size], keys[:n], [0] * n)
         if added:
             # insert indexes a prompt's blocks after the ones already indexed: the last ``added``.
-            self.events.append(EVENT_STORED, digest, keys[n - added : n])
+            self.events.append(EVENT_STORED, tree.digest, keys[n - added : n])
         return added
 
     def match(
-        self, namespace: Namespace, tokens: np.ndarray, is_committed: Callable[[bytes], bool]
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        is_committed: Callable[[bytes], bool],
+        tenant: str | None = None,
     ) -> PrefixMatch:
         """Longest cached prefix of ``tokens`` (token-granular) whose blocks are all committed.
 
         Raises:
             InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
-        return run_steps(self.match_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS))
+        steps = self.match_steps(namespace, tokens, is_committed, MAX_PROMPT_BLOCKS, tenant)
+        return run_steps(steps)
 
     def match_steps(
         self,
@@ -164,6 +222,7 @@ class PrefixIndex:
         tokens: np.ndarray,
         is_committed: Callable[[bytes], bool],
         step_blocks: int,
+        tenant: str | None = None,
     ) -> Steps[PrefixMatch]:
         """:meth:`match`: the tree's match in one step, then its blocks checked against the
         object table in steps of ``step_blocks``. (A block checked in an earlier step whose
@@ -173,7 +232,10 @@ class PrefixIndex:
             InvalidRequestError: too many blocks (see :func:`check_prompt_size`).
         """
         check_prompt_size(namespace, tokens)
-        m = self.radix.match(namespace, tokens)
+        if tenant is None:
+            m = self.radix.match(namespace, tokens)
+        else:
+            m = self.radix.match(scoped_digest(tenant, namespace.digest), tokens)
         block_size = namespace.block_size
         digest = namespace.digest
         blocks: list[tuple[bytes, int]] = []
@@ -183,7 +245,8 @@ class PrefixIndex:
                 yield
             hi = min(lo + step_blocks, num_blocks)
             stale = None
-            for i, obj_key in enumerate(kv_object_keys(digest, m.block_keys[lo:hi]), lo):
+            chunk = self._object_keys(digest, m.block_keys[lo:hi], tenant)
+            for i, obj_key in enumerate(chunk, lo):
                 if not is_committed(obj_key):
                     stale = obj_key
                     break
@@ -207,7 +270,7 @@ class PrefixIndex:
         Returns:
             The number of blocks dropped (0 for keys that are not KV blocks).
         """
-        parsed = parse_kv_object_key(object_key)
+        parsed = self._parse(object_key)
         if parsed is None:
             return 0
         digest, block = parsed
@@ -222,7 +285,7 @@ class PrefixIndex:
         """Record that an indexed block's replica moved between tiers (nothing for others)."""
         if src_tier == dst_tier:
             return
-        parsed = parse_kv_object_key(object_key)
+        parsed = self._parse(object_key)
         if parsed is None:
             return
         digest, block = parsed
@@ -237,6 +300,17 @@ class PrefixIndex:
             Following the events after that seq from this snapshot reproduces the index.
         """
         keys = {digest: self.radix.stored_keys(digest) for digest in self.radix.namespaces()}
+        return self.events.epoch, self.events.last_seq, keys
+
+    def tenant_snapshot(self, tenant: str) -> tuple[int, int, dict[bytes, bytes]]:
+        """:meth:`snapshot` of ``tenant``'s trees only, each under its namespace's own digest
+        (as the tenant knows it)."""
+        live = set(self.radix.namespaces())
+        keys = {
+            digest: self.radix.stored_keys(scoped)
+            for scoped, (owner, digest) in self.scopes.items()
+            if owner == tenant and scoped in live
+        }
         return self.events.epoch, self.events.last_seq, keys
 
     def stats(self) -> dict[str, float | int]:

@@ -51,7 +51,9 @@ def list_arg(
 
 
 def per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[Any]]) -> list[Any]:
-    """Run ``call(valid_keys, their_indices)``; invalid keys get their own error in place."""
+    """Run ``call(valid_keys, their_indices)``; invalid keys get their own error in place (a
+    key that is already an error, put there by the tenant edge (``rpc_tenants.py``), is that
+    error)."""
     out: list[Any] = [None] * len(raw_keys)
     valid_idx: list[int] = []
     valid: list[bytes] = []
@@ -60,7 +62,7 @@ def per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[A
             valid.append(check_wire_key(k))
             valid_idx.append(i)
         except KVStoreError as err:
-            out[i] = err
+            out[i] = k if isinstance(k, KVStoreError) else err
     for i, r in zip(valid_idx, call(valid, valid_idx), strict=True):
         out[i] = r
     return out

@@ -64,6 +64,8 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
         "node_ttl_s": svc.config.node_ttl_s,
         "now_ms": svc.wall_ms(),  # the clock the node checks grants on (kvstore.clocks)
+        # The tenants' token digests: the node binds each data connection's hello to its tenant.
+        "tenants": svc.tenants.wire(),
     }
     if claims is not None:  # a node that kept objects across a master change (HA, etcd)
         report = svc.admit_manifest(node_id, [c for c in claims if isinstance(c, ManifestClaim)])
@@ -82,12 +84,17 @@ def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
     if "done" in args:
         svc.tasks_done(node_id, list_arg(args, "done", list))
     forget = svc.heartbeat(node_id)
-    return {
+    reply = {
         "forget": [list(p) for p in forget],
         "tasks": svc.take_tasks(node_id),
         "retire": svc.take_retirement(node_id),
         "now_ms": svc.wall_ms(),
     }
+    # The tenant directory only when the node's (``tenants_version``) is older than ours.
+    seen = optional_arg(args, "tenants_version", int, 0)
+    if svc.tenants.version > seen:
+        reply["tenants"] = svc.tenants.wire()
+    return reply
 
 
 def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:

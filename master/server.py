@@ -37,6 +37,7 @@ from kvstore.master.rpc_chunks import (
     serve_kv_match,
 )
 from kvstore.master.rpc_events import await_events
+from kvstore.master.rpc_tenants import Answer, scope_request
 from kvstore.master.rpc_verbs import (
     AFTER_REPLY,
     HANDLERS,
@@ -46,6 +47,7 @@ from kvstore.master.rpc_verbs import (
 )
 from kvstore.master.service import MasterService, ServiceSlot
 from kvstore.polling import MASTER_WINDOWS, LoopAwake, poll_window
+from kvstore.tenants import TenantDirectory
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +193,7 @@ class ControlServer:
         token: auth.Token | None = None,
         chunk_items: int = CHUNK_ITEMS,
         deadlines: serving.WireDeadlines = serving.DEFAULT_DEADLINES,
+        tenants: TenantDirectory | None = None,
     ) -> None:
         if chunk_items < 1:
             raise InvalidRequestError("chunk_items must be >= 1")
@@ -199,6 +202,8 @@ class ControlServer:
         self.fence = fence
         self.observer = observer
         self.token = token
+        #: The tenants' token digests a hello may prove (the master's book keeps it current).
+        self.tenants = tenants
         #: How long a frame (and, before the token is proved, the hello) may take to arrive.
         self.deadlines = deadlines
         self.host = host
@@ -279,7 +284,9 @@ class ControlServer:
         """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
         self._writers.add(writer)
         loop = asyncio.get_running_loop()
-        session = serving.FrameSession(self.token, loop.time(), deadlines=self.deadlines)
+        session = serving.FrameSession(
+            self.token, loop.time(), deadlines=self.deadlines, tenants=self.tenants
+        )
         after: list[Callable[[], None]] = []  # a request's work left until its answer is out
         if not session.authenticated:  # the whole hello must arrive, small, by this time
             self._deadlines[writer] = session.hello_by
@@ -350,7 +357,7 @@ class ControlServer:
         when the connection is to be closed."""
         step = session.open_request(header, body)
         if not isinstance(step, serving.Refusal):
-            return await self._answer_request(writer, step, after)
+            return await self._answer_request(writer, step, after, session.tenant)
         # (No payload to skip: the header's limit refused every payload.)
         if session.authenticated:
             self._deadlines.pop(writer, None)
@@ -364,10 +371,20 @@ class ControlServer:
         writer: asyncio.StreamWriter,
         request: protocol.Request,
         after: list[Callable[[], None]],
+        tenant: str | None = None,
     ) -> bool:
         """Fence, long-poll (``events``) and serve one request, and write its answer. Returns
-        False when the connection is to be closed (a snapshot its reader did not take)."""
+        False when the connection is to be closed (a snapshot its reader did not take).
+
+        ``tenant``: the connection's (None: the operator's); a tenant's request is taken into
+        its part of the key space first (``rpc_tenants.py``)."""
         refusal = self._fence_check(request)
+        own: Answer | None = None  # a tenant's request answered by rpc_tenants
+        if tenant is not None and refusal is None:
+            try:
+                own = scope_request(self.slot.service, request, tenant)
+            except KVStoreError as err:
+                refusal = err
         holds_snapshot = False  # this request holds one of the snapshot slots
         if refusal is None and request.verb == "events_snapshot":
             refusal = self._take_snapshot_slot()
@@ -378,6 +395,8 @@ class ControlServer:
                 refusal = self._fence_check(request)  # it may have lost the lead while it waited
             if refusal is not None:
                 writer.write(protocol.encode_error(request.req_id, refusal))
+            elif own is not None and tenant is not None:
+                writer.write(self._answer_tenant(request, own, tenant))
             else:
                 reply = await dispatch_bounded(
                     self.slot.service, request, self.observer, self.chunk_items, after
@@ -392,6 +411,21 @@ class ControlServer:
         finally:
             if holds_snapshot:
                 self._snapshots -= 1
+
+    def _answer_tenant(self, request: protocol.Request, own: Answer, tenant: str) -> bytes:
+        """The response frame of a tenant's request whose answer ``rpc_tenants`` builds (as
+        :func:`dispatch`: piggybacked leases given back first, every failure an error frame)."""
+        svc = self.slot.service
+        started, code = time.perf_counter(), 0
+        try:
+            take_releases(svc, request.args)
+            return protocol.encode_response(request.req_id, own(svc, request.args, tenant))
+        except Exception as exc:  # noqa: BLE001 - as in dispatch
+            code, frame = _error_frame(request, exc)
+            return frame
+        finally:
+            if self.observer is not None:
+                self.observer.observe(request, code, None, time.perf_counter() - started)
 
     @staticmethod
     async def _drain_snapshot(writer: asyncio.StreamWriter) -> bool:

@@ -76,6 +76,7 @@ from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.stored_object import ManifestClaim
+from kvstore.tenants import TenantDirectory
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,9 @@ class MasterService:
         #: Tenant quotas and usage per tier (master/quotas.py); the space counts what comes
         #: and goes, the tier manager enforces them.
         self.quotas = TenantQuotas()
+        #: The tenants' token digests (the master's book keeps it current; kept across terms):
+        #: every node gets it in its register and heartbeat replies.
+        self.tenants = TenantDirectory()
         self.space = Space(
             config,
             self.membership,
@@ -191,6 +195,7 @@ class MasterService:
             self.config, self.clock, self.wall_ms, self.tiering.config, epoch=epoch
         )
         fresh.quotas.carry_over(self.quotas)  # (usage is rebuilt from the manifests)
+        fresh.tenants = self.tenants
         self.events.wake()
         return fresh
 
@@ -714,8 +719,10 @@ class MasterService:
         checksums: Sequence[int],
         namespace: Namespace,
         tokens: np.ndarray,
+        tenant: str | None = None,
     ) -> tuple[list[KVStoreError | None], int]:
-        """``put_end`` for a prompt's new block objects, then index the prompt's committed prefix.
+        """``put_end`` for a prompt's new block objects, then index the prompt's committed prefix
+        (``tenant``: in that tenant's own tree, see ``prefix.py``).
 
         Returns:
             Per put, None or its error; and the number of blocks newly indexed.
@@ -724,7 +731,7 @@ class MasterService:
             InvalidRequestError: a prompt over the block limit (nothing is committed).
         """
         results = self.kv_commit_puts(put_ids, checksums, namespace, tokens)
-        return results, self.kv_index(namespace, tokens)
+        return results, self.kv_index(namespace, tokens, tenant)
 
     def kv_commit_puts(
         self,
@@ -741,16 +748,16 @@ class MasterService:
         check_prompt_size(namespace, tokens)
         return self.put_end(put_ids, checksums)
 
-    def kv_index(self, namespace: Namespace, tokens: np.ndarray) -> int:
+    def kv_index(self, namespace: Namespace, tokens: np.ndarray, tenant: str | None = None) -> int:
         """The second half of :meth:`kv_commit`: index the prompt's committed prefix.
 
         Returns:
             The number of blocks newly indexed.
         """
-        return self.prefix.index(namespace, tokens, self.objects.__contains__)
+        return self.prefix.index(namespace, tokens, self.objects.__contains__, tenant)
 
     def kv_index_steps(
-        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int, tenant: str | None = None
     ) -> Steps[int]:
         """Index a prompt's committed prefix in steps of ``step_blocks`` blocks (the RPC edge
         serves a large ``kv_commit`` so: its ``put_end`` in chunks, then this, a step a turn).
@@ -758,24 +765,33 @@ class MasterService:
         Returns:
             Steps whose result is the number of blocks newly indexed.
         """
-        return self.prefix.index_steps(namespace, tokens, self.objects.__contains__, step_blocks)
+        return self.prefix.index_steps(
+            namespace, tokens, self.objects.__contains__, step_blocks, tenant
+        )
 
     def kv_match_steps(
-        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int
+        self, namespace: Namespace, tokens: np.ndarray, step_blocks: int, tenant: str | None = None
     ) -> Steps[PrefixMatch]:
         """The cached prefix of a prompt (``kv_match`` without locations), in steps of
         ``step_blocks`` blocks (see ``PrefixIndex.match_steps``)."""
-        return self.prefix.match_steps(namespace, tokens, self.objects.__contains__, step_blocks)
+        return self.prefix.match_steps(
+            namespace, tokens, self.objects.__contains__, step_blocks, tenant
+        )
 
     def kv_match(
-        self, namespace: Namespace, tokens: np.ndarray, *, locate: bool = True
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        *,
+        locate: bool = True,
+        tenant: str | None = None,
     ) -> tuple[PrefixMatch, list[ObjectInfo | KVStoreError]]:
         """The cached prefix of a prompt and, per block, where its replicas are (one call).
 
         With ``locate=False`` only the prefix: no locations, so no read leases are taken (a
         lookup that leased every block would hold them from eviction for nothing).
         """
-        match = self.prefix.match(namespace, tokens, self.objects.__contains__)
+        match = self.prefix.match(namespace, tokens, self.objects.__contains__, tenant)
         if not locate:
             return match, []
         return match, self.get_locations([key for key, _ in match.blocks])

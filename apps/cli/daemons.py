@@ -84,6 +84,7 @@ def master_options(args: argparse.Namespace, admin_port: int, env: Env) -> Maste
         chunk_items=env.chunk_items,
         deadlines=wire_deadlines(args),
         ha=ha,
+        tenants_file=getattr(args, "tenants_file", None),
     )
 
 
@@ -310,6 +311,12 @@ def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease", type=float, default=5.0, help="seconds a read lease lasts")
     p.add_argument(
         "--promote-after", type=int, default=3, help="reads before an NVMe object moves to DRAM"
+    )
+    p.add_argument(
+        "--tenants-file",
+        default=None,
+        help="keep the tenants in this JSON file across restarts (token digests only; needs "
+        "--token-file; with --etcd they are kept in etcd)",
     )
 
 

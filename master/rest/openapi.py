@@ -15,9 +15,10 @@ from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
 from kvstore.limits import MAX_KEY_BYTES
 from kvstore.master.rest.event_stream import MAX_STREAMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
-from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS
+from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS, TOKEN_ALWAYS_UNDER
 from kvstore.master.rest.state import SETTINGS_KEY
-from kvstore.types import NODE_STATES
+from kvstore.tenants import NAME_RE
+from kvstore.types import NODE_STATES, TIER_ORDER
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 #: Operations that stream until the client hangs up (server-sent events): a generic API fuzzer
@@ -212,6 +213,80 @@ _EVENT_PATHS: dict[str, Any] = {
 }
 
 
+_TENANT_NAME = {"type": "string", "pattern": NAME_RE.pattern, "description": "a-z, 0-9, - and _"}
+_QUOTA = {"type": "integer", "minimum": 0, "description": "bytes"}
+_QUOTAS = {
+    "type": "object",
+    "properties": {t: _QUOTA for t in TIER_ORDER},
+    "additionalProperties": False,
+    "description": "bytes per tier; a tier left out has no quota",
+}
+_QUOTA_CHANGES = {
+    "type": "object",
+    "properties": {t: {**_QUOTA, "nullable": True} for t in TIER_ORDER},
+    "additionalProperties": False,
+    "description": "bytes per tier; null removes that tier's quota, a tier left out keeps it",
+}
+TENANT = _obj({"name": _STR, "quotas": _QUOTAS, "created_ms": _INT})
+_TENANT_PATH = {"name": "name", "in": "path", "required": True, "schema": _STR}
+
+
+def _json_body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+#: The tenant routes: the operator's token always (security.TOKEN_ALWAYS_UNDER).
+_TENANT_PATHS: dict[str, Any] = {
+    "/api/v1/tenants": {
+        "post": {
+            "summary": "create a tenant; the answer carries its token, shown only this once",
+            "requestBody": _json_body(
+                _obj({"name": _TENANT_NAME, "quotas": _QUOTAS}, ["name"], strict=True)
+            ),
+            "responses": {
+                "201": {
+                    "description": "created",
+                    "content": {
+                        "application/json": {
+                            "schema": _obj({"name": _STR, "quotas": _QUOTAS, "token": _STR})
+                        }
+                    },
+                },
+                **_errors(400, 401, 409),
+            },
+        },
+        "get": {
+            "summary": "every tenant",
+            "responses": {
+                **_ok(_obj({"tenants": {"type": "array", "items": TENANT}})),
+                **_errors(401),
+            },
+        },
+    },
+    "/api/v1/tenants/{name}": {
+        "get": {
+            "summary": "one tenant",
+            "parameters": [_TENANT_PATH],
+            "responses": {**_ok(TENANT), **_errors(401, 404)},
+        },
+        "patch": {
+            "summary": "change a tenant's quotas",
+            "parameters": [_TENANT_PATH],
+            "requestBody": _json_body(_obj({"quotas": _QUOTA_CHANGES}, strict=True)),
+            "responses": {**_ok(TENANT), **_errors(400, 401, 404)},
+        },
+        "delete": {
+            "summary": "delete a tenant (its token stops working) and every object it stored",
+            "parameters": [_TENANT_PATH],
+            "responses": {
+                **_ok(_obj({"deleted": _STR, "objects_removed": _INT})),
+                **_errors(401, 404),
+            },
+        },
+    },
+}
+
+
 def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
     """The OpenAPI document (a fresh dict each call), for how this master guards itself.
 
@@ -224,13 +299,15 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
     """
     doc = _document()
     doc["paths"].update(copy.deepcopy(_EVENT_PATHS))
+    doc["paths"].update(copy.deepcopy(_TENANT_PATHS))
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if "security" in op:
                 continue  # always open (probes)
             mutating = method != "get" and path not in READ_ONLY_POSTS
             # (the events need the token whenever one is set: security.TOKEN_ALWAYS)
-            guarded = secured_writes if mutating or path in TOKEN_ALWAYS else secured_reads
+            always = path in TOKEN_ALWAYS or path.startswith(TOKEN_ALWAYS_UNDER)
+            guarded = secured_writes if mutating or always else secured_reads
             if not guarded:
                 op["security"] = []
                 op["responses"].pop("401", None)

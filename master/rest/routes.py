@@ -1,4 +1,5 @@
-"""The admin API's routes: readiness, metrics, nodes, objects, prefix match, evict, history.
+"""The admin API's routes: readiness, metrics, nodes, objects, prefix match, evict, history,
+tenants.
 
 Handlers read the service on the event loop (it is single-threaded) and push anything that
 grows with the number of objects (sorting, filtering) to a thread with ``asyncio.to_thread``.
@@ -25,9 +26,10 @@ from kvstore.errors import (
 from kvstore.keys import Namespace, as_token_array
 from kvstore.limits import MAX_KEY_BYTES, encode_key
 from kvstore.master.metrics import CONTENT_TYPE
-from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY
+from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY, TENANTS_KEY
 from kvstore.master.service import MasterService
 from kvstore.master.table import ObjectMeta
+from kvstore.tenants import prefix_of
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -320,6 +322,55 @@ async def evict(request: web.Request) -> web.Response:
     return web.json_response({"num_evicted": num_evicted, "num_missing": len(keys) - num_evicted})
 
 
+# ------------------------------------------------------------------ tenants (operator only)
+async def create_tenant(request: web.Request) -> web.Response:
+    """A new tenant: the answer carries its token, the only time it is ever shown."""
+    body = await json_body(request, frozenset({"name", "quotas"}))
+    if "name" not in body:
+        raise InvalidRequestError("give the tenant's 'name'")
+    tenant, token = await request.app[TENANTS_KEY].create(body["name"], body.get("quotas"))
+    return web.json_response(
+        {"name": tenant.name, "quotas": tenant.quotas, "token": token}, status=201
+    )
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    book = request.app[TENANTS_KEY]
+    return web.json_response({"tenants": [t.to_json() for t in book.list()]})
+
+
+async def show_tenant(request: web.Request) -> web.Response:
+    return web.json_response(request.app[TENANTS_KEY].show(request.match_info["name"]).to_json())
+
+
+async def set_tenant(request: web.Request) -> web.Response:
+    """Change a tenant's quotas: a tier set to null loses its quota, one left out keeps it."""
+    body = await json_body(request, frozenset({"quotas"}))
+    if "quotas" not in body:
+        raise InvalidRequestError("give 'quotas'")
+    book = request.app[TENANTS_KEY]
+    tenant = await book.set_quotas(request.match_info["name"], body["quotas"])
+    return web.json_response(tenant.to_json())
+
+
+async def delete_tenant(request: web.Request) -> web.Response:
+    """Delete a tenant (its token stops working) and every object it stored."""
+    name = request.match_info["name"]
+    await request.app[TENANTS_KEY].delete(name)
+    slot = request.app[SERVICE_KEY]
+    own = prefix_of(name)
+    keys = [k for k in slot.service.objects if k.startswith(own)]
+    removed = 0
+    step = slot.service.config.max_batch
+    for lo in range(0, len(keys), step):
+        if lo:
+            await asyncio.sleep(0)  # other requests run between two batches
+        svc = slot.service
+        batch = [k for k in keys[lo : lo + step] if k in svc.objects]
+        removed += sum(r is None for r in svc.remove(batch))
+    return web.json_response({"deleted": name, "objects_removed": removed})
+
+
 def add_routes(app: web.Application) -> None:
     """Register every route of this module on ``app``."""
     app.router.add_get("/ready", ready)
@@ -332,3 +383,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/api/v1/objects/{key:.+}", delete_object)
     app.router.add_post("/api/v1/prefix/match", prefix_match)
     app.router.add_post("/api/v1/evict", evict)
+    app.router.add_post("/api/v1/tenants", create_tenant)
+    app.router.add_get("/api/v1/tenants", list_tenants)
+    app.router.add_get("/api/v1/tenants/{name}", show_tenant)
+    app.router.add_patch("/api/v1/tenants/{name}", set_tenant)
+    app.router.add_delete("/api/v1/tenants/{name}", delete_tenant)

@@ -24,11 +24,15 @@ READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
+#: Routes under this need the token for every method: the tenants are the operator's business.
+TOKEN_ALWAYS_UNDER = "/api/v1/tenants"
+
+
 def needs_token(method: str, path: str, public_reads: bool) -> bool:
     """Whether a call to ``method path`` must carry the token (when one is configured)."""
     if path in ALWAYS_OPEN:
         return False
-    if path in TOKEN_ALWAYS:
+    if path in TOKEN_ALWAYS or path.startswith(TOKEN_ALWAYS_UNDER):
         return True
     reads = method in _READ_METHODS or (method == "POST" and path in READ_ONLY_POSTS)
     return not (reads and public_reads)

@@ -10,6 +10,7 @@ from kvstore.auth import Token
 from kvstore.master.metrics import MasterMetrics
 from kvstore.master.rest.history import History
 from kvstore.master.service import ServiceSlot
+from kvstore.master.tenant_book import TenantBook
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,3 +37,5 @@ SERVICE_KEY = web.AppKey("service", ServiceSlot)
 METRICS_KEY = web.AppKey("metrics", MasterMetrics)
 SETTINGS_KEY = web.AppKey("settings", AdminConfig)
 HISTORY_KEY = web.AppKey("history", History)
+#: The master's tenants (absent: an app built without them refuses the tenant routes).
+TENANTS_KEY = web.AppKey("tenants", TenantBook)

@@ -1,0 +1,217 @@
+"""The tenant side of the master's RPC edge: a tenant's requests, in its part of the key space.
+
+A connection whose ``hello`` proved a tenant's token (``kvstore.tenants``) is served here before
+the usual dispatch: every key it names becomes its stored key (:func:`~kvstore.tenants.tenant_key`)
+before the service sees it, and every key an answer names goes back to the key the tenant knows
+(:func:`~kvstore.tenants.user_key`), so no verb reaches or shows another tenant's object. The
+operator's connection never comes here (the frame loop tests ``session.tenant is None`` once
+per request).
+
+* Keys in arguments (``put_start``, ``get_locations``, ``exists``, ``remove``, ``pin``, ``unpin``,
+  ``report_corrupt``) are mapped in place and served by the usual handlers (chunks included).
+  The grants they answer with name the stored key: a node checks it is the connection's.
+* Put ids (``put_end``, ``put_revoke``, ``kv_commit``) of another tenant's puts are answered as
+  unknown ids.
+* Answers that name keys or namespaces (``list_keys``, ``kv_match``, ``kv_commit``, ``events``,
+  ``events_snapshot``, ``stats``) are built here: a tenant's prompts live in trees of their own
+  (``prefix.py``), and its events and snapshot show only those, under its namespaces' digests.
+* Node verbs and any verb not named here are refused ``FORBIDDEN``: a verb added later is a
+  tenant's only once it is mapped.
+
+NOTE: a tenant's long ``kv_match`` and ``kv_commit`` are served in one go, not in steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+from kvstore import protocol
+from kvstore.errors import ForbiddenError, InvalidRequestError, KVStoreError
+from kvstore.keys import Namespace
+from kvstore.kvblocks import tokens_from_wire
+from kvstore.limits import MAX_KEY_BYTES, check_wire_key
+from kvstore.master.prefix import scoped_digest
+from kvstore.master.rpc_args import arg, list_arg, optional_arg
+from kvstore.master.rpc_events import SNAPSHOT_MAX_BLOCKS, events, namespaces_arg
+from kvstore.master.rpc_verbs import LIST_KEYS_MAX
+from kvstore.master.service import MasterService
+from kvstore.tenants import prefix_of, tenant_key, user_key
+from kvstore.types import result_to_wire
+
+#: Verbs whose ``keys`` argument is mapped and then served as usual.
+KEY_VERBS = frozenset({"put_start", "get_locations", "exists", "remove", "pin", "unpin"})
+#: Verbs a tenant may send as they are (nothing in them names a key).
+PLAIN_VERBS = frozenset({"ping", "release_leases", "node_transports"})
+#: A put id no put has: what another tenant's put id becomes.
+NO_PUT = -1
+
+#: A tenant's own answer: ``(service, args, tenant) -> answer``.
+Answer = Callable[[MasterService, dict[str, Any], str], Any]
+
+
+def scope_request(svc: MasterService, request: protocol.Request, tenant: str) -> Answer | None:
+    """Take ``request`` into ``tenant``'s part of the key space (its arguments, in place).
+
+    Returns:
+        The handler that answers it here (its answer names keys), or None when the usual
+        dispatch serves the mapped request.
+
+    Raises:
+        ForbiddenError: a verb a tenant may not send (node verbs, verbs not mapped here).
+    """
+    verb, args = request.verb, request.args
+    if verb in KEY_VERBS:
+        if isinstance(args.get("keys"), list):
+            args["keys"] = [_stored(tenant, k) for k in args["keys"]]
+        return None
+    if verb in PLAIN_VERBS:
+        return None
+    if verb in ("put_end", "put_revoke", "kv_commit"):
+        _own_puts(svc, args, tenant)
+        return _kv_commit if verb == "kv_commit" else None
+    if verb == "report_corrupt":
+        if isinstance(args.get("items"), list):
+            args["items"] = [_corrupt_report(tenant, r) for r in args["items"]]
+        return None
+    if verb == "events":
+        _scope_namespaces(svc, args, tenant)
+        return _events
+    own = ANSWERS.get(verb)
+    if own is None:
+        raise ForbiddenError(f"a tenant's connection may not send {verb[:64]!r}")
+    return own
+
+
+def _stored(tenant: str, key: object) -> Any:
+    """A key's stored form; a bad key its error (``per_key`` answers it in place)."""
+    try:
+        return tenant_key(tenant, check_wire_key(key))
+    except KVStoreError as err:
+        return err
+
+
+def _corrupt_report(tenant: str, report: object) -> object:
+    """A corruption report about the tenant's stored key (malformed ones as they are)."""
+    if isinstance(report, list) and report and isinstance(report[0], bytes):
+        stored = _stored(tenant, report[0])
+        return [stored if isinstance(stored, bytes) else None, *report[1:]]
+    return report
+
+
+def _own_puts(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
+    """Another tenant's put ids become :data:`NO_PUT` (answered as unknown ids)."""
+    ids = args.get("put_ids")
+    if not isinstance(ids, list):
+        return
+    prefix, pending = prefix_of(tenant), svc.pending
+    out = []
+    for put_id in ids:
+        record = pending.get(put_id) if type(put_id) is int else None
+        if record is not None and not record[0].startswith(prefix):
+            put_id = NO_PUT
+        out.append(put_id)
+    args["put_ids"] = out
+
+
+def _scope_namespaces(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
+    """An ``events`` call's namespaces become the tenant's trees (all of them when it names
+    none), before the long poll waits on them. Malformed ones are left for the handler."""
+    raw = args.get("namespaces")
+    if raw is None:
+        args["namespaces"] = [s for s, (owner, _) in svc.prefix.scopes.items() if owner == tenant]
+    elif isinstance(raw, list) and all(isinstance(d, bytes) and len(d) == 16 for d in raw):
+        args["namespaces"] = [scoped_digest(tenant, d) for d in raw]
+        args["_asked"] = raw
+
+
+def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    asked = args.pop("_asked", None)
+    if asked is not None:
+        back = {scoped_digest(tenant, d): d for d in asked}
+    else:
+        back = {s: d for s, (owner, d) in svc.prefix.scopes.items() if owner == tenant}
+    answer = events(svc, args)
+    for ev in answer["events"]:
+        ev["namespace"] = back.get(ev["namespace"], ev["namespace"])
+    return answer
+
+
+def _events_snapshot(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    wanted = namespaces_arg(args)
+    epoch, seq, keys = svc.prefix.tenant_snapshot(tenant)
+    if wanted is not None:
+        keys = {d: k for d, k in keys.items() if d in wanted}
+    num_blocks = sum(len(k) for k in keys.values()) // 16
+    if num_blocks > SNAPSHOT_MAX_BLOCKS:
+        raise InvalidRequestError(
+            f"a snapshot of {num_blocks} blocks exceeds {SNAPSHOT_MAX_BLOCKS} per answer: "
+            "ask for fewer namespaces at a time"
+        )
+    return {"epoch": epoch, "seq": seq, "namespaces": keys, "num_blocks": num_blocks}
+
+
+def _list_keys(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    """The tenant's keys starting with ``prefix``, after ``after``, at most ``limit``."""
+    prefix = args.get("prefix", b"")
+    after = args.get("after")
+    limit = args.get("limit", LIST_KEYS_MAX)
+    if not isinstance(prefix, bytes) or len(prefix) > MAX_KEY_BYTES:
+        raise InvalidRequestError(f"prefix must be bytes of at most {MAX_KEY_BYTES}")
+    if after is not None and not isinstance(after, bytes):
+        raise InvalidRequestError("after must be bytes or absent")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_KEYS_MAX:
+        raise InvalidRequestError(f"limit must be an int in 1..{LIST_KEYS_MAX}")
+    own = prefix_of(tenant)
+    start, past = own + prefix, None if after is None else own + after
+    chosen = [k for k in svc.objects if k.startswith(start) and (past is None or k > past)]
+    cut = len(own)
+    return [k[cut:] for k in heapq.nsmallest(limit, chosen)]
+
+
+def _kv_commit(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    namespace = Namespace.from_dict(arg(args, "namespace", dict))
+    tokens = tokens_from_wire(args.get("tokens"))
+    put_ids, checksums = list_arg(args, "put_ids", int), list_arg(args, "checksums", int)
+    results, _ = svc.kv_commit(put_ids, checksums, namespace, tokens, tenant)
+    return {"results": [result_to_wire(r) for r in results]}
+
+
+def _kv_match(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    namespace = Namespace.from_dict(arg(args, "namespace", dict))
+    locate = optional_arg(args, "locate", bool, True)
+    tokens = tokens_from_wire(args.get("tokens"))
+    match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=tenant)
+    return {
+        "num_tokens": match.num_tokens,
+        "block_size": match.block_size,
+        "blocks": [
+            [user_key(tenant, key), n, result_to_wire(info) if locate else None]
+            for (key, n), info in zip(
+                match.blocks, infos or [None] * len(match.blocks), strict=True
+            )
+        ],
+    }
+
+
+def _stats(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    """What a tenant may see of the cluster: its own objects, and how many nodes serve."""
+    own = prefix_of(tenant)
+    keys = [k for k in svc.objects if k.startswith(own)]
+    sizes = (svc.objects.get(k) for k in keys)
+    return {
+        "tenant": tenant,
+        "num_objects": len(keys),
+        "object_bytes": sum(o.size for o in sizes if o is not None),
+        "num_nodes": len(svc.nodes),
+    }
+
+
+#: The verbs answered here as a whole.
+ANSWERS: dict[str, Answer] = {
+    "list_keys": _list_keys,
+    "kv_match": _kv_match,
+    "events_snapshot": _events_snapshot,
+    "stats": _stats,
+}
