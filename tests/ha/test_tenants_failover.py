@@ -1,0 +1,76 @@
+"""Tenants are kept in etcd: a new leader after a failover knows them, their tokens open it
+and its nodes, and their objects are still theirs."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from kvstore import protocol
+from kvstore.address import Address
+from kvstore.client import Client
+from kvstore.errors import UnauthenticatedError
+from tests.etcd_harness import etcd, ha_factory  # noqa: F401 - fixtures
+from tests.support import Daemon, wait_until
+
+TOKEN = "s3cret-token-for-tenant-ha-0123456789"
+
+
+def _admin(master: Daemon, method: str, path: str, body: object = None) -> dict:
+    req = urllib.request.Request(
+        master.field("admin") + path,
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _hello(address: str, token: str) -> dict:
+    where = Address.parse(address)
+    conn = protocol.FramedSocket.connect(where.host, where.port, timeout=10)
+    try:
+        return conn.call("hello", {"token": token})
+    except UnauthenticatedError:
+        return {}
+    finally:
+        conn.close()
+
+
+def _puts_work(url: str, token: str) -> bool:
+    """Whether a put with ``token`` goes through (every node knows the tenant by then)."""
+    try:
+        with Client.connect(url, timeout=10, token=token) as c:
+            c.put("probe", b"p")
+        return True
+    except UnauthenticatedError:
+        return False
+
+
+def test_tenants_survive_a_leader_failover(ha_factory, monkeypatch) -> None:  # noqa: F811
+    monkeypatch.setenv("KVSTORE_TOKEN", TOKEN)  # every daemon started below inherits it
+    cluster = ha_factory(num_masters=2, num_nodes=1)
+    old = cluster.leader()
+    made = _admin(old, "POST", "/api/v1/tenants", {"name": "acme", "quotas": {"dram": 1 << 24}})
+    token = made["token"]
+    wait_until(lambda: _puts_work(cluster.url, token), what="the node takes the tenant")
+    with Client.connect(cluster.url, timeout=10, token=token) as c:
+        c.put("mine", b"acme's bytes")
+    old.kill()
+    new = cluster.leader(timeout=30)
+    assert new is not old
+    assert _admin(new, "GET", "/api/v1/tenants/acme")["quotas"] == {"dram": 1 << 24}
+    assert _hello(new.field("control"), token).get("tenant") == "acme"
+
+    def reads_back() -> bool:
+        try:
+            with Client.connect(cluster.url, timeout=10, token=token) as c:
+                return c.get("mine") == b"acme's bytes"
+        except Exception:  # noqa: BLE001 - until the node re-registered with the new leader
+            return False
+
+    wait_until(reads_back, timeout=30, what="acme reads its object from the new leader")
+    # A delete on the new leader stops the token there.
+    _admin(new, "DELETE", "/api/v1/tenants/acme")
+    assert _hello(new.field("control"), token) == {}

@@ -1,0 +1,171 @@
+"""Tenants on a real cluster: two tenants and the operator share one pool, and no tenant reaches
+another's objects by any verb, even with its exact keys."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import protocol
+from kvstore.address import Address
+from kvstore.client import Client, KVCache, Namespace
+from kvstore.errors import ForbiddenError, KeyNotFoundError, KVStoreError, UnauthenticatedError
+from kvstore.tenants import prefix_of
+from tests.support import Cluster, wait_until
+
+SECRET = "operator-secret-token"
+L, H, D, BS = 2, 2, 8, 16
+
+
+def ns() -> Namespace:
+    return Namespace(
+        model="tiny", dtype="float16", num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS
+    )
+
+
+def make_kv(n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((L, 2, n, H, D)).astype(np.float16)
+    return [(base[i, 0], base[i, 1]) for i in range(L)]
+
+
+def admin(cluster: Cluster, method: str, path: str, body: object = None) -> dict:
+    req = urllib.request.Request(
+        cluster.admin + path,
+        data=None if body is None else json.dumps(body).encode(),
+        method=method,
+        headers={"Authorization": f"Bearer {SECRET}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def node_knows(address: str, token: str) -> bool:
+    """Whether a node's data port takes ``token`` at hello (it has the master's directory)."""
+    where = Address.parse(address)
+    conn = protocol.FramedSocket.connect(where.host, where.port, timeout=10)
+    try:
+        return conn.call("hello", {"token": token}).get("authenticated") is True
+    except UnauthenticatedError:
+        return False
+    finally:
+        conn.close()
+
+
+def wait_for_nodes(cluster: Cluster, *tokens: str) -> None:
+    """Wait until every node takes every token (they get the directory in heartbeats)."""
+    nodes = admin(cluster, "GET", "/api/v1/nodes")["nodes"]
+    assert len(nodes) == len(cluster.nodes)
+    for node in nodes:
+        for token in tokens:
+            wait_until(lambda n=node, t=token: node_knows(n["address"], t), what="node tenants")
+
+
+@pytest.fixture
+def pool(cluster_factory, tmp_path: Path) -> tuple[Cluster, str, str]:
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    flags = ("--token-file", str(token_file))
+    cluster = cluster_factory(num_nodes=2, dram="64MiB", master_args=flags, node_args=flags)
+    a = admin(cluster, "POST", "/api/v1/tenants", {"name": "acme"})["token"]
+    b = admin(cluster, "POST", "/api/v1/tenants", {"name": "bolt"})["token"]
+    wait_for_nodes(cluster, a, b)
+    return cluster, a, b
+
+
+SIZES = {b"small": 7, b"page": 4096, b"big": 300_000}
+
+
+def test_tenants_never_reach_each_other(pool) -> None:
+    cluster, token_a, token_b = pool
+    with (
+        Client.connect(cluster.address, token=token_a) as a,
+        Client.connect(cluster.address, token=token_b) as b,
+        Client.connect(cluster.address, token=SECRET) as op,
+    ):
+        for key, size in SIZES.items():
+            a.put(key, bytes([1]) * size)
+        a.put(b"only-a", b"secret of a")
+        # B cannot read, find, list or remove A's objects, even by their exact keys.
+        for key in [*SIZES, b"only-a"]:
+            with pytest.raises(KeyNotFoundError):
+                b.get(key)
+            assert not b.exists(key)
+        assert b.list_keys() == []
+        assert b.batch_remove([b"only-a"])[0] is not None
+        assert a.get(b"only-a") == b"secret of a", "B's remove touched nothing of A's"
+        # A key naming A's part of the key space from B is refused, never A's object.
+        with pytest.raises(KVStoreError):
+            b.get(prefix_of("acme") + b"only-a")
+        # The same key from B is B's own object; A's is unchanged.
+        for key, size in SIZES.items():
+            b.put(key, bytes([2]) * size)
+        for key, size in SIZES.items():
+            assert a.get(key) == bytes([1]) * size
+            assert b.get(key) == bytes([2]) * size
+        assert sorted(a.list_keys()) == sorted([*SIZES, b"only-a"])
+        assert sorted(b.list_keys()) == sorted(SIZES)
+        assert b.stats()["num_objects"] == len(SIZES)
+        # The operator sees both, under their stored keys.
+        stored = set(op.list_keys())
+        for key in SIZES:
+            assert prefix_of("acme") + key in stored and prefix_of("bolt") + key in stored
+        assert op.get(prefix_of("acme") + b"only-a") == b"secret of a"
+        # Node verbs are not a tenant's.
+        with pytest.raises(ForbiddenError):
+            b._control.call("heartbeat", {"node_id": "x"})
+
+
+def test_prefix_index_and_events_are_per_tenant(pool) -> None:
+    cluster, token_a, token_b = pool
+    tokens = np.arange(100, 100 + 4 * BS)
+    with (
+        Client.connect(cluster.address, token=token_a) as a,
+        Client.connect(cluster.address, token=token_b) as b,
+    ):
+        kv_a, kv_b = KVCache(a, ns()), KVCache(b, ns())
+        assert kv_a.store(tokens, make_kv(len(tokens), 1)) == 4 * BS
+        assert kv_a.lookup(tokens) == 4 * BS
+        assert kv_b.lookup(tokens) == 0, "B never matches A's blocks"
+        snap_b = b.events_snapshot()
+        assert snap_b["num_blocks"] == 0 and not snap_b["namespaces"]
+        got_b = b.poll_events(0, None, max_events=1000, wait_s=0)
+        assert got_b["events"] == []
+        snap_a = a.events_snapshot()
+        assert snap_a["num_blocks"] == 4 and list(snap_a["namespaces"]) == [ns().digest]
+        got_a = a.poll_events(0, None, max_events=1000, wait_s=0)
+        assert got_a["events"] and all(e["namespace"] == ns().digest for e in got_a["events"])
+        # B stores the same prompt: its own blocks, its own hit, A's unchanged.
+        assert kv_b.store(tokens, make_kv(len(tokens), 2)) == 4 * BS
+        out = [
+            (np.zeros((len(tokens), H, D), np.float16), np.zeros((len(tokens), H, D), np.float16))
+            for _ in range(L)
+        ]
+        assert kv_a.load(tokens, out) == 4 * BS
+        assert np.array_equal(out[0][0], make_kv(len(tokens), 1)[0][0])
+        kv_a.close()
+        kv_b.close()
+
+
+def test_delete_removes_objects_and_closes_connections(pool) -> None:
+    cluster, token_a, token_b = pool
+    with (
+        Client.connect(cluster.address, token=token_a) as a,
+        Client.connect(cluster.address, token=token_b) as b,
+        Client.connect(cluster.address, token=SECRET) as op,
+    ):
+        for i in range(5):
+            a.put(f"k{i}", b"x" * (100 * (i + 1)))
+        b.put("k0", b"b's")
+        done = admin(cluster, "DELETE", "/api/v1/tenants/acme")
+        assert done == {"deleted": "acme", "objects_removed": 5}
+        with pytest.raises(UnauthenticatedError):
+            a.exists("k0")
+        assert b.get("k0") == b"b's"
+        assert not [k for k in op.list_keys() if k.startswith(prefix_of("acme"))]
+    with pytest.raises(KVStoreError):
+        Client.connect(cluster.address, token=token_a).exists("k0")
