@@ -2,8 +2,10 @@
 
 Mutating calls (POST/PUT/PATCH/DELETE) always need the cluster token when one is configured;
 read-only calls need it unless ``public_reads``, except the KV events (``TOKEN_ALWAYS``): they
-name the blocks of every prompt, so they need the token whenever one is set. Probes (``/health``, ``/ready``) and the status
-page's HTML are always open: the page asks for the token itself when the API refuses it.
+name the blocks of every prompt, so they need the token whenever one is set. So do the tenant
+routes (``/api/v1/tenants...``): tenants are the operator's business. Probes (``/health``,
+``/ready``) and the status page's HTML are always open: the page asks for the token itself when
+the API refuses it.
 """
 
 from __future__ import annotations
