@@ -15,6 +15,8 @@ per request).
 * Answers that name keys or namespaces (``list_keys``, ``kv_match``, ``kv_commit``, ``events``,
   ``events_snapshot``, ``stats``) are built here: a tenant's prompts live in trees of their own
   (``prefix.py``), and its events and snapshot show only those, under its namespaces' digests.
+* ``node_transports`` answers without shm or RDMA: both open a node's whole arena, so a tenant
+  reads and writes over TCP, where the node checks every grant.
 * Node verbs and any verb not named here are refused ``FORBIDDEN``: a verb added later is a
   tenant's only once it is mapped.
 
@@ -43,7 +45,11 @@ from kvstore.types import result_to_wire
 #: Verbs whose ``keys`` argument is mapped and then served as usual.
 KEY_VERBS = frozenset({"put_start", "get_locations", "exists", "remove", "pin", "unpin"})
 #: Verbs a tenant may send as they are (nothing in them names a key).
-PLAIN_VERBS = frozenset({"ping", "release_leases", "node_transports"})
+PLAIN_VERBS = frozenset({"ping", "release_leases"})
+#: Transports a tenant is not told about: a process that maps a node's shared-memory arena can
+#: read and write every object in it (the grant cannot be checked there), and an RDMA queue pair
+#: opens the arena to one-sided reads and writes the node never sees; a tenant reads over TCP.
+WHOLE_ARENA_TRANSPORTS = ("shm", "rdma")
 #: A put id no put has: what another tenant's put id becomes.
 NO_PUT = -1
 
@@ -68,6 +74,8 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
         return None
     if verb in PLAIN_VERBS:
         return None
+    if verb == "node_transports":
+        return _node_transports
     if verb in ("put_end", "put_revoke", "kv_commit"):
         _own_puts(svc, args, tenant)
         return _kv_commit if verb == "kv_commit" else None
@@ -98,6 +106,13 @@ def _corrupt_report(tenant: str, report: object) -> object:
         stored = _stored(tenant, report[0])
         return [stored if isinstance(stored, bytes) else None, *report[1:]]
     return report
+
+
+def _node_transports(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    return {
+        node_id: {k: v for k, v in offered.items() if k not in WHOLE_ARENA_TRANSPORTS}
+        for node_id, offered in svc.node_transports().items()
+    }
 
 
 def _own_puts(svc: MasterService, args: dict[str, Any], tenant: str) -> None:

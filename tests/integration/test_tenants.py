@@ -169,3 +169,108 @@ def test_delete_removes_objects_and_closes_connections(pool) -> None:
         assert not [k for k in op.list_keys() if k.startswith(prefix_of("acme"))]
     with pytest.raises(KVStoreError):
         Client.connect(cluster.address, token=token_a).exists("k0")
+
+
+def tenant_used(cluster: Cluster, tenant: str, tier: str) -> int:
+    """The master's ``kvstore_tenant_used_bytes`` for one tenant and tier, from ``/metrics``."""
+    req = urllib.request.Request(
+        cluster.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        text = resp.read().decode()
+    want = f'kvstore_tenant_used_bytes{{tenant="{tenant}",tier="{tier}"}}'
+    for line in text.splitlines():
+        if line.startswith(want):
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+def test_a_tenant_over_its_quota_evicts_its_own_never_anothers(cluster_factory, tmp_path) -> None:
+    """A writes five times its DRAM quota while B holds a working set within its own: B loses
+    nothing, and A's usage never passes its quota by more than the batch in flight."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    flags = ("--token-file", str(token_file))
+    cluster = cluster_factory(num_nodes=2, dram="48MiB", master_args=flags, node_args=flags)
+    size, batch = 256 << 10, 8
+    quota_a = 4 << 20
+    a_token = admin(
+        cluster, "POST", "/api/v1/tenants", {"name": "acme", "quotas": {"dram": quota_a}}
+    )
+    b_token = admin(
+        cluster, "POST", "/api/v1/tenants", {"name": "bolt", "quotas": {"dram": 32 << 20}}
+    )
+    wait_for_nodes(cluster, a_token["token"], b_token["token"])
+    rng = np.random.default_rng(7)
+    with (
+        Client.connect(cluster.address, token=a_token["token"]) as a,
+        Client.connect(cluster.address, token=b_token["token"]) as b,
+    ):
+        working = {f"b{i}": rng.bytes(size - 64 * i) for i in range(48)}  # mixed sizes, 11.7 MiB
+        for i in range(0, len(working), batch):
+            keys = list(working)[i : i + batch]
+            assert b.batch_put(keys, [working[k] for k in keys]) == [None] * len(keys)
+        written = 0
+        last: dict[str, bytes] = {}
+        while written < 5 * quota_a:
+            last = {f"a{written + j * size}": rng.bytes(size) for j in range(batch)}
+            results = a.batch_put(list(last), list(last.values()))
+            assert results == [None] * batch, results
+            written += batch * size
+            assert tenant_used(cluster, "acme", "dram") <= quota_a + batch * size
+        assert tenant_used(cluster, "acme", "dram") <= quota_a + batch * size
+        for key, value in working.items():  # B lost nothing to A's churn
+            assert b.get(key) == value
+        for key, value in last.items():  # A's newest batch is there; its oldest made room
+            assert a.get(key) == value
+        assert len(a.list_keys()) < written // size
+
+
+def test_a_tenant_is_never_handed_a_whole_arena_transport(cluster_factory, tmp_path) -> None:
+    """Mapping a node's shared-memory arena (or an RDMA queue pair) opens every object on it;
+    a tenant's client is told of TCP only and serves itself over it, the operator keeps shm."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET + "\n")
+    flags = ("--token-file", str(token_file))
+    cluster = cluster_factory(
+        num_nodes=2, dram="32MiB", master_args=flags, node_args=(*flags, "--shm")
+    )
+    token = admin(cluster, "POST", "/api/v1/tenants", {"name": "acme"})["token"]
+    wait_for_nodes(cluster, token)
+    with (
+        Client.connect(cluster.address, token=token, shm=True) as a,
+        Client.connect(cluster.address, token=SECRET, shm=True) as op,
+    ):
+        offered_op = op._control.call("node_transports", {})
+        assert len(offered_op) == 2 and all("shm" in t for t in offered_op.values())
+        offered_a = a._control.call("node_transports", {})
+        assert set(offered_a) == set(offered_op)
+        assert all("shm" not in t and "rdma" not in t for t in offered_a.values())
+        values = {f"k{i}": bytes([i]) * (4096 * (i + 1)) for i in range(6)}
+        assert a.batch_put(list(values), list(values.values())) == [None] * len(values)
+        assert [a.get(k) for k in values] == list(values.values())
+
+
+def test_the_mooncake_api_as_two_tenants(pool, monkeypatch) -> None:
+    """A program written for Mooncake's store API takes its tenant from ``KVSTORE_TOKEN``:
+    the same key under two tenants is two objects, and neither sees the other's."""
+    from kvstore.client.compat.mooncake import MooncakeDistributedStore
+
+    cluster, token_a, token_b = pool
+    stores = []
+    for token in (token_a, token_b):
+        monkeypatch.setenv("KVSTORE_TOKEN", token)
+        s = MooncakeDistributedStore()
+        assert s.setup("127.0.0.1", "", 0, 16 << 20, "tcp", "", cluster.address) == 0
+        stores.append(s)
+    a, b = stores
+    try:
+        assert a.put("prompt/0", b"A" * 5000) == 0
+        assert a.put("only-a", b"a's") == 0
+        assert b.is_exist("only-a") == 0 and b.get("only-a") == b""
+        assert b.put("prompt/0", b"B" * 300) == 0
+        assert a.get("prompt/0") == b"A" * 5000 and b.get("prompt/0") == b"B" * 300
+        assert a.is_exist("only-a") == 1
+    finally:
+        for s in stores:
+            s.close()
