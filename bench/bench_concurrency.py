@@ -1,8 +1,8 @@
 """Aggregate small-get throughput with several client processes at once, polling on and off;
 or (``--threads N``) one client shared by N threads against N clients.
 
-Run:  .venv/bin/python bench/bench_concurrency.py [--clients 4] [--seconds 4]
-      .venv/bin/python bench/bench_concurrency.py --threads 8 [--keys 4000] [--rounds 3]
+Run:  .venv/bin/python bench/bench_concurrency.py [--clients 4] [--seconds 4] [--markdown]
+      .venv/bin/python bench/bench_concurrency.py --threads 8 [--keys 4000] [--rounds 3] [--markdown]
 
 ``--threads``: one embedded cluster (node warm: ``arenas_warm``), then three setups, each
 putting ``--keys`` distinct 64 KiB keys (split among the threads) and reading each once over
@@ -15,6 +15,9 @@ For each polling window (``KVSTORE_POLL_US`` = 0 and the default) it starts an e
 ``get_into`` their own 4 KiB key for ``--seconds``: once with every read asking the master, once
 with lease reads. Prints one table of gets per second, all clients together. With more busy
 processes than cores, polling before sleeping trades CPU for latency (see kvstore/polling.py).
+
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py): the region
+``concurrency``, or ``concurrency-threads`` with ``--threads``.
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
-from kvstore.cli.embedded import EmbeddedCluster
-from kvstore.client import Client
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.client import Client  # noqa: E402
 
 
 def _worker(address: str, key: str, lease: bool, seconds: float, out: mp.Queue) -> None:
@@ -154,8 +162,9 @@ def _shared_vs_separate(
             c.close()
 
 
-def run_threads(num_threads: int, num_keys: int, rounds: int) -> None:
-    """Print puts/s and gets/s: 1 thread, ``num_threads`` on one client, on their own."""
+def run_threads(num_threads: int, num_keys: int, rounds: int) -> list[str]:
+    """Print puts/s and gets/s: 1 thread, ``num_threads`` on one client, on their own; returns
+    the table's lines."""
     setups = [
         ("1 thread, 1 client", 1, True),
         (f"{num_threads} threads, 1 shared client", num_threads, True),
@@ -172,18 +181,20 @@ def run_threads(num_threads: int, num_keys: int, rounds: int) -> None:
                 put = (got[0], got[2]) if got[0] > old[0] else (old[0], old[2])
                 get = (got[1], got[3]) if got[1] > old[1] else (old[1], old[3])
                 best[name] = (put[0], get[0], put[1], get[1])
-    print(
+    lines = [
         f"| {num_keys} distinct 64 KiB keys, TCP, {os.cpu_count()} cores | puts/s "
-        "| gets/s | host CPU busy, puts / gets |"
-    )
-    print("|---|---|---|---|")
+        "| gets/s | host CPU busy, puts / gets |",
+        "|---|---|---|---|",
+    ]
     base = best[setups[0][0]]
     for name, _, _ in setups:
         p, g, pb, gb = best[name]
-        print(
+        lines.append(
             f"| {name} | {p:.0f} ({p / base[0]:.2f}x) | {g:.0f} ({g / base[1]:.2f}x) "
             f"| {pb * 100:.0f}% / {gb * 100:.0f}% |"
         )
+    print("\n".join(lines))
+    return lines
 
 
 def main() -> None:
@@ -193,15 +204,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="shared-client mode (see above)")
     ap.add_argument("--keys", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     if args.threads:
-        run_threads(args.threads, args.keys, args.rounds)
+        lines = run_threads(args.threads, args.keys, args.rounds)
+        if args.markdown:
+            note = (
+                f"Best of {args.rounds} rounds; each key put then read once (`get_into`); "
+                f"the node warm; load average {os.getloadavg()[0]:.1f}."
+            )
+            markdown.write_table("concurrency-threads", "\n".join(lines) + "\n\n" + note)
         return
     rows = {p: run(p, args.clients, args.seconds) for p in ("0", "100")}
-    print(f"| KVSTORE_POLL_US | {args.clients} clients, ask the master | lease reads |")
-    print("|---|---|---|")
+    lines = [
+        f"| KVSTORE_POLL_US | {args.clients} clients, ask the master | lease reads |",
+        "|---|---|---|",
+    ]
     for p, r in rows.items():
-        print(f"| {p} | {r['ask the master']:.0f} gets/s | {r['lease reads']:.0f} gets/s |")
+        lines.append(f"| {p} | {r['ask the master']:.0f} gets/s | {r['lease reads']:.0f} gets/s |")
+    print("\n".join(lines))
+    if args.markdown:
+        note = (
+            f"Gets per second of all {args.clients} client processes together, each reading its "
+            f"own 4 KiB key over TCP for {args.seconds:g} s; `kvstore up`, {os.cpu_count()} "
+            f"cores; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("concurrency", "\n".join(lines) + "\n\n" + note)
 
 
 if __name__ == "__main__":

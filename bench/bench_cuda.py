@@ -1,28 +1,34 @@
 """Put / get_into of CUDA tensors through the store, over TCP and shm (needs a CUDA GPU).
 
-Run:  .venv/bin/python bench/bench_cuda.py [--quick]
+Run:  .venv/bin/python bench/bench_cuda.py [--quick] [--markdown]
 
 Starts an embedded cluster (``kvstore up``, storage node in a separate process) once plain and
 once with ``--shm``, then from this process puts and reads back CUDA tensors of 1, 16 and 64 MiB,
 single and in batches of 8, verifying the bytes, and prints one table of GB/s. The host columns
 are the same workloads with numpy buffers, so the cost of staging (one D2H per put, one H2D per
 get through pinned memory, see kvstore.client.staging) reads off directly. Exits 0 with a line
-saying so where no CUDA device exists.
+saying so where no CUDA device exists. ``--markdown`` also writes the table into
+docs/benchmarks.md (see bench/markdown.py); without a CUDA device the page is left as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstore.cli.embedded import EmbeddedCluster
-from kvstore.client import Client
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.client import Client  # noqa: E402
 
 SIZES = [("1MiB", 1 << 20), ("16MiB", 16 << 20), ("64MiB", 64 << 20)]
 BATCH = 8
@@ -70,6 +76,7 @@ def measure(c: Client, label: str, size: int, iters: int) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_cuda: no CUDA device here (torch.cuda.is_available() is False); nothing run")
@@ -91,6 +98,16 @@ def main() -> int:
     print("|-----------|---------------------------|-------|---------|")
     for transport, name, label, value in rows:
         print(f"| {transport:<9} | {name:<25} | {label:<5} | {value:7.2f} |")
+    if args.markdown:
+        table = markdown.table(
+            ["transport", "workload", "size", "GB/s"],
+            [(transport, name, label, f"{value:.2f}") for transport, name, label, value in rows],
+        )
+        note = (
+            f"{torch.cuda.get_device_name()}; `kvstore up` (node in its own process), plain and "
+            f"`--shm`; bytes verified; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("cuda", f"{table}\n\n{note}")
     return 0
 
 

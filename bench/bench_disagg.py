@@ -11,7 +11,9 @@ workers here talk to it over TCP) and prints three tables:
 3. 16-bit vs FP8 (E4M3) transfer: bytes moved, load time, TTFT.
 
 The model runs in bfloat16 by default (CPU float16 matmuls are very slow; the bytes are those of
-FP16). Usage: ``.venv/bin/python bench/bench_disagg.py [--lengths 512,1024,2048,4096]``.
+FP16). Usage: ``.venv/bin/python bench/bench_disagg.py [--lengths 512,1024,2048,4096]
+[--markdown]`` (``--markdown``: also write the tables into docs/benchmarks.md, see
+bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -20,17 +22,22 @@ import argparse
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from kvstore.cli.embedded import EmbeddedCluster
-from kvstore.client import Client, KVCache
-from kvstore.client.adapters.fp8 import calibrate
-from kvstore.demo import hf
-from kvstore.demo.models import build_model
-from kvstore.demo.workers import DecodeWorker, PrefillWorker
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.client import Client, KVCache  # noqa: E402
+from kvstore.client.adapters.fp8 import calibrate  # noqa: E402
+from kvstore.demo import hf  # noqa: E402
+from kvstore.demo.models import build_model  # noqa: E402
+from kvstore.demo.workers import DecodeWorker, PrefillWorker  # noqa: E402
 
 SHARES = (0.0, 0.25, 0.5, 0.75, 1.0)
 BLOCK = 64
@@ -56,13 +63,21 @@ def ms(x: float) -> str:
     return f"{x * 1e3:9.1f}"
 
 
+#: A table for the page: its title, its column names, its rows (cells as printed, unpadded).
+Table = tuple[str, list[str], list[list[str]]]
+
+
 def median_of(reps: int, fn) -> object:
     runs = [fn() for _ in range(reps)]
     return sorted(runs, key=lambda r: r.ttft_s)[len(runs) // 2]
 
 
-def ttft_table(prefill: PrefillWorker, prompts: Prompts, lengths: list[int], reps: int) -> None:
-    print("\n## Prefill TTFT: pool vs recompute, by cached share of the prompt")
+def ttft_table(prefill: PrefillWorker, prompts: Prompts, lengths: list[int], reps: int) -> Table:
+    title = "Prefill TTFT: pool vs recompute, by cached share of the prompt"
+    head = ["tokens", "cached", "recompute ms", "pool ms", "pipelined ms", "speedup", "load ms"]
+    head += ["hidden", "MiB loaded"]
+    rows: list[list[str]] = []
+    print(f"\n## {title}")
     print(
         f"{'tokens':>6} {'cached':>7} {'recompute ms':>12} {'pool ms':>9} {'pipelined ms':>12} "
         f"{'speedup':>7} {'load ms':>9} {'hidden':>6} {'MiB loaded':>10}"
@@ -88,12 +103,29 @@ def ttft_table(prefill: PrefillWorker, prompts: Prompts, lengths: list[int], rep
                 f"{recompute.ttft_s / piped.ttft_s:>6.1f}x {ms(batched.load_s)} "
                 f"{max(hidden, 0.0):>6.0%} {piped.bytes_loaded / 2**20:>10.1f}"
             )
+            rows.append(
+                [
+                    f"{length}",
+                    f"{piped.num_cached / length:.0%}",
+                    ms(recompute.ttft_s).strip(),
+                    ms(batched.ttft_s).strip(),
+                    ms(piped.ttft_s).strip(),
+                    f"{recompute.ttft_s / piped.ttft_s:.1f}x",
+                    ms(batched.load_s).strip(),
+                    f"{max(hidden, 0.0):.0%}",
+                    f"{piped.bytes_loaded / 2**20:.1f}",
+                ]
+            )
+    return title, head, rows
 
 
 def decode_table(
     prefill: PrefillWorker, decode: DecodeWorker, prompts: Prompts, lengths: list[int], reps: int
-) -> None:
-    print("\n## Decode: the whole prompt's KV from the pool, then the first step")
+) -> Table:
+    title = "Decode: the whole prompt's KV from the pool, then the first step"
+    head = ["tokens", "batched ms", "pipelined ms", "load ms", "MiB"]
+    rows: list[list[str]] = []
+    print(f"\n## {title}")
     print(f"{'tokens':>6} {'batched ms':>10} {'pipelined ms':>12} {'load ms':>9} {'MiB':>7}")
     for length in lengths:
         tokens = prompts(length)
@@ -104,10 +136,23 @@ def decode_table(
             f"{length:>6} {ms(b.ttft_s):>10} {ms(p.ttft_s):>12} {ms(b.load_s)} "
             f"{b.bytes_loaded / 2**20:>7.1f}"
         )
+        rows.append(
+            [
+                f"{length}",
+                ms(b.ttft_s).strip(),
+                ms(p.ttft_s).strip(),
+                ms(b.load_s).strip(),
+                f"{b.bytes_loaded / 2**20:.1f}",
+            ]
+        )
+    return title, head, rows
 
 
-def fp8_table(model, client: Client, prompts: Prompts, lengths: list[int], reps: int) -> None:
-    print("\n## 16-bit vs FP8 (E4M3) transfer, prefill with 100% and 50% of the prompt cached")
+def fp8_table(model, client: Client, prompts: Prompts, lengths: list[int], reps: int) -> Table:
+    title = "16-bit vs FP8 (E4M3) transfer, prefill with 100% and 50% of the prompt cached"
+    head = ["tokens", "cached", "format", "MiB loaded", "load ms", "TTFT ms", "same 1st token"]
+    rows: list[list[str]] = []
+    print(f"\n## {title}")
     print(
         f"{'tokens':>6} {'cached':>7} {'format':>8} {'MiB loaded':>10} {'load ms':>9} "
         f"{'TTFT ms':>9} {'same 1st token':>16}"
@@ -140,6 +185,18 @@ def fp8_table(model, client: Client, prompts: Prompts, lengths: list[int], reps:
                     f"{length:>6} {r.num_cached / length:>6.0%} {name:>8} "
                     f"{r.bytes_loaded / 2**20:>10.2f} {ms(r.load_s)} {ms(r.ttft_s)} {same:>16}"
                 )
+                rows.append(
+                    [
+                        f"{length}",
+                        f"{r.num_cached / length:.0%}",
+                        name,
+                        f"{r.bytes_loaded / 2**20:.2f}",
+                        ms(r.load_s).strip(),
+                        ms(r.ttft_s).strip(),
+                        same or "-",
+                    ]
+                )
+    return title, head, rows
 
 
 def main() -> None:
@@ -151,6 +208,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dram", default="2GiB")
     ap.add_argument("--tables", default="ttft,decode,fp8", help="which tables to print")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -163,23 +221,35 @@ def main() -> None:
         try:
             client = Client.connect(address)
             kv = KVCache(client, hf.namespace_for(model, "bench", block_size=BLOCK))
-            print(
+            setup = (
                 f"model {args.model} {args.dtype}: {shape.num_layers} layers, {shape.num_kv_heads} "
                 f"KV heads x {shape.head_dim}, {kv.namespace.block_size}-token blocks; "
-                f"{args.threads} CPU thread(s); cluster {address} (node in its own process, TCP)"
+                f"{args.threads} CPU thread(s)"
             )
+            print(f"{setup}; cluster {address} (node in its own process, TCP)")
             prompts = Prompts()
             hf.forward(model, prompts(256), None)  # warm-up
             prefill, decode = PrefillWorker(model, kv), DecodeWorker(model, kv)
             started = time.perf_counter()
             tables = args.tables.split(",")
+            done: list[Table] = []
             if "ttft" in tables:
-                ttft_table(prefill, prompts, lengths, args.reps)
+                done.append(ttft_table(prefill, prompts, lengths, args.reps))
             if "decode" in tables:
-                decode_table(prefill, decode, prompts, lengths, args.reps)
+                done.append(decode_table(prefill, decode, prompts, lengths, args.reps))
             if "fp8" in tables:
-                fp8_table(model, client, prompts, lengths[-2:], args.reps)
-            print(f"\n({time.perf_counter() - started:.0f} s)")
+                done.append(fp8_table(model, client, prompts, lengths[-2:], args.reps))
+            took = time.perf_counter() - started
+            print(f"\n({took:.0f} s)")
+            if args.markdown:
+                parts = [
+                    f"{setup}; the pool `kvstore up` over TCP (node in its own process); median "
+                    f"of {args.reps} runs a cell; {took:.0f} s; "
+                    f"load average {os.getloadavg()[0]:.1f}."
+                ]
+                for title, head, rows in done:
+                    parts += [f"**{title}**", markdown.table(head, rows)]
+                markdown.write_table("disagg", "\n\n".join(parts))
             kv.close()
             client.close()
         finally:

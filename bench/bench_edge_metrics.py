@@ -1,18 +1,26 @@
 """Cost of metrics and the auth gate at the master's RPC edge (in-process, no sockets).
 
 Prints µs per ``dispatch`` of a batch verb with and without the metrics observer.
-Run: ``.venv/bin/python bench/bench_edge_metrics.py``
+Run: ``.venv/bin/python bench/bench_edge_metrics.py [--markdown]`` (``--markdown``: also write
+the table into docs/benchmarks.md, see bench/markdown.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 import time
+from pathlib import Path
 
-from kvstore import protocol
-from kvstore.master.metrics import MasterMetrics
-from kvstore.master.server import dispatch
-from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
-from kvstore.types import SegmentSpec
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore import protocol  # noqa: E402
+from kvstore.master.metrics import MasterMetrics  # noqa: E402
+from kvstore.master.server import dispatch  # noqa: E402
+from kvstore.master.service import MasterConfig, MasterService, ServiceSlot  # noqa: E402
+from kvstore.types import SegmentSpec  # noqa: E402
 
 
 def _service(num_keys: int) -> tuple[MasterService, list[bytes]]:
@@ -36,6 +44,10 @@ def _time(fn, repeat: int) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
+    opts = ap.parse_args()
+    rows = []
     print(f"{'verb':<14} {'batch':>6} {'plain µs':>10} {'metrics µs':>11} {'overhead':>9}")
     for batch in (1, 64, 1024):
         svc, keys = _service(batch)
@@ -52,6 +64,22 @@ def main() -> None:
                 f"{verb:<14} {batch:>6} {plain:>10.1f} {observed:>11.1f} "
                 f"{(observed - plain) / plain:>8.1%}"
             )
+            rows.append(
+                (
+                    verb,
+                    batch,
+                    f"{plain:.1f}",
+                    f"{observed:.1f}",
+                    f"{(observed - plain) / plain:.1%}",
+                )
+            )
+    if opts.markdown:
+        head = ["verb", "batch", "plain µs", "metrics µs", "overhead"]
+        note = (
+            "µs per `dispatch` of the verb in process (no sockets), best of 5 runs; "
+            f"load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("edge-metrics", f"{markdown.table(head, rows)}\n\n{note}")
 
 
 if __name__ == "__main__":

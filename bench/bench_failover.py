@@ -13,6 +13,9 @@ Prints, per fault, the time until exactly one master serves with every node, the
 pause between acknowledged puts, and at the end re-reads every acknowledged object.
 
     .venv/bin/python bench/bench_failover.py [--rounds 3] [--lease-ttl 2] [--scenarios ...]
+    [--markdown]
+
+``--markdown`` also writes the tables into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import markdown  # noqa: E402
 from tests.etcd_harness import (  # noqa: E402
     EtcdProcess,
     HACluster,
@@ -51,6 +55,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lease-ttl", type=int, default=2)
     ap.add_argument("--scenarios", default=ALL)
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     scenarios = [s for s in args.scenarios.split(",") if s]
     tmp = Path(tempfile.mkdtemp(prefix="kvstore-failover-"))
@@ -140,32 +145,42 @@ def main() -> None:
         etcd.stop()
         if link is not None:
             link.close()
-    print(f"\netcd faults under load (lease TTL {args.lease_ttl}s, 3 masters, 3 nodes)")
-    print(
+    fault_head = f"etcd faults under load (lease TTL {args.lease_ttl}s, 3 masters, 3 nodes)"
+    fault_table = [
         "| fault | fault lasted (s) | one leader serving, after etcd was back (s) | "
         "from the fault's start (s) | client outage: longest gap between acks (s) | "
-        "new leader or term | cut leader a standby after the link healed (s) |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
-    for row in faults:
-        print(f"| {' | '.join(row)} |")
+        "new leader or term | cut leader a standby after the link healed (s) |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: |",
+        *(f"| {' | '.join(row)} |" for row in faults),
+    ]
+    print(f"\n{fault_head}")
+    print("\n".join(fault_table))
     if cut_note:
         print(cut_note)
+    kill_head = f"kill -9 of the leader under load (lease TTL {args.lease_ttl}s)"
+    kill_table = [
+        "| kill | new leader serving (s) | client outage: longest gap between acks (s) "
+        "| acked before kill |",
+        "| ---: | ---: | ---: | ---: |",
+        *(f"| {r} | {serving:.2f} | {ack:.2f} | {before} |" for r, serving, ack, before in kills),
+    ]
     if kills:
-        print(f"\nkill -9 of the leader under load (lease TTL {args.lease_ttl}s)")
-        print(
-            "| kill | new leader serving (s) | client outage: longest gap between acks (s) "
-            "| acked before kill |"
-        )
-        print("| ---: | ---: | ---: | ---: |")
-        for r, serving, ack, before in kills:
-            print(f"| {r} | {serving:.2f} | {ack:.2f} | {before} |")
-    print(
-        f"\nacknowledged puts: {len(acks)}; re-read with exact bytes: {len(acks) - bad}; "
+        print(f"\n{kill_head}")
+        print("\n".join(kill_table))
+    reread = (
+        f"acknowledged puts: {len(acks)}; re-read with exact bytes: {len(acks) - bad}; "
         f"wrong or missing: {bad}; client reads ok/wrong/missing/failed: {summary['gets_ok']}/"
         f"{summary['gets_wrong']}/{summary['gets_missing']}/{summary['gets_failed']}; "
         f"failed puts (retried by the load): {summary['puts_failed']}"
     )
+    print(f"\n{reread}")
+    if args.markdown:
+        # The page's tables need a blank line above them; the terminal's text has none.
+        parts = [fault_head, "\n".join(fault_table)] if faults else []
+        parts += [cut_note] if cut_note else []
+        parts += [kill_head, "\n".join(kill_table)] if kills else []
+        parts += [reread, f"Load average {os.getloadavg()[0]:.1f}."]
+        markdown.write_table("failover", "\n\n".join(parts))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Other clients' latency while one client runs maximum-size batches against the master.
 
-Run:  .venv/bin/python bench/bench_fairness.py [--clients 3] [--rounds 3]
+Run:  .venv/bin/python bench/bench_fairness.py [--clients 3] [--rounds 3] [--markdown]
 
 Starts an embedded cluster (``kvstore up``: master and node processes) and ``--clients``
 client processes that each call ``exists()`` (one small master round trip) every 5 ms, each
@@ -31,6 +31,8 @@ indexed and matched in steps, batch_put 158-379, batch_get 34-68, batch_remove 1
 KVCache.store 49-214, KVCache.lookup 56-207; after, batch_put 7-14 (outliers 53-115),
 batch_get 8-31, batch_remove 7-36, KVCache.store 8-37 (outliers 86-132), KVCache.lookup 5-7,
 with no full collection in the master during any of them.
+
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import argparse
 import multiprocessing as mp
 import os
 import re
+import sys
 import tempfile
 import time
 import urllib.request
@@ -47,9 +50,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.cli.embedded import EmbeddedCluster
-from kvstore.client import Client, KVCache, Namespace
-from kvstore.master.prefix import MAX_PROMPT_BLOCKS
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
+from kvstore.client import Client, KVCache, Namespace  # noqa: E402
+from kvstore.master.prefix import MAX_PROMPT_BLOCKS  # noqa: E402
 
 MAX_KEYS = 65536
 
@@ -254,16 +260,19 @@ def main() -> None:
         action="store_true",
         help="also run with the cluster's cyclic garbage collector off (its pauses apart)",
     )
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     modes = [("256", "chunks of 256", False)]
     if args.compare:
         modes.append((str(1 << 20), "unchunked", False))
     if args.gc_off:
         modes += [(chunk, f"{label}, gc off", True) for chunk, label, _ in modes]
-    print(
+    title = (
         f"{args.clients} other clients calling exists() every {PROBE_INTERVAL_S * 1e3:g} ms "
         f"(latency from the due time); {args.rounds} rounds"
     )
+    print(title)
+    table: list[list[str]] = []
     print(
         f"{'master serves':24s} {'big operation':30s} {'took s':>7s} {'calls':>7s} "
         f"{'p50 ms':>7s} {'p99 ms':>7s} {'max ms':>7s} {'full gc':>7s} {'gc ms':>7s} "
@@ -279,6 +288,42 @@ def main() -> None:
                 f"{full:7.1f} {gc_ms:7.1f} {lag:7.4g}" + (f"  FAILED: {failed}" if failed else ""),
                 flush=True,
             )
+            table.append(
+                [
+                    label,
+                    name,
+                    f"{took:.2f}",
+                    f"{len(lat)}",
+                    f"{_pct(lat, 50):.2f}",
+                    f"{_pct(lat, 99):.2f}",
+                    f"{max(lat, default=float('nan')):.2f}",
+                    f"{full:.1f}",
+                    f"{gc_ms:.1f}",
+                    f"{lag:.4g}",
+                    # A pipe in the error's text would end its cell early.
+                    failed.replace("|", "\\|") or "-",
+                ]
+            )
+    if args.markdown:
+        head = [
+            "master serves",
+            "big operation",
+            "took s",
+            "calls",
+            "p50 ms",
+            "p99 ms",
+            "max ms",
+            "full gc",
+            "gc ms",
+            "lag<=ms",
+            "failed",
+        ]
+        note = (
+            f"{title}; `kvstore up`, {os.cpu_count()} cores; full gc and gc ms: the master's "
+            "collections per operation; lag<=ms: the bucket of the master's longest event-loop "
+            f"lag; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("fairness", f"{markdown.table(head, table)}\n\n{note}")
 
 
 if __name__ == "__main__":

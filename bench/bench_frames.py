@@ -1,21 +1,32 @@
 """Per-frame CPU cost of the wire helpers, in one process over a socketpair (no scheduling noise).
 
-Run:  .venv/bin/python bench/bench_frames.py
+Run:  .venv/bin/python bench/bench_frames.py [--markdown]
 
 Measures what every small request pays on each side: sending a payload-less request frame and
 receiving a response frame (header, then body), with a small (4 KiB-get sized) msgpack body.
-Prints the best of 300 rounds of 64 frames, µs per frame.
+Prints the best of 300 rounds of 64 frames, µs per frame. ``--markdown`` also writes the table
+into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import socket
+import sys
 import timeit
+from pathlib import Path
 
-from kvstore import protocol
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore import protocol  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
+    opts = ap.parse_args()
     a, b = socket.socketpair()
     sender, receiver = protocol.FramedSocket(a), protocol.FramedSocket(b)
     grant = ["r", b"some/key/0001", "dram-0", 12345, 4096, 1_800_000_000_000, b"s" * 16]
@@ -54,6 +65,15 @@ def main() -> None:
         print(f"| {name} | {s:.2f} | {r:.2f} |")
     a.close()
     b.close()
+    if opts.markdown:
+        note = (
+            "Best of 300 rounds of 64 frames, µs per frame, one process over a socketpair; "
+            f"load average {os.getloadavg()[0]:.1f}."
+        )
+        table = markdown.table(
+            ["frame", "send µs", "receive µs"], [(n, f"{s:.2f}", f"{r:.2f}") for n, s, r in rows]
+        )
+        markdown.write_table("frames", f"{table}\n\n{note}")
 
 
 if __name__ == "__main__":

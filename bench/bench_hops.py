@@ -1,6 +1,6 @@
 """Where a small read's time goes: the host's round trip, each hop of a get, waking a process.
 
-Run:  .venv/bin/python bench/bench_hops.py [--ops 400] [--repeat 1] [--reads-only]
+Run:  .venv/bin/python bench/bench_hops.py [--ops 400] [--repeat 1] [--reads-only] [--markdown]
 
 A read of a key the client has not located asks the master where it is, then reads it from its
 node: two round trips between three processes. This prints, p50 of ``--ops`` operations each:
@@ -22,6 +22,8 @@ node: two round trips between three processes. This prints, p50 of ``--ops`` ope
    process spun for a gap of 0 to 1,000 µs (as it does while it reads from a node between two
    locates): once the master's polling window (``kvstore.polling``) is over, it sleeps, and the
    next request pays for waking it.
+
+``--markdown`` also writes the tables into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from bench_small import master_and_node  # noqa: E402
 
+from bench import markdown  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 from kvstore.client.reads import LocatedRead  # noqa: E402
 
@@ -206,33 +209,57 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=400, help="operations per row")
     ap.add_argument("--repeat", type=int, default=1, help="runs of the whole-read rows")
     ap.add_argument("--reads-only", action="store_true", help="the whole-read rows alone")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     n = args.ops
     print(f"bench_hops: p50 of {n} operations a row, {os.cpu_count()} cores")
+    idle = []
     for path in IDLE_FILES:
         value = Path(path).read_text().strip() if Path(path).exists() else "(none)"
         print(f"  {path}: {value}")
+        idle.append(f"`{path}`: {value}")
+    # The tables as printed, each a list of lines; the page gets the same ones.
+    tables: list[list[str]] = []
     if not args.reads_only:
-        print("\n| the host: 32 B round trip, two bare Python processes | p50 µs |")
-        print("| --- | ---: |")
-        print(f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |")
-        print(f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |")
+        tables.append(
+            [
+                "| the host: 32 B round trip, two bare Python processes | p50 µs |",
+                "| --- | ---: |",
+                f"| peer sleeping in recv | {host_rtt_us(False, n * 4):.0f} |",
+                f"| peer spinning | {host_rtt_us(True, n * 4):.0f} |",
+            ]
+        )
+        print("\n" + "\n".join(tables[-1]))
 
     with (
         master_and_node("512MiB", "bench-hops-") as (control, _),
         Client.connect(control) as client,
     ):
         rows, gaps = store_rows(client, n, args.repeat, args.reads_only)
-    print("\n| the store, back to back (TCP, distinct keys, every read asks the master) | p50 µs |")
-    print("| --- | ---: |")
-    for name, us in rows:
-        print(f"| {name} | {us:.0f} |")
-    if not gaps:
-        return
-    print(f"\n| batch_locate of {BATCH} keys after the client spun for | p50 µs |")
-    print("| --- | ---: |")
-    for gap, us in gaps:
-        print(f"| {gap} µs | {us:.0f} |")
+    tables.append(
+        [
+            "| the store, back to back (TCP, distinct keys, every read asks the master) | p50 µs |",
+            "| --- | ---: |",
+            *(f"| {name} | {us:.0f} |" for name, us in rows),
+        ]
+    )
+    print("\n" + "\n".join(tables[-1]))
+    if gaps:
+        tables.append(
+            [
+                f"| batch_locate of {BATCH} keys after the client spun for | p50 µs |",
+                "| --- | ---: |",
+                *(f"| {gap} µs | {us:.0f} |" for gap, us in gaps),
+            ]
+        )
+        print("\n" + "\n".join(tables[-1]))
+    if args.markdown:
+        note = (
+            f"p50 of {n} operations a row ({n * 4} for the host's round trips); "
+            + "; ".join(idle)
+            + f"; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("hops", "\n\n".join(["\n".join(t) for t in tables] + [note]))
 
 
 if __name__ == "__main__":

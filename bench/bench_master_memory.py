@@ -1,6 +1,7 @@
 """Master memory per object and the longest stall while the object table grows.
 
 Run:  .venv/bin/python bench/bench_master_memory.py [--objects 1000000] [--batch 1000]
+      [--markdown]
 
 Drives an in-process ``MasterService`` (fake clock, two registered nodes whose DRAM segments
 hold every object) with ``put_start`` / ``put_end`` batches of 16-byte objects, as a client's
@@ -13,20 +14,27 @@ on (the default) and once with ``--gc-off`` to tell collection pauses apart from
 own work. ``--daemon-gc`` applies the master daemon's collector policy before the first put
 (``kvstore.gc_policy.tune_collector``: a larger young threshold, start-up frozen).
 ``--tracemalloc`` traces allocations (slower; RSS is
-measured either way).
+measured either way). ``--markdown`` also writes the table into docs/benchmarks.md (see
+bench/markdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import resource
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
-from kvstore.gc_policy import CollectorPauses, tune_collector
-from kvstore.master.service import MasterConfig, MasterService
-from kvstore.types import SegmentSpec
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.gc_policy import CollectorPauses, tune_collector  # noqa: E402
+from kvstore.master.service import MasterConfig, MasterService  # noqa: E402
+from kvstore.types import SegmentSpec  # noqa: E402
 
 SECRET = b"s" * 32
 OBJECT_BYTES = 16
@@ -119,6 +127,7 @@ def main() -> None:
     ap.add_argument("--gc-off", action="store_true", help="disable the cyclic collector")
     ap.add_argument("--tracemalloc", action="store_true", help="also trace allocations")
     ap.add_argument("--daemon-gc", action="store_true", help="the master daemon's collector policy")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     if args.gc_off:
         gc.disable()
@@ -136,6 +145,36 @@ def main() -> None:
         f"| {r['put_s']:.1f} | {r['worst_ms']:.0f} | {r['gc_total_s']:.2f} ({r['gc_full']:.0f}) "
         f"| {r['gc_longest_ms']:.0f} | {r['full_gc_ms']:.0f} | {r['tracked']:,} |"
     )
+    if args.markdown:
+        head = [
+            "objects",
+            "gc",
+            "bytes/object (tracemalloc)",
+            "bytes/object (RSS)",
+            "put time s",
+            "worst batch ms",
+            "gc pauses s (full ones)",
+            "longest gc pause ms",
+            "full gc.collect ms",
+            "gc-tracked objects",
+        ]
+        row = [
+            f"{r['objects']:,}",
+            gc_mode,
+            traced,
+            f"{r['rss_b']:.0f}",
+            f"{r['put_s']:.1f}",
+            f"{r['worst_ms']:.0f}",
+            f"{r['gc_total_s']:.2f} ({r['gc_full']:.0f})",
+            f"{r['gc_longest_ms']:.0f}",
+            f"{r['full_gc_ms']:.0f}",
+            f"{r['tracked']:,}",
+        ]
+        note = (
+            f"An in-process master, `put_start` / `put_end` batches of {args.batch:,} objects of "
+            f"{OBJECT_BYTES} B; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("master-memory", f"{markdown.table(head, [row])}\n\n{note}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The node's garbage collector under a steady write load: many tiny distinct objects.
 
-Run:  .venv/bin/python bench/bench_node_gc.py [--objects 1000000] [--batch 1000]
+Run:  .venv/bin/python bench/bench_node_gc.py [--objects 1000000] [--batch 1000] [--markdown]
 
 Starts a real master and one storage node (``kvstore master``, ``kvstore node --dram 2GiB``),
 each its own process, then from this process writes ``--objects`` distinct 16 B objects in
@@ -8,11 +8,13 @@ each its own process, then from this process writes ``--objects`` distinct 16 B 
 slowest ``batch_put``, and the node's collections by generation from its ``kvstore_gc_*``
 metrics: count, seconds in all and the longest. What a node keeps per object written (its
 manifest record, memoised grants, write claims) is what its full collections walk.
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_small import field, master_and_node  # noqa: E402
 
+from bench import markdown  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 
 GC_FIGURES = (
@@ -48,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--objects", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     with master_and_node("2GiB", "bench-node-gc-") as (control, nline):
         value = b"x" * 16
@@ -65,13 +69,22 @@ def main() -> None:
             took = time.perf_counter() - started
         figures = node_gc(field(nline, "admin"))
     n = args.objects // args.batch * args.batch
-    print(f"bench_node_gc: {n:,} objects of 16 B, batch_put of {args.batch}, TCP, 1 node")
-    print(f"{n / took:,.0f} keys/s over the run; slowest batch_put {slowest * 1e3:.1f} ms")
-    print("| the node's collector | gen 0 | gen 1 | gen 2 |")
-    print("| --- | ---: | ---: | ---: |")
+    lines = [
+        f"bench_node_gc: {n:,} objects of 16 B, batch_put of {args.batch}, TCP, 1 node",
+        f"{n / took:,.0f} keys/s over the run; slowest batch_put {slowest * 1e3:.1f} ms",
+        "| the node's collector | gen 0 | gen 1 | gen 2 |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     for label, name, fmt in GC_FIGURES:
         scale = 1e3 if "ms" in label else 1.0
-        print(f"| {label} | " + " | ".join(fmt.format(v * scale) for v in figures[name]) + " |")
+        lines.append(
+            f"| {label} | " + " | ".join(fmt.format(v * scale) for v in figures[name]) + " |"
+        )
+    print("\n".join(lines))
+    if args.markdown:
+        # The two heading lines become one paragraph above the table, with the load average.
+        head = f"{lines[0]}; {lines[1]}; load average {os.getloadavg()[0]:.1f}"
+        markdown.write_table("node-gc", head + "\n\n" + "\n".join(lines[2:]))
 
 
 if __name__ == "__main__":

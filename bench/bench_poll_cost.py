@@ -1,6 +1,6 @@
 """What polling costs a CPU-bound neighbour: an engine's threads on the host of master and node.
 
-Run:  .venv/bin/python bench/bench_poll_cost.py [--seconds 8] [--rounds 2]
+Run:  .venv/bin/python bench/bench_poll_cost.py [--seconds 8] [--rounds 2] [--markdown]
 
 Starts a real ``kvstore master`` and ``kvstore node`` (each its own process, node warm) with
 ``KVSTORE_POLL_US`` 0 and then the default, ``--rounds`` times in turn; in each, two burner
@@ -8,6 +8,7 @@ processes (one a core, as an engine's compute threads) count for ``--seconds`` w
 process reads a distinct 4 KiB key every 5 ms (~150 reads/s, every read asking the master).
 Prints per window the burners' iterations (millions) and the reads' p50: what the store's
 polling (``kvstore.polling``) takes from the neighbour, and what it gives the reads.
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from bench_small import master_and_node  # noqa: E402
 
+from bench import markdown  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 
 SIZE = 4096
@@ -77,6 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     default = os.environ.get("KVSTORE_POLL_US")
     rows: list[tuple[str, float, float]] = []
@@ -87,11 +90,19 @@ def main() -> None:
             else:
                 os.environ["KVSTORE_POLL_US"] = window
             rows.append((window or "default", *one_run(args.seconds)))
-    print(f"bench_poll_cost: 2 burners, a 4 KiB read every {READ_EVERY_S * 1e3:.0f} ms, TCP")
-    print("| KVSTORE_POLL_US | burners' iterations (M) | read p50 µs |")
-    print("| --- | ---: | ---: |")
-    for window, burned, p50 in rows:
-        print(f"| {window} | {burned:.1f} | {p50:.0f} |")
+    lines = [
+        f"bench_poll_cost: 2 burners, a 4 KiB read every {READ_EVERY_S * 1e3:.0f} ms, TCP",
+        "| KVSTORE_POLL_US | burners' iterations (M) | read p50 µs |",
+        "| --- | ---: | ---: |",
+        *(f"| {window} | {burned:.1f} | {p50:.0f} |" for window, burned, p50 in rows),
+    ]
+    print("\n".join(lines))
+    if args.markdown:
+        head = (
+            f"{lines[0]}; {args.rounds} rounds of {args.seconds:g} s per window; "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+        markdown.write_table("poll-cost", head + "\n\n" + "\n".join(lines[1:]))
 
 
 if __name__ == "__main__":

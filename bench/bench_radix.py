@@ -6,6 +6,7 @@ Run::
     .venv/bin/python bench/bench_radix.py --vocab 32000     # 16-bit tokens
     .venv/bin/python bench/bench_radix.py --blocks 200000   # quicker
     .venv/bin/python bench/bench_radix.py --suffix-blocks 2 # short unique suffixes (node-heavy)
+    .venv/bin/python bench/bench_radix.py --markdown        # also write docs/benchmarks.md
 
 Workload (block_size 64): shared system prompts, multi-turn conversations that extend them (each
 turn re-inserts the whole prompt, as ``put_end`` would), and 16 long documents of 128K tokens.
@@ -19,6 +20,9 @@ With ``--suffix-blocks N`` the conversations are replaced by prompts that add on
 blocks after a shared system prompt, so almost every prompt makes a tree node of N blocks: the
 per-node cost of the index dominates.
 Targets: match p99 <= 2 ms, <= 200 B of index per block.
+
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py): the region
+``radix``, or ``radix-suffix`` with ``--suffix-blocks``.
 """
 
 from __future__ import annotations
@@ -26,13 +30,19 @@ from __future__ import annotations
 import argparse
 import gc
 import itertools
+import os
+import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 
-from kvstore.keys import Namespace, block_keys
-from kvstore.master.radix import RadixIndex
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.keys import Namespace, block_keys  # noqa: E402
+from kvstore.master.radix import RadixIndex  # noqa: E402
 
 LONG_TOKENS = 128 * 1024
 NUM_LONG_DOCS = 16
@@ -137,6 +147,7 @@ def main() -> None:
         default=0,
         help="prompts = a shared system prompt + this many unique blocks (0: conversations)",
     )
+    parser.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = parser.parse_args()
     ns = Namespace("bench/llama-8b", "bfloat16", 32, 8, 128, block_size=64)
 
@@ -213,6 +224,16 @@ def main() -> None:
     print(f"{'-' * width}  {'-' * vwidth}  ------")
     for name, value, target in rows:
         print(f"{name:<{width}}  {value:>{vwidth}}  {target}")
+    if args.markdown:
+        note = (
+            f"In process, block size {ns.block_size}, {args.rounds} match rounds, seed "
+            f"{args.seed}; load average {os.getloadavg()[0]:.1f}."
+        )
+        table = markdown.table(
+            ["metric", "value", "target"], [(n, v, t or "-") for n, v, t in rows]
+        )
+        region = "radix-suffix" if args.suffix_blocks else "radix"
+        markdown.write_table(region, f"{table}\n\n{note}")
 
 
 if __name__ == "__main__":

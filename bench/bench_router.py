@@ -32,8 +32,9 @@ rate is measured unless the router sends its own. Nothing is asserted about time
 
 Usage: ``.venv/bin/python bench/bench_router.py [--start 0] [--requests 24] [--time-scale 1.0]
 [--max-output 16] [--slo standard] [--admission slo|router] [--no-plain-baselines]
-[--engine-model kv_both|pd] [--out DIR]`` (needs ``.venv-vllm`` and the model, see
-tests/adapters/vllm_servers.py).
+[--engine-model kv_both|pd] [--out DIR] [--markdown]`` (needs ``.venv-vllm`` and the model, see
+tests/adapters/vllm_servers.py; ``--markdown``: also write the tables into docs/benchmarks.md,
+see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import markdown  # noqa: E402
 from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.demo.vllm_server import VLLMServer, free_port  # noqa: E402
 from kvstore.replay.cli import (  # noqa: E402
@@ -275,6 +278,7 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="keep logs, results.json and plots here"
     )
+    parser.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = parser.parse_args()
     reason = missing_engine()
     if reason:
@@ -372,8 +376,13 @@ def main() -> int:
         finally:
             for engine in engines:
                 engine.stop()
-    print_tables(runs, trace, slo, args, admission)
+    parts = print_tables(runs, trace, slo, args, admission)
     tmp_dir.cleanup()
+    if args.markdown:
+        parts.append(
+            f"{time.monotonic() - started:.0f} s in all; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("router", "\n\n".join(parts))
     return 0
 
 
@@ -383,10 +392,15 @@ def print_tables(
     slo: SLOClass,
     args: argparse.Namespace,
     admission: Callable[[Plan], float | None],
-) -> None:
-    """The policy table, then every policy simulated with the first run's fitted costs."""
-    print(
-        f"\n{len(trace)} requests of {args.trace.name} (from {args.start}), time scale {args.time_scale:g}, "
+) -> list[str]:
+    """The policy table, then every policy simulated with the first run's fitted costs.
+
+    Returns:
+        What it printed, paragraph by paragraph (its tables are Markdown already), for the page.
+    """
+    parts: list[str] = []
+    parts.append(
+        f"{len(trace)} requests of {args.trace.name} (from {args.start}), time scale {args.time_scale:g}, "
         f"2 kv_both engines (SmolLM2-135M, CPU, max {MAX_NUM_SEQS} seqs), SLO {slo.name} "
         f"(TTFT {slo.ttft_s:g} s, TBT {slo.tbt_s:g} s); the router rejects early by "
         + (
@@ -396,6 +410,7 @@ def print_tables(
         )
         + " except the plain rows"
     )
+    print(f"\n{parts[-1]}")
     rows = []
     for plan, run in runs:
         label = plan.label
@@ -422,7 +437,7 @@ def print_tables(
                 " ".join(f"{n}" for n in s.engine_load.values()) or "-",
             ]
         )
-    print(
+    parts.append(
         format_table(
             [
                 "policy",
@@ -445,21 +460,26 @@ def print_tables(
             rows,
         )
     )
-    print_gains(runs)
+    print(parts[-1])
+    parts += print_gains(runs)
+    fits = []
     for plan, run in runs:
         if run.step_fit is not None:
             label = plan.label
             c, f = run.step_fit.cost, run.step_fit
-            print(
+            fits.append(
                 f"{label}: step = {c.step_base_s * 1e3:.1f} ms + {c.decode_s_per_seq * 1e3:.2f} "
                 f"ms x decoding + {c.prefill_s_per_token * 1e3:.3f} ms x prefill tokens, "
                 f"overhead {c.request_overhead_s * 1e3:.0f} ms (rmse {f.rmse * 1e3:.0f} ms, "
                 f"{f.num_gap_rows} gaps, {f.num_ttft_rows} idle TTFTs)"
             )
+            print(fits[-1])
+    parts += fits
     fitted = next((r for _, r in runs if r.fit is not None), None)
     if fitted is None or fitted.fit is None:
-        return
-    print("\nsimulator, every policy, cost model fitted from the first run:")
+        return parts
+    parts.append("simulator, every policy, cost model fitted from the first run:")
+    print(f"\n{parts[-1]}")
     sim_rows = []
     step = fitted.step_fit.cost if fitted.step_fit is not None else None
     for plan, _ in runs:
@@ -475,19 +495,22 @@ def print_tables(
                 p.hit_rate,
             ]
         )
-    print(
+    parts.append(
         format_table(
             ["policy", "sim router", "goodput r/s", "mean TTFT ms", "SLO met", "hit rate"], sim_rows
         )
     )
+    print(parts[-1])
+    return parts
 
 
-def print_gains(runs: list[tuple[Plan, ReplayRun]]) -> None:
+def print_gains(runs: list[tuple[Plan, ReplayRun]]) -> list[str]:
     """Cache-aware against the best baseline: given the same early rejection, and as plain
-    routers run (goodput, and requests within the SLO)."""
+    routers run (goodput, and requests within the SLO). Returns the lines it printed."""
+    lines: list[str] = []
     ours = next((r for p, r in runs if p.policy == "cache-aware" and p.early_rejection), None)
     if ours is None:
-        return
+        return lines
     for plain in (False, True):
         rivals = [
             (p.label, r)
@@ -503,10 +526,12 @@ def print_gains(runs: list[tuple[Plan, ReplayRun]]) -> None:
             else float("inf")
         )
         met = ours.summary.num_met / best.summary.num_met if best.summary.num_met else float("inf")
-        print(
+        lines.append(
             f"cache-aware vs the best {'plain ' if plain else ''}baseline ({label}): "
             f"goodput {goodput:.2f}x, requests within the SLO {met:.2f}x"
         )
+        print(lines[-1])
+    return lines
 
 
 if __name__ == "__main__":

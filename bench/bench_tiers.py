@@ -1,6 +1,6 @@
 """Per-tier read/write throughput (DRAM, NVMe, HBM where a GPU exists) and eviction under pressure.
 
-Run:  .venv/bin/python bench/bench_tiers.py [--quick]
+Run:  .venv/bin/python bench/bench_tiers.py [--quick] [--markdown]
 
 Each tier gets its own small cluster (a master and one storage node, each its own process, TCP
 data plane). Objects land in the tier under test as follows:
@@ -12,7 +12,8 @@ data plane). Objects land in the tier under test as follows:
 
 Eviction: a node with 64 MiB of DRAM and 128 MiB of NVMe takes 512 MiB of puts; the table shows
 put throughput under pressure and how many objects per second the master demoted and deleted.
-Every read is checksum-verified by the client.
+Every read is checksum-verified by the client. ``--markdown`` also writes the table into
+docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.client import Client
-from kvstore.processes import parse_ready
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
+
+from bench import markdown  # noqa: E402
+from kvstore.client import Client  # noqa: E402
+from kvstore.processes import parse_ready  # noqa: E402
 
 SIZES = [("64KiB", 64 << 10), ("1MiB", 1 << 20)]
 BATCH = 16
@@ -121,6 +125,7 @@ def rw_rows(c: Client, tier: str, total: int, check_tier: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller working sets")
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     total = (32 << 20) if args.quick else (128 << 20)
     rows: list[str] = []
@@ -189,10 +194,18 @@ def main() -> None:
         finally:
             for p in procs:
                 p.stop()
-    print("| tier   | operation              | size   |     GB/s |      ops/s |")
-    print("|--------|------------------------|--------|----------|------------|")
-    for r in rows:
-        print(r)
+    head = [
+        "| tier   | operation              | size   |     GB/s |      ops/s |",
+        "|--------|------------------------|--------|----------|------------|",
+    ]
+    print("\n".join(head + rows))
+    if args.markdown:
+        note = (
+            f"A master and one node per tier, each its own process, TCP; {total >> 20} MiB "
+            f"written and read per size; eviction: 64 MiB DRAM and 128 MiB NVMe taking "
+            f"{(128 if args.quick else 512)} MiB of puts; load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("tiers", "\n".join(head + rows) + "\n\n" + note)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """CPU time per operation of the client, the master and the node (``/proc``), small requests.
 
-Run:  .venv/bin/python bench/cpu_per_op.py [--n 3000]
+Run:  .venv/bin/python bench/cpu_per_op.py [--n 3000] [--markdown]
 
 On a machine with fewer cores than processes, latency tracks the *sum* of the three processes'
 CPU per request, so this is the number the small-request optimisations are judged by.
+``--markdown`` also writes the table into docs/benchmarks.md (see bench/markdown.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from kvstore.client import Client
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # for bench.markdown
 from bench_store import start_cluster  # noqa: E402
+
+from bench import markdown  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -36,7 +41,9 @@ def cpu_s(pid: int) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=3000)
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
+    lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         proc, address = start_cluster(tmp, "256MiB")
         try:
@@ -56,8 +63,11 @@ def main() -> None:
                     "get 4KiB": (lambda: c.get("k"), args.n),
                     "batch_get_into x16 4KiB": (lambda: c.batch_get_into(keys, bufs), args.n // 4),
                 }
-                print("| workload | wall µs/op | client usr+sys | master usr+sys | node usr+sys |")
-                print("|---|---|---|---|---|")
+                lines += [
+                    "| workload | wall µs/op | client usr+sys | master usr+sys | node usr+sys |",
+                    "|---|---|---|---|---|",
+                ]
+                print("\n".join(lines))
                 for name, (fn, n) in work.items():
                     for _ in range(n // 10):
                         fn()
@@ -70,10 +80,18 @@ def main() -> None:
                     for k, p in pids.items():
                         (u0, s0), (u1, s1) = before[k], cpu_s(p)
                         cells.append(f"{(u1 - u0) / n * 1e6:.0f}+{(s1 - s0) / n * 1e6:.0f}")
-                    print(f"| {name} | {wall:.0f} | " + " | ".join(cells) + " |")
+                    lines.append(f"| {name} | {wall:.0f} | " + " | ".join(cells) + " |")
+                    print(lines[-1])
         finally:
             os.kill(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
+    if args.markdown:
+        note = (
+            "CPU µs per operation (user+system, from /proc, tick resolution) in each process; "
+            f"TCP, `kvstore up`, {args.n} operations ({args.n // 4} batches); "
+            f"load average {os.getloadavg()[0]:.1f}."
+        )
+        markdown.write_table("cpu-per-op", "\n".join(lines) + "\n\n" + note)
 
 
 if __name__ == "__main__":

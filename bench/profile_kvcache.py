@@ -8,13 +8,15 @@ loaded, ``--prompts`` distinct prompts of ``--tokens`` tokens are stored, then l
 verified. Prints ms per prompt and GB/s for each, then the top of each profile by own time.
 
 Usage: ``.venv/bin/python bench/profile_kvcache.py [--shm] [--model llama3|smollm2] [--prompts 8]
-[--tokens 512] [--no-profile]``
+[--tokens 512] [--no-profile] [--markdown]`` (``--markdown``: also write the timings into
+docs/benchmarks.md, see bench/markdown.py; the profiles stay on the terminal).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import sys
 import tempfile
@@ -25,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import markdown  # noqa: E402
 from kvstore.cli.embedded import EmbeddedCluster  # noqa: E402
 from kvstore.client import Client, KVCache, Namespace  # noqa: E402
 
@@ -44,6 +47,7 @@ def main() -> int:
     ap.add_argument(
         "--no-profile", action="store_true", help="time only (cProfile inflates per-call costs)"
     )
+    ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     LAYERS, HEADS, DIM = SHAPES[args.model]  # noqa: N806
@@ -71,6 +75,7 @@ def main() -> int:
                 kv.store(prompt(1_000_000 + i), layers)
                 kv.load(prompt(1_000_000 + i), out)
             profiles = []
+            rows = []
             for name, step in (("store", kv.store), ("load", kv.load)):
                 profile = cProfile.Profile()
                 t0 = time.perf_counter()
@@ -82,6 +87,7 @@ def main() -> int:
                 profile.disable()
                 each = (time.perf_counter() - t0) / args.prompts
                 print(f"{name}: {each * 1e3:.1f} ms a prompt ({nbytes / each / 1e9:.2f} GB/s)")
+                rows.append((f"KVCache.{name}", f"{each * 1e3:.1f}", f"{nbytes / each / 1e9:.2f}"))
                 if not args.no_profile:
                     profiles.append((name, profile))
             for (k, v), (k2, v2) in zip(layers, out, strict=True):
@@ -90,6 +96,21 @@ def main() -> int:
     for name, profile in profiles:
         print(f"\n{name}, by own time:")
         pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+    if args.markdown:
+        note = (
+            f"{args.prompts} distinct {args.tokens}-token prompts in {args.model}'s shape "
+            f"({LAYERS} layers, {HEADS} KV heads, head size {DIM}, float16, {BLOCK}-token blocks; "
+            f"{nbytes / 2**20:.1f} MiB a prompt), {'shared memory' if args.shm else 'TCP'}, "
+            f"lease reads, each verified; "
+            + (
+                "no profiler"
+                if args.no_profile
+                else "timed with cProfile on, which slows each call"
+            )
+            + f"; load average {os.getloadavg()[0]:.1f}."
+        )
+        table = markdown.table(["step", "ms a prompt", "GB/s"], rows)
+        markdown.write_table("profile-kvcache", f"{table}\n\n{note}")
     return 0
 
 
