@@ -30,6 +30,7 @@ from kvstore.client import Client  # noqa: E402
 from kvstore.client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
 from kvstore.errors import InvalidRequestError  # noqa: E402
 from tests.engines_sglang.sglang_pools import MHAHostPool, MLAHostPool  # noqa: E402
+from tests.integration.test_tenants import SECRET, wait_for_nodes  # noqa: E402
 
 MODULE = "kvstore.client.adapters.sglang"
 
@@ -342,3 +343,48 @@ def test_a_logical_only_anchor_pool_moves_nothing(cluster) -> None:
     assert b.batch_get_v1(["a"], indices([0], 4)) == [True]
     assert b.batch_exists(["a"]) == 0
     b.close()
+
+
+def test_two_tenants_never_share_pages(cluster_factory, tmp_path: Path) -> None:
+    """SGLang's L3 keys ignore its cache salt (SGLang issue 37160); with kvstore the store keeps
+    tenants apart: two servers with two tenants' tokens never read each other's pages."""
+    import json
+    import urllib.request
+
+    secret = SECRET
+    (tmp_path / "token").write_text(secret + "\n")
+    flags = ("--token-file", str(tmp_path / "token"))
+    cluster = cluster_factory(num_nodes=2, master_args=flags, node_args=flags)
+
+    def create(name: str) -> str:
+        req = urllib.request.Request(
+            cluster.admin + "/api/v1/tenants",
+            data=json.dumps({"name": name}).encode(),
+            method="POST",
+            headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())["token"]
+
+    token_a, token_b = create("acme"), create("bolt")
+    wait_for_nodes(cluster, token_a, token_b)  # they learn the tokens at their next heartbeat
+    src_a, src_b, dst = (MHAHostPool("layer_first") for _ in range(3))
+    fill(src_a, 1)
+    fill(src_b, 2)
+    a = make(config(cluster.address, token=token_a), src_a)
+    b = make(config(cluster.address, token=token_b), src_b)
+    b_reader = make(config(cluster.address, token=token_b), dst)
+    keys = [f"h{i:02d}" for i in range(4)]
+    assert a.batch_set_v1(keys, indices([0, 1, 2, 3], src_a.page_size)) == [True] * 4
+    assert b.batch_exists(keys) == 0
+    assert b_reader.batch_get_v1(keys, indices([0, 1, 2, 3], dst.page_size)) == [False] * 4
+    assert page_bytes(dst, 0) == bytes(len(page_bytes(dst, 0)))  # nothing of A's came in
+    # B writes the same keys: its own pages; each tenant reads back its own bytes.
+    assert b.batch_set_v1(keys, indices([4, 5, 6, 7], src_b.page_size)) == [True] * 4
+    assert b_reader.batch_get_v1(keys, indices([0, 1, 2, 3], dst.page_size)) == [True] * 4
+    assert page_bytes(dst, 0) == page_bytes(src_b, 4)
+    a_reader = make(config(cluster.address, token=token_a), dst)
+    assert a_reader.batch_get_v1(keys[:1], indices([8], dst.page_size)) == [True]
+    assert page_bytes(dst, 8) == page_bytes(src_a, 0)
+    for backend in (a, b, b_reader, a_reader):
+        backend.close()
