@@ -67,6 +67,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         # The tenants' token digests: the node binds each data connection's hello to its tenant.
         "tenants": svc.tenants.wire(),
     }
+    svc.node_tenant_versions[node_id] = svc.tenants.version  # it takes them with this reply
     if claims is not None:  # a node that kept objects across a master change (HA, etcd)
         report = svc.admit_manifest(node_id, [c for c in claims if isinstance(c, ManifestClaim)])
         for bad in (c for c in claims if not isinstance(c, ManifestClaim)):
@@ -92,6 +93,7 @@ def _heartbeat(svc: MasterService, args: dict[str, Any]) -> Any:
     }
     # The tenant directory only when the node's (``tenants_version``) is older than ours.
     seen = optional_arg(args, "tenants_version", int, 0)
+    svc.node_tenant_versions[node_id] = seen
     if svc.tenants.version > seen:
         reply["tenants"] = svc.tenants.wire()
     return reply

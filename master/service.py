@@ -131,6 +131,8 @@ class MasterService:
         #: The tenants' token digests (the master's book keeps it current; kept across terms):
         #: every node gets it in its register and heartbeat replies.
         self.tenants = TenantDirectory()
+        #: Per node, the tenant directory version its last heartbeat said it holds.
+        self.node_tenant_versions: dict[str, int] = {}
         self.space = Space(
             config,
             self.membership,
@@ -352,6 +354,13 @@ class MasterService:
         heartbeat meanwhile): restart every node's heartbeat clock, so none is declared dead
         for the leader's deafness."""
         self.membership.heard_from_all(self.clock())
+
+    def tenants_behind(self) -> list[str]:
+        """Live nodes that have not yet confirmed the current tenant directory: until they do,
+        a new tenant's token does not open them, and a deleted one's still may."""
+        version = self.tenants.version
+        seen = self.node_tenant_versions
+        return sorted(n for n in self.membership.nodes if seen.get(n, 0) < version)
 
     def node_transports(self) -> dict[str, dict[str, object]]:
         """Per live node, the data-plane details it offers beyond TCP (shm, rdma)."""

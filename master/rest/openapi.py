@@ -54,6 +54,8 @@ def _obj(
 _INT = {"type": "integer", "minimum": 0}
 _STR = {"type": "string"}
 _NULLABLE_STR = {"type": "string", "nullable": True}
+#: Nodes that had not confirmed a tenant change when the answer was sent (normally none).
+_PENDING = {"type": "array", "items": {"type": "string"}}
 #: Keys are 1..511 bytes of UTF-8; JSON Schema counts characters, which equal bytes for ASCII.
 _KEY = {
     "type": "string",
@@ -248,7 +250,14 @@ _TENANT_PATHS: dict[str, Any] = {
                     "description": "created",
                     "content": {
                         "application/json": {
-                            "schema": _obj({"name": _STR, "quotas": _QUOTAS, "token": _STR})
+                            "schema": _obj(
+                                {
+                                    "name": _STR,
+                                    "quotas": _QUOTAS,
+                                    "token": _STR,
+                                    "nodes_pending": _PENDING,
+                                }
+                            )
                         }
                     },
                 },
@@ -279,7 +288,7 @@ _TENANT_PATHS: dict[str, Any] = {
             "summary": "delete a tenant (its token stops working) and every object it stored",
             "parameters": [_TENANT_PATH],
             "responses": {
-                **_ok(_obj({"deleted": _STR, "objects_removed": _INT})),
+                **_ok(_obj({"deleted": _STR, "objects_removed": _INT, "nodes_pending": _PENDING})),
                 **_errors(401, 404),
             },
         },

@@ -329,9 +329,23 @@ async def create_tenant(request: web.Request) -> web.Response:
     if "name" not in body:
         raise InvalidRequestError("give the tenant's 'name'")
     tenant, token = await request.app[TENANTS_KEY].create(body["name"], body.get("quotas"))
+    pending = await _nodes_take_tenants(request)
     return web.json_response(
-        {"name": tenant.name, "quotas": tenant.quotas, "token": token}, status=201
+        {"name": tenant.name, "quotas": tenant.quotas, "token": token, "nodes_pending": pending},
+        status=201,
     )
+
+
+async def _nodes_take_tenants(request: web.Request) -> list[str]:
+    """Wait (a few heartbeats at most) until every live node has confirmed the tenant directory,
+    so that a created token opens every node, and a deleted one none, when the answer comes.
+    Returns the nodes that had not confirmed by then (a node slow or gone)."""
+    slot = request.app[SERVICE_KEY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3 * slot.service.config.heartbeat_interval_s + 1.0
+    while (behind := slot.service.tenants_behind()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    return behind
 
 
 async def list_tenants(request: web.Request) -> web.Response:
@@ -368,7 +382,10 @@ async def delete_tenant(request: web.Request) -> web.Response:
         svc = slot.service
         batch = [k for k in keys[lo : lo + step] if k in svc.objects]
         removed += sum(r is None for r in svc.remove(batch))
-    return web.json_response({"deleted": name, "objects_removed": removed})
+    pending = await _nodes_take_tenants(request)
+    return web.json_response(
+        {"deleted": name, "objects_removed": removed, "nodes_pending": pending}
+    )
 
 
 def add_routes(app: web.Application) -> None:

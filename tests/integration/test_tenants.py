@@ -15,7 +15,7 @@ from kvstore.address import Address
 from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import ForbiddenError, KeyNotFoundError, KVStoreError, UnauthenticatedError
 from kvstore.tenants import prefix_of
-from tests.support import Cluster, wait_until
+from tests.support import Cluster
 
 SECRET = "operator-secret-token"
 L, H, D, BS = 2, 2, 8, 16
@@ -57,12 +57,13 @@ def node_knows(address: str, token: str) -> bool:
 
 
 def wait_for_nodes(cluster: Cluster, *tokens: str) -> None:
-    """Wait until every node takes every token (they get the directory in heartbeats)."""
+    """Every node takes every token as soon as the tenant is created: the master answers a
+    create only once each live node has confirmed the new directory (in its heartbeats)."""
     nodes = admin(cluster, "GET", "/api/v1/nodes")["nodes"]
     assert len(nodes) == len(cluster.nodes)
     for node in nodes:
         for token in tokens:
-            wait_until(lambda n=node, t=token: node_knows(n["address"], t), what="node tenants")
+            assert node_knows(node["address"], token), node
 
 
 @pytest.fixture
@@ -71,8 +72,9 @@ def pool(cluster_factory, tmp_path: Path) -> tuple[Cluster, str, str]:
     token_file.write_text(SECRET + "\n")
     flags = ("--token-file", str(token_file))
     cluster = cluster_factory(num_nodes=2, dram="64MiB", master_args=flags, node_args=flags)
-    a = admin(cluster, "POST", "/api/v1/tenants", {"name": "acme"})["token"]
-    b = admin(cluster, "POST", "/api/v1/tenants", {"name": "bolt"})["token"]
+    created = [admin(cluster, "POST", "/api/v1/tenants", {"name": n}) for n in ("acme", "bolt")]
+    assert [c["nodes_pending"] for c in created] == [[], []]
+    a, b = (c["token"] for c in created)
     wait_for_nodes(cluster, a, b)
     return cluster, a, b
 
@@ -162,7 +164,9 @@ def test_delete_removes_objects_and_closes_connections(pool) -> None:
             a.put(f"k{i}", b"x" * (100 * (i + 1)))
         b.put("k0", b"b's")
         done = admin(cluster, "DELETE", "/api/v1/tenants/acme")
-        assert done == {"deleted": "acme", "objects_removed": 5}
+        assert done == {"deleted": "acme", "objects_removed": 5, "nodes_pending": []}
+        for node in admin(cluster, "GET", "/api/v1/nodes")["nodes"]:  # revoked on every node
+            assert not node_knows(node["address"], token_a)
         with pytest.raises(UnauthenticatedError):
             a.exists("k0")
         assert b.get("k0") == b"b's"

@@ -42,7 +42,7 @@ def call(m: Daemon, method: str, path: str, body: object = None, token: str | No
 
 def test_shapes(master: Daemon) -> None:
     status, made = call(master, "POST", "/api/v1/tenants", {"name": "acme", "quotas": {"dram": 9}})
-    assert status == 201 and set(made) == {"name", "quotas", "token"}
+    assert status == 201 and set(made) == {"name", "quotas", "token", "nodes_pending"}
     assert made["name"] == "acme" and made["quotas"] == {"dram": 9}
     status, listed = call(master, "GET", "/api/v1/tenants")
     assert status == 200 and [t["name"] for t in listed["tenants"]] == ["acme"]
@@ -55,7 +55,8 @@ def test_shapes(master: Daemon) -> None:
     )
     assert status == 200 and changed["quotas"] == {"nvme": 5}
     status, gone = call(master, "DELETE", "/api/v1/tenants/acme")
-    assert status == 200 and gone == {"deleted": "acme", "objects_removed": 0}
+    assert status == 200
+    assert gone == {"deleted": "acme", "objects_removed": 0, "nodes_pending": []}
     assert call(master, "GET", "/api/v1/tenants")[1] == {"tenants": []}
 
 
