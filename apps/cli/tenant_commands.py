@@ -90,14 +90,25 @@ def _print_tenant(tenant: dict[str, Any]) -> None:
     if "created_ms" in tenant:
         print(f"{'created':<{WIDTH}}{_created(tenant['created_ms'])}")
     for field, value in tenant.items():
-        if field not in ("name", "quotas", "created_ms", "token"):
+        if field not in ("name", "quotas", "created_ms", "token", "nodes_pending"):
             shown = value if isinstance(value, str | int | float) else json.dumps(value)
             print(f"{field:<{WIDTH}}{shown}")
+
+
+def _warn_pending(reply: dict[str, Any]) -> None:
+    """Say which nodes had not taken the change when the master answered (normally none)."""
+    if reply.get("nodes_pending"):
+        print(
+            "warning: these nodes had not confirmed the change yet (slow or gone); they take it "
+            f"at their next heartbeat: {', '.join(reply['nodes_pending'])}",
+            file=sys.stderr,
+        )
 
 
 def cmd_create(args: argparse.Namespace) -> int:
     body = {"name": check_name(args.name), "quotas": _quota_flags(args, allow_none=False)}
     reply = admin_client(args).call("POST", PATH, body)
+    _warn_pending(reply)
     notice = (
         f"The token of tenant {reply['name']!r} is shown only now: the master keeps only its "
         "digest. Give it to the tenant's clients as their token (--token-file, KVSTORE_TOKEN)."
@@ -153,6 +164,7 @@ def cmd_set(args: argparse.Namespace) -> int:
 
 def cmd_delete(args: argparse.Namespace) -> int:
     reply = admin_client(args).call("DELETE", _path(args.name))
+    _warn_pending(reply)
     if args.json:
         print(json.dumps(reply))
     else:
