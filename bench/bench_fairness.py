@@ -161,6 +161,12 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def _cell(value: float, spec: str) -> str:
+    """``value`` formatted for the page's table, ``-`` where there is none (NaN: the idle row
+    has no duration and no per-operation figures of the master)."""
+    return "-" if np.isnan(value) else format(value, spec)
+
+
 #: Per big operation (or idle): its mean duration (s), the other clients' latencies (ms) that
 #: overlapped it, the master's full collections and collection ms per operation, the bound of
 #: its longest loop lag (ms), how it failed.
@@ -292,14 +298,14 @@ def main() -> None:
                 [
                     label,
                     name,
-                    f"{took:.2f}",
+                    _cell(took, ".2f"),
                     f"{len(lat)}",
-                    f"{_pct(lat, 50):.2f}",
-                    f"{_pct(lat, 99):.2f}",
-                    f"{max(lat, default=float('nan')):.2f}",
-                    f"{full:.1f}",
-                    f"{gc_ms:.1f}",
-                    f"{lag:.4g}",
+                    _cell(_pct(lat, 50), ".2f"),
+                    _cell(_pct(lat, 99), ".2f"),
+                    _cell(max(lat, default=float("nan")), ".2f"),
+                    _cell(full, ".1f"),
+                    _cell(gc_ms, ".1f"),
+                    _cell(lag, ".4g"),
                     # A pipe in the error's text would end its cell early.
                     failed.replace("|", "\\|") or "-",
                 ]
