@@ -14,6 +14,12 @@ name reaches another tenant's objects, whatever it guesses or replays.
 
 A token is kept only as its digest (:func:`token_digest`); a server holds a
 :class:`TenantDirectory` (digest -> tenant), replaced whole when tenants change.
+
+**Shared namespaces.** The operator may mark a KV namespace shared (by its 16-byte digest): its
+block objects and prompt metas (``kv/<digest hex>/...``, ``kvmeta/<digest hex>/...``) are then
+stored as named, in no tenant's part of the key space, so every tenant reads and writes the same
+blocks (:func:`shared_namespace_hex`, :meth:`TenantDirectory.is_shared_key`). The directory
+carries the shared set, so the nodes learn it with the tenants.
 """
 
 from __future__ import annotations
@@ -22,9 +28,10 @@ import hashlib
 import hmac
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kvstore.errors import InvalidRequestError
+from kvstore.kvblocks import KV_META_PREFIX, KV_PREFIX
 from kvstore.limits import MAX_KEY_BYTES
 
 #: A tenant's name: lower-case letters, digits, ``-`` and ``_``, starting with a letter.
@@ -34,6 +41,11 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 MARK = b"\x00"
 #: Bytes of a token digest.
 DIGEST_BYTES = 16
+
+
+#: Hex characters of a namespace digest in a KV object's key.
+_HEX = 2 * DIGEST_BYTES
+_HEX_CHARS = frozenset(b"0123456789abcdef")
 
 
 def check_name(name: object) -> str:
@@ -82,6 +94,40 @@ def tenant_key(tenant: str | None, key: bytes) -> bytes:
     return stored
 
 
+def check_namespace_hex(digest_hex: object) -> bytes:
+    """A namespace digest given as hex (the admin API's and the CLI's form), checked.
+
+    Returns:
+        The 16-byte digest.
+
+    Raises:
+        InvalidRequestError: not 32 hex characters.
+    """
+    if (
+        not isinstance(digest_hex, str)
+        or len(digest_hex) != _HEX
+        or not _HEX_CHARS.issuperset(digest_hex.lower().encode())
+    ):
+        raise InvalidRequestError(
+            f"a namespace digest must be {_HEX} hex characters, got {str(digest_hex)[:80]!r}"
+        )
+    return bytes.fromhex(digest_hex)
+
+
+def shared_namespace_hex(key: bytes) -> bytes | None:
+    """The namespace digest (as the key's hex bytes) of a KV block or prompt-meta key, or None
+    for any other key: a slice, no parsing, so that a set of hex digests answers whether the
+    key's namespace is shared."""
+    if key.startswith(KV_PREFIX):
+        start = len(KV_PREFIX)
+    elif key.startswith(KV_META_PREFIX):
+        start = len(KV_META_PREFIX)
+    else:
+        return None
+    end = start + _HEX
+    return key[start:end] if key[end : end + 1] == b"/" else None
+
+
 def owner_of(stored: bytes) -> str | None:
     """The tenant a stored key belongs to (None: the operator's key space, no tenant)."""
     if stored[:1] != MARK:
@@ -100,26 +146,57 @@ def user_key(tenant: str | None, stored: bytes) -> bytes | None:
 
 
 class TenantDirectory:
-    """Token digests -> tenant names, as one server knows them. Thread-safe: :meth:`replace`
-    swaps the whole mapping (the master after a change; a node from the master's answer)."""
+    """Token digests -> tenant names, and the shared namespaces, as one server knows them.
+    Thread-safe: :meth:`replace` swaps the whole of it (the master after a change; a node from
+    the master's answer)."""
 
-    __slots__ = ("_by_digest", "_lock", "version")
+    __slots__ = ("_by_digest", "_lock", "_shared_hex", "version")
 
-    def __init__(self, by_digest: Mapping[bytes, str] | None = None, version: int = 0) -> None:
+    def __init__(
+        self,
+        by_digest: Mapping[bytes, str] | None = None,
+        version: int = 0,
+        shared: Iterable[bytes] = (),
+    ) -> None:
         self._lock = threading.Lock()
         self._by_digest: dict[bytes, str] = dict(by_digest or {})
+        #: The shared namespaces' digests as lower-case hex bytes, the form KV keys carry them
+        #: in, so a key's check is a slice and a set lookup.
+        self._shared_hex: frozenset[bytes] = frozenset(d.hex().encode() for d in shared)
         #: Increases with every change the master makes; a node keeps the newest it saw.
         self.version = version
 
-    def replace(self, by_digest: Mapping[bytes, str], version: int) -> bool:
-        """Take a newer mapping; an older or equal version changes nothing. Returns whether
-        it was taken."""
+    def replace(
+        self, by_digest: Mapping[bytes, str], version: int, shared: Iterable[bytes] = ()
+    ) -> bool:
+        """Take a newer mapping and shared set; an older or equal version changes nothing.
+        Returns whether it was taken."""
+        shared_hex = frozenset(d.hex().encode() for d in shared)
         with self._lock:
             if version <= self.version:
                 return False
             self._by_digest = dict(by_digest)
+            self._shared_hex = shared_hex
             self.version = version
             return True
+
+    @property
+    def shared(self) -> frozenset[bytes]:
+        """The shared namespaces' 16-byte digests."""
+        return frozenset(bytes.fromhex(h.decode()) for h in self._shared_hex)
+
+    def is_shared(self, digest: bytes) -> bool:
+        """Whether the namespace with this 16-byte digest is shared."""
+        return bool(self._shared_hex) and digest.hex().encode() in self._shared_hex
+
+    def is_shared_key(self, key: bytes) -> bool:
+        """Whether ``key`` is a block object or prompt meta of a shared namespace (stored as
+        named and open to every tenant)."""
+        shared = self._shared_hex
+        if not shared:
+            return False
+        digest_hex = shared_namespace_hex(key)
+        return digest_hex is not None and digest_hex in shared
 
     def resolve(self, offered: object) -> str | None:
         """The tenant whose token ``offered`` is, or None when it is no tenant's."""
@@ -140,8 +217,13 @@ class TenantDirectory:
         return len(self._by_digest)
 
     def wire(self) -> dict[str, object]:
-        """The form the master hands its nodes: ``{"version": v, "digests": {digest: name}}``."""
-        return {"version": self.version, "digests": dict(self._by_digest)}
+        """The form the master hands its nodes: ``{"version": v, "digests": {digest: name},
+        "shared": [namespace digest, ...]}`` (``shared`` only when some namespace is, so a node
+        that predates shared namespaces reads it as before)."""
+        out: dict[str, object] = {"version": self.version, "digests": dict(self._by_digest)}
+        if self._shared_hex:
+            out["shared"] = sorted(bytes.fromhex(h.decode()) for h in self._shared_hex)
+        return out
 
     def take_wire(self, wire: object) -> bool:
         """Take the master's :meth:`wire` form; a malformed one changes nothing.
@@ -159,9 +241,16 @@ class TenantDirectory:
             if not isinstance(digest, bytes) or len(digest) != DIGEST_BYTES:
                 raise InvalidRequestError("a tenant digest must be 16 bytes")
             clean[digest] = check_name(name)
+        shared = wire.get("shared", [])  # absent: a master without shared namespaces
+        if not isinstance(shared, list) or not all(
+            isinstance(d, bytes) and len(d) == DIGEST_BYTES for d in shared
+        ):
+            raise InvalidRequestError("shared must be a list of 16-byte namespace digests")
+        shared_hex = frozenset(d.hex().encode() for d in shared)
         with self._lock:
             if version <= self.version:
                 return False
             self._by_digest = clean
+            self._shared_hex = shared_hex
             self.version = version
             return True

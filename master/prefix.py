@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Set
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -302,15 +302,21 @@ class PrefixIndex:
         keys = {digest: self.radix.stored_keys(digest) for digest in self.radix.namespaces()}
         return self.events.epoch, self.events.last_seq, keys
 
-    def tenant_snapshot(self, tenant: str) -> tuple[int, int, dict[bytes, bytes]]:
+    def tenant_snapshot(
+        self, tenant: str, shared: Set[bytes] = frozenset()
+    ) -> tuple[int, int, dict[bytes, bytes]]:
         """:meth:`snapshot` of ``tenant``'s trees only, each under its namespace's own digest
-        (as the tenant knows it)."""
+        (as the tenant knows it), and of the ``shared`` namespaces' trees (every tenant's, in
+        place of any tree the tenant kept from before the namespace was shared)."""
         live = set(self.radix.namespaces())
         keys = {
             digest: self.radix.stored_keys(scoped)
             for scoped, (owner, digest) in self.scopes.items()
-            if owner == tenant and scoped in live
+            if owner == tenant and scoped in live and digest not in shared
         }
+        for digest in shared:
+            if digest in live:
+                keys[digest] = self.radix.stored_keys(digest)
         return self.events.epoch, self.events.last_seq, keys
 
     def stats(self) -> dict[str, float | int]:

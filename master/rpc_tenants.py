@@ -15,6 +15,10 @@ per request).
 * Answers that name keys or namespaces (``list_keys``, ``kv_match``, ``kv_commit``, ``events``,
   ``events_snapshot``, ``stats``) are built here: a tenant's prompts live in trees of their own
   (``prefix.py``), and its events and snapshot show only those, under its namespaces' digests.
+* Shared namespaces (``TenantBook.share``): a block object or prompt meta key of a namespace
+  the operator shared is stored as named (every tenant's and the operator's), and ``kv_commit``,
+  ``kv_match`` and ``events`` of a shared namespace use its own tree, not the tenant's. The check
+  is a prefix and a set lookup per key (``TenantDirectory.is_shared_key``).
 * ``node_transports`` answers without shm or RDMA: both open a node's whole arena, so a tenant
   reads and writes over TCP, where the node checks every grant.
 * Node verbs and any verb not named here are refused ``FORBIDDEN``: a verb added later is a
@@ -39,7 +43,7 @@ from kvstore.master.rpc_args import arg, list_arg, optional_arg
 from kvstore.master.rpc_events import SNAPSHOT_MAX_BLOCKS, events, namespaces_arg
 from kvstore.master.rpc_verbs import LIST_KEYS_MAX
 from kvstore.master.service import MasterService
-from kvstore.tenants import prefix_of, tenant_key, user_key
+from kvstore.tenants import TenantDirectory, prefix_of, tenant_key, user_key
 from kvstore.types import result_to_wire
 
 #: Verbs whose ``keys`` argument is mapped and then served as usual.
@@ -70,7 +74,8 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
     verb, args = request.verb, request.args
     if verb in KEY_VERBS:
         if isinstance(args.get("keys"), list):
-            args["keys"] = [_stored(tenant, k) for k in args["keys"]]
+            shared = svc.tenants
+            args["keys"] = [_stored(tenant, k, shared) for k in args["keys"]]
         return None
     if verb in PLAIN_VERBS:
         return None
@@ -81,7 +86,7 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
         return _kv_commit if verb == "kv_commit" else None
     if verb == "report_corrupt":
         if isinstance(args.get("items"), list):
-            args["items"] = [_corrupt_report(tenant, r) for r in args["items"]]
+            args["items"] = [_corrupt_report(tenant, r, svc.tenants) for r in args["items"]]
         return None
     if verb == "events":
         _scope_namespaces(svc, args, tenant)
@@ -92,18 +97,20 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
     return own
 
 
-def _stored(tenant: str, key: object) -> Any:
-    """A key's stored form; a bad key its error (``per_key`` answers it in place)."""
+def _stored(tenant: str, key: object, shared: TenantDirectory) -> Any:
+    """A key's stored form (a shared namespace's block as named); a bad key its error
+    (``per_key`` answers it in place)."""
     try:
-        return tenant_key(tenant, check_wire_key(key))
+        checked = check_wire_key(key)
+        return checked if shared.is_shared_key(checked) else tenant_key(tenant, checked)
     except KVStoreError as err:
         return err
 
 
-def _corrupt_report(tenant: str, report: object) -> object:
+def _corrupt_report(tenant: str, report: object, shared: TenantDirectory) -> object:
     """A corruption report about the tenant's stored key (malformed ones as they are)."""
     if isinstance(report, list) and report and isinstance(report[0], bytes):
-        stored = _stored(tenant, report[0])
+        stored = _stored(tenant, report[0], shared)
         return [stored if isinstance(stored, bytes) else None, *report[1:]]
     return report
 
@@ -116,15 +123,20 @@ def _node_transports(svc: MasterService, args: dict[str, Any], tenant: str) -> A
 
 
 def _own_puts(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
-    """Another tenant's put ids become :data:`NO_PUT` (answered as unknown ids)."""
+    """Another tenant's put ids become :data:`NO_PUT` (answered as unknown ids); a put of a
+    shared namespace's block is every tenant's."""
     ids = args.get("put_ids")
     if not isinstance(ids, list):
         return
-    prefix, pending = prefix_of(tenant), svc.pending
+    prefix, pending, shared = prefix_of(tenant), svc.pending, svc.tenants
     out = []
     for put_id in ids:
         record = pending.get(put_id) if type(put_id) is int else None
-        if record is not None and not record[0].startswith(prefix):
+        if (
+            record is not None
+            and not record[0].startswith(prefix)
+            and not shared.is_shared_key(record[0])
+        ):
             put_id = NO_PUT
         out.append(put_id)
     args["put_ids"] = out
@@ -133,11 +145,15 @@ def _own_puts(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
 def _scope_namespaces(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
     """An ``events`` call's namespaces become the tenant's trees (all of them when it names
     none), before the long poll waits on them. Malformed ones are left for the handler."""
-    raw = args.get("namespaces")
+    raw, shared = args.get("namespaces"), svc.tenants
     if raw is None:
-        args["namespaces"] = [s for s, (owner, _) in svc.prefix.scopes.items() if owner == tenant]
+        args["namespaces"] = [
+            s
+            for s, (owner, d) in svc.prefix.scopes.items()
+            if owner == tenant and not shared.is_shared(d)
+        ] + sorted(shared.shared)
     elif isinstance(raw, list) and all(isinstance(d, bytes) and len(d) == 16 for d in raw):
-        args["namespaces"] = [scoped_digest(tenant, d) for d in raw]
+        args["namespaces"] = [d if shared.is_shared(d) else scoped_digest(tenant, d) for d in raw]
         args["_asked"] = raw
 
 
@@ -147,6 +163,7 @@ def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
         back = {scoped_digest(tenant, d): d for d in asked}
     else:
         back = {s: d for s, (owner, d) in svc.prefix.scopes.items() if owner == tenant}
+    # (a shared namespace's events name its own digest, which ``get`` leaves as it is)
     answer = events(svc, args)
     for ev in answer["events"]:
         ev["namespace"] = back.get(ev["namespace"], ev["namespace"])
@@ -155,7 +172,7 @@ def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
 
 def _events_snapshot(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     wanted = namespaces_arg(args)
-    epoch, seq, keys = svc.prefix.tenant_snapshot(tenant)
+    epoch, seq, keys = svc.prefix.tenant_snapshot(tenant, svc.tenants.shared)
     if wanted is not None:
         keys = {d: k for d, k in keys.items() if d in wanted}
     num_blocks = sum(len(k) for k in keys.values()) // 16
@@ -189,7 +206,8 @@ def _kv_commit(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     namespace = Namespace.from_dict(arg(args, "namespace", dict))
     tokens = tokens_from_wire(args.get("tokens"))
     put_ids, checksums = list_arg(args, "put_ids", int), list_arg(args, "checksums", int)
-    results, _ = svc.kv_commit(put_ids, checksums, namespace, tokens, tenant)
+    scope = None if svc.tenants.is_shared(namespace.digest) else tenant  # shared: its own tree
+    results, _ = svc.kv_commit(put_ids, checksums, namespace, tokens, scope)
     return {"results": [result_to_wire(r) for r in results]}
 
 
@@ -197,12 +215,13 @@ def _kv_match(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     namespace = Namespace.from_dict(arg(args, "namespace", dict))
     locate = optional_arg(args, "locate", bool, True)
     tokens = tokens_from_wire(args.get("tokens"))
-    match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=tenant)
+    scope = None if svc.tenants.is_shared(namespace.digest) else tenant  # shared: its own tree
+    match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=scope)
     return {
         "num_tokens": match.num_tokens,
         "block_size": match.block_size,
         "blocks": [
-            [user_key(tenant, key), n, result_to_wire(info) if locate else None]
+            [user_key(scope, key), n, result_to_wire(info) if locate else None]
             for (key, n), info in zip(
                 match.blocks, infos or [None] * len(match.blocks), strict=True
             )

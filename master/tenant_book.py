@@ -8,11 +8,16 @@ directory in their register and heartbeat replies) take the new one.
 
 Where tenants are kept, so that a master that starts again, or a new HA leader, has them:
 
-* with etcd, each under ``<prefix>/tenants/<name>`` (:class:`EtcdTenantStore`), read by every
-  master when it becomes leader;
+* with etcd, each under ``<prefix>/tenants/<name>``, and each shared namespace under
+  ``<prefix>/shared-namespaces/<digest hex>`` (:class:`EtcdTenantStore`), read by every master
+  when it becomes leader;
 * without, in memory, and in ``--tenants-file`` when given (:class:`FileTenantStore`, the whole
   book as JSON, written to a temporary file and renamed so that a crash leaves the old or the
   new file, never half of one).
+
+The book also keeps the shared namespaces (:meth:`TenantBook.share`): KV namespaces, by digest,
+whose blocks every tenant stores and hits as one (``kvstore.tenants``). They travel in the same
+directory, so the nodes let every tenant's connection use those blocks' grants.
 
 A change is kept first and applied after: when keeping it fails nothing changes here.
 """
@@ -32,7 +37,13 @@ from typing import Any, Protocol
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError, ObjectExistsError
 from kvstore.etcd import EtcdStore
-from kvstore.tenants import DIGEST_BYTES, TenantDirectory, check_name, token_digest
+from kvstore.tenants import (
+    DIGEST_BYTES,
+    TenantDirectory,
+    check_name,
+    check_namespace_hex,
+    token_digest,
+)
 from kvstore.types import TIER_RANK
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,8 @@ log = logging.getLogger(__name__)
 TOKEN_BYTES = 32
 #: Most tenants one master keeps (every hello is checked against all their digests).
 MAX_TENANTS = 1024
+#: Most shared namespaces (every node gets the whole set with the tenant directory).
+MAX_SHARED = 1024
 
 
 def check_quotas(quotas: object, *, allow_null: bool = False) -> dict[str, int | None]:
@@ -123,28 +136,69 @@ class TenantStore(Protocol):
         """Keep ``tenants`` after a change to ``changed`` (absent from it: deleted)."""
         ...
 
+    async def load_shared(self) -> set[bytes]:
+        """Every kept shared namespace digest."""
+        ...
+
+    async def write_shared(self, shared: frozenset[bytes], changed: bytes) -> None:
+        """Keep ``shared`` after a change to ``changed`` (absent from it: unshared)."""
+        ...
+
 
 class FileTenantStore:
-    """The book as one JSON file, replaced atomically on each change."""
+    """The book as one JSON file (``{"tenants": [...], "shared": [hex, ...]}``; a file without
+    ``shared`` has none), replaced atomically on each change."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        #: The last tenants and shared set kept or loaded: each write writes the whole file.
+        self._tenants: list[Tenant] = []
+        self._shared: frozenset[bytes] = frozenset()
 
-    async def load(self) -> list[Tenant]:
+    def _read(self) -> dict[str, Any]:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            return []
+            return {"tenants": []}
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as err:
             raise InvalidRequestError(f"{self.path}: not JSON ({err})") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("tenants"), list):
             raise InvalidRequestError(f'{self.path}: must be {{"tenants": [...]}}')
-        return [Tenant.from_record(r) for r in raw["tenants"]]
+        return raw
+
+    async def load(self) -> list[Tenant]:
+        self._tenants = [Tenant.from_record(r) for r in self._read()["tenants"]]
+        return list(self._tenants)
+
+    async def load_shared(self) -> set[bytes]:
+        raw = self._read().get("shared", [])
+        if not isinstance(raw, list):
+            raise InvalidRequestError(f"{self.path}: shared must be a list of digests")
+        try:
+            shared = {check_namespace_hex(h) for h in raw}
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"{self.path}: {err}") from None
+        self._shared = frozenset(shared)
+        return shared
 
     async def write(self, tenants: Mapping[str, Tenant], changed: str) -> None:
-        body = json.dumps({"tenants": [t.to_record() for t in tenants.values()]}, indent=1)
+        self._dump(list(tenants.values()), self._shared)
+        self._tenants = list(tenants.values())
+
+    async def write_shared(self, shared: frozenset[bytes], changed: bytes) -> None:
+        self._dump(self._tenants, shared)
+        self._shared = shared
+
+    def _dump(self, tenants: list[Tenant], shared: frozenset[bytes]) -> None:
+        body = json.dumps(
+            {
+                "tenants": [t.to_record() for t in tenants],
+                "shared": sorted(d.hex() for d in shared),
+            },
+            indent=1,
+        )
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "w") as f:
             f.write(body)
@@ -160,6 +214,9 @@ class EtcdTenantStore:
     def __init__(self, store: EtcdStore, prefix: str) -> None:
         self.store = store
         self.prefix = f"{prefix}/tenants/".encode()
+        #: Each shared namespace under its own key, beside the tenants (not under them: a
+        #: tenant's name could be any key there).
+        self.shared_prefix = f"{prefix}/shared-namespaces/".encode()
 
     async def load(self) -> list[Tenant]:
         out = []
@@ -181,6 +238,22 @@ class EtcdTenantStore:
             await self.store.delete(key)
         else:
             await self.store.put(key, json.dumps(tenant.to_record()).encode())
+
+    async def load_shared(self) -> set[bytes]:
+        out = set()
+        for kv in await self.store.get_prefix(self.shared_prefix):
+            try:
+                out.add(check_namespace_hex(kv.key[len(self.shared_prefix) :].decode()))
+            except (InvalidRequestError, UnicodeDecodeError) as err:  # someone else's
+                log.warning("ignoring %s in etcd: %s", kv.key[:200], err)
+        return out
+
+    async def write_shared(self, shared: frozenset[bytes], changed: bytes) -> None:
+        key = self.shared_prefix + changed.hex().encode()
+        if changed in shared:
+            await self.store.put(key, b"1")
+        else:
+            await self.store.delete(key)
 
 
 class TenantBook:
@@ -208,6 +281,8 @@ class TenantBook:
         self.clock_ms = clock_ms
         self.on_change = on_change
         self._tenants: dict[str, Tenant] = {}
+        #: The shared namespaces' digests (16 bytes each).
+        self._shared: frozenset[bytes] = frozenset()
         #: One change at a time: each is computed from the tenants as they are when it starts
         #: and kept before the next one reads them.
         self._lock = asyncio.Lock()
@@ -229,6 +304,10 @@ class TenantBook:
         if tenant is None:
             raise KeyNotFoundError(f"no tenant {str(name)[:64]!r}")
         return tenant
+
+    def shared(self) -> list[bytes]:
+        """The shared namespaces' digests, sorted."""
+        return sorted(self._shared)
 
     def __contains__(self, name: object) -> bool:
         return name in self._tenants
@@ -294,6 +373,43 @@ class TenantBook:
             await self._apply({n: t for n, t in self._tenants.items() if n != name}, name)
         return old
 
+    async def share(self, digest_hex: object) -> bytes:
+        """Mark a namespace shared: from now on every tenant's blocks of it are stored once,
+        as named, and every tenant's prompts of it match the one tree. Sharing a namespace
+        that is shared changes nothing.
+
+        Returns:
+            The namespace's 16-byte digest.
+
+        Raises:
+            InvalidRequestError: no cluster token (nothing to share between), not 32 hex
+                characters, too many shared namespaces.
+        """
+        self._need_cluster_token()
+        digest = check_namespace_hex(digest_hex)
+        async with self._lock:
+            if digest in self._shared:
+                return digest
+            if len(self._shared) >= MAX_SHARED:
+                raise InvalidRequestError(f"at most {MAX_SHARED} shared namespaces")
+            await self._apply_shared(self._shared | {digest}, digest)
+        return digest
+
+    async def unshare(self, digest_hex: object) -> bytes:
+        """Make a namespace private again: new stores and lookups by a tenant are in its own
+        part of the key space (the blocks stored while shared stay, as the operator's).
+
+        Raises:
+            InvalidRequestError: not 32 hex characters.
+            KeyNotFoundError: the namespace is not shared.
+        """
+        digest = check_namespace_hex(digest_hex)
+        async with self._lock:
+            if digest not in self._shared:
+                raise KeyNotFoundError(f"namespace {digest.hex()} is not shared")
+            await self._apply_shared(self._shared - {digest}, digest)
+        return digest
+
     async def load(self) -> int:
         """Take the tenants kept in the store (a start, or a new HA leader's term). A record
         that is malformed is logged and skipped.
@@ -305,8 +421,10 @@ class TenantBook:
             return len(self._tenants)
         async with self._lock:
             loaded = {t.name: t for t in await self.store.load()}
+            shared = frozenset(await self.store.load_shared())
             gone = set(self._tenants) - set(loaded)
             self._tenants = loaded
+            self._shared = shared
             self._publish()
         if self.on_change is not None:
             for name in gone:
@@ -335,9 +453,17 @@ class TenantBook:
             tenant = tenants.get(changed)
             self.on_change(changed, None if tenant is None else dict(tenant.quotas))
 
+    async def _apply_shared(self, shared: frozenset[bytes], changed: bytes) -> None:
+        """Keep ``shared`` (first: a failure changes nothing), then serve with it."""
+        if self.store is not None:
+            await self.store.write_shared(shared, changed)
+        self._shared = shared
+        self._publish()
+
     def _publish(self) -> None:
         """Replace the directory with a higher version. Versions follow the wall clock where
         it is ahead, so a new leader's directory is newer than the last leader's that the
         nodes hold."""
         version = max(self.directory.version + 1, self.clock_ms())
-        self.directory.replace({t.digest: t.name for t in self._tenants.values()}, version)
+        by_digest = {t.digest: t.name for t in self._tenants.values()}
+        self.directory.replace(by_digest, version, self._shared)

@@ -10,7 +10,8 @@ overwritten or half-written is ever claimed. The heartbeat reply's tasks run her
 Tenants: the master's directory of tenant tokens (``kvstore.tenants``) comes whole in every
 registration reply and in a heartbeat reply whenever it is newer than the version the heartbeat
 said the node holds; the data server checks every ``hello`` against it, so a tenant created or
-deleted at the master opens or closes this node's data port within a heartbeat."""
+deleted at the master opens or closes this node's data port within a heartbeat. The directory
+carries the shared namespaces too, whose block keys every tenant's connection may use."""
 
 from __future__ import annotations
 
@@ -195,10 +196,16 @@ class MasterLink:
             return
         if registering and taken.version <= directory.version:
             older = taken.version < directory.version
-            if older or taken.wire()["digests"] != directory.wire()["digests"]:
+            same = taken.wire()["digests"] == directory.wire()["digests"]
+            if older or not same or taken.shared != directory.shared:
                 directory.version = -1  # (only this thread writes it: take_wire then takes)
         if directory.take_wire(wire):
-            log.info("tenant directory version %d: %d tenant tokens", taken.version, len(taken))
+            log.info(
+                "tenant directory version %d: %d tenant tokens, %d shared namespaces",
+                taken.version,
+                len(taken),
+                len(taken.shared),
+            )
 
     def _say_unreachable(self, exc: BaseException, backoff: float) -> None:
         """One line per outage: which master, why, and that the node retries; then each retry

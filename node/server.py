@@ -20,7 +20,9 @@ Tenants (``kvstore.tenants``): a connection whose ``hello`` carries a tenant's t
 that tenant (:class:`DataConnection`), and every grant it presents must name a key in that
 tenant's part of the key space (:meth:`DataServer.check_owned`): another tenant's grant, or one
 of the operator's keys, is refused per item with ``FORBIDDEN`` and touches nothing, however
-validly signed. The node learns the tenant tokens from the master (``kvstore.node.agent``).
+validly signed. A block key of a namespace the operator shared (no tenant's, open to all) is the
+one exception. The node learns the tenant tokens and the shared namespaces from the master
+(``kvstore.node.agent``).
 """
 
 from __future__ import annotations
@@ -330,15 +332,17 @@ class DataServer:
         connection this server did not accept (a test calling a verb) is the operator's."""
         return fs.owned if isinstance(fs, DataConnection) else None
 
-    @staticmethod
-    def check_owned(grant: grants.Grant, owned: bytes) -> None:
-        """Refuse a grant outside a tenant connection's part of the key space. Callers test
-        ``owned is not None`` first, so an operator's connection pays one comparison per item.
+    def check_owned(self, grant: grants.Grant, owned: bytes) -> None:
+        """Refuse a grant outside a tenant connection's part of the key space, unless it is
+        a block of a namespace the operator shared (stored as named, open to every tenant).
+        Callers test ``owned is not None`` first, so an operator's connection pays one
+        comparison per item.
 
         Raises:
-            ForbiddenError: the granted key does not start with ``owned``.
+            ForbiddenError: the granted key neither starts with ``owned`` nor is a shared
+                namespace's.
         """
-        if not grant.key.startswith(owned):
+        if not grant.key.startswith(owned) and not self.tenants.is_shared_key(grant.key):
             # Not which tenant's it is (or whether any's): a guess learns nothing from it.
             raise ForbiddenError("this connection's tenant may not use a grant for that key")
 

@@ -12,8 +12,9 @@ every item is answered in full, and the client reads either form.
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
 A tenant's connection (``kvstore.node.server.DataConnection``) may use only grants for its own
-tenant's keys: any other item is answered ``FORBIDDEN`` and touches nothing. It may not ask for
-the ``manifest`` either (every tenant's keys are in it).
+tenant's keys, or for the blocks of a namespace the operator shared (``DataServer.check_owned``):
+any other item is answered ``FORBIDDEN`` and touches nothing. It may not ask for the
+``manifest`` either (every tenant's keys are in it).
 
 A verb is a handler ``(conn, request, payload_len, scratch)`` registered on the
 :class:`~kvstore.node.server.DataServer` through its public ``register_verb``, like the optional

@@ -1,4 +1,4 @@
-"""Tenant commands: ``kvstore tenant create|list|show|set|delete``.
+"""Tenant commands: ``kvstore tenant create|list|show|set|delete|share|unshare|shared``.
 
 A tenant is a part of the pool with its own token and its own part of the key space
 (:mod:`kvstore.tenants`), and optionally a quota of bytes per tier. These commands are the
@@ -12,6 +12,10 @@ clients as their token (``--token-file``, ``KVSTORE_TOKEN``).
 
 Quotas are sizes (``20GiB``, ``512MiB``; :func:`kvstore.limits.parse_size`); ``set``'s
 ``none`` removes a tier's quota.
+
+``share DIGEST`` marks a KV namespace (its digest, 32 hex characters) shared: every tenant stores
+and hits its blocks as one (``/api/v1/shared-namespaces``); ``unshare`` undoes it, ``shared``
+lists them.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from typing import Any
 from kvstore.cli.ops import add_admin_flags, admin_client, format_table
 from kvstore.errors import InvalidRequestError
 from kvstore.limits import format_size, parse_size
-from kvstore.tenants import check_name
+from kvstore.tenants import check_name, check_namespace_hex
 from kvstore.types import TIER_ORDER
 
 #: The tenants' resource in the admin API.
 PATH = "/api/v1/tenants"
+#: The shared namespaces' resource in the admin API.
+SHARED_PATH = "/api/v1/shared-namespaces"
 #: What ``set --TIER-quota`` takes to remove a quota.
 NO_QUOTA = "none"
 #: The width of the field names of a tenant's printout.
@@ -175,6 +181,40 @@ def cmd_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shared_path(digest: str) -> str:
+    """The namespace's resource, its digest checked here so a typo never reaches the master."""
+    return f"{SHARED_PATH}/{check_namespace_hex(digest).hex()}"
+
+
+def cmd_share(args: argparse.Namespace) -> int:
+    reply = admin_client(args).call("PUT", _shared_path(args.digest))
+    _warn_pending(reply)
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        print(f"namespace {reply['digest']} is shared: every tenant stores and hits its blocks")
+    return 0
+
+
+def cmd_unshare(args: argparse.Namespace) -> int:
+    reply = admin_client(args).call("DELETE", _shared_path(args.digest))
+    _warn_pending(reply)
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        print(f"namespace {reply['digest']} is each tenant's own again (new stores and lookups)")
+    return 0
+
+
+def cmd_shared(args: argparse.Namespace) -> int:
+    namespaces = admin_client(args).call("GET", SHARED_PATH)["namespaces"]
+    if args.json:
+        print(json.dumps(namespaces, indent=2))
+    else:
+        print(format_table(["SHARED NAMESPACE"], [[d] for d in namespaces]))
+    return 0
+
+
 def _quota_args(p: argparse.ArgumentParser, removable: bool) -> None:
     for tier in TIER_ORDER:
         what = "a size like 20GiB" + (f", or {NO_QUOTA} to remove it" if removable else "")
@@ -219,3 +259,19 @@ def add_parsers(sub: Any) -> None:
     add_admin_flags(p)
     p.add_argument("name", metavar="NAME", help="the tenant")
     p.set_defaults(func=cmd_delete)
+    digest_help = "the namespace's digest, 32 hex characters"
+    p = verbs.add_parser(
+        "share", help="share a KV namespace's blocks between every tenant", epilog=epilog
+    )
+    add_admin_flags(p)
+    p.add_argument("digest", metavar="DIGEST", help=digest_help)
+    p.set_defaults(func=cmd_share)
+    p = verbs.add_parser(
+        "unshare", help="make a KV namespace each tenant's own again", epilog=epilog
+    )
+    add_admin_flags(p)
+    p.add_argument("digest", metavar="DIGEST", help=digest_help)
+    p.set_defaults(func=cmd_unshare)
+    p = verbs.add_parser("shared", help="the shared KV namespaces", epilog=epilog)
+    add_admin_flags(p)
+    p.set_defaults(func=cmd_shared)

@@ -296,6 +296,42 @@ _TENANT_PATHS: dict[str, Any] = {
 }
 
 
+#: A KV namespace's digest: 16 bytes as 32 hex characters.
+_DIGEST_HEX = {"type": "string", "pattern": "^[0-9a-fA-F]{32}$"}
+_SHARED = _obj({"digest": _DIGEST_HEX, "shared": {"type": "boolean"}, "nodes_pending": _PENDING})
+_DIGEST_PATH = {
+    "name": "digest",
+    "in": "path",
+    "required": True,
+    "description": "the namespace's digest, 32 hex characters",
+    "schema": _DIGEST_HEX,
+}
+#: The shared namespaces' routes: the operator's token always, as the tenants'.
+_SHARED_PATHS: dict[str, Any] = {
+    "/api/v1/shared-namespaces": {
+        "get": {
+            "summary": "the namespaces every tenant shares",
+            "responses": {
+                **_ok(_obj({"namespaces": {"type": "array", "items": _DIGEST_HEX}})),
+                **_errors(401),
+            },
+        },
+    },
+    "/api/v1/shared-namespaces/{digest}": {
+        "put": {
+            "summary": "share a namespace: its blocks are stored once and hit by every tenant",
+            "parameters": [_DIGEST_PATH],
+            "responses": {**_ok(_SHARED), **_errors(400, 401)},
+        },
+        "delete": {
+            "summary": "make a namespace each tenant's own again (blocks stored so far stay)",
+            "parameters": [_DIGEST_PATH],
+            "responses": {**_ok(_SHARED), **_errors(400, 401, 404)},
+        },
+    },
+}
+
+
 def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
     """The OpenAPI document (a fresh dict each call), for how this master guards itself.
 
@@ -309,6 +345,7 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
     doc = _document()
     doc["paths"].update(copy.deepcopy(_EVENT_PATHS))
     doc["paths"].update(copy.deepcopy(_TENANT_PATHS))
+    doc["paths"].update(copy.deepcopy(_SHARED_PATHS))
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if "security" in op:

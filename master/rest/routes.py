@@ -388,6 +388,26 @@ async def delete_tenant(request: web.Request) -> web.Response:
     )
 
 
+# ------------------------------------------------------------ shared namespaces (operator only)
+async def share_namespace(request: web.Request) -> web.Response:
+    """Mark a namespace shared: every tenant's blocks of it are stored once and hit by all.
+    Answered once the live nodes took it, so every tenant may read its blocks there."""
+    digest = await request.app[TENANTS_KEY].share(request.match_info["digest"])
+    pending = await _nodes_take_tenants(request)
+    return web.json_response({"digest": digest.hex(), "shared": True, "nodes_pending": pending})
+
+
+async def unshare_namespace(request: web.Request) -> web.Response:
+    """Make a namespace private to each tenant again (its blocks stored so far stay)."""
+    digest = await request.app[TENANTS_KEY].unshare(request.match_info["digest"])
+    pending = await _nodes_take_tenants(request)
+    return web.json_response({"digest": digest.hex(), "shared": False, "nodes_pending": pending})
+
+
+async def list_shared_namespaces(request: web.Request) -> web.Response:
+    return web.json_response({"namespaces": [d.hex() for d in request.app[TENANTS_KEY].shared()]})
+
+
 def add_routes(app: web.Application) -> None:
     """Register every route of this module on ``app``."""
     app.router.add_get("/ready", ready)
@@ -405,3 +425,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/v1/tenants/{name}", show_tenant)
     app.router.add_patch("/api/v1/tenants/{name}", set_tenant)
     app.router.add_delete("/api/v1/tenants/{name}", delete_tenant)
+    app.router.add_get("/api/v1/shared-namespaces", list_shared_namespaces)
+    app.router.add_put("/api/v1/shared-namespaces/{digest}", share_namespace)
+    app.router.add_delete("/api/v1/shared-namespaces/{digest}", unshare_namespace)

@@ -3,7 +3,8 @@
 Mutating calls (POST/PUT/PATCH/DELETE) always need the cluster token when one is configured;
 read-only calls need it unless ``public_reads``, except the KV events (``TOKEN_ALWAYS``): they
 name the blocks of every prompt, so they need the token whenever one is set. So do the tenant
-routes (``/api/v1/tenants...``): tenants are the operator's business. Probes (``/health``,
+routes (``/api/v1/tenants...``, ``/api/v1/shared-namespaces...``): tenants are the operator's
+business. Probes (``/health``,
 ``/ready``) and the status page's HTML are always open: the page asks for the token itself when
 the API refuses it.
 """
@@ -26,8 +27,9 @@ READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
-#: Routes under this need the token for every method: the tenants are the operator's business.
-TOKEN_ALWAYS_UNDER = "/api/v1/tenants"
+#: Routes under these need the token for every method: the tenants, and which namespaces they
+#: share, are the operator's business.
+TOKEN_ALWAYS_UNDER = ("/api/v1/tenants", "/api/v1/shared-namespaces")
 
 
 def needs_token(method: str, path: str, public_reads: bool) -> bool:
