@@ -54,6 +54,8 @@ def test_tenants_survive_a_leader_failover(ha_factory, monkeypatch) -> None:  # 
     old = cluster.leader()
     made = _admin(old, "POST", "/api/v1/tenants", {"name": "acme", "quotas": {"dram": 1 << 24}})
     token = made["token"]
+    shared = "ab" * 16  # a namespace digest, in hex
+    _admin(old, "PUT", f"/api/v1/shared-namespaces/{shared}")
     wait_until(lambda: _puts_work(cluster.url, token), what="the node takes the tenant")
     with Client.connect(cluster.url, timeout=10, token=token) as c:
         c.put("mine", b"acme's bytes")
@@ -61,6 +63,7 @@ def test_tenants_survive_a_leader_failover(ha_factory, monkeypatch) -> None:  # 
     new = cluster.leader(timeout=30)
     assert new is not old
     assert _admin(new, "GET", "/api/v1/tenants/acme")["quotas"] == {"dram": 1 << 24}
+    assert _admin(new, "GET", "/api/v1/shared-namespaces")["namespaces"] == [shared]
     assert _hello(new.field("control"), token).get("tenant") == "acme"
 
     def reads_back() -> bool:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
-from kvstore.master.tenant_book import EtcdTenantStore, FileTenantStore, TenantBook
+from kvstore.master.tenant_book import FileTenantStore, TenantBook
 from kvstore.tenants import TenantDirectory
 
 DIGEST = bytes(range(16))
@@ -81,41 +80,3 @@ def test_a_file_from_before_shared_namespaces_has_none(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tenants": [], "shared": ["nothex"]}))
     with pytest.raises(InvalidRequestError):
         run(TenantBook(has_cluster_token=True, store=FileTenantStore(path)).load())
-
-
-@dataclass
-class _KV:
-    key: bytes
-    value: bytes
-
-
-class FakeEtcd:
-    """The three calls the etcd tenant store makes, over a dict."""
-
-    def __init__(self) -> None:
-        self.data: dict[bytes, bytes] = {}
-
-    async def get_prefix(self, prefix: bytes) -> list[_KV]:
-        return [_KV(k, v) for k, v in sorted(self.data.items()) if k.startswith(prefix)]
-
-    async def put(self, key: bytes, value: bytes) -> None:
-        self.data[key] = value
-
-    async def delete(self, key: bytes) -> None:
-        self.data.pop(key, None)
-
-
-def test_etcd_keeps_each_beside_the_tenants() -> None:
-    etcd = FakeEtcd()
-    book = TenantBook(has_cluster_token=True, store=EtcdTenantStore(etcd, "/kv"))  # type: ignore[arg-type]
-    run(book.create("acme"))
-    run(book.share(DIGEST.hex()))
-    run(book.share(OTHER.hex()))
-    run(book.unshare(OTHER.hex()))
-    assert sorted(etcd.data) == [
-        b"/kv/shared-namespaces/" + DIGEST.hex().encode(),
-        b"/kv/tenants/acme",
-    ]
-    etcd.data[b"/kv/shared-namespaces/junk"] = b"1"  # someone else's: skipped
-    leader = TenantBook(has_cluster_token=True, store=EtcdTenantStore(etcd, "/kv"))  # type: ignore[arg-type]
-    assert run(leader.load()) == 1 and leader.shared() == [DIGEST]
