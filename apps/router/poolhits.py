@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.client import Client
+from kvstore.client.adapters.vllm_config import salted_namespace
 from kvstore.client.events import EventStream
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import InvalidRequestError, KVStoreError
@@ -27,6 +28,9 @@ log = logging.getLogger("kvstore.router")
 
 #: Seconds between two connection attempts to a master that did not answer.
 POOL_RETRY_S = 5.0
+#: KV views kept (one per namespace, the oldest dropped first): requests' ``cache_salt`` makes
+#: a namespace per salt, so an unbounded map would grow with every tenant ever seen.
+MAX_KVCACHES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,9 +111,13 @@ class PoolLookup:
                 self._pool_failed_s = now
                 self.metrics.lookup_errors.inc()
                 return None
-        if ns.digest not in self._kvcaches:
-            self._kvcaches[ns.digest] = KVCache(self._pool, ns)
-        return self._kvcaches[ns.digest]
+        kv = self._kvcaches.pop(ns.digest, None)
+        if kv is None:
+            kv = KVCache(self._pool, ns)
+        self._kvcaches[ns.digest] = kv  # (last: the most recently used)
+        if len(self._kvcaches) > MAX_KVCACHES:
+            self._kvcaches.pop(next(iter(self._kvcaches))).close()
+        return kv
 
     def _namespace(self, model: ModelInfo, load: EngineLoad) -> Namespace | None:
         """The namespace the engines' connector saves ``model`` in (None: block size unknown).
@@ -127,10 +135,18 @@ class PoolLookup:
         return self._namespaces[key]
 
     async def cached_tokens(
-        self, model: ModelInfo, tokens: list[int], engines: list[Engine]
+        self,
+        model: ModelInfo,
+        tokens: list[int],
+        engines: list[Engine],
+        cache_salt: str | None = None,
     ) -> PoolHit:
         """Leading tokens of ``tokens`` the pool holds, in the namespace the connector saves in
         (the prompt's full blocks, as the connector looks them up). Any failure is a miss.
+
+        A request's ``cache_salt`` picks the salted namespace the connector uses for it
+        (:func:`~kvstore.client.adapters.vllm_config.salted_namespace`): blocks of other salts,
+        or of none, are no hit for it.
 
         From the KV-event view when it is synced (no master call: whole blocks); else from
         the master's prefix index (one ``kv_match``, no leases; token-granular).
@@ -139,6 +155,7 @@ class PoolLookup:
             model: the served model.
             tokens: the prompt.
             engines: the router's engines now (the block size and cache dtype are theirs).
+            cache_salt: the request body's ``cache_salt`` (None: none).
 
         Returns:
             The hit; nothing cached without a master.
@@ -156,6 +173,8 @@ class PoolLookup:
             return PoolHit(0, 0, "none")
         try:
             ns = self._namespace(model, load)
+            if ns is not None and cache_salt is not None:
+                ns = salted_namespace(ns, cache_salt)
         except InvalidRequestError as err:
             log.warning("router: no pool namespace for %s (%s)", model.model_id, err)
             self.metrics.lookup_errors.inc()

@@ -113,11 +113,12 @@ async def _choose(
         RequestError: 429 when rejected early (with ``Retry-After``), 503 with no engine.
     """
     tokens, slo = prompt.tokens, prompt.slo
-    hit = await state.pool.cached_tokens(prompt.model, tokens, state.engines)
+    salt = prompt.body.get("cache_salt")  # vLLM keeps a salted request's blocks apart
+    hit = await state.pool.cached_tokens(prompt.model, tokens, state.engines, salt)
     state.metrics.prompt_tokens.inc(len(tokens))
     state.metrics.cached_tokens.inc(hit.cached_tokens)
     shape = RequestShape(len(tokens), hit.loadable_tokens, prompt.limit or DEFAULT_ANSWER_TOKENS)
-    local = state.local_cached_tokens(tokens)
+    local = state.local_cached_tokens(tokens, salt)
     choice = state.choose(shape, slo, local)
     if not choice.accepted:
         if choice.prefill is None and choice.reason == "no engine is healthy":

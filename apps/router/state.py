@@ -377,13 +377,20 @@ class RouterState:
         self.pool.close()
 
     # ------------------------------------------------------------------ choice
-    def local_cached_tokens(self, tokens: list[int]) -> dict[str, int]:
+    def local_cached_tokens(
+        self, tokens: list[int], cache_salt: str | None = None
+    ) -> dict[str, int]:
         """Leading tokens of ``tokens`` in each engine's own prefix cache, for the engines
         whose vLLM KV events the router follows (whole blocks, never the last prompt token:
         vLLM always computes it).
 
+        A request with a ``cache_salt`` counts none: vLLM hashes the salt into its blocks, so
+        the unsalted blocks the view matches are no hit for it, and salted ones it never
+        matches (:mod:`.engine_cache`).
+
         Args:
             tokens: the prompt.
+            cache_salt: the request body's ``cache_salt`` (None: none).
 
         Returns:
             Engine URL -> tokens (engines without events are left out).
@@ -392,7 +399,7 @@ class RouterState:
         keys_by_size: dict[int, list[bytes]] = {}
         for url, feed in self.engine_events.items():
             bs = self.by_url[url].load.block_size or feed.cache.block_size
-            if not bs or len(tokens) <= bs:
+            if cache_salt is not None or not bs or len(tokens) <= bs:
                 out[url] = 0
                 continue
             if bs not in keys_by_size:

@@ -20,6 +20,9 @@ Mapping (see docs/engines/vllm.md):
   per-token Python); a layout it cannot serve is refused at start-up.
 - Scheduler: ``get_num_new_matched_tokens`` asks the prefix index once per request (no read
   leases), never offers the prompt's last token, counts only blocks beyond vLLM's local hit.
+- A request's ``cache_salt`` (vLLM's ``Request.cache_salt``) puts its lookups, loads and saves in
+  a salted namespace (:func:`.vllm_config.salted_namespace`), as vLLM keeps such blocks apart in
+  its own prefix cache; requests without one keep the engine's namespace.
 - Worker: saves are handed off layer by layer to a background thread as ``save_kv_layer`` comes;
   ``wait_for_save`` waits for what is still in flight (so a producer's answer leaves after its KV
   is in the pool). Loads locate a step's blocks in one master call; blocks in a same-host node's

@@ -6,7 +6,7 @@ tested and reused (e.g. by a launcher) in an environment without vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvstore.address import Address
@@ -73,6 +73,32 @@ def kv_dtype_from(cache_dtype: str, model_dtype: str) -> str:
     if model_dtype not in MODEL_DTYPES:
         raise InvalidRequestError(f"kvstore connector: unsupported model dtype {model_dtype}")
     return model_dtype
+
+
+#: Between the engine's salt and a request's ``cache_salt`` in a salted namespace: vLLM's API
+#: refuses a ``cache_salt`` holding ``/``, so no request salt can pose as another's or as none.
+CACHE_SALT_SEPARATOR = "/"
+
+
+def salted_namespace(namespace: Namespace, cache_salt: str | None) -> Namespace:
+    """The namespace of a request's blocks: ``namespace`` itself without a ``cache_salt``
+    (keys unchanged), else its salt extended by the request's, so that requests of different
+    salts (or none) never share a block while requests of one salt still do.
+
+    The salt becomes ``<engine salt or ''>/<cache_salt>``; the router builds the same one.
+
+    Args:
+        namespace: the engine's namespace (its salt is the connector's ``salt``, or None).
+        cache_salt: the request's ``cache_salt`` (vLLM's ``Request.cache_salt``), or None.
+
+    Raises:
+        InvalidRequestError: an empty salt, or one that makes the salt over 1024 bytes.
+    """
+    if cache_salt is None:
+        return namespace
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string")
+    return replace(namespace, salt=f"{namespace.salt or ''}{CACHE_SALT_SEPARATOR}{cache_salt}")
 
 
 def engine_namespace(

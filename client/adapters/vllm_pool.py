@@ -7,12 +7,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore import auth
-from kvstore.client.adapters.vllm_config import ConnectorConfig
+from kvstore.client.adapters.vllm_config import ConnectorConfig, salted_namespace
 from kvstore.client.client import Client
 from kvstore.client.kvcache import KVCache
 from kvstore.errors import (
@@ -52,13 +53,17 @@ class Counters:
 
 # ==================================================================== the pool, with a breaker
 UNREACHABLE = (KVStoreError, OSError)
+#: Salted KV views kept per pool connection (the most recently used): salts are per request,
+#: so an unbounded map would grow with every tenant ever seen; a view is cheap to rebuild.
+MAX_SALTED_VIEWS = 256
 
 
 class Pool:
     """The client and KV view, connected lazily; while the pool is unreachable, ``get`` says so
     at once (no call waits on a dead pool) and is retried after ``retry_s``.
 
-    One warning line when the pool goes, one info line when it comes back.
+    One warning line when the pool goes, one info line when it comes back. ``get(cache_salt)``
+    gives a request's salted view (:func:`~.vllm_config.salted_namespace`) on the same client.
     """
 
     def __init__(self, cfg: ConnectorConfig, namespace: Namespace, counters: Counters) -> None:
@@ -67,11 +72,38 @@ class Pool:
         self._counters = counters
         self._lock = threading.Lock()
         self._kv: KVCache | None = None
+        self._salted: OrderedDict[str, KVCache] = OrderedDict()
         self._down_until = 0.0
         self._down = False
 
-    def get(self) -> KVCache | None:
-        """The KV view, or None while the pool is unreachable (the caller recomputes)."""
+    def get(self, cache_salt: str | None = None) -> KVCache | None:
+        """The KV view of a request's namespace (``cache_salt`` None: the engine's own), or
+        None while the pool is unreachable or the salt cannot make a namespace (the caller
+        recomputes; a salted request never falls back to the unsalted view)."""
+        kv = self._get()
+        if kv is None or cache_salt is None:
+            return kv
+        evicted: KVCache | None = None
+        with self._lock:
+            view = self._salted.get(cache_salt)
+            if view is not None and view.client is kv.client:
+                self._salted.move_to_end(cache_salt)
+                return view
+            try:
+                view = KVCache(kv.client, salted_namespace(self.namespace, cache_salt))
+            except KVStoreError as exc:
+                logger.warning("kvstore: cache_salt %r unusable (%s); not cached", cache_salt, exc)
+                return None
+            stale = self._salted.pop(cache_salt, None)
+            self._salted[cache_salt] = view
+            if len(self._salted) > MAX_SALTED_VIEWS:
+                evicted = self._salted.popitem(last=False)[1]
+        for old in (stale, evicted):
+            if old is not None:
+                old.close()  # (the client is the engine view's: closed with it)
+        return view
+
+    def _get(self) -> KVCache | None:
         with self._lock:
             if self._kv is not None:
                 return self._kv
@@ -101,6 +133,7 @@ class Pool:
         self._counters.add(pool_unavailable=1)
         with self._lock:
             kv, self._kv = self._kv, None
+            self._drop_salted()
             first = not self._down
             self._down = True
             self._down_until = time.monotonic() + self.cfg.retry_s
@@ -117,9 +150,16 @@ class Pool:
                 self.cfg.retry_s,
             )
 
+    def _drop_salted(self) -> None:
+        """Forget the salted views (under the lock); their client goes with the engine view's."""
+        for view in self._salted.values():
+            view.close()
+        self._salted.clear()
+
     def close(self) -> None:
         with self._lock:
             kv, self._kv = self._kv, None
+            self._drop_salted()
         if kv is not None:
             kv.close()
             kv.client.close()
@@ -141,10 +181,12 @@ def is_unreachable(err: BaseException) -> bool:
 class Transfer:
     """Blocks ``first .. first + len(block_ids)`` of a prompt, to load or save.
 
-    ``tokens`` is the prompt up to the end of the last of them (the keys chain over it).
+    ``tokens`` is the prompt up to the end of the last of them (the keys chain over it);
+    ``cache_salt`` the request's vLLM ``cache_salt`` (None: none), which picks its namespace.
     """
 
     req_id: str
     tokens: np.ndarray
     first: int
     block_ids: list[int]
+    cache_salt: str | None = None

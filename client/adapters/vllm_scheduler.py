@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def request_cache_salt(request: Request) -> str | None:
+    """The request's vLLM ``cache_salt`` (``Request.cache_salt``; None or empty: none)."""
+    return getattr(request, "cache_salt", None) or None
+
+
 @dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the workers for one step."""
@@ -37,11 +42,16 @@ class _SaveState:
     tokens: np.ndarray
     block_ids: list[int]
     saved: int  # blocks known to be in the pool (looked up or saved by us)
+    cache_salt: str | None = None
 
 
 class KVStoreScheduler:
     """Lookups (once per request, no read leases), the blocks to load after vLLM allocated
     them, and the prompt blocks each step fills that the pool does not hold yet.
+
+    A request with a vLLM ``cache_salt`` is looked up, loaded and saved in its salted namespace
+    (:func:`~.vllm_config.salted_namespace`), as vLLM's own prefix cache keeps such blocks
+    apart: requests of different salts never share a pool block.
 
     Args:
         pool: the pool (rank 0's namespace: every rank saves the same blocks).
@@ -62,12 +72,15 @@ class KVStoreScheduler:
         self._load_async = load_async
         self._hits: dict[str, int] = {}  # req_id -> prompt blocks the pool holds (looked up once)
         self._local: dict[str, int] = {}  # req_id -> tokens vLLM had locally at the lookup
+        # req_id -> its cache_salt, from the lookup: vLLM's NewRequestData does not carry it.
+        self._salts: dict[str, str | None] = {}
         self._pending_loads: dict[str, Transfer] = {}
         self._saving: dict[str, _SaveState] = {}
 
-    def _lookup(self, tokens: np.ndarray) -> int:
-        """Full prompt blocks the pool holds (one master call, no leases); 0 without a pool."""
-        kv = self._pool.get()
+    def _lookup(self, tokens: np.ndarray, cache_salt: str | None) -> int:
+        """Full prompt blocks the pool holds in the request's namespace (one master call, no
+        leases); 0 without a pool."""
+        kv = self._pool.get(cache_salt)
         if kv is None:
             return 0
         try:
@@ -97,10 +110,12 @@ class KVStoreScheduler:
         rid = request.request_id
         hit = self._hits.get(rid)
         if hit is None:
+            salt = request_cache_salt(request)
             bs = self._block_size
             tokens = np.asarray(prompt[: len(prompt) // bs * bs], dtype=np.uint32)
-            hit = self._lookup(tokens) if len(tokens) else 0
+            hit = self._lookup(tokens, salt) if len(tokens) else 0
             self._hits[rid] = hit
+            self._salts[rid] = salt
         self._local[rid] = num_computed_tokens
         if not self._can_load:
             return 0, False
@@ -124,7 +139,11 @@ class KVStoreScheduler:
         block_ids = list(blocks.get_block_ids()[0])
         prompt = request.prompt_token_ids or []
         self._pending_loads[rid] = Transfer(
-            rid, np.asarray(prompt[: end * bs], dtype=np.uint32), first, block_ids[first:end]
+            rid,
+            np.asarray(prompt[: end * bs], dtype=np.uint32),
+            first,
+            block_ids[first:end],
+            request_cache_salt(request),
         )
 
     def _plan_save(
@@ -139,6 +158,7 @@ class KVStoreScheduler:
                     st.tokens[: full * self._block_size],
                     st.saved,
                     st.block_ids[st.saved : full],
+                    st.cache_salt,
                 )
             )
             st.saved = full
@@ -155,10 +175,15 @@ class KVStoreScheduler:
             prompt = new.prompt_token_ids
             if not prompt or not new.block_ids:
                 continue
+            if new.req_id not in self._salts:
+                # Never looked up, so its cache_salt is unknown: saving it in the engine's
+                # namespace could hand a salted prompt's KV to unsalted requests.
+                continue
             st = _SaveState(
                 np.asarray(prompt, dtype=np.uint32),
                 list(new.block_ids[0]),
                 self._hits.get(new.req_id, 0),
+                self._salts[new.req_id],
             )
             self._saving[new.req_id] = st
             self._plan_save(
@@ -188,6 +213,7 @@ class KVStoreScheduler:
         rid = request.request_id
         self._hits.pop(rid, None)
         self._local.pop(rid, None)
+        self._salts.pop(rid, None)
         self._saving.pop(rid, None)
         self._pending_loads.pop(rid, None)
         return False, None

@@ -228,9 +228,19 @@ class KVStoreWorker:
         kv = self._pool.get()
         if kv is None:
             return
+        # Each transfer's keys in its request's namespace (a cache_salt's, or the engine's);
+        # ``at[k]``: the block index of ``keys[k]`` (a salt without a view: its blocks fail).
         keys: list[bytes] = []
+        at: list[int] = []
+        pos = 0
         for t in loads:
-            keys.extend(kv.block_object_keys(t.tokens)[t.first : t.first + len(t.block_ids)])
+            view = kv if t.cache_salt is None else self._pool.get(t.cache_salt)
+            if view is not None:
+                keys.extend(view.block_object_keys(t.tokens)[t.first : t.first + len(t.block_ids)])
+                at.extend(range(pos, pos + len(t.block_ids)))
+            pos += len(t.block_ids)
+        if not keys:
+            return
         try:
             answers = kv.client.batch_locate(keys)
         except UNREACHABLE as exc:
@@ -244,8 +254,8 @@ class KVStoreWorker:
         # pool as a whole stays in use (other nodes may hold the next prompt's blocks).
         loaded.infos = [a for a in answers if isinstance(a, ObjectInfo)]
         found = [
-            (i, a)
-            for i, a in enumerate(answers)
+            (at[k], a)
+            for k, a in enumerate(answers)
             if isinstance(a, ObjectInfo) and a.size == self._object_nbytes
         ]
         rest: list[tuple[int, ObjectInfo]] = []
@@ -459,9 +469,11 @@ class KVStoreWorker:
         try:
             for t in saves:
                 n = len(t.block_ids)
-                kv.put_blocks(t.tokens, t.first, rows[pos : pos + n])
+                view = kv if t.cache_salt is None else self._pool.get(t.cache_salt)
+                if view is not None:  # (no view for its salt: those blocks stay uncached)
+                    view.put_blocks(t.tokens, t.first, rows[pos : pos + n])
+                    saves_done += n
                 pos += n
-                saves_done += n
         except KVStoreError as exc:
             if is_unreachable(exc):
                 self._pool.failed(exc)

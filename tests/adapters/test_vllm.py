@@ -137,6 +137,7 @@ def prompts(engines: Engines) -> dict[str, list[int]]:
             "corrupt": "What happens when a train is more than twenty minutes late?",
             "nodekill": "Where does the morning express stop first?",
             "nomaster": "What does a ticket cost for an adult?",
+            "salted": "Is there a train on Sunday mornings?",
         }.items()
     }
     out["garbage"] = ref.tokenize(
@@ -198,6 +199,26 @@ def test_pd_fully_cached_prompt_needs_no_prefill(
     assert out == engines.reference(prompt)
     loaded = _wait_metric(d, "vllm:kvstore_loaded_tokens", before) - before
     assert loaded == len(prompt) - 1, "every token but the last came from the pool"
+
+
+def test_pd_cache_salt_keeps_pool_blocks_apart(
+    engines: Engines, prompts: dict[str, list[int]]
+) -> None:
+    """vLLM's ``cache_salt`` (OpenAI body field): P's blocks saved under one salt are no pool
+    hit for another salt nor for an unsalted request, and a hit for the same salt."""
+    p, d = engines.servers["p"], engines.servers["d"]
+    prompt = prompts["salted"]
+    saved = p.metrics().get("vllm:kvstore_saved_tokens", 0.0)
+    p.complete(prompt, max_tokens=1, cache_salt="tenant-a")
+    assert _wait_metric(p, "vllm:kvstore_saved_tokens", saved) > saved
+    before = _loaded(d)
+    # D's own prefix cache is salted as well, so each of these misses locally too.
+    assert d.complete(prompt, MAX_TOKENS, cache_salt="tenant-b") == engines.reference(prompt)
+    assert d.complete(prompt, MAX_TOKENS) == engines.reference(prompt)
+    assert d.complete(prompt, MAX_TOKENS, cache_salt="tenant-a") == engines.reference(prompt)
+    loaded = _wait_metric(d, "vllm:kvstore_loaded_tokens", before) - before
+    # All of it is tenant-a's second request: the other two loaded nothing.
+    assert loaded == (len(prompt) - 1) // BS * BS
 
 
 # ------------------------------------------------------------------ kv_both

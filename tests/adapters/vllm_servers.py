@@ -152,9 +152,10 @@ class VLLMServer(vllm_server.VLLMServer):
         }
         return self.post("/v1/completions", body)["choices"][0]
 
-    def complete(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
-        """Greedy completion of a token-id prompt; returns the generated token ids."""
-        return list(self._greedy(prompt, max_tokens)["token_ids"])
+    def complete(self, prompt: list[int], max_tokens: int = 16, **extra: Any) -> list[int]:
+        """Greedy completion of a token-id prompt (``extra``: more request fields, e.g.
+        ``cache_salt``); returns the generated token ids."""
+        return list(self._greedy(prompt, max_tokens, **extra)["token_ids"])
 
     def complete_top(
         self, prompt: list[int], max_tokens: int = 16, k: int = TOP_K

@@ -4,6 +4,7 @@ engine whose own cache holds the prompt."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -21,6 +22,7 @@ from kvstore.router.engine_cache import (
     parse_batch,
 )
 from kvstore.router.metrics import RouterMetrics
+from kvstore.router.state import RouterState
 from kvstore.routing.policy import EngineView, RequestShape, choose, estimate_ttft
 from kvstore.routing.slo import SLOClass
 
@@ -250,3 +252,16 @@ def test_engine_events_must_name_an_engine_and_a_zmq_endpoint() -> None:
     ):
         with pytest.raises(InvalidRequestError):
             RouterConfig(engines=("http://e1", "http://e2"), engine_events=bad)
+
+
+def test_a_salted_request_counts_no_local_hit() -> None:
+    # vLLM mixes a request's cache_salt into its block hashes: the unsalted blocks the view
+    # matches are no hit for a salted request (and the view never matches salted ones).
+    everything = SimpleNamespace(block_size=4, count_keys=lambda keys, bs: len(keys))
+    state = SimpleNamespace(
+        engine_events={"http://e": SimpleNamespace(cache=everything)},
+        by_url={"http://e": SimpleNamespace(load=SimpleNamespace(block_size=4))},
+    )
+    prompt = list(range(10))
+    assert RouterState.local_cached_tokens(state, prompt) == {"http://e": 8}  # type: ignore[arg-type]
+    assert RouterState.local_cached_tokens(state, prompt, "a") == {"http://e": 0}  # type: ignore[arg-type]

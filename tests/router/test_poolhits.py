@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvstore.client.adapters.vllm_config import salted_namespace
+from kvstore.keys import block_keys
 from kvstore.router.admission import EngineSlots
 from kvstore.router.config import CPU_PRIOR
 from kvstore.router.engines import Engine, EngineLoad
@@ -99,3 +102,33 @@ def test_a_master_that_does_not_answer_is_a_miss_retried_after_the_delay(tmp_pat
         lookup.close()
     answers = "kvstore_router_pool_answers_total"
     assert metrics.registry.get_sample_value(answers, {"source": "lookup"}) == 3
+
+
+class _RecordingView:
+    """A synced pool view that records the namespace each question names (and holds nothing)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[bytes, list[bytes]]] = []
+
+    def count_blocks(self, namespace: bytes, keys: list[bytes]) -> int:
+        self.asked.append((namespace, list(keys)))
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_cache_salt_asks_in_the_connectors_salted_namespace(tmp_path: Path) -> None:
+    lookup = PoolLookup(NO_MASTER, RouterMetrics.create(), FakeClock(), salt="t", events=False)
+    view = _RecordingView()
+    lookup.view = view  # type: ignore[assignment]
+    info, prompt = model(tmp_path), list(range(100))
+    for salt in (None, "a", "b", "a"):
+        asyncio.run(lookup.cached_tokens(info, prompt, [engine()], salt))
+    base = info.namespace(32, "auto", dtype=None, salt="t")
+    want = [base, *(salted_namespace(base, s) for s in ("a", "b", "a"))]
+    assert [d for d, _ in view.asked] == [ns.digest for ns in want]
+    assert view.asked[0][1] == block_keys(base, np.arange(96, dtype=np.uint32)), (
+        "unsalted as before"
+    )
+    assert len({d for d, _ in view.asked}) == 3 and view.asked[1] == view.asked[3]
