@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.errors import InvalidRequestError, KVStoreError
-from kvstore.limits import check_wire_key
+from kvstore.limits import MAX_KEY_BYTES, check_wire_key
 
 
 def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -66,3 +66,22 @@ def per_key(raw_keys: list[Any], call: Callable[[list[bytes], list[int]], list[A
     for i, r in zip(valid_idx, call(valid, valid_idx), strict=True):
         out[i] = r
     return out
+
+
+def list_keys_args(args: dict[str, Any], max_limit: int) -> tuple[bytes, bytes | None, int]:
+    """``list_keys``' ``prefix``, ``after`` and ``limit``, checked.
+
+    Raises:
+        InvalidRequestError: a prefix that is not bytes or too long, an ``after`` that is not
+            bytes, a limit outside ``1..max_limit``.
+    """
+    prefix = args.get("prefix", b"")
+    after = args.get("after")
+    limit = args.get("limit", max_limit)
+    if not isinstance(prefix, bytes) or len(prefix) > MAX_KEY_BYTES:
+        raise InvalidRequestError(f"prefix must be bytes of at most {MAX_KEY_BYTES}")
+    if after is not None and not isinstance(after, bytes):
+        raise InvalidRequestError("after must be bytes or absent")
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= max_limit:
+        raise InvalidRequestError(f"limit must be an int in 1..{max_limit}")
+    return prefix, after, limit

@@ -117,8 +117,19 @@ def events(svc: MasterService, args: dict[str, Any]) -> Any:
 def events_snapshot(svc: MasterService, args: dict[str, Any]) -> Any:
     """``events_snapshot``: every indexed block per namespace, and the ``(epoch, seq)`` to
     follow events from."""
+    return snapshot_answer(args, *svc.prefix.snapshot())
+
+
+def snapshot_answer(
+    args: dict[str, Any], epoch: int, seq: int, keys: dict[bytes, bytes]
+) -> dict[str, Any]:
+    """An ``events_snapshot`` answer: the namespaces asked for (all without ``namespaces``),
+    refused when it would exceed :data:`SNAPSHOT_MAX_BLOCKS`.
+
+    Raises:
+        InvalidRequestError: a bad ``namespaces`` argument, or too many blocks to answer.
+    """
     wanted = namespaces_arg(args)
-    epoch, seq, keys = svc.prefix.snapshot()
     if wanted is not None:
         keys = {d: k for d, k in keys.items() if d in wanted}
     num_blocks = sum(len(k) for k in keys.values()) // 16

@@ -34,13 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore import protocol
-from kvstore.errors import ForbiddenError, InvalidRequestError, KVStoreError
+from kvstore.errors import ForbiddenError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
-from kvstore.limits import MAX_KEY_BYTES, check_wire_key
+from kvstore.limits import check_wire_key
 from kvstore.master.prefix import scoped_digest
-from kvstore.master.rpc_args import arg, list_arg, optional_arg
-from kvstore.master.rpc_events import SNAPSHOT_MAX_BLOCKS, events, namespaces_arg
+from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg
+from kvstore.master.rpc_events import events, snapshot_answer
 from kvstore.master.rpc_verbs import LIST_KEYS_MAX
 from kvstore.master.service import MasterService
 from kvstore.tenants import TenantDirectory, prefix_of, tenant_key, user_key
@@ -171,30 +171,12 @@ def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
 
 
 def _events_snapshot(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
-    wanted = namespaces_arg(args)
-    epoch, seq, keys = svc.prefix.tenant_snapshot(tenant, svc.tenants.shared)
-    if wanted is not None:
-        keys = {d: k for d, k in keys.items() if d in wanted}
-    num_blocks = sum(len(k) for k in keys.values()) // 16
-    if num_blocks > SNAPSHOT_MAX_BLOCKS:
-        raise InvalidRequestError(
-            f"a snapshot of {num_blocks} blocks exceeds {SNAPSHOT_MAX_BLOCKS} per answer: "
-            "ask for fewer namespaces at a time"
-        )
-    return {"epoch": epoch, "seq": seq, "namespaces": keys, "num_blocks": num_blocks}
+    return snapshot_answer(args, *svc.prefix.tenant_snapshot(tenant, svc.tenants.shared))
 
 
 def _list_keys(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     """The tenant's keys starting with ``prefix``, after ``after``, at most ``limit``."""
-    prefix = args.get("prefix", b"")
-    after = args.get("after")
-    limit = args.get("limit", LIST_KEYS_MAX)
-    if not isinstance(prefix, bytes) or len(prefix) > MAX_KEY_BYTES:
-        raise InvalidRequestError(f"prefix must be bytes of at most {MAX_KEY_BYTES}")
-    if after is not None and not isinstance(after, bytes):
-        raise InvalidRequestError("after must be bytes or absent")
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_KEYS_MAX:
-        raise InvalidRequestError(f"limit must be an int in 1..{LIST_KEYS_MAX}")
+    prefix, after, limit = list_keys_args(args, LIST_KEYS_MAX)
     own = prefix_of(tenant)
     start, past = own + prefix, None if after is None else own + after
     chosen = [k for k in svc.objects if k.startswith(start) and (past is None or k > past)]

@@ -17,9 +17,8 @@ from kvstore import protocol
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
-from kvstore.limits import MAX_KEY_BYTES
 from kvstore.master.leases import check_lease_tokens
-from kvstore.master.rpc_args import arg, list_arg, optional_arg, per_key
+from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg, per_key
 from kvstore.master.rpc_events import events, events_snapshot
 from kvstore.master.service import MasterService
 from kvstore.stored_object import ManifestClaim, claims_from_wire
@@ -173,15 +172,7 @@ def _list_keys(svc: MasterService, args: dict[str, Any]) -> Any:
     """Stored keys starting with ``prefix``, sorted, strictly after ``after``; at most ``limit``.
 
     A page at a time, so that no answer grows with the cluster (the client pages on)."""
-    prefix = args.get("prefix", b"")
-    after = args.get("after")
-    limit = args.get("limit", LIST_KEYS_MAX)
-    if not isinstance(prefix, bytes) or len(prefix) > MAX_KEY_BYTES:
-        raise InvalidRequestError(f"prefix must be bytes of at most {MAX_KEY_BYTES}")
-    if after is not None and not isinstance(after, bytes):
-        raise InvalidRequestError("after must be bytes or absent")
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= LIST_KEYS_MAX:
-        raise InvalidRequestError(f"limit must be an int in 1..{LIST_KEYS_MAX}")
+    prefix, after, limit = list_keys_args(args, LIST_KEYS_MAX)
     chosen = [k for k in svc.objects if k.startswith(prefix) and (after is None or k > after)]
     return heapq.nsmallest(limit, chosen)
 
