@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,25 @@ FLAGS = [
     "--disable-dev-shm-usage",
     "--hide-scrollbars",
 ]
+
+
+def admin_json(base: str, method: str, path: str, body: object = None, token: str = "") -> Any:
+    """One admin REST call on ``base`` (``http://HOST:PORT``) with a bearer ``token``: its JSON
+    answer (a 4xx or 5xx raises ``urllib.error.HTTPError``)."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def create_tenant(base: str, operator_token: str, name: str, **quotas: int) -> str:
+    """A tenant made on the master whose admin API is ``base``; returns its token (the master
+    answers once every live node has taken it)."""
+    made = admin_json(
+        base, "POST", "/api/v1/tenants", {"name": name, "quotas": quotas}, operator_token
+    )
+    assert made["nodes_pending"] == [], made
+    return made["token"]

@@ -7,8 +7,6 @@ missing.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from tests.adapters.vllm_servers import (
     kvstore_metric,
     missing_engine,
 )
-from tests.support import Cluster, start_master, wait_until
+from tests.support import Cluster, create_tenant, start_master, wait_until
 
 pytestmark = [
     pytest.mark.engine,
@@ -34,19 +32,10 @@ pytestmark = [
 SECRET = "operator-token-for-the-vllm-tenants"
 
 
-def create_tenant(cluster: Cluster, name: str, tmp: Path) -> Path:
+def tenant_token_file(cluster: Cluster, name: str, tmp: Path) -> Path:
     """A tenant made over the admin REST; returns the file its token is written to."""
-    req = urllib.request.Request(
-        cluster.admin + "/api/v1/tenants",
-        data=json.dumps({"name": name}).encode(),
-        method="POST",
-        headers={"Authorization": f"Bearer {SECRET}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        made = json.loads(resp.read())
-    assert made["nodes_pending"] == []
     path = tmp / f"{name}.token"
-    path.write_text(made["token"] + "\n")
+    path.write_text(create_tenant(cluster.admin, SECRET, name) + "\n")
     return path
 
 
@@ -57,10 +46,7 @@ class Tenants(PoolServers):
         self.cluster = Cluster(tmp, start_master(*flags), node_args=flags)
         self.cluster.add_node("1GiB")
         addr = self.cluster.address
-        acme, bolt = (
-            create_tenant(self.cluster, "acme", tmp),
-            create_tenant(self.cluster, "bolt", tmp),
-        )
+        acme, bolt = (tenant_token_file(self.cluster, n, tmp) for n in ("acme", "bolt"))
         self.p = VLLMServer(
             tmp / "acme-p.log", kv_config("kv_producer", addr, token_file=str(acme)), cpu=1
         )

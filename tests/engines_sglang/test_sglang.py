@@ -31,6 +31,7 @@ from kvstore.client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
 from kvstore.errors import InvalidRequestError  # noqa: E402
 from tests.engines_sglang.sglang_pools import MHAHostPool, MLAHostPool  # noqa: E402
 from tests.integration.test_tenants import SECRET, wait_for_nodes  # noqa: E402
+from tests.support import create_tenant  # noqa: E402
 
 MODULE = "kvstore.client.adapters.sglang"
 
@@ -348,25 +349,12 @@ def test_a_logical_only_anchor_pool_moves_nothing(cluster) -> None:
 def test_two_tenants_never_share_pages(cluster_factory, tmp_path: Path) -> None:
     """SGLang's L3 keys ignore its cache salt (SGLang issue 37160); with kvstore the store keeps
     tenants apart: two servers with two tenants' tokens never read each other's pages."""
-    import json
-    import urllib.request
-
     secret = SECRET
     (tmp_path / "token").write_text(secret + "\n")
     flags = ("--token-file", str(tmp_path / "token"))
     cluster = cluster_factory(num_nodes=2, master_args=flags, node_args=flags)
 
-    def create(name: str) -> str:
-        req = urllib.request.Request(
-            cluster.admin + "/api/v1/tenants",
-            data=json.dumps({"name": name}).encode(),
-            method="POST",
-            headers={"Authorization": f"Bearer {secret}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())["token"]
-
-    token_a, token_b = create("acme"), create("bolt")
+    token_a, token_b = (create_tenant(cluster.admin, secret, n) for n in ("acme", "bolt"))
     wait_for_nodes(cluster, token_a, token_b)  # they learn the tokens at their next heartbeat
     src_a, src_b, dst = (MHAHostPool("layer_first") for _ in range(3))
     fill(src_a, 1)

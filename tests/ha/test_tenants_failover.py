@@ -3,28 +3,18 @@ and its nodes, and their objects are still theirs."""
 
 from __future__ import annotations
 
-import json
-import urllib.request
-
 from kvstore import protocol
 from kvstore.address import Address
 from kvstore.client import Client
 from kvstore.errors import UnauthenticatedError
 from tests.etcd_harness import etcd, ha_factory  # noqa: F401 - fixtures
-from tests.support import Daemon, wait_until
+from tests.support import Daemon, admin_json, wait_until
 
 TOKEN = "s3cret-token-for-tenant-ha-0123456789"
 
 
 def _admin(master: Daemon, method: str, path: str, body: object = None) -> dict:
-    req = urllib.request.Request(
-        master.field("admin") + path,
-        data=None if body is None else json.dumps(body).encode(),
-        method=method,
-        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
+    return admin_json(master.field("admin"), method, path, body, TOKEN)
 
 
 def _hello(address: str, token: str) -> dict:

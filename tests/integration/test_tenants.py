@@ -3,7 +3,6 @@ another's objects by any verb, even with its exact keys."""
 
 from __future__ import annotations
 
-import json
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from kvstore.address import Address
 from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import ForbiddenError, KeyNotFoundError, KVStoreError, UnauthenticatedError
 from kvstore.tenants import prefix_of
-from tests.support import Cluster
+from tests.support import Cluster, admin_json
 
 SECRET = "operator-secret-token"
 L, H, D, BS = 2, 2, 8, 16
@@ -34,14 +33,7 @@ def make_kv(n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def admin(cluster: Cluster, method: str, path: str, body: object = None) -> dict:
-    req = urllib.request.Request(
-        cluster.admin + path,
-        data=None if body is None else json.dumps(body).encode(),
-        method=method,
-        headers={"Authorization": f"Bearer {SECRET}", "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.loads(resp.read())
+    return admin_json(cluster.admin, method, path, body, SECRET)
 
 
 def node_knows(address: str, token: str) -> bool:
