@@ -145,6 +145,7 @@ def _own_puts(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
 def _scope_namespaces(svc: MasterService, args: dict[str, Any], tenant: str) -> None:
     """An ``events`` call's namespaces become the tenant's trees (all of them when it names
     none), before the long poll waits on them. Malformed ones are left for the handler."""
+    args.pop("_asked", None)  # ours alone: a client's own is dropped
     raw, shared = args.get("namespaces"), svc.tenants
     if raw is None:
         args["namespaces"] = [

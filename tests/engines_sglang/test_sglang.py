@@ -30,7 +30,7 @@ from kvstore.client import Client  # noqa: E402
 from kvstore.client.adapters.sglang import KVStoreHiCacheStorage  # noqa: E402
 from kvstore.errors import InvalidRequestError  # noqa: E402
 from tests.engines_sglang.sglang_pools import MHAHostPool, MLAHostPool  # noqa: E402
-from tests.integration.test_tenants import SECRET, wait_for_nodes  # noqa: E402
+from tests.integration.test_tenants import QUICK, SECRET, wait_for_nodes  # noqa: E402
 from tests.support import create_tenant  # noqa: E402
 
 MODULE = "kvstore.client.adapters.sglang"
@@ -352,7 +352,7 @@ def test_two_tenants_never_share_pages(cluster_factory, tmp_path: Path) -> None:
     secret = SECRET
     (tmp_path / "token").write_text(secret + "\n")
     flags = ("--token-file", str(tmp_path / "token"))
-    cluster = cluster_factory(num_nodes=2, master_args=flags, node_args=flags)
+    cluster = cluster_factory(num_nodes=2, master_args=(*flags, *QUICK), node_args=flags)
 
     token_a, token_b = (create_tenant(cluster.admin, secret, n) for n in ("acme", "bolt"))
     wait_for_nodes(cluster, token_a, token_b)  # they learn the tokens at their next heartbeat

@@ -14,7 +14,18 @@ import pytest
 from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import ForbiddenError
 from kvstore.tenants import prefix_of
-from tests.integration.test_tenants import BS, SECRET, D, H, L, admin, make_kv, ns, wait_for_nodes
+from tests.integration.test_tenants import (
+    BS,
+    QUICK,
+    SECRET,
+    D,
+    H,
+    L,
+    admin,
+    make_kv,
+    ns,
+    wait_for_nodes,
+)
 from tests.support import Cluster
 
 SHARED_PATH = "/api/v1/shared-namespaces"
@@ -46,7 +57,9 @@ def pool(cluster_factory, tmp_path: Path) -> tuple[Cluster, str, str]:
     token_file = tmp_path / "token"
     token_file.write_text(SECRET + "\n")
     flags = ("--token-file", str(token_file))
-    cluster = cluster_factory(num_nodes=2, dram="64MiB", master_args=flags, node_args=flags)
+    cluster = cluster_factory(
+        num_nodes=2, dram="64MiB", master_args=(*flags, *QUICK), node_args=flags
+    )
     created = [admin(cluster, "POST", "/api/v1/tenants", {"name": n}) for n in ("acme", "bolt")]
     a, b = (c["token"] for c in created)
     wait_for_nodes(cluster, a, b)
