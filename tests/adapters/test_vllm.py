@@ -212,10 +212,12 @@ def test_pd_cache_salt_keeps_pool_blocks_apart(
     p.complete(prompt, max_tokens=1, cache_salt="tenant-a")
     assert _wait_metric(p, "vllm:kvstore_saved_tokens", saved) > saved
     before = _loaded(d)
-    # D's own prefix cache is salted as well, so each of these misses locally too.
-    assert d.complete(prompt, MAX_TOKENS, cache_salt="tenant-b") == engines.reference(prompt)
-    assert d.complete(prompt, MAX_TOKENS) == engines.reference(prompt)
-    assert d.complete(prompt, MAX_TOKENS, cache_salt="tenant-a") == engines.reference(prompt)
+    # D's own prefix cache is salted as well, so each of these misses locally too. (Up to a
+    # near tie: D recomputes two of the three, batched unlike the reference.)
+    want = engines.servers["ref"].complete_top(prompt, MAX_TOKENS)
+    for salt in ("tenant-b", None, "tenant-a"):
+        extra = {} if salt is None else {"cache_salt": salt}
+        assert_greedy_close(d.complete_top(prompt, MAX_TOKENS, **extra), want)
     loaded = _wait_metric(d, "vllm:kvstore_loaded_tokens", before) - before
     # All of it is tenant-a's second request: the other two loaded nothing.
     assert loaded == (len(prompt) - 1) // BS * BS

@@ -158,11 +158,13 @@ class VLLMServer(vllm_server.VLLMServer):
         return list(self._greedy(prompt, max_tokens, **extra)["token_ids"])
 
     def complete_top(
-        self, prompt: list[int], max_tokens: int = 16, k: int = TOP_K
+        self, prompt: list[int], max_tokens: int = 16, k: int = TOP_K, **extra: Any
     ) -> list[tuple[int, set[int]]]:
         """:meth:`complete`, with the ``k`` most likely token ids at each position."""
         # (top tokens named "token_id:N")
-        choice = self._greedy(prompt, max_tokens, logprobs=k, return_tokens_as_token_ids=True)
+        choice = self._greedy(
+            prompt, max_tokens, logprobs=k, return_tokens_as_token_ids=True, **extra
+        )
         tops = [
             {int(t.rpartition(":")[2]) for t in top} for top in choice["logprobs"]["top_logprobs"]
         ]
