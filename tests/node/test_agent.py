@@ -9,7 +9,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,20 +194,6 @@ class NodeRig:
         self.arena.close()
         if self.nvme is not None:
             self.nvme.close()
-
-
-@pytest.fixture
-def master() -> Iterator[FakeMaster]:
-    m = FakeMaster()
-    yield m
-    m.close()
-
-
-@pytest.fixture
-def rig(tmp_path: Path, master: FakeMaster) -> Iterator[NodeRig]:
-    r = NodeRig(tmp_path, master)
-    yield r
-    r.close()
 
 
 def test_registration_offers_the_node_and_a_fresh_secret(rig: NodeRig, master: FakeMaster) -> None:

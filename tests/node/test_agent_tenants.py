@@ -7,7 +7,6 @@ master of test_agent, so each reply is exactly the one under test."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,20 +30,6 @@ def _wire(version: int, **names: str) -> dict[str, object]:
     return TenantDirectory(
         {token_digest(token): name for name, token in names.items()}, version
     ).wire()
-
-
-@pytest.fixture
-def master() -> Iterator[FakeMaster]:
-    m = FakeMaster()
-    yield m
-    m.close()
-
-
-@pytest.fixture
-def rig(tmp_path: Path, master: FakeMaster) -> Iterator[NodeRig]:
-    r = NodeRig(tmp_path, master)
-    yield r
-    r.close()
 
 
 def _hello_binds(rig: NodeRig, token: str) -> str | None:
