@@ -13,6 +13,11 @@
   client) still ends at ``lease_s``. Releasing a token twice, late (after its lease ended) or
   one this master never issued changes nothing, and one reader's release never ends another
   reader's lease of the same object: every lease has its own token and is released once.
+- A lease batch has an **owner**: the tenant whose keys it leased (None: the operator's, or a
+  batch of no tenant's keys, :func:`lease_owner`). A tenant's connection gives back only its
+  own tenant's tokens (tokens run in sequence within a term, so another's are guessable); any
+  other token of its release changes nothing, as an unknown one. The operator's connection
+  (and the master itself) may give back any token.
 - A **pin** keeps an object from eviction: a soft pin until its TTL ends (evicted last, and only
   under pressure), a hard pin until unpinned or its TTL ends. Every pin has a TTL, so a pin its
   owner forgot expires; nothing leaks.
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
+from kvstore.tenants import MARK, owner_of
 
 PIN_NONE = 0
 PIN_SOFT = 1
@@ -150,11 +156,30 @@ def check_lease_tokens(tokens: object, max_items: int) -> list[int]:
     return tokens
 
 
+def lease_owner(keys: Iterable[bytes]) -> str | None:
+    """The tenant a batch of stored keys is read for: the one tenant whose keys it names, or
+    None (the operator's) when it names no tenant's key or several tenants' keys.
+
+    NOTE: a tenant's batch of shared-namespace keys only (stored as named) is None's: only the
+    operator gives it back, and its leases end at ``lease_s`` (never another tenant's release).
+    """
+    owner: str | None = None
+    for key in keys:
+        if key[:1] == MARK:
+            tenant = owner_of(key)
+            if owner is None:
+                owner = tenant
+            elif tenant != owner:
+                return None
+    return owner
+
+
 @dataclass(slots=True)
 class _LeaseBatch:
     until: float  # monotonic end of every lease of the batch
     objs: list[Any]  # per key its ObjectMeta; None: no lease there (a miss) or given back
     num_live: int
+    owner: str | None = None  # the tenant that may give it back besides the operator
 
 
 class ReadLeases:
@@ -186,8 +211,9 @@ class ReadLeases:
         #: be reading with its grant (nodes' clocks may lag), so space it covered waits for it.
         self.last_unreleased_end = 0.0
 
-    def grant(self, objs: list[Any], until: float) -> int:
-        """Lease each object of ``objs`` (None: none) until ``until``.
+    def grant(self, objs: list[Any], until: float, owner: str | None = None) -> int:
+        """Lease each object of ``objs`` (None: none) until ``until``, for ``owner`` (a
+        tenant; None: the operator).
 
         Returns:
             The token of ``objs[0]`` (that of ``objs[i]`` is it plus ``i``); 0 when nothing
@@ -203,18 +229,20 @@ class ReadLeases:
             return 0
         batch_id = self._next
         self._next += 1
-        self._batches[batch_id] = _LeaseBatch(until, objs, num_live)
+        self._batches[batch_id] = _LeaseBatch(until, objs, num_live, owner)
         self._order.append(batch_id)
         self.num_outstanding += num_live
         self.num_granted += num_live
         return batch_id * LEASE_BATCH_SPAN
 
-    def release(self, tokens: Iterable[int]) -> tuple[list[bool], list[Any]]:
-        """Give leases back.
+    def release(
+        self, tokens: Iterable[int], tenant: str | None = None
+    ) -> tuple[list[bool], list[Any]]:
+        """Give leases back, for ``tenant`` (None: the operator, who may give back any).
 
         Returns:
-            Per token whether it ended a lease (False: unknown, ended, or released already);
-            and the objects whose last outstanding lease that was.
+            Per token whether it ended a lease (False: unknown, ended, released already, or
+            not ``tenant``'s); and the objects whose last outstanding lease that was.
         """
         ended: list[bool] = []
         emptied: list[Any] = []
@@ -222,7 +250,7 @@ class ReadLeases:
             batch_id, i = divmod(token, LEASE_BATCH_SPAN)
             batch = self._batches.get(batch_id)
             obj = batch.objs[i] if batch is not None and i < len(batch.objs) else None
-            if obj is None:
+            if obj is None or (tenant is not None and batch.owner != tenant):  # type: ignore[union-attr]
                 ended.append(False)
                 continue
             batch.objs[i] = None

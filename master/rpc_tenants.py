@@ -19,6 +19,8 @@ per request).
   the operator shared is stored as named (every tenant's and the operator's), and ``kv_commit``,
   ``kv_match`` and ``events`` of a shared namespace use its own tree, not the tenant's. The check
   is a prefix and a set lookup per key (``TenantDirectory.is_shared_key``).
+* Lease tokens (``release_leases``, and ``release`` piggybacked on any verb) end only leases the
+  tenant's own reads took; another's tokens are answered as unknown ones.
 * ``node_transports`` answers without shm or RDMA: both open a node's whole arena, so a tenant
   reads and writes over TCP, where the node checks every grant.
 * Node verbs and any verb not named here are refused ``FORBIDDEN``: a verb added later is a
@@ -41,7 +43,7 @@ from kvstore.limits import check_wire_key
 from kvstore.master.prefix import scoped_digest
 from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg
 from kvstore.master.rpc_events import events, snapshot_answer
-from kvstore.master.rpc_verbs import LIST_KEYS_MAX
+from kvstore.master.rpc_verbs import LIST_KEYS_MAX, pop_releases
 from kvstore.master.service import MasterService
 from kvstore.tenants import TenantDirectory, prefix_of, tenant_key, user_key
 from kvstore.types import result_to_wire
@@ -49,7 +51,7 @@ from kvstore.types import result_to_wire
 #: Verbs whose ``keys`` argument is mapped and then served as usual.
 KEY_VERBS = frozenset({"put_start", "get_locations", "exists", "remove", "pin", "unpin"})
 #: Verbs a tenant may send as they are (nothing in them names a key).
-PLAIN_VERBS = frozenset({"ping", "release_leases"})
+PLAIN_VERBS = frozenset({"ping"})
 #: Transports a tenant is not told about: a process that maps a node's shared-memory arena can
 #: read and write every object in it (the grant cannot be checked there), and an RDMA queue pair
 #: opens the arena to one-sided reads and writes the node never sees; a tenant reads over TCP.
@@ -72,6 +74,8 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
         ForbiddenError: a verb a tenant may not send (node verbs, verbs not mapped here).
     """
     verb, args = request.verb, request.args
+    if "release" in args:  # piggybacked lease tokens: only the tenant's own end (leases.py)
+        svc.release_leases(pop_releases(svc, args), tenant)
     if verb in KEY_VERBS:
         if isinstance(args.get("keys"), list):
             shared = svc.tenants
@@ -79,6 +83,8 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
         return None
     if verb in PLAIN_VERBS:
         return None
+    if verb == "release_leases":
+        return _release_leases
     if verb == "node_transports":
         return _node_transports
     if verb in ("put_end", "put_revoke", "kv_commit"):
@@ -95,6 +101,12 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
     if own is None:
         raise ForbiddenError(f"a tenant's connection may not send {verb[:64]!r}")
     return own
+
+
+def _release_leases(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
+    """Give back the tenant's own read leases; another's tokens change nothing (tokens run in
+    sequence, so they are guessable: ``leases.py`` keeps each batch's tenant)."""
+    return svc.release_leases(list_arg(args, "tokens", int), tenant)
 
 
 def _stored(tenant: str, key: object, shared: TenantDirectory) -> Any:

@@ -63,7 +63,14 @@ from kvstore.keys import Namespace
 from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.master.config import MasterConfig
 from kvstore.master.event_ring import EVENT_REMOVED, EventLog
-from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT, check_lease_tokens, check_pin_ttl
+from kvstore.master.leases import (
+    PIN_HARD,
+    PIN_NONE,
+    PIN_SOFT,
+    check_lease_tokens,
+    check_pin_ttl,
+    lease_owner,
+)
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog
@@ -454,7 +461,9 @@ class MasterService:
         else:
             location = self.membership.location_wire if wire else self.membership.location
         until = now + lease_s
-        first_token = self.space.leases.grant(found, until)
+        tenants_read = bool(keys) and (keys[0] < TENANT_END or keys[-1] < TENANT_END)
+        owner = lease_owner(keys) if tenants_read else None  # who may give the leases back
+        first_token = self.space.leases.grant(found, until, owner)
         results: list[Any] = []
         hits_by_tier, on_read, op = self.hits_by_tier, self.tiering.on_read, grants.OP_READ
         misses = 0
@@ -484,18 +493,20 @@ class MasterService:
                 results.append([0, [obj.size, obj.checksum, locs]])
         self.num_misses += misses
         self.num_hits += len(keys) - misses
-        if keys and (keys[0] < TENANT_END or keys[-1] < TENANT_END):
+        if tenants_read:
             self.quotas.count_reads(keys, found)  # (a tenant's hits and misses)
         if batcher is not None:
             batcher.sign()
         return results
 
-    def release_leases(self, tokens: object) -> list[bool]:
+    def release_leases(self, tokens: object, tenant: str | None = None) -> list[bool]:
         """Give read leases back: the reads they covered are done.
 
         An object none of whose leases is outstanding any more may be evicted, and space freed
         under it (a remove, an overwrite, a move) is freed now. A token released twice, after
-        its lease ended or never issued by this master changes nothing.
+        its lease ended or never issued by this master changes nothing; so does, for a
+        ``tenant``'s connection, a token of a lease that is not the tenant's (None: the
+        operator, who may give back any; see ``leases.py``).
 
         Returns:
             Per token whether it ended a lease.
@@ -504,7 +515,9 @@ class MasterService:
             InvalidRequestError: not a list of lease tokens, or over the batch limit (nothing
                 is released).
         """
-        return self.space.release_leases(check_lease_tokens(tokens, self.config.max_batch))
+        return self.space.release_leases(
+            check_lease_tokens(tokens, self.config.max_batch), tenant
+        )
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is committed. Takes no lease and changes nothing."""

@@ -170,9 +170,10 @@ class Space:
             if self.membership.owns(owner):
                 self.free_now(owner, replica)
 
-    def release_leases(self, tokens: list[int]) -> list[bool]:
-        """Give checked lease tokens back. Returns per token whether it ended a lease."""
-        ended, emptied = self.leases.release(tokens)
+    def release_leases(self, tokens: list[int], tenant: str | None = None) -> list[bool]:
+        """Give checked lease tokens back, ``tenant``'s only (None: the operator, any).
+        Returns per token whether it ended a lease."""
+        ended, emptied = self.leases.release(tokens, tenant)
         now = self.clock()
         for obj in emptied:
             self.lease_ended(obj, now)
