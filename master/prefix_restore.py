@@ -7,11 +7,17 @@ the master reads them from the nodes (with grants it signs itself, off the event
 their checksums, and indexes each prompt's committed prefix. A prompt whose blocks live on a node
 that has not re-registered yet is retried on the next admission. Until then a lookup misses,
 which is always a correct answer.
+
+Tenants (``kvstore.tenants``): a tenant's prompt meta is stored in its part of the key space
+(``\\0tenant\\0kvmeta/...``) and its prompt goes back into the tenant's own tree (the tenant is
+the stored key's owner, :func:`is_prompt_meta`); a shared namespace's metas are stored as
+named, so they go back into the namespace's own tree, as the operator's do.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
@@ -19,7 +25,9 @@ import xxhash
 from kvstore import auth, protocol
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
-from kvstore.kvblocks import decode_prompt_meta
+from kvstore.kvblocks import KV_META_PREFIX, decode_prompt_meta
+from kvstore.master.prefix import PrefixIndex, scoped_digest
+from kvstore.tenants import owner_of, user_key
 from kvstore.types import ObjectInfo
 
 log = logging.getLogger(__name__)
@@ -69,6 +77,14 @@ def fetch_objects(
     return out
 
 
+def is_prompt_meta(stored: bytes) -> bool:
+    """Whether a stored key is a prompt meta: the operator's or a shared namespace's
+    (``kvmeta/...``) or a tenant's (``\\0tenant\\0kvmeta/...``; its owner is the tenant whose
+    tree the prompt goes back into)."""
+    key = user_key(owner_of(stored), stored)
+    return key is not None and key.startswith(KV_META_PREFIX)
+
+
 class PromptMetaBacklog:
     """Prompt metas admitted from manifests and not yet (fully) indexed. Owned by the service."""
 
@@ -88,3 +104,25 @@ class PromptMetaBacklog:
                 self.incomplete[key] = (Namespace.from_dict(ns_dict), tokens)
             except KVStoreError as err:
                 log.warning("prefix restore: bad prompt meta %r: %s", key[:64], err.message)
+
+    def index_ready(self, prefix: PrefixIndex, is_committed: Callable[[bytes], bool]) -> int:
+        """Index every fetched prompt whose blocks are all committed by now, each in its
+        owner's tree (:func:`is_prompt_meta`); forget the metas whose object went away.
+
+        Returns:
+            Prompts fully indexed by this call (the others wait for more nodes to re-register).
+        """
+        done = 0
+        for key, (namespace, tokens) in list(self.incomplete.items()):
+            if not is_committed(key):
+                del self.incomplete[key]  # the meta itself went away
+                continue
+            tenant = owner_of(key)
+            prefix.index(namespace, tokens, is_committed, tenant)
+            tree = namespace if tenant is None else scoped_digest(tenant, namespace.digest)
+            full = len(tokens) // namespace.block_size * namespace.block_size
+            if prefix.radix.match(tree, tokens).num_tokens >= full:
+                del self.incomplete[key]
+                done += 1
+        self.num_restored += done
+        return done

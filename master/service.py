@@ -60,7 +60,6 @@ import numpy as np
 from kvstore import grants
 from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
 from kvstore.keys import Namespace
-from kvstore.kvblocks import KV_META_PREFIX
 from kvstore.master.config import MasterConfig
 from kvstore.master.event_ring import EVENT_REMOVED, EventLog
 from kvstore.master.leases import (
@@ -73,7 +72,7 @@ from kvstore.master.leases import (
 )
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
-from kvstore.master.prefix_restore import PromptMetaBacklog
+from kvstore.master.prefix_restore import PromptMetaBacklog, is_prompt_meta
 from kvstore.master.puts import PendingRecord, Puts
 from kvstore.master.quotas import TENANT_END, TenantQuotas
 from kvstore.master.recovery import AdmissionReport, Recovery
@@ -231,7 +230,7 @@ class MasterService:
         # Prompt metas let the prefix index be rebuilt (master/prefix_restore.py); new objects
         # may also complete prompts fetched earlier.
         self.prompt_metas.to_fetch.update(
-            c.key for c in claims if c.key.startswith(KV_META_PREFIX) and c.key in self.objects
+            c.key for c in claims if is_prompt_meta(c.key) and c.key in self.objects
         )
         self.prompt_metas_dirty = True
         return report
@@ -242,18 +241,7 @@ class MasterService:
         Returns:
             Prompts fully indexed by this call (the others wait for more nodes to re-register).
         """
-        done = 0
-        for key, (namespace, tokens) in list(self.prompt_metas.incomplete.items()):
-            if key not in self.objects:
-                del self.prompt_metas.incomplete[key]  # the meta itself went away
-                continue
-            self.prefix.index(namespace, tokens, self.objects.__contains__)
-            full = len(tokens) // namespace.block_size * namespace.block_size
-            if self.prefix.radix.match(namespace, tokens).num_tokens >= full:
-                del self.prompt_metas.incomplete[key]
-                done += 1
-        self.prompt_metas.num_restored += done
-        return done
+        return self.prompt_metas.index_ready(self.prefix, self.objects.__contains__)
 
     # ================================================================ membership
     def check_node_identity(self, node_id: str, identity: bytes | None) -> None:

@@ -14,13 +14,17 @@ import pytest
 import xxhash
 
 from kvstore import auth, grants, protocol
-from kvstore.keys import Namespace
-from kvstore.kvblocks import encode_prompt_meta
-from kvstore.master.prefix_restore import PromptMetaBacklog, fetch_objects
+from kvstore.keys import Namespace, block_keys
+from kvstore.kvblocks import encode_prompt_meta, kv_meta_key, kv_object_keys
+from kvstore.master.prefix import PrefixIndex
+from kvstore.master.prefix_restore import PromptMetaBacklog, fetch_objects, is_prompt_meta
+from kvstore.master.service import MasterService
 from kvstore.node.arena import ShmArena
 from kvstore.node.server import DataServer
 from kvstore.stored_object import StoredObject
-from kvstore.types import Location, ObjectInfo
+from kvstore.tenants import tenant_key
+from kvstore.types import Location, ObjectInfo, PutTicket
+from tests.master.test_tiering import MIB, FakeClock, make
 
 TOKEN = "prefix-restore-test-token-0123"
 NS = Namespace(model="m", dtype="float16", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4)
@@ -165,3 +169,63 @@ def test_a_bad_meta_never_reaches_the_index(raw: bytes) -> None:
     backlog.to_fetch.add(b"x")
     backlog.add_fetched({b"x": raw})
     assert not backlog and backlog.incomplete == {}
+
+
+# ---------------------------------------------------------------- tenants' prompts
+def _store_prompt(svc: MasterService, tenant: str | None, tokens: list[int]) -> bytes:
+    """Commit a prompt's block objects and its meta in ``tenant``'s part of the key space (None:
+    the operator's) and index it, as ``kv_commit`` does. Returns the meta's stored key."""
+    arr = np.array(tokens, dtype=np.uint32)
+    blocks = block_keys(NS, arr)
+    meta_key = tenant_key(tenant, kv_meta_key(NS.digest, blocks[-1]))
+    keys = [tenant_key(tenant, k) for k in kv_object_keys(NS.digest, blocks)] + [meta_key]
+    tickets = svc.put_start(keys, [1024] * len(keys), kv_blocks=True)
+    put_ids = [t.put_id for t in tickets if isinstance(t, PutTicket)]
+    assert len(put_ids) == len(keys), tickets
+    assert svc.put_end(put_ids, [1] * len(keys)) == [None] * len(keys)
+    assert svc.kv_index(NS, arr, tenant) == len(blocks)
+    return meta_key
+
+
+@pytest.mark.parametrize(
+    ("stored", "is_meta"),
+    [
+        (b"kvmeta/x", True),
+        (b"\x00a\x00kvmeta/x", True),
+        (b"\x00a\x00kv/x", False),
+        (b"kv/x", False),
+        (b"\x00kvmeta/x", False),  # (no tenant's key: not a meta)
+    ],
+)
+def test_a_tenants_prompt_meta_is_one(stored: bytes, is_meta: bool) -> None:
+    assert is_prompt_meta(stored) is is_meta
+
+
+def test_each_tenants_prompts_go_back_into_its_own_tree() -> None:
+    """Two tenants' prompts and the operator's, restored on a fresh index (a new leader's):
+    tenant A's prompt hits for A, not for B; the operator's in the namespace's own tree."""
+    svc = make(FakeClock(), dram=4 * MIB, nvme=0)
+    a_tokens, b_tokens, op_tokens = [1] * 8, [2] * 8, [3] * 8
+    metas = {
+        _store_prompt(svc, "a", a_tokens): a_tokens,
+        _store_prompt(svc, "b", b_tokens): b_tokens,
+        _store_prompt(svc, None, op_tokens): op_tokens,
+    }
+    # A new leader: a fresh index, the metas admitted (only prompt metas) and read.
+    svc.prefix = PrefixIndex()
+    svc.prompt_metas.to_fetch.update(k for k in svc.objects if is_prompt_meta(k))
+    assert svc.prompt_metas.to_fetch == set(metas)
+    svc.prompt_metas.add_fetched({k: meta(t) for k, t in metas.items()})
+    assert svc.restore_prefix_index() == 3 and not svc.prompt_metas
+
+    def hit(tokens: list[int], tenant: str | None) -> int:
+        match, _ = svc.kv_match(NS, np.array(tokens, dtype=np.uint32), locate=False, tenant=tenant)
+        return match.num_tokens
+
+    assert hit(a_tokens, "a") == 8, "A's prompt is back in A's tree"
+    assert hit(b_tokens, "b") == 8
+    assert hit(a_tokens, "b") == 0, "B never hits A's prompt"
+    assert hit(b_tokens, "a") == 0
+    assert hit(a_tokens, None) == 0, "nor does the namespace's own tree hold it"
+    assert hit(op_tokens, None) == 8, "the operator's prompt in the namespace's own tree"
+    assert hit(op_tokens, "a") == 0
