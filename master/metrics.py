@@ -16,6 +16,12 @@ Two kinds of figures:
   they held the event loop, per generation, and the objects frozen at start-up (process-wide
   figures: every master of a process shows the same).
 
+A tenant's token (admin ``/metrics``, :meth:`MasterMetrics.exposition` with ``tenant``) sees its
+own ``kvstore_tenant_*`` series (label ``tenant`` its name) and the cluster facts in
+:data:`TENANT_CLUSTER_FAMILIES` (nodes alive, tier capacity and fill: what ``/api/v1/nodes``
+shows it anyway), nothing else: requests, lookups, the prefix index's figures and every other
+family count all tenants' traffic together, and other tenants' series name them.
+
 Prefix matching: ``kvstore_prefix_match_hit_ratio`` is the master's prefix index's own figure
 (tokens hit / tokens asked, over ``kv_match`` and the admin route's token form), with its counters;
 the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
@@ -23,6 +29,7 @@ the admin route's key-chain form counts blocks in ``kvstore_prefix_chain_*``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +40,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstore import gc_policy, protocol
@@ -116,6 +123,14 @@ _STATS_FIGURES: tuple[tuple[str, str, str, tuple[tuple[str, ...], ...]], ...] = 
     ("kvstore_held_frees", "gauge", "Freed extents held for leases", (("num_held_frees",),)),
 )
 _TIER_COUNTERS = ("evictions", "demotions", "promotions")
+
+
+#: The families a tenant's token sees besides its own ``kvstore_tenant_*`` series: cluster facts
+#: that name no tenant and no key.
+TENANT_CLUSTER_FAMILIES = frozenset(
+    {"kvstore_nodes_alive", "kvstore_tier_capacity_bytes", "kvstore_tier_used_bytes"}
+)
+TENANT_FAMILY_PREFIX = "kvstore_tenant_"
 
 
 def _figure(stats: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> float:
@@ -234,9 +249,33 @@ class MasterMetrics:
         self.prefix_queries.inc(num_queried)
         self.prefix_hits.inc(num_matched)
 
-    def exposition(self) -> bytes:
-        """The registry in Prometheus text format."""
-        return generate_latest(self.registry)
+    def exposition(self, tenant: str | None = None) -> bytes:
+        """The registry in Prometheus text format.
+
+        Args:
+            tenant: None for the operator (every series); a tenant's name for what it may see
+                (see the module's docstring).
+        """
+        if tenant is None:
+            return generate_latest(self.registry)
+        return generate_latest(_TenantSeries(self.registry, tenant))  # type: ignore[arg-type]
+
+
+class _TenantSeries:
+    """The part of a registry one tenant may see (what ``generate_latest`` reads: ``collect``)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self.registry = registry
+        self.tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.name in TENANT_CLUSTER_FAMILIES:
+                yield family
+            elif family.name.startswith(TENANT_FAMILY_PREFIX):
+                own = copy.copy(family)
+                own.samples = [s for s in family.samples if s.labels.get("tenant") == self.tenant]
+                yield own
 
 
 class _ServiceCollector(Collector):

@@ -20,6 +20,12 @@ gets ``OVERLOADED``, 503); the snapshot is written a few thousand block keys at 
 once the subscriber took the one before; a subscriber that takes nothing for
 ``WRITE_TIMEOUT_S`` is dropped. The events name blocks of every tenant's prompts: they need the
 token (when one is set) even where other reads are public (``security.py``).
+
+A tenant's token gets its own view (:func:`tenant_events_stream`, :func:`tenant_events_snapshot`),
+as its connection's ``events`` verb does on the RPC edge (``rpc_tenants.py``): only the events
+and blocks of its own prompt trees, each under its namespace's own digest (the one it knows),
+and of the shared namespaces; its ``namespace`` parameters name its own digests. Its trees are
+looked up again at every read, so a namespace it starts using while subscribed shows up.
 """
 
 from __future__ import annotations
@@ -38,8 +44,9 @@ from kvstore.master.event_ring import (
     Resync,
     event_to_json,
 )
+from kvstore.master.prefix import scoped_digest
 from kvstore.master.rest.fence import FENCE_KEY
-from kvstore.master.rest.state import SERVICE_KEY
+from kvstore.master.rest.state import SERVICE_KEY, open_to_tenants
 from kvstore.master.service import MasterService
 
 #: A comment line this often keeps proxies from closing an idle stream (and finds gone peers).
@@ -142,13 +149,44 @@ def _duration(request: web.Request) -> float:
     return value
 
 
-def snapshot_json(svc: MasterService, namespaces: frozenset[bytes] | None) -> dict[str, Any]:
-    """The snapshot as JSON: ``{epoch, seq, namespaces: {digest hex: [block key hex]}}``."""
-    epoch, seq, keys = svc.prefix.snapshot()
-    out: dict[str, list[str]] = {}
-    for digest, raw in keys.items():
-        if namespaces is None or digest in namespaces:
-            out[digest.hex()] = [raw[i : i + 16].hex() for i in range(0, len(raw), 16)]
+def _trees(
+    svc: MasterService, tenant: str, asked: frozenset[bytes] | None
+) -> tuple[frozenset[bytes], dict[bytes, bytes]]:
+    """The prompt trees ``tenant`` may follow (those of ``asked``, its own namespace digests;
+    None: all of them), and each of its own trees' digest -> the namespace's digest it knows.
+    A shared namespace's tree is the namespace's own (not mapped)."""
+    shared = svc.tenants
+    if asked is None:
+        back = {
+            tree: d
+            for tree, (owner, d) in svc.prefix.scopes.items()
+            if owner == tenant and not shared.is_shared(d)
+        }
+        return frozenset(back) | shared.shared, back
+    back = {scoped_digest(tenant, d): d for d in asked if not shared.is_shared(d)}
+    return frozenset(back) | frozenset(d for d in asked if shared.is_shared(d)), back
+
+
+def _snapshot(
+    svc: MasterService, namespaces: frozenset[bytes] | None, tenant: str | None
+) -> tuple[int, int, list[tuple[bytes, bytes]]]:
+    """(epoch, seq, [(namespace digest, block keys)]): the operator's of every tree, a tenant's
+    of its own trees and the shared ones, under the digests it knows; only ``namespaces``'."""
+    if tenant is None:
+        epoch, seq, keys = svc.prefix.snapshot()
+    else:
+        epoch, seq, keys = svc.prefix.tenant_snapshot(tenant, svc.tenants.shared)
+    wanted = [(d, raw) for d, raw in keys.items() if namespaces is None or d in namespaces]
+    return epoch, seq, wanted
+
+
+def snapshot_json(
+    svc: MasterService, namespaces: frozenset[bytes] | None, tenant: str | None = None
+) -> dict[str, Any]:
+    """The snapshot as JSON: ``{epoch, seq, namespaces: {digest hex: [block key hex]}}``
+    (``tenant``: that tenant's view, see the module's docstring)."""
+    epoch, seq, wanted = _snapshot(svc, namespaces, tenant)
+    out = {d.hex(): [raw[i : i + 16].hex() for i in range(0, len(raw), 16)] for d, raw in wanted}
     return {"epoch": epoch, "seq": seq, "namespaces": out}
 
 
@@ -159,10 +197,15 @@ def _frame(kind: str, data: dict[str, Any], event_id: str | None = None) -> byte
 
 async def events_snapshot(request: web.Request) -> web.Response:
     """``GET /api/v1/events/snapshot``: every indexed block and the position it reflects."""
+    return await tenant_events_snapshot(request, None)
+
+
+async def tenant_events_snapshot(request: web.Request, tenant: str | None) -> web.Response:
+    """``GET /api/v1/events/snapshot`` for ``tenant`` (None: the operator's, every block)."""
     _only_params(request, frozenset({"namespace"}))
     namespaces = parse_namespaces(request)
     svc = request.app[SERVICE_KEY].service
-    return web.json_response(snapshot_json(svc, namespaces))
+    return web.json_response(snapshot_json(svc, namespaces, tenant))
 
 
 async def events_stream(request: web.Request) -> web.StreamResponse:
@@ -170,6 +213,16 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
 
     Raises:
         OverloadedError: ``MAX_STREAMS`` streams are open already.
+    """
+    return await tenant_events_stream(request, None)
+
+
+async def tenant_events_stream(request: web.Request, tenant: str | None) -> web.StreamResponse:
+    """``GET /api/v1/events`` for ``tenant`` (None: the operator's, every event).
+
+    Raises:
+        OverloadedError: ``MAX_STREAMS`` streams are open already (the operator's and the
+            tenants' together).
     """
     _only_params(request, frozenset({"since", "epoch", "namespace", "duration_s"}))
     position = parse_position(request)
@@ -180,7 +233,7 @@ async def events_stream(request: web.Request) -> web.StreamResponse:
         raise OverloadedError(f"{state.max_open} event streams are open: try again later")
     state.num_open += 1
     try:
-        return await _stream(request, position, namespaces, duration)
+        return await _stream(request, position, namespaces, duration, tenant)
     finally:
         state.num_open -= 1
 
@@ -190,6 +243,7 @@ async def _stream(
     position: tuple[int, int | None] | None,
     namespaces: frozenset[bytes] | None,
     duration: float,
+    tenant: str | None,
 ) -> web.StreamResponse:
     app = request.app
     slot = app[SERVICE_KEY]
@@ -221,9 +275,10 @@ async def _stream(
             svc = slot.service  # a new term's service is a new instance: read it each turn
             log_ = svc.events
             if position is None:
-                position = await _write_snapshot(response, svc, namespaces)
+                position = await _write_snapshot(response, svc, namespaces, tenant)
                 continue
-            got = log_.read(position[0], position[1], MAX_EVENTS_PER_CALL, namespaces)
+            trees, back = (namespaces, {}) if tenant is None else _trees(svc, tenant, namespaces)
+            got = log_.read(position[0], position[1], MAX_EVENTS_PER_CALL, trees)
             if isinstance(got, Resync):
                 await _write(
                     response,
@@ -239,7 +294,7 @@ async def _stream(
                 )
                 position = None
                 continue
-            await _write_batch(response, got)
+            await _write_batch(response, got, back)
             position = (got.last_seq, got.epoch)
             if got.events or got.last_seq < log_.last_seq:
                 continue
@@ -259,16 +314,17 @@ async def _write(response: web.StreamResponse, data: bytes) -> None:
 
 
 async def _write_snapshot(
-    response: web.StreamResponse, svc: MasterService, namespaces: frozenset[bytes] | None
+    response: web.StreamResponse,
+    svc: MasterService,
+    namespaces: frozenset[bytes] | None,
+    tenant: str | None,
 ) -> tuple[int, int]:
     """Write the snapshot event a piece at a time (see the module docstring).
 
     Returns:
         The position it reflects: ``(seq, epoch)``.
     """
-    epoch, seq, keys = svc.prefix.snapshot()
-    wanted = [(d, raw) for d, raw in keys.items() if namespaces is None or d in namespaces]
-    del keys
+    epoch, seq, wanted = _snapshot(svc, namespaces, tenant)
     head = f"event: snapshot\nid: {epoch}.{seq}\n"
     await _write(response, f'{head}data: {{"epoch":{epoch},"seq":{seq},"namespaces":{{'.encode())
     step = SNAPSHOT_PIECE_KEYS * 16
@@ -284,10 +340,16 @@ async def _write_snapshot(
     return seq, epoch
 
 
-async def _write_batch(response: web.StreamResponse, batch: EventBatch) -> None:
+async def _write_batch(
+    response: web.StreamResponse, batch: EventBatch, back: dict[bytes, bytes]
+) -> None:
+    """Write a batch's events; ``back`` maps a tenant's tree digests to its namespaces'."""
     if not batch.events:
         return
-    parts = [_frame(ev[1], event_to_json(ev), f"{batch.epoch}.{ev[0]}") for ev in batch.events]
+    events = batch.events
+    if back:
+        events = [(ev[0], ev[1], back.get(ev[2], ev[2]), *ev[3:]) for ev in events]
+    parts = [_frame(ev[1], event_to_json(ev), f"{batch.epoch}.{ev[0]}") for ev in events]
     await _write(response, b"".join(parts))
 
 
@@ -323,3 +385,5 @@ def add_routes(app: web.Application) -> None:
     app.on_shutdown.append(_stop_streams)
     app.router.add_get("/api/v1/events", events_stream)
     app.router.add_get("/api/v1/events/snapshot", events_snapshot)
+    open_to_tenants(app, "GET", "/api/v1/events", tenant_events_stream)
+    open_to_tenants(app, "GET", "/api/v1/events/snapshot", tenant_events_snapshot)

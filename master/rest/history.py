@@ -21,7 +21,7 @@ class History:
     """The last ``window_s`` seconds of samples, one every ``interval_s``.
 
     Args:
-        sample: returns one sample (a flat dict of numbers); called on the event loop.
+        sample: returns one sample (a dict of numbers, perhaps nested); called on the loop.
         interval_s: seconds between samples.
         window_s: how much history to keep.
         wall: wall-clock seconds, stamped on each sample.
@@ -29,14 +29,14 @@ class History:
 
     def __init__(
         self,
-        sample: Callable[[], dict[str, float]],
+        sample: Callable[[], dict[str, Any]],
         interval_s: float,
         window_s: float,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.sample = sample
         self.interval_s = interval_s
-        self.samples: deque[dict[str, float]] = deque(maxlen=max(2, int(window_s / interval_s)))
+        self.samples: deque[dict[str, Any]] = deque(maxlen=max(2, int(window_s / interval_s)))
         self.wall = wall
 
     def take(self) -> None:

@@ -15,7 +15,13 @@ from kvstore.keys import DTYPE_BYTES, HASH_ALGORITHMS
 from kvstore.limits import MAX_KEY_BYTES
 from kvstore.master.rest.event_stream import MAX_STREAMS
 from kvstore.master.rest.routes import CURSOR_PATTERN, MAX_CURSOR_CHARS
-from kvstore.master.rest.security import READ_ONLY_POSTS, TOKEN_ALWAYS, TOKEN_ALWAYS_UNDER
+from kvstore.master.rest.security import (
+    READ_ONLY_POSTS,
+    SAME_FOR_TENANTS,
+    TENANT_ROUTES,
+    TOKEN_ALWAYS,
+    TOKEN_ALWAYS_UNDER,
+)
 from kvstore.master.rest.state import SETTINGS_KEY
 from kvstore.tenants import NAME_RE
 from kvstore.types import NODE_STATES, TIER_ORDER
@@ -350,6 +356,7 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
         for method, op in item.items():
             if "security" in op:
                 continue  # always open (probes)
+            _tenant_rule(path, method, op, secured_writes)
             mutating = method != "get" and path not in READ_ONLY_POSTS
             # (the events need the token whenever one is set: security.TOKEN_ALWAYS)
             always = path in TOKEN_ALWAYS or path.startswith(TOKEN_ALWAYS_UNDER)
@@ -358,6 +365,33 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
                 op["security"] = []
                 op["responses"].pop("401", None)
     return doc
+
+
+_TENANT_VIEW_WORDS = (
+    "A tenant's token may call it and gets its own view: only its own figures, series, "
+    "prompt trees and events, and the cluster facts that name no tenant and no key "
+    "(docs/operating/tenants.md)."
+)
+
+
+def _tenant_rule(path: str, method: str, op: dict[str, Any], tenants_possible: bool) -> None:
+    """Say on ``op`` whether a tenant's token may call it (``x-kvstore-tenant``, and a sentence
+    in its description); one it may not call answers 403 to a tenant. Without a cluster token
+    there are no tenants, and nothing is said."""
+    if not tenants_possible:
+        return
+    route = (method.upper(), path)
+    if route in TENANT_ROUTES:
+        op["x-kvstore-tenant"] = "own-view"
+        rule = _TENANT_VIEW_WORDS
+    elif route in SAME_FOR_TENANTS:
+        op["x-kvstore-tenant"] = "same"
+        rule = "A tenant's token may call it too (the answer is the same for everyone)."
+    else:
+        op["x-kvstore-tenant"] = "forbidden"
+        rule = "The operator's only: a tenant's token gets 403 FORBIDDEN."
+        op["responses"]["403"] = _errors(403)["403"]
+    op["description"] = f"{op['description']} {rule}" if op.get("description") else rule
 
 
 def _document() -> dict[str, Any]:
@@ -369,7 +403,9 @@ def _document() -> dict[str, Any]:
             "description": "Errors are JSON bodies {error: {error_code, name, message}} carrying "
             "kvstore error codes (error_code is not the HTTP status: KEY_NOT_FOUND is 200 in a "
             "404 response). Mutating calls need the cluster token as a bearer token "
-            "when one is configured; reads need it unless the master serves public reads.",
+            "when one is configured; reads need it unless the master serves public reads. "
+            "A tenant's token opens only the reads marked x-kvstore-tenant own-view (its own "
+            "view of them) or same; every other operation answers it 403 FORBIDDEN.",
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

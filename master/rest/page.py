@@ -2,7 +2,10 @@
 
 The page polls the JSON API (``/api/v1/cluster``, ``/api/v1/nodes``, ``/api/v1/history``) and
 draws nodes, tier fill, hit rate and request rate over the last minutes. When the API wants a
-token, the page asks for it and keeps it in the tab's ``sessionStorage`` only.
+token, the page asks for it and keeps it in the tab's ``sessionStorage`` only. Given a tenant's
+token, the same page shows that tenant's view: the JSON it loads is the tenant's own
+(``security.py``: its objects and bytes, hits and misses, the nodes and their capacity; no request
+rate, which is every tenant's together).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The admin API's routes: readiness, metrics, nodes, objects, prefix match, evict, history,
-tenants.
+tenants; and the tenant views of metrics, cluster, history and nodes (``security.py``: a
+tenant's token is answered by these, never by the operator's handlers).
 
 Handlers read the service on the event loop (it is single-threaded) and push anything that
 grows with the number of objects (sorting, filtering) to a thread with ``asyncio.to_thread``.
@@ -26,7 +27,15 @@ from kvstore.errors import (
 from kvstore.keys import Namespace, as_token_array
 from kvstore.limits import MAX_KEY_BYTES, encode_key
 from kvstore.master.metrics import CONTENT_TYPE
-from kvstore.master.rest.state import HISTORY_KEY, METRICS_KEY, SERVICE_KEY, TENANTS_KEY
+from kvstore.master.rest.history import History, history_ctx
+from kvstore.master.rest.state import (
+    HISTORY_KEY,
+    METRICS_KEY,
+    SERVICE_KEY,
+    SETTINGS_KEY,
+    TENANTS_KEY,
+    open_to_tenants,
+)
 from kvstore.master.service import MasterService
 from kvstore.master.table import ObjectMeta
 from kvstore.tenants import prefix_of
@@ -408,8 +417,123 @@ async def list_shared_namespaces(request: web.Request) -> web.Response:
     return web.json_response({"namespaces": [d.hex() for d in request.app[TENANTS_KEY].shared()]})
 
 
+# ------------------------------------------------------------------ a tenant's views
+#: What a tenant sees of a node: cluster facts (which nodes serve it, their state, capacity and
+#: fill, per segment), none of which names a key or a tenant. A field is shown to tenants only
+#: once it is named here: one added to :func:`_node_json` later stays the operator's.
+TENANT_NODE_FIELDS = (
+    "node_id",
+    "address",
+    "state",
+    "last_heartbeat_s_ago",
+    "capacity_bytes",
+    "used_bytes",
+    "segments",
+)
+TENANT_SEGMENT_FIELDS = ("name", "tier", "capacity_bytes", "used_bytes")
+#: A tenant's own figures in its history samples (``TenantQuotas.describe``'s counts).
+_TENANT_SAMPLED = ("num_hits", "num_misses", "num_objects")
+TENANT_HISTORY_KEY = web.AppKey("tenant_history", History)
+
+
+def tenant_node_json(svc: MasterService, node_id: str) -> dict[str, Any]:
+    """:func:`_node_json` cut to :data:`TENANT_NODE_FIELDS` (and its segments likewise)."""
+    full = _node_json(svc, node_id)
+    out = {f: full[f] for f in TENANT_NODE_FIELDS}
+    out["segments"] = [{f: s[f] for f in TENANT_SEGMENT_FIELDS} for s in full["segments"]]
+    return out
+
+
+def _cluster_capacity(svc: MasterService) -> tuple[int, int]:
+    """(capacity, used) bytes over every node's segments."""
+    capacity = used = 0
+    for node in svc.nodes.values():
+        for seg in node.segments.values():
+            capacity += seg.allocator.capacity
+            used += seg.allocator.used_bytes
+    return capacity, used
+
+
+def _tenant_figures(svc: MasterService, tenant: str) -> dict[str, Any]:
+    fig = svc.quotas.describe(tenant)
+    used = fig["used_bytes"]
+    assert isinstance(used, dict), "describe's used_bytes is per tier"
+    out = {name: fig[name] for name in _TENANT_SAMPLED}
+    out["used_bytes"] = sum(used.values())
+    return out
+
+
+def tenant_sample(svc: MasterService) -> dict[str, Any]:
+    """One sample of the tenants' history: the cluster's nodes and capacity, and per tenant its
+    own figures (``O(tenants)``; a view picks its tenant's out)."""
+    capacity, _ = _cluster_capacity(svc)
+    return {
+        "num_nodes": len(svc.nodes),
+        "capacity_bytes": capacity,
+        "tenants": {t: _tenant_figures(svc, t) for t in svc.quotas.tenants()},
+    }
+
+
+async def tenant_metrics(request: web.Request, tenant: str) -> web.Response:
+    """``/metrics`` for a tenant: its own ``kvstore_tenant_*`` series and the cluster facts of
+    ``metrics.TENANT_CLUSTER_FAMILIES``; never another tenant's series."""
+    body = request.app[METRICS_KEY].exposition(tenant)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tenant_cluster(request: web.Request, tenant: str) -> web.Response:
+    """``/api/v1/cluster`` for a tenant: how many nodes serve and their capacity (cluster facts),
+    and its own objects, bytes (every replica) and quotas; nothing of the other tenants, nor the
+    cluster's fill (its own ``used_bytes`` takes that place)."""
+    svc = request.app[SERVICE_KEY].service
+    capacity, _ = _cluster_capacity(svc)
+    own = _tenant_figures(svc, tenant)
+    return web.json_response(
+        {
+            "tenant": tenant,
+            "num_nodes": len(svc.nodes),
+            "capacity_bytes": capacity,
+            "num_objects": own["num_objects"],
+            "used_bytes": own["used_bytes"],
+            "quotas": svc.quotas.describe(tenant)["quotas"],
+        }
+    )
+
+
+async def tenant_history(request: web.Request, tenant: str) -> web.Response:
+    """``/api/v1/history`` for a tenant: per sample, the nodes and capacity and its own hits,
+    misses, objects and bytes (no request counts: those are every tenant's together)."""
+    hist = request.app[TENANT_HISTORY_KEY]
+    zero = dict.fromkeys((*_TENANT_SAMPLED, "used_bytes"), 0)
+    samples = [
+        {
+            "t": s["t"],
+            "num_nodes": s["num_nodes"],
+            "capacity_bytes": s["capacity_bytes"],
+            **s["tenants"].get(tenant, zero),
+        }
+        for s in hist.samples
+    ]
+    return web.json_response({"interval_s": hist.interval_s, "samples": samples})
+
+
+async def tenant_nodes(request: web.Request, tenant: str) -> web.Response:
+    """``/api/v1/nodes`` for a tenant: every node, with :data:`TENANT_NODE_FIELDS` only."""
+    svc = request.app[SERVICE_KEY].service
+    return web.json_response({"nodes": [tenant_node_json(svc, n) for n in sorted(svc.nodes)]})
+
+
+async def tenant_node(request: web.Request, tenant: str) -> web.Response:
+    """``/api/v1/nodes/{node_id}`` for a tenant, as :func:`tenant_nodes` shows it."""
+    svc = request.app[SERVICE_KEY].service
+    node_id = request.match_info["node_id"]
+    if node_id not in svc.nodes:
+        raise KVStoreError(f"no node {node_id[:128]!r}", code=ErrorCode.NODE_NOT_FOUND)
+    return web.json_response(tenant_node_json(svc, node_id))
+
+
 def add_routes(app: web.Application) -> None:
-    """Register every route of this module on ``app``."""
+    """Register every route of this module on ``app``, and its tenant views."""
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/api/v1/history", history)
@@ -428,3 +552,16 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/v1/shared-namespaces", list_shared_namespaces)
     app.router.add_put("/api/v1/shared-namespaces/{digest}", share_namespace)
     app.router.add_delete("/api/v1/shared-namespaces/{digest}", unshare_namespace)
+    open_to_tenants(app, "GET", "/metrics", tenant_metrics)
+    open_to_tenants(app, "GET", "/api/v1/cluster", tenant_cluster)
+    open_to_tenants(app, "GET", "/api/v1/history", tenant_history)
+    open_to_tenants(app, "GET", "/api/v1/nodes", tenant_nodes)
+    open_to_tenants(app, "GET", "/api/v1/nodes/{node_id}", tenant_node)
+    settings = app[SETTINGS_KEY]
+    slot = app[SERVICE_KEY]
+    app[TENANT_HISTORY_KEY] = History(
+        lambda: tenant_sample(slot.service),
+        settings.history_interval_s,
+        settings.history_window_s,
+    )
+    app.cleanup_ctx.append(history_ctx(TENANT_HISTORY_KEY))

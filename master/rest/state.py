@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -39,3 +40,25 @@ SETTINGS_KEY = web.AppKey("settings", AdminConfig)
 HISTORY_KEY = web.AppKey("history", History)
 #: The master's tenants (absent: an app built without them refuses the tenant routes).
 TENANTS_KEY = web.AppKey("tenants", TenantBook)
+
+#: Which POST routes change nothing (a query with a body): the token and the fence treat them
+#: as reads.
+READ_ONLY_POSTS = frozenset({"/api/v1/prefix/match"})
+READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+#: A tenant's view of a route: ``(request, tenant name) -> response``. A tenant's request is
+#: answered by its route's view, never by the operator's handler (``security.py``).
+TenantView = Callable[[web.Request, str], Awaitable[web.StreamResponse]]
+#: ``(method, route pattern) -> view``, filled by the modules that own the routes.
+TENANT_VIEWS_KEY = web.AppKey("tenant_views", dict[tuple[str, str], TenantView])
+
+
+def open_to_tenants(app: web.Application, method: str, route: str, view: TenantView) -> None:
+    """Answer a tenant's ``method route`` (``route`` as registered, e.g.
+    ``/api/v1/nodes/{node_id}``) with ``view``.
+
+    ``security.TENANT_ROUTES`` lists what a tenant may call (a test checks that every route
+    there has its view and no view is left over).
+    """
+    views = app.setdefault(TENANT_VIEWS_KEY, {})
+    views[(method, route)] = view

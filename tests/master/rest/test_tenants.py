@@ -73,7 +73,7 @@ def test_shapes(master: Daemon) -> None:
 def test_operator_token_only(master: Daemon, method: str, path: str, body: object) -> None:
     _, made = call(master, "POST", "/api/v1/tenants", {"name": "acme"})
     assert call(master, method, path, body, token=None)[0] == 401
-    assert call(master, method, path, body, token=made["token"])[0] == 401, "not a tenant's"
+    assert call(master, method, path, body, token=made["token"])[0] == 403, "not a tenant's"
     assert call(master, "GET", "/api/v1/tenants/acme")[0] == 200, "nothing changed"
 
 
