@@ -5,9 +5,21 @@ A tenant's objects are the stored keys in its part of the key space (``kvstore.t
 :func:`~kvstore.tenants.owner_of`); keys of no tenant (the operator's) are never counted here,
 and cost the owners that call in one comparison each (:data:`TENANT_END`).
 
-Also a promotion only moves a tenant's object up where its quota there takes it; re-replication,
-a drain and a watermark's demotion do not ask (they keep what is stored; a tenant they take over
-a quota is then first in line for eviction there, and its next put there frees its own first).
+**Moves.** A move of a tenant's replica *into* a tier counts against its quota there as a put's
+bytes do (pending while the copy is in flight, :meth:`TenantQuotas.move_started`, committed once
+it lands) and asks that quota first (:meth:`TenantQuotas.has_room`):
+
+- a **promotion** goes up only where the quota takes it (else it does not happen: the object
+  stays where it is);
+- a watermark's **demotion** goes to the next lower tier whose quota takes it, skipping full
+  quotas downwards; a **re-replication** (after a node loss) and a **drain** copy into the best
+  tier whose quota takes it, on any node (a drain's copy into its source's tier takes nothing
+  more there: its source leaves as a demotion's does);
+- where no tier's quota takes it, a demotion, a re-replication or a drain **still happens**, into
+  the tier it would have taken without quotas, and is counted there: the rule is that nothing
+  acknowledged is lost, so no copy is ever dropped (and no last copy left unrepaired) for a
+  quota. The tenant is then over its quota there: first in line for eviction in that tier, and
+  its next put there frees its own objects first.
 
 Why the figures are kept as replicas change, not counted when asked: a put of a tenant over its
 quota must know its usage at once, and a scan of the table per put is what the master cannot
@@ -35,7 +47,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvstore.errors import InvalidRequestError
-from kvstore.master.tasks import PURPOSE_DEMOTE
+from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_DRAIN
 from kvstore.tenants import MARK, check_name, owner_of, prefix_of
 from kvstore.types import TIER_RANK
 
@@ -226,6 +238,11 @@ class TenantQuotas:
                 out[name] = OVER if self.charged(name, tier) > quota else WITHIN
         return out
 
+    def has_room(self, tenant: str, tier: str, size: int) -> bool:
+        """Whether ``tenant``'s quota in ``tier`` takes ``size`` more bytes (no quota: yes)."""
+        quota = self.limit(tenant, tier)
+        return quota is None or self.charged(tenant, tier) + size <= quota
+
     def keys_in(self, tenant: str, tier: str) -> list[bytes]:
         """``tenant``'s keys with a replica in ``tier`` (a copy: the caller may free them)."""
         t = self._tenants.get(tenant)
@@ -277,15 +294,15 @@ class TenantQuotas:
             t.pending[tier] -= size
 
     def move_started(self, key: bytes, src: str, dst: str, size: int, purpose: str) -> None:
-        """A move of a replica of ``key`` (a tenant's) from tier ``src`` to ``dst`` was handed
-        out: its new bytes count as being written in ``dst``, and a demotion's as leaving
-        ``src``."""
+        """A move or copy of a replica of ``key`` (a tenant's) from tier ``src`` to ``dst`` was
+        handed out: its new bytes count as being written in ``dst``, and a demotion's or a
+        drain's (the source replica goes once it lands) as leaving ``src``."""
         tenant = owner_of(key)
         if tenant is None:
             return
         t = self._of(tenant)
         t.pending[dst] += size
-        if purpose == PURPOSE_DEMOTE:
+        if purpose in (PURPOSE_DEMOTE, PURPOSE_DRAIN):
             t.leaving[src] += size
 
     def move_ended(
@@ -297,10 +314,10 @@ class TenantQuotas:
         if t is None:
             return
         t.pending[dst] -= size
-        if purpose == PURPOSE_DEMOTE:
+        if purpose in (PURPOSE_DEMOTE, PURPOSE_DRAIN):
             t.leaving[src] -= size
-            if moved:
-                t.num_demotions += 1
+        if moved and purpose == PURPOSE_DEMOTE:
+            t.num_demotions += 1
 
     def evicted(self, key: bytes) -> None:
         """A replica of ``key`` was deleted by eviction (counted for its tenant)."""

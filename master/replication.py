@@ -17,10 +17,12 @@ from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.puts import Puts
+from kvstore.master.quotas import TENANT_END
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DRAIN, PURPOSE_REPLICATE, TASK_GRACE_S, Task, TaskBook
 from kvstore.master.tiering import ordered_segments
+from kvstore.tenants import owner_of
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +76,37 @@ class Replicator:
             self.under.add(obj.key)
 
     # ================================================================ planning
-    def _target(self, obj: ObjectMeta) -> tuple[Node, Segment] | None:
+    def _target(self, obj: ObjectMeta, leaving: str | None = None) -> tuple[Node, Segment] | None:
+        """Where a copy of ``obj`` goes: the fastest tier with room on a node that holds none,
+        among the tiers a tenant's quota takes it into (``leaving``: a drain's source tier,
+        which its copy takes nothing more in); where no such tier has room, the fastest with
+        room whatever the quota (``quotas.py``, Moves: a copy that keeps data safe is never
+        given up for a quota, and is counted)."""
+        quotas = self.space.quotas
+        if obj.key < TENANT_END and quotas.limited:
+            tenant = owner_of(obj.key)
+            if tenant is not None and tenant in quotas.limited:
+                within = self._best_target(
+                    obj,
+                    lambda tier: tier == leaving or quotas.has_room(tenant, tier, obj.size),
+                )
+                if within is not None:
+                    return within
+        return self._best_target(obj, None)
+
+    def _best_target(
+        self, obj: ObjectMeta, takes: Callable[[str], bool] | None
+    ) -> tuple[Node, Segment] | None:
+        """The fastest segment with room for ``obj`` (then the most free bytes) on a node that
+        holds no replica of it, in a tier ``takes`` (None: any)."""
         holders = {r.node_id for r in obj.replicas}
         best: tuple[tuple[int, int], Node, Segment] | None = None
         for node in self.membership.nodes.values():
             if node.node_id in holders or node.draining or node.retired:
                 continue
             for rank, seg in enumerate(ordered_segments(node)):
+                if takes is not None and not takes(seg.tier):
+                    continue
                 if seg.allocator.largest_free >= seg.allocator.reserved_size(obj.size):
                     score = (rank, -seg.allocator.free_bytes)
                     if best is None or score < best[0]:
@@ -121,6 +147,8 @@ class Replicator:
         deadline = now + timeout + TASK_GRACE_S
         self.tasks.add(Task(task_id, purpose, node.node_id, obj.key, src, dst, deadline, wire))
         obj.busy = task_id
+        if obj.key < TENANT_END:  # a tenant's copy counts in its destination tier from now
+            self.space.quotas.move_started(obj.key, src.tier, dst.tier, obj.size, purpose)
 
     def tick(self, now: float) -> None:
         budget = MAX_COPIES_PER_TICK - sum(
@@ -204,7 +232,7 @@ class Replicator:
                 )
                 if replica is None:
                     continue
-                target = self._target(obj)
+                target = self._target(obj, replica.tier)
                 if target is None:
                     if len(obj.replicas) > 1:  # copies live elsewhere already: just drop this one
                         self.space.delete_replica(obj, replica, hold=True)
@@ -230,6 +258,10 @@ class Replicator:
         if same:
             obj.busy = 0
         holders = {r.node_id for r in obj.replicas} if obj is not None else set()
+        if task.key < TENANT_END:  # (its new bytes no longer pending: committed or given up)
+            space.quotas.move_ended(
+                task.key, task.src.tier, task.dst.tier, task.src.size, task.purpose, ok
+            )
         if ok and same and task.dst.node_id not in holders:
             if task.purpose == PURPOSE_DRAIN and obj.swap_replica(task.src, task.dst):
                 space.attach(obj.key, task.dst)

@@ -610,9 +610,26 @@ class TierManager:
                         self.num_evictions += 1
                         if obj.key < TENANT_END:
                             self.quotas.evicted(obj.key)
-                    elif not self._demote(obj, replica, node, lower, now):
+                    elif not self._demote_down(obj, replica, node, segs[i + 1 :], now):
                         break  # the lower tier is full of what it may not evict
                     to_free -= seg.allocator.reserved_size(obj.size)
+
+    def _demote_down(
+        self, obj: ObjectMeta, replica: Replica, node: Node, below: list[Segment], now: float
+    ) -> bool:
+        """Demote ``obj`` into the first segment of ``below`` (the node's lower tiers, fastest
+        first) that a tenant's quota takes, else into the next one down whatever the quota: a
+        demotion is never given up for a quota (``quotas.py``, Moves). Returns whether it was
+        planned."""
+        lower = below[0]
+        if obj.key < TENANT_END and self.quotas.limited:
+            tenant = owner_of(obj.key)
+            if tenant is not None and not self.quotas.has_room(tenant, lower.tier, obj.size):
+                has_room = self.quotas.has_room
+                roomy = next((s for s in below[1:] if has_room(tenant, s.tier, obj.size)), None)
+                if roomy is not None and self._demote(obj, replica, node, roomy, now):
+                    return True
+        return self._demote(obj, replica, node, lower, now)
 
     def _demote(
         self, obj: ObjectMeta, replica: Replica, node: Node, lower: Segment, now: float
