@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidRequestError
-from kvstore.tenants import MARK, owner_of
+from kvstore.tenants import MARK, owner_of, prefix_of
 
 PIN_NONE = 0
 PIN_SOFT = 1
@@ -164,13 +164,15 @@ def lease_owner(keys: Iterable[bytes]) -> str | None:
     operator gives it back, and its leases end at ``lease_s`` (never another tenant's release).
     """
     owner: str | None = None
+    prefix = b""  # the owner's (a slice test per key, not a parse)
     for key in keys:
-        if key[:1] == MARK:
-            tenant = owner_of(key)
+        if key[:1] == MARK and not (prefix and key.startswith(prefix)):
+            if prefix:
+                return None  # a second tenant's key
+            owner = owner_of(key)
             if owner is None:
-                owner = tenant
-            elif tenant != owner:
                 return None
+            prefix = prefix_of(owner)
     return owner
 
 
