@@ -113,8 +113,12 @@ async def auth_middleware(
     tenant = request.app[SERVICE_KEY].service.tenants.resolve(offered) if offered else None
     if tenant is not None:
         return await _tenant_call(request, handler, tenant)
-    if needs_token(request.method, request.path, settings.public_reads):
-        raise UnauthenticatedError("missing or wrong bearer token")
+    # Public reads are for a pool without tenants: once one exists, what an anonymous read
+    # shows (keys, tenants' figures) would cross tenants, so every read needs a token.
+    has_tenants = len(request.app[SERVICE_KEY].service.tenants) > 0
+    if needs_token(request.method, request.path, settings.public_reads and not has_tenants):
+        why = " (the pool has tenants: reads need a token too)" if has_tenants else ""
+        raise UnauthenticatedError("missing or wrong bearer token" + why)
     return await handler(request)
 
 

@@ -230,3 +230,13 @@ def test_a_tenants_writes_and_unopened_routes_are_refused(
             n.pop("last_heartbeat_s_ago")
     assert before == after
     assert call(pool.cluster, "GET", "/api/v1/cluster", SECRET)[1]["num_objects"] == num_objects
+
+
+def test_without_a_token_nothing_is_read_once_tenants_exist(pool: Pool) -> None:
+    """Public reads (on by default) would show every tenant's figures and keys to anyone: with
+    tenants, a call without a token is refused everywhere but the health routes."""
+    for path in ("/metrics", "/api/v1/nodes", "/api/v1/objects", "/api/v1/cluster"):
+        status, answer = call(pool.cluster, "GET", path, None)
+        assert status == 401 and "tenants" in str(answer), (path, answer)
+    assert call(pool.cluster, "GET", "/health", None)[0] == 200
+    assert call(pool.cluster, "GET", "/metrics", SECRET)[0] == 200
