@@ -399,6 +399,16 @@ _TENANT_COUNTERS = (
         "Puts of a tenant refused because its quota could not take them",
         "num_refused_puts",
     ),
+    (
+        "kvstore_tenant_prompt_tokens",
+        "Tokens of a tenant's prompts located for loading (kv_match with locations)",
+        "num_prompt_tokens",
+    ),
+    (
+        "kvstore_tenant_prompt_tokens_served",
+        "Tokens of a tenant's prompts served from the pool (found when located for loading)",
+        "num_served_tokens",
+    ),
 )
 
 

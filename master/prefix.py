@@ -23,12 +23,19 @@ Tenants (``kvstore.tenants``): a tenant's blocks are its own objects (their stor
 the tenant) and its prompts live in a tree of their own, keyed by :func:`scoped_digest` of the
 tenant and the namespace, so one tenant's prompt never matches another's blocks, and their
 events name that scoped digest (the RPC edge shows a tenant its own namespace's digest).
+
+Shared prefixes (``kvstore.tenants.SharedPrefix``): the blocks of a leading token range the
+operator shared are stored as named, in no tenant's part of the key space, whoever wrote them.
+A tenant's tree holds them as the first blocks of its prompts (under their shared keys); and a
+tenant's match also counts the range's blocks the pool holds when its own tree has fewer, so a
+tenant hits a shared system prompt another tenant stored, and never that tenant's blocks after it.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 from collections.abc import Callable, Generator, Set
 from dataclasses import dataclass
 from typing import TypeVar
@@ -40,7 +47,7 @@ from kvstore.keys import BlockKey, Namespace, block_keys
 from kvstore.kvblocks import kv_object_keys, parse_kv_object_key
 from kvstore.master.event_ring import EVENT_MOVED, EVENT_REMOVED, EVENT_STORED, EventLog
 from kvstore.master.radix import RadixIndex
-from kvstore.tenants import owner_of, prefix_of, tenant_key, user_key
+from kvstore.tenants import TenantDirectory, owner_of, prefix_of, tenant_key, user_key
 
 #: Most full blocks one prompt may have in one call (index or match): the work grows with it
 #: (16384 blocks: 256k tokens at block size 16, served in steps).
@@ -116,13 +123,19 @@ class PrefixIndex:
         self.num_hit_tokens = 0
         #: Scoped digest -> (tenant, the namespace's digest), for every tenant tree made.
         self.scopes: dict[bytes, tuple[str, bytes]] = {}
+        #: The tenants' directory (the service's): which blocks are shared prefixes'.
+        self.directory = TenantDirectory()
 
     def _object_keys(
         self, digest: bytes, blocks: list[BlockKey], tenant: str | None
     ) -> list[bytes]:
-        """The stored keys of ``blocks``' objects (a tenant's carry the tenant)."""
+        """The stored keys of ``blocks``' objects (a tenant's carry the tenant, but for the
+        blocks of a shared prefix)."""
         keys = kv_object_keys(digest, blocks)
-        return keys if tenant is None else [tenant_key(tenant, k) for k in keys]
+        if tenant is None:
+            return keys
+        shared = self.directory.shared_keys
+        return [k if k in shared else tenant_key(tenant, k) for k in keys]
 
     def _parse(self, object_key: bytes) -> tuple[bytes, BlockKey] | None:
         """(tree digest, block key) of a stored block object key, a tenant's too."""
@@ -254,11 +267,33 @@ class PrefixIndex:
             if stale is not None:
                 self.forget(stale)  # stale: its object went away without telling us
                 break
+        if tenant is not None:
+            blocks = self._longer_shared(namespace, tokens, blocks, is_committed)
         num_tokens = sum(n for _, n in blocks)
         self.num_queries += 1
         self.num_query_tokens += len(tokens)
         self.num_hit_tokens += num_tokens
         return PrefixMatch(num_tokens, block_size, blocks)
+
+    def _longer_shared(
+        self,
+        namespace: Namespace,
+        tokens: np.ndarray,
+        blocks: list[tuple[bytes, int]],
+        is_committed: Callable[[bytes], bool],
+    ) -> list[tuple[bytes, int]]:
+        """``blocks`` (a tenant's match), or the committed leading blocks of a shared prefix
+        ``tokens`` starts with where those are more (another tenant may have stored them)."""
+        best = blocks
+        bs = namespace.block_size
+        for shared in self.directory.prefixes_of(namespace.digest):
+            n = shared.leading_blocks(tokens)
+            if n * bs <= sum(k for _, k in best):
+                continue
+            run = [(key, bs) for key in itertools.takewhile(is_committed, shared.keys[:n])]
+            if len(run) * bs > sum(k for _, k in best):
+                best = run
+        return best
 
     def forget(self, object_key: bytes, kind: str = EVENT_REMOVED) -> int:
         """Drop a block (and the blocks after it, now unreachable) when its object goes away.
@@ -274,12 +309,18 @@ class PrefixIndex:
         if parsed is None:
             return 0
         digest, block = parsed
-        try:
-            removed = self.radix.remove(digest, BlockKey(block))
-        except KeyNotFoundError:
-            return 0
-        self.events.append(kind, digest, [k for k, _ in removed])
-        return len(removed)
+        trees = [digest]
+        if object_key in self.directory.shared_keys:  # in every tenant's tree that holds it
+            trees += [s for s, (_, d) in self.scopes.items() if d == digest]
+        dropped = 0
+        for tree in trees:
+            try:
+                removed = self.radix.remove(tree, BlockKey(block))
+            except KeyNotFoundError:
+                continue
+            self.events.append(kind, tree, [k for k, _ in removed])
+            dropped += len(removed)
+        return dropped
 
     def moved(self, object_key: bytes, src_tier: str, dst_tier: str) -> None:
         """Record that an indexed block's replica moved between tiers (nothing for others)."""

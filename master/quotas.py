@@ -97,6 +97,8 @@ class _Tenant:
         "num_hits",
         "num_misses",
         "num_refused",
+        "num_prompt_tokens",
+        "num_served_tokens",
     )
 
     def __init__(self) -> None:
@@ -113,6 +115,9 @@ class _Tenant:
         self.num_hits = 0
         self.num_misses = 0
         self.num_refused = 0
+        #: Tokens of the prompts the tenant located for loading, and those found in the pool.
+        self.num_prompt_tokens = 0
+        self.num_served_tokens = 0
 
     def idle(self) -> bool:
         """Nothing to remember: no quota, no bytes, no counts (a dropped tenant's figures go)."""
@@ -126,6 +131,7 @@ class _Tenant:
             or self.num_hits
             or self.num_misses
             or self.num_refused
+            or self.num_prompt_tokens
         )
 
 
@@ -182,6 +188,10 @@ class TenantQuotas:
             mine.num_evictions, mine.num_demotions = t.num_evictions, t.num_demotions
             mine.num_hits, mine.num_misses = t.num_hits, t.num_misses
             mine.num_refused = t.num_refused
+            mine.num_prompt_tokens, mine.num_served_tokens = (
+                t.num_prompt_tokens,
+                t.num_served_tokens,
+            )
         self.limited = {n: dict(lim) for n, lim in earlier.limited.items()}
 
     def limit(self, tenant: str, tier: str) -> int | None:
@@ -218,6 +228,8 @@ class TenantQuotas:
             "num_hits": t.num_hits,
             "num_misses": t.num_misses,
             "num_refused_puts": t.num_refused,
+            "num_prompt_tokens": t.num_prompt_tokens,
+            "num_served_tokens": t.num_served_tokens,
         }
 
     def has_usage(self) -> bool:
@@ -328,6 +340,13 @@ class TenantQuotas:
     def refused(self, tenant: str) -> None:
         """A put of ``tenant`` was refused for its quota."""
         self._of(tenant).num_refused += 1
+
+    def count_prompt(self, tenant: str, num_tokens: int, num_served: int) -> None:
+        """A prompt of ``tenant`` located for loading: ``num_served`` of its ``num_tokens``
+        tokens were found in the pool."""
+        t = self._of(tenant)
+        t.num_prompt_tokens += num_tokens
+        t.num_served_tokens += num_served
 
     def count_reads(self, keys: Sequence[bytes], found: list[object]) -> None:
         """Hits and misses of a read batch with tenant keys: a batch of one tenant's keys (a

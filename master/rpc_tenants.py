@@ -19,6 +19,9 @@ per request).
   the operator shared is stored as named (every tenant's and the operator's), and ``kv_commit``,
   ``kv_match`` and ``events`` of a shared namespace use its own tree, not the tenant's. The check
   is a prefix and a set lookup per key (``TenantDirectory.is_shared_key``).
+* Shared prefixes (``TenantBook.share_prefix``): the blocks of a shared leading token range are
+  stored as named too (the same check), while the prompt stays in the tenant's own tree
+  (``prefix.py``: a tenant's match counts the range's blocks another tenant stored).
 * Lease tokens (``release_leases``, and ``release`` piggybacked on any verb) end only leases the
   tenant's own reads took; another's tokens are answered as unknown ones.
 * ``node_transports`` answers without shm or RDMA: both open a node's whole arena, so a tenant
@@ -212,11 +215,18 @@ def _kv_match(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     tokens = tokens_from_wire(args.get("tokens"))
     scope = None if svc.tenants.is_shared(namespace.digest) else tenant  # shared: its own tree
     match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=scope)
+    if locate:  # a load (a lookup without locations is no serving: it would count twice)
+        svc.quotas.count_prompt(tenant, len(tokens), match.num_tokens)
+    shared = svc.tenants.shared_keys  # a shared prefix's blocks are named as stored
     return {
         "num_tokens": match.num_tokens,
         "block_size": match.block_size,
         "blocks": [
-            [user_key(scope, key), n, result_to_wire(info) if locate else None]
+            [
+                key if key in shared else user_key(scope, key),
+                n,
+                result_to_wire(info) if locate else None,
+            ]
             for (key, n), info in zip(
                 match.blocks, infos or [None] * len(match.blocks), strict=True
             )

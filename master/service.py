@@ -134,8 +134,6 @@ class MasterService:
         #: Tenant quotas and usage per tier (master/quotas.py); the space counts what comes
         #: and goes, the tier manager enforces them.
         self.quotas = TenantQuotas()
-        #: The tenants' token digests (the master's book keeps it current; kept across terms):
-        #: every node gets it in its register and heartbeat replies.
         self.tenants = TenantDirectory()
         #: Per node, the tenant directory version its last heartbeat said it holds.
         self.node_tenant_versions: dict[str, int] = {}
@@ -206,6 +204,17 @@ class MasterService:
         fresh.tenants = self.tenants
         self.events.wake()
         return fresh
+
+    @property
+    def tenants(self) -> TenantDirectory:
+        """The tenants' token digests, shared namespaces and prefixes (the master's book keeps
+        it current; kept across terms): every node gets it in its register and heartbeat
+        replies, and the prefix index maps tenants' blocks with it."""
+        return self.prefix.directory
+
+    @tenants.setter
+    def tenants(self, directory: TenantDirectory) -> None:
+        self.prefix.directory = directory
 
     @property
     def num_reclaimed(self) -> int:
@@ -503,9 +512,7 @@ class MasterService:
             InvalidRequestError: not a list of lease tokens, or over the batch limit (nothing
                 is released).
         """
-        return self.space.release_leases(
-            check_lease_tokens(tokens, self.config.max_batch), tenant
-        )
+        return self.space.release_leases(check_lease_tokens(tokens, self.config.max_batch), tenant)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is committed. Takes no lease and changes nothing."""

@@ -8,16 +8,19 @@ directory in their register and heartbeat replies) take the new one.
 
 Where tenants are kept, so that a master that starts again, or a new HA leader, has them:
 
-* with etcd, each under ``<prefix>/tenants/<name>``, and each shared namespace under
-  ``<prefix>/shared-namespaces/<digest hex>`` (:class:`EtcdTenantStore`), read by every master
-  when it becomes leader;
+* with etcd, each under ``<prefix>/tenants/<name>``, each shared namespace under
+  ``<prefix>/shared-namespaces/<digest hex>`` and each shared prefix under
+  ``<prefix>/shared-prefixes/<name>`` (:class:`EtcdTenantStore`), read by every master when it
+  becomes leader;
 * without, in memory, and in ``--tenants-file`` when given (:class:`FileTenantStore`, the whole
   book as JSON, written to a temporary file and renamed so that a crash leaves the old or the
   new file, never half of one).
 
 The book also keeps the shared namespaces (:meth:`TenantBook.share`): KV namespaces, by digest,
-whose blocks every tenant stores and hits as one (``kvstore.tenants``). They travel in the same
-directory, so the nodes let every tenant's connection use those blocks' grants.
+whose blocks every tenant stores and hits as one (``kvstore.tenants``), and the shared prefixes
+(:meth:`TenantBook.share_prefix`): leading token ranges of one namespace's prompts, whose blocks
+are stored once and hit by every tenant. Both travel in the same directory, so the nodes let
+every tenant's connection use those blocks' grants.
 
 A change is kept first and applied after: when keeping it fails nothing changes here.
 """
@@ -39,6 +42,8 @@ from kvstore.errors import InvalidRequestError, KeyNotFoundError, ObjectExistsEr
 from kvstore.etcd import EtcdStore
 from kvstore.tenants import (
     DIGEST_BYTES,
+    MAX_SHARED_PREFIX_BLOCKS,
+    SharedPrefix,
     TenantDirectory,
     check_name,
     check_namespace_hex,
@@ -54,6 +59,8 @@ TOKEN_BYTES = 32
 MAX_TENANTS = 1024
 #: Most shared namespaces (every node gets the whole set with the tenant directory).
 MAX_SHARED = 1024
+#: Most shared prefixes (their blocks together are bounded too: MAX_SHARED_PREFIX_BLOCKS).
+MAX_PREFIXES = 64
 
 
 def check_quotas(quotas: object, *, allow_null: bool = False) -> dict[str, int | None]:
@@ -144,16 +151,26 @@ class TenantStore(Protocol):
         """Keep ``shared`` after a change to ``changed`` (absent from it: unshared)."""
         ...
 
+    async def load_prefixes(self) -> list[SharedPrefix]:
+        """Every kept shared prefix."""
+        ...
+
+    async def write_prefixes(self, prefixes: Mapping[str, SharedPrefix], changed: str) -> None:
+        """Keep ``prefixes`` after a change to ``changed`` (absent from it: unshared)."""
+        ...
+
 
 class FileTenantStore:
-    """The book as one JSON file (``{"tenants": [...], "shared": [hex, ...]}``; a file without
-    ``shared`` has none), replaced atomically on each change."""
+    """The book as one JSON file (``{"tenants": [...], "shared": [hex, ...], "prefixes":
+    [...]}``; a file without ``shared`` or ``prefixes`` has none), replaced atomically on each
+    change."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         #: The last tenants and shared set kept or loaded: each write writes the whole file.
         self._tenants: list[Tenant] = []
         self._shared: frozenset[bytes] = frozenset()
+        self._prefixes: list[SharedPrefix] = []
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -183,19 +200,36 @@ class FileTenantStore:
         self._shared = frozenset(shared)
         return shared
 
+    async def load_prefixes(self) -> list[SharedPrefix]:
+        raw = self._read().get("prefixes", [])
+        if not isinstance(raw, list):
+            raise InvalidRequestError(f"{self.path}: prefixes must be a list")
+        try:
+            self._prefixes = [SharedPrefix.from_record(r) for r in raw]
+        except InvalidRequestError as err:
+            raise InvalidRequestError(f"{self.path}: {err}") from None
+        return list(self._prefixes)
+
     async def write(self, tenants: Mapping[str, Tenant], changed: str) -> None:
-        self._dump(list(tenants.values()), self._shared)
+        self._dump(list(tenants.values()), self._shared, self._prefixes)
         self._tenants = list(tenants.values())
 
     async def write_shared(self, shared: frozenset[bytes], changed: bytes) -> None:
-        self._dump(self._tenants, shared)
+        self._dump(self._tenants, shared, self._prefixes)
         self._shared = shared
 
-    def _dump(self, tenants: list[Tenant], shared: frozenset[bytes]) -> None:
+    async def write_prefixes(self, prefixes: Mapping[str, SharedPrefix], changed: str) -> None:
+        self._dump(self._tenants, self._shared, list(prefixes.values()))
+        self._prefixes = list(prefixes.values())
+
+    def _dump(
+        self, tenants: list[Tenant], shared: frozenset[bytes], prefixes: list[SharedPrefix]
+    ) -> None:
         body = json.dumps(
             {
                 "tenants": [t.to_record() for t in tenants],
                 "shared": sorted(d.hex() for d in shared),
+                "prefixes": [p.to_record() for p in prefixes],
             },
             indent=1,
         )
@@ -217,6 +251,8 @@ class EtcdTenantStore:
         #: Each shared namespace under its own key, beside the tenants (not under them: a
         #: tenant's name could be any key there).
         self.shared_prefix = f"{prefix}/shared-namespaces/".encode()
+        #: Each shared prefix under its name (its record carries its tokens).
+        self.prefixes_prefix = f"{prefix}/shared-prefixes/".encode()
 
     async def load(self) -> list[Tenant]:
         out = []
@@ -255,6 +291,23 @@ class EtcdTenantStore:
         else:
             await self.store.delete(key)
 
+    async def load_prefixes(self) -> list[SharedPrefix]:
+        out = []
+        for kv in await self.store.get_prefix(self.prefixes_prefix):
+            try:
+                out.append(SharedPrefix.from_record(json.loads(kv.value)))
+            except (InvalidRequestError, ValueError) as err:  # someone else's: never trusted
+                log.warning("ignoring %s in etcd: %s", kv.key[:200], err)
+        return out
+
+    async def write_prefixes(self, prefixes: Mapping[str, SharedPrefix], changed: str) -> None:
+        key = self.prefixes_prefix + changed.encode()
+        prefix = prefixes.get(changed)
+        if prefix is None:
+            await self.store.delete(key)
+        else:
+            await self.store.put(key, json.dumps(prefix.to_record()).encode())
+
 
 class TenantBook:
     """The master's tenants, and the directory of their token digests that serving reads.
@@ -283,6 +336,8 @@ class TenantBook:
         self._tenants: dict[str, Tenant] = {}
         #: The shared namespaces' digests (16 bytes each).
         self._shared: frozenset[bytes] = frozenset()
+        #: The shared prefixes, by name.
+        self._prefixes: dict[str, SharedPrefix] = {}
         #: One change at a time: each is computed from the tenants as they are when it starts
         #: and kept before the next one reads them.
         self._lock = asyncio.Lock()
@@ -308,6 +363,10 @@ class TenantBook:
     def shared(self) -> list[bytes]:
         """The shared namespaces' digests, sorted."""
         return sorted(self._shared)
+
+    def prefixes(self) -> list[SharedPrefix]:
+        """The shared prefixes, by name."""
+        return [self._prefixes[n] for n in sorted(self._prefixes)]
 
     def __contains__(self, name: object) -> bool:
         return name in self._tenants
@@ -410,6 +469,52 @@ class TenantBook:
             await self._apply_shared(self._shared - {digest}, digest)
         return digest
 
+    async def share_prefix(self, name: object, namespace: object, tokens: object) -> SharedPrefix:
+        """Share a leading token range of ``namespace``'s prompts under ``name``: from now on
+        the blocks of any tenant's prompt that starts with it (its full blocks) are stored once,
+        as named, and every tenant's prompt that starts with it hits them; every later block is
+        the writing tenant's own. Sharing the same range under the same name again changes
+        nothing.
+
+        Raises:
+            InvalidRequestError: no cluster token, a bad name, namespace or tokens, too many
+                prefixes or blocks.
+            ObjectExistsError: another range is shared under ``name``.
+        """
+        self._need_cluster_token()
+        prefix = SharedPrefix.make(name, namespace, tokens, self.clock_ms())
+        async with self._lock:
+            old = self._prefixes.get(prefix.name)
+            if old is not None:
+                if old.keys == prefix.keys:
+                    return old
+                raise ObjectExistsError(f"shared prefix {prefix.name!r} exists")
+            if len(self._prefixes) >= MAX_PREFIXES:
+                raise InvalidRequestError(f"at most {MAX_PREFIXES} shared prefixes")
+            blocks = sum(p.num_blocks for p in self._prefixes.values()) + prefix.num_blocks
+            if blocks > MAX_SHARED_PREFIX_BLOCKS:
+                raise InvalidRequestError(
+                    f"shared prefixes may hold {MAX_SHARED_PREFIX_BLOCKS} blocks in all;"
+                    f" this one would make {blocks}"
+                )
+            await self._apply_prefixes({**self._prefixes, prefix.name: prefix}, prefix.name)
+        return prefix
+
+    async def unshare_prefix(self, name: str) -> SharedPrefix:
+        """Make a shared prefix's range private again for new stores and lookups (the blocks
+        stored while shared stay, as the operator's).
+
+        Raises:
+            KeyNotFoundError: no shared prefix of that name.
+        """
+        async with self._lock:
+            old = self._prefixes.get(name)
+            if old is None:
+                raise KeyNotFoundError(f"no shared prefix {str(name)[:64]!r}")
+            rest = {n: p for n, p in self._prefixes.items() if n != name}
+            await self._apply_prefixes(rest, name)
+        return old
+
     async def load(self) -> int:
         """Take the tenants kept in the store (a start, or a new HA leader's term). A record
         that is malformed is logged and skipped.
@@ -422,9 +527,11 @@ class TenantBook:
         async with self._lock:
             loaded = {t.name: t for t in await self.store.load()}
             shared = frozenset(await self.store.load_shared())
+            prefixes = {p.name: p for p in await self.store.load_prefixes()}
             gone = set(self._tenants) - set(loaded)
             self._tenants = loaded
             self._shared = shared
+            self._prefixes = prefixes
             self._publish()
         if self.on_change is not None:
             for name in gone:
@@ -460,10 +567,17 @@ class TenantBook:
         self._shared = shared
         self._publish()
 
+    async def _apply_prefixes(self, prefixes: dict[str, SharedPrefix], changed: str) -> None:
+        """Keep ``prefixes`` (first: a failure changes nothing), then serve with them."""
+        if self.store is not None:
+            await self.store.write_prefixes(prefixes, changed)
+        self._prefixes = prefixes
+        self._publish()
+
     def _publish(self) -> None:
         """Replace the directory with a higher version. Versions follow the wall clock where
         it is ahead, so a new leader's directory is newer than the last leader's that the
         nodes hold."""
         version = max(self.directory.version + 1, self.clock_ms())
         by_digest = {t.digest: t.name for t in self._tenants.values()}
-        self.directory.replace(by_digest, version, self._shared)
+        self.directory.replace(by_digest, version, self._shared, self._prefixes.values())

@@ -197,14 +197,17 @@ class MasterLink:
         if registering and taken.version <= directory.version:
             older = taken.version < directory.version
             same = taken.wire()["digests"] == directory.wire()["digests"]
-            if older or not same or taken.shared != directory.shared:
+            moved = taken.shared != directory.shared or taken.shared_keys != directory.shared_keys
+            if older or not same or moved:
                 directory.version = -1  # (only this thread writes it: take_wire then takes)
         if directory.take_wire(wire):
             log.info(
-                "tenant directory version %d: %d tenant tokens, %d shared namespaces",
+                "tenant directory version %d: %d tenant tokens, %d shared namespaces,"
+                " %d shared prefix blocks",
                 taken.version,
                 len(taken),
                 len(taken.shared),
+                len(taken.shared_keys),
             )
 
     def _say_unreachable(self, exc: BaseException, backoff: float) -> None:

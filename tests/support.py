@@ -224,6 +224,13 @@ def admin_json(base: str, method: str, path: str, body: object = None, token: st
         return json.loads(resp.read())
 
 
+def admin_text(url: str, token: str) -> str:
+    """The text answer of one admin GET of ``url`` (``/metrics``) with a bearer ``token``."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.read().decode()
+
+
 def create_tenant(base: str, operator_token: str, name: str, **quotas: int) -> str:
     """A tenant made on the master whose admin API is ``base``; returns its token (the master
     answers once every live node has taken it)."""

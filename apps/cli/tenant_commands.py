@@ -1,4 +1,5 @@
-"""Tenant commands: ``kvstore tenant create|list|show|set|delete|share|unshare|shared``.
+"""Tenant commands: ``kvstore tenant create|list|show|set|delete|share|unshare|shared`` and
+``share-prefix|unshare-prefix|shared-prefixes``.
 
 A tenant is a part of the pool with its own token and its own part of the key space
 (:mod:`kvstore.tenants`), and optionally a quota of bytes per tier. These commands are the
@@ -16,6 +17,13 @@ Quotas are sizes (``20GiB``, ``512MiB``; :func:`kvstore.limits.parse_size`); ``s
 ``share DIGEST`` marks a KV namespace (its digest, 32 hex characters) shared: every tenant stores
 and hits its blocks as one (``/api/v1/shared-namespaces``); ``unshare`` undoes it, ``shared``
 lists them.
+
+``share-prefix NAME`` shares a leading token range of one namespace's prompts (a system prompt,
+tool definitions; ``/api/v1/shared-prefixes``): its full blocks are stored once and hit by every
+tenant, and every block after it stays the writing tenant's. The namespace is given as a file
+(``Namespace.to_dict()`` as JSON) or computed from the model folder and the engine's block size,
+as the router computes the vLLM connector's; the tokens as a file of token ids (JSON) or a text
+file, tokenized with the model folder's tokenizer as vLLM tokenizes a completion prompt.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ import datetime
 import json
 import sys
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from kvstore.cli.ops import add_admin_flags, admin_client, format_table
 from kvstore.errors import InvalidRequestError
+from kvstore.keys import Namespace
 from kvstore.limits import format_size, parse_size
+from kvstore.router.requests import ModelInfo
 from kvstore.tenants import check_name, check_namespace_hex
 from kvstore.types import TIER_ORDER
 
@@ -37,6 +48,8 @@ from kvstore.types import TIER_ORDER
 PATH = "/api/v1/tenants"
 #: The shared namespaces' resource in the admin API.
 SHARED_PATH = "/api/v1/shared-namespaces"
+#: The shared prefixes' resource in the admin API.
+PREFIXES_PATH = "/api/v1/shared-prefixes"
 #: What ``set --TIER-quota`` takes to remove a quota.
 NO_QUOTA = "none"
 #: The width of the field names of a tenant's printout.
@@ -215,6 +228,109 @@ def cmd_shared(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prefix_namespace(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared prefix's namespace (its ``to_dict`` form), from ``--namespace-file`` or from
+    ``--model-dir`` and ``--block-size`` (the vLLM connector's, as the router computes it)."""
+    if args.namespace_file is not None:
+        raw = json.loads(Path(args.namespace_file).read_text())
+        return Namespace.from_dict(raw).to_dict()
+    if args.model_dir is None or args.block_size is None:
+        raise InvalidRequestError(
+            "give the namespace: --namespace-file, or --model-dir and --block-size"
+        )
+    model = ModelInfo.load({"id": args.model or Path(args.model_dir).name}, args.model_dir)
+    ns = model.namespace(
+        args.block_size,
+        args.kv_cache_dtype,
+        dtype=args.dtype,
+        salt=args.salt,
+        tp_size=args.tp_size,
+    )
+    return ns.to_dict()
+
+
+def _prefix_tokens(args: argparse.Namespace) -> list[int]:
+    """The shared prefix's token ids: ``--tokens-file`` (a JSON list), or ``--text-file``
+    tokenized with ``--model-dir``'s tokenizer, special tokens added (vLLM's completion
+    prompt)."""
+    if args.tokens_file is not None:
+        tokens = json.loads(Path(args.tokens_file).read_text())
+        if not isinstance(tokens, list):
+            raise InvalidRequestError(f"{args.tokens_file}: must hold a JSON list of token ids")
+        return tokens
+    if args.text_file is None or args.model_dir is None:
+        raise InvalidRequestError("give the tokens: --tokens-file, or --text-file and --model-dir")
+    from transformers import AutoTokenizer  # (heavy; only this command needs it)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    return list(tokenizer(Path(args.text_file).read_text())["input_ids"])
+
+
+def _prefix_path(name: str) -> str:
+    return f"{PREFIXES_PATH}/{urllib.parse.quote(check_name(name), safe='')}"
+
+
+def _print_prefix(reply: dict[str, Any], what: str) -> None:
+    print(
+        f"prefix {reply['name']} ({reply['num_tokens']} tokens, {reply['num_blocks']} blocks of"
+        f" namespace {reply['namespace']}) {what}"
+    )
+
+
+def cmd_share_prefix(args: argparse.Namespace) -> int:
+    body = {"namespace": _prefix_namespace(args), "tokens": _prefix_tokens(args)}
+    reply = admin_client(args).call("PUT", _prefix_path(args.name), body)
+    _warn_pending(reply)
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        _print_prefix(reply, "is shared: every tenant stores and hits its blocks")
+    return 0
+
+
+def cmd_unshare_prefix(args: argparse.Namespace) -> int:
+    reply = admin_client(args).call("DELETE", _prefix_path(args.name))
+    _warn_pending(reply)
+    if args.json:
+        print(json.dumps(reply))
+    else:
+        _print_prefix(reply, "is each tenant's own again (new stores and lookups)")
+    return 0
+
+
+def cmd_shared_prefixes(args: argparse.Namespace) -> int:
+    prefixes = admin_client(args).call("GET", PREFIXES_PATH)["prefixes"]
+    if args.json:
+        print(json.dumps(prefixes, indent=2))
+        return 0
+    rows = [
+        [p["name"], p["namespace"], p["model"], str(p["num_tokens"]), str(p["num_blocks"])]
+        for p in prefixes
+    ]
+    print(format_table(["SHARED PREFIX", "NAMESPACE", "MODEL", "TOKENS", "BLOCKS"], rows))
+    return 0
+
+
+def _prefix_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="a-z, 0-9, '-', '_', starting with a letter")
+    p.add_argument(
+        "--namespace-file", metavar="FILE", help="the namespace, Namespace.to_dict() as JSON"
+    )
+    p.add_argument("--model-dir", metavar="DIR", help="the model folder (config and tokenizer)")
+    p.add_argument(
+        "--model", metavar="NAME", help="the served model name (default: the folder's name)"
+    )
+    p.add_argument("--block-size", type=int, metavar="N", help="the engines' --block-size")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the engines' --kv-cache-dtype")
+    p.add_argument("--dtype", default=None, help="the engines' --dtype (default: the config's)")
+    p.add_argument("--salt", default=None, help="the connector's namespace salt, if any")
+    p.add_argument("--tp-size", type=int, default=1, help="the engines' tensor-parallel size")
+    p.add_argument("--tokens-file", metavar="FILE", help="the range's token ids, a JSON list")
+    p.add_argument(
+        "--text-file", metavar="FILE", help="the range's text (tokenized with --model-dir)"
+    )
+
+
 def _quota_args(p: argparse.ArgumentParser, removable: bool) -> None:
     for tier in TIER_ORDER:
         what = "a size like 20GiB" + (f", or {NO_QUOTA} to remove it" if removable else "")
@@ -275,3 +391,20 @@ def add_parsers(sub: Any) -> None:
     p = verbs.add_parser("shared", help="the shared KV namespaces", epilog=epilog)
     add_admin_flags(p)
     p.set_defaults(func=cmd_shared)
+    p = verbs.add_parser(
+        "share-prefix",
+        help="share a leading token range (a system prompt) between every tenant",
+        epilog=epilog,
+    )
+    add_admin_flags(p)
+    _prefix_args(p)
+    p.set_defaults(func=cmd_share_prefix)
+    p = verbs.add_parser(
+        "unshare-prefix", help="make a shared prefix each tenant's own again", epilog=epilog
+    )
+    add_admin_flags(p)
+    p.add_argument("name", metavar="NAME", help="the shared prefix")
+    p.set_defaults(func=cmd_unshare_prefix)
+    p = verbs.add_parser("shared-prefixes", help="the shared prefixes", epilog=epilog)
+    add_admin_flags(p)
+    p.set_defaults(func=cmd_shared_prefixes)

@@ -337,6 +337,63 @@ _SHARED_PATHS: dict[str, Any] = {
     },
 }
 
+_PREFIX = _obj(
+    {
+        "name": _TENANT_NAME,
+        "namespace": _DIGEST_HEX,
+        "model": _STR,
+        "block_size": _INT,
+        "num_tokens": _INT,
+        "num_blocks": _INT,
+        "created_ms": _INT,
+    }
+)
+_PREFIX_CHANGE = _obj(
+    {**_PREFIX["properties"], "shared": {"type": "boolean"}, "nodes_pending": _PENDING}
+)
+_PREFIX_PATH = {
+    "name": "name",
+    "in": "path",
+    "required": True,
+    "description": "the shared prefix's name (a-z, 0-9, - and _)",
+    "schema": _TENANT_NAME,
+}
+#: The shared prefixes' routes: the operator's token always, as the tenants'.
+_PREFIX_PATHS: dict[str, Any] = {
+    "/api/v1/shared-prefixes": {
+        "get": {
+            "summary": "the leading token ranges every tenant shares",
+            "responses": {
+                **_ok(_obj({"prefixes": {"type": "array", "items": _PREFIX}})),
+                **_errors(401),
+            },
+        },
+    },
+    "/api/v1/shared-prefixes/{name}": {
+        "put": {
+            "summary": "share a leading token range of one namespace's prompts (a system"
+            " prompt): its full blocks are stored once and hit by every tenant",
+            "parameters": [_PREFIX_PATH],
+            "requestBody": _json_body(
+                _obj(
+                    {
+                        "namespace": {"type": "object", "description": "Namespace.to_dict()"},
+                        "tokens": {"type": "array", "items": _INT},
+                    },
+                    ["namespace", "tokens"],
+                    strict=True,
+                )
+            ),
+            "responses": {**_ok(_PREFIX_CHANGE), **_errors(400, 401, 409)},
+        },
+        "delete": {
+            "summary": "make a shared prefix each tenant's own again (blocks stored so far stay)",
+            "parameters": [_PREFIX_PATH],
+            "responses": {**_ok(_PREFIX_CHANGE), **_errors(401, 404)},
+        },
+    },
+}
+
 
 def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[str, Any]:
     """The OpenAPI document (a fresh dict each call), for how this master guards itself.
@@ -352,6 +409,7 @@ def document(secured_reads: bool = True, secured_writes: bool = True) -> dict[st
     doc["paths"].update(copy.deepcopy(_EVENT_PATHS))
     doc["paths"].update(copy.deepcopy(_TENANT_PATHS))
     doc["paths"].update(copy.deepcopy(_SHARED_PATHS))
+    doc["paths"].update(copy.deepcopy(_PREFIX_PATHS))
     for path, item in doc["paths"].items():
         for method, op in item.items():
             if "security" in op:

@@ -417,6 +417,32 @@ async def list_shared_namespaces(request: web.Request) -> web.Response:
     return web.json_response({"namespaces": [d.hex() for d in request.app[TENANTS_KEY].shared()]})
 
 
+# ------------------------------------------------------------ shared prefixes (operator only)
+async def share_prefix(request: web.Request) -> web.Response:
+    """Share a leading token range of one namespace's prompts (a system prompt): its blocks
+    are stored once and hit by every tenant; each block after it stays its writer's. Answered
+    once the live nodes took it."""
+    body = await json_body(request, frozenset({"namespace", "tokens"}))
+    if "namespace" not in body or "tokens" not in body:
+        raise InvalidRequestError("give the prefix's 'namespace' and 'tokens'")
+    book = request.app[TENANTS_KEY]
+    prefix = await book.share_prefix(request.match_info["name"], body["namespace"], body["tokens"])
+    pending = await _nodes_take_tenants(request)
+    return web.json_response({**prefix.to_json(), "shared": True, "nodes_pending": pending})
+
+
+async def unshare_prefix(request: web.Request) -> web.Response:
+    """Make a shared prefix's range private to each tenant again (its blocks stay)."""
+    prefix = await request.app[TENANTS_KEY].unshare_prefix(request.match_info["name"])
+    pending = await _nodes_take_tenants(request)
+    return web.json_response({**prefix.to_json(), "shared": False, "nodes_pending": pending})
+
+
+async def list_shared_prefixes(request: web.Request) -> web.Response:
+    book = request.app[TENANTS_KEY]
+    return web.json_response({"prefixes": [p.to_json() for p in book.prefixes()]})
+
+
 # ------------------------------------------------------------------ a tenant's views
 #: What a tenant sees of a node: cluster facts (which nodes serve it, their state, capacity and
 #: fill, per segment), none of which names a key or a tenant. A field is shown to tenants only
@@ -565,3 +591,6 @@ def add_routes(app: web.Application) -> None:
         settings.history_window_s,
     )
     app.cleanup_ctx.append(history_ctx(TENANT_HISTORY_KEY))
+    app.router.add_get("/api/v1/shared-prefixes", list_shared_prefixes)
+    app.router.add_put("/api/v1/shared-prefixes/{name}", share_prefix)
+    app.router.add_delete("/api/v1/shared-prefixes/{name}", unshare_prefix)

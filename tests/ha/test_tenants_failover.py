@@ -1,5 +1,6 @@
-"""Tenants are kept in etcd: a new leader after a failover knows them, their tokens open it
-and its nodes, and their objects are still theirs."""
+"""Tenants are kept in etcd: a new leader after a failover knows them (and the shared
+namespaces and prefixes), their tokens open it and its nodes, and their objects are still
+theirs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from kvstore import protocol
 from kvstore.address import Address
 from kvstore.client import Client
 from kvstore.errors import UnauthenticatedError
+from kvstore.keys import Namespace
 from tests.etcd_harness import etcd, ha_factory  # noqa: F401 - fixtures
 from tests.support import Daemon, admin_json, wait_until
 
@@ -46,6 +48,11 @@ def test_tenants_survive_a_leader_failover(ha_factory, monkeypatch) -> None:  # 
     token = made["token"]
     shared = "ab" * 16  # a namespace digest, in hex
     _admin(old, "PUT", f"/api/v1/shared-namespaces/{shared}")
+    namespace = Namespace(
+        model="m", dtype="float16", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4
+    )
+    body = {"namespace": namespace.to_dict(), "tokens": list(range(9))}
+    _admin(old, "PUT", "/api/v1/shared-prefixes/system", body)
     wait_until(lambda: _puts_work(cluster.url, token), what="the node takes the tenant")
     with Client.connect(cluster.url, timeout=10, token=token) as c:
         c.put("mine", b"acme's bytes")
@@ -54,6 +61,9 @@ def test_tenants_survive_a_leader_failover(ha_factory, monkeypatch) -> None:  # 
     assert new is not old
     assert _admin(new, "GET", "/api/v1/tenants/acme")["quotas"] == {"dram": 1 << 24}
     assert _admin(new, "GET", "/api/v1/shared-namespaces")["namespaces"] == [shared]
+    [prefix] = _admin(new, "GET", "/api/v1/shared-prefixes")["prefixes"]
+    assert (prefix["name"], prefix["num_blocks"]) == ("system", 2)
+    assert prefix["namespace"] == namespace.digest.hex()
     assert _hello(new.field("control"), token).get("tenant") == "acme"
 
     def reads_back() -> bool:

@@ -3,7 +3,6 @@ another's objects by any verb, even with its exact keys."""
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ from kvstore.address import Address
 from kvstore.client import Client, KVCache, Namespace
 from kvstore.errors import ForbiddenError, KeyNotFoundError, KVStoreError, UnauthenticatedError
 from kvstore.tenants import prefix_of
-from tests.support import Cluster, admin_json
+from tests.support import Cluster, admin_json, admin_text
 
 SECRET = "operator-secret-token"
 #: Heartbeats 5x as often: a tenant create is answered once every node confirmed it in one.
@@ -173,11 +172,7 @@ def test_delete_removes_objects_and_closes_connections(pool) -> None:
 
 def tenant_used(cluster: Cluster, tenant: str, tier: str) -> int:
     """The master's ``kvstore_tenant_used_bytes`` for one tenant and tier, from ``/metrics``."""
-    req = urllib.request.Request(
-        cluster.admin + "/metrics", headers={"Authorization": f"Bearer {SECRET}"}
-    )
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        text = resp.read().decode()
+    text = admin_text(cluster.admin + "/metrics", SECRET)
     want = f'kvstore_tenant_used_bytes{{tenant="{tenant}",tier="{tier}"}}'
     for line in text.splitlines():
         if line.startswith(want):
