@@ -163,14 +163,21 @@ def _scope_namespaces(svc: MasterService, args: dict[str, Any], tenant: str) -> 
     args.pop("_asked", None)  # ours alone: a client's own is dropped
     raw, shared = args.get("namespaces"), svc.tenants
     if raw is None:
-        args["namespaces"] = [
-            s
-            for s, (owner, d) in svc.prefix.scopes.items()
-            if owner == tenant and not shared.is_shared(d)
-        ] + sorted(shared.shared)
+        args["namespaces"] = _all_trees(svc, tenant)
     elif isinstance(raw, list) and all(isinstance(d, bytes) and len(d) == 16 for d in raw):
         args["namespaces"] = [d if shared.is_shared(d) else scoped_digest(tenant, d) for d in raw]
         args["_asked"] = raw
+
+
+def _all_trees(svc: MasterService, tenant: str) -> list[bytes]:
+    """Every tree of ``tenant``'s events: its own (but for namespaces shared since), and the
+    shared namespaces'."""
+    shared = svc.tenants
+    return [
+        s
+        for s, (owner, d) in svc.prefix.scopes.items()
+        if owner == tenant and not shared.is_shared(d)
+    ] + sorted(shared.shared)
 
 
 def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
@@ -178,6 +185,9 @@ def _events(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     if asked is not None:
         back = {scoped_digest(tenant, d): d for d in asked}
     else:
+        # Its trees again, now: one it made while the call waited has events in this answer
+        # (the wait's own set predates it; the answer's last_seq must not pass them unread).
+        args["namespaces"] = _all_trees(svc, tenant)
         back = {s: d for s, (owner, d) in svc.prefix.scopes.items() if owner == tenant}
     # (a shared namespace's events name its own digest, which ``get`` leaves as it is)
     answer = events(svc, args)

@@ -16,7 +16,8 @@ from kvstore.keys import block_keys
 from kvstore.kvblocks import kv_object_key
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.poolview import PoolView
-from tests.support import wait_until
+from tests.integration.test_tenants import QUICK, SECRET
+from tests.support import create_tenant, wait_until
 
 BS = 16
 NS = Namespace(
@@ -117,6 +118,44 @@ def test_the_event_view_counts_what_the_index_answers_after_stores_removes_evict
     assert metrics.registry.get_sample_value(
         "kvstore_router_pool_view_events_total", {"kind": "stored"}
     )
+
+
+def test_a_routers_view_with_a_tenants_token_counts_that_tenants_prompts_only(
+    cluster_factory, tmp_path
+) -> None:
+    """A router run with a tenant's token (one router per tenant) follows that tenant's prompts
+    under the namespace's own digest, as its engines' connector looks them up, and never counts
+    another tenant's."""
+    token_file = tmp_path / "token"
+    token_file.write_text(SECRET)
+    flags = ("--token-file", str(token_file))
+    cluster = cluster_factory(
+        num_nodes=2, dram="64MiB", master_args=(*flags, *QUICK), node_args=flags
+    )
+    acme = create_tenant(cluster.admin, SECRET, "acme")
+    bolt = create_tenant(cluster.admin, SECRET, "bolt")
+    view = PoolView(
+        lambda: EventStream(cluster.address, token=acme, wait_s=1.0, retry_s=2.0),
+        RouterMetrics.create(),
+    )
+    view.start()
+    try:
+        with (
+            Client.connect(cluster.address, token=acme) as a,
+            Client.connect(cluster.address, token=bolt) as b,
+        ):
+            kv_a, kv_b = KVCache(a, NS), KVCache(b, NS)
+            wait_until(lambda: view.state == "synced", timeout=20, what="view synced")
+            kv_a.store(prompt(0), layers_for(prompt(0)))
+            kv_b.store(prompt(1), layers_for(prompt(1)))
+            kv_b.store(prompt(0), layers_for(prompt(0)))  # the same prompt: B's own blocks
+            assert_view_equals_index(view, kv_a, a, [prompt(0), prompt(1)])
+            assert view.count_blocks(D, block_keys(NS, prompt(0))) == 4
+            assert view.count_blocks(D, block_keys(NS, prompt(1))) == 0
+            kv_a.close()
+            kv_b.close()
+    finally:
+        view.close()
 
 
 def test_a_view_too_far_behind_resyncs_from_the_snapshot_and_counts_right(cluster_factory) -> None:
