@@ -13,6 +13,7 @@ One module per command group:
 * :mod:`~kvstore.cli.objects`: ``get``, ``put``, ``ls``, ``rm`` (the pool by hand, through the SDK);
 * :mod:`~kvstore.cli.tenant_commands`: ``tenant create|list|show|set|delete`` (the admin REST API);
 * :mod:`~kvstore.cli.inference`: ``demo``, ``proxy``, ``router``, ``engine``, ``model``;
+* :mod:`~kvstore.cli.testbed`: ``testbed up|down`` (hosts as network namespaces, racks);
 * ``replay``: registered by :mod:`kvstore.replay.cli`, next to the replay it drives.
 """
 
@@ -24,7 +25,15 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvstore.cli import daemon_config, daemons, inference, objects, ops, tenant_commands
+from kvstore.cli import (
+    daemon_config,
+    daemons,
+    inference,
+    objects,
+    ops,
+    tenant_commands,
+    testbed,
+)
 from kvstore.cli.common import Parser, os_error_text, port_in_use_text
 from kvstore.env import LOG_LEVELS, Env
 from kvstore.errors import KVStoreError
@@ -73,6 +82,7 @@ def build_parser(env: Env | None = None) -> Parser:
     ops.add_parsers(sub)
     objects.add_parsers(sub)
     tenant_commands.add_parsers(sub)
+    testbed.add_parsers(sub)
     replay_cli.add_parser(sub)
     return parser
 
