@@ -190,6 +190,8 @@ class Testbed:
         TestbedError: namespaces, veth pairs or ``tc`` are not available (not root).
     """
 
+    __test__ = False  # not a pytest test class, whatever its name
+
     def __init__(
         self,
         num_hosts: int = 4,
@@ -535,6 +537,8 @@ def remove_leftovers(force: bool = False) -> list[str]:
 @dataclass
 class TestbedCluster:
     """What ``kvstore testbed up`` starts: etcd, masters and nodes, each on its own host."""
+
+    __test__ = False
 
     etcd: Daemon | None
     masters: list[Daemon]
