@@ -58,7 +58,7 @@ PREFIX = "kvtb-"
 STATE_DIR = Path("/run/kvstore-testbed")
 SHM_BASE = Path("/dev/shm")
 #: Fixed ports: every host has its own network namespace, so they never collide.
-MASTER_PORT, ADMIN_PORT, NODE_PORT, ETCD_PORT, ETCD_PEER_PORT = 7700, 7701, 7800, 2379, 2380
+MASTER_PORT, NODE_PORT, ETCD_PORT, ETCD_PEER_PORT = 7700, 7800, 2379, 2380
 #: Seconds a daemon has to print its ready line.
 READY_TIMEOUT_S = 60.0
 
@@ -394,19 +394,25 @@ class Testbed:
         proc.wait_for(r"ready to serve client requests|serving client traffic")
         return Daemon(proc, {"endpoint": f"{host.address}:{ETCD_PORT}"})
 
-    def start_master(self, host: Host, *extra: str, etcd: str | None = None) -> Daemon:
-        """A master on ``host`` at ``HOST:7700`` (admin ``:7701``); ``etcd``: join its HA group."""
-        args = ["master", "--host", host.address, "--port", str(MASTER_PORT),
-                "--admin-port", str(ADMIN_PORT)]  # fmt: skip
+    def start_master(
+        self, host: Host, *extra: str, etcd: str | None = None, port: int = MASTER_PORT
+    ) -> Daemon:
+        """A master on ``host`` at ``HOST:port`` (admin ``port + 1``); ``etcd``: join its HA
+        group."""
+        args = ["master", "--host", host.address, "--port", str(port),
+                "--admin-port", str(port + 1)]  # fmt: skip
         if etcd:
             args += ["--etcd", etcd, "--advertise-host", host.address]
         return self.kvstore(host, [*args, *extra], r"kvstore master ready")
 
-    def start_node(self, host: Host, master: str, *extra: str, dram: str = "256MiB") -> Daemon:
-        """A storage node on ``host`` (``HOST:7800``), with the topology flags where the node
+    def start_node(
+        self, host: Host, master: str, *extra: str, dram: str = "256MiB", port: int = NODE_PORT
+    ) -> Daemon:
+        """A storage node on ``host`` (``HOST:port``), with the topology flags where the node
         has them (``--host-id``, ``--rack``)."""
-        args = ["node", "--master", master, "--host", host.address, "--port", str(NODE_PORT),
-                "--dram", dram, "--data-dir", str(self.work_dir / host.name / "node")]  # fmt: skip
+        data_dir = self.work_dir / host.name / f"node-{port}"
+        args = ["node", "--master", master, "--host", host.address, "--port", str(port),
+                "--dram", dram, "--data-dir", str(data_dir)]  # fmt: skip
         args += topology_flags(host)
         return self.kvstore(host, [*args, *extra], r"kvstore node ready")
 
