@@ -135,8 +135,13 @@ NODE_STATES = ("active", "draining", "retired")
 TIER_HBM = "hbm"
 TIER_DRAM = "dram"
 TIER_NVME = "nvme"
-TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME)
+#: Files on a shared file system path (``kvstore.node.shared``): outlives every node.
+TIER_SHARED = "shared"
+TIER_ORDER = (TIER_HBM, TIER_DRAM, TIER_NVME, TIER_SHARED)
 TIER_RANK = {t: i for i, t in enumerate(TIER_ORDER)}
+#: Tiers whose replica offsets are ids the master never reuses for the segment (the node stores
+#: whole objects under them), not byte positions: nothing to fence or claim by byte range.
+TIERS_BY_ID = frozenset((TIER_NVME, TIER_SHARED))
 
 
 def node_state(draining: bool, retired: bool) -> str:

@@ -25,7 +25,7 @@ from kvstore.master.allocator import OffsetAllocator, SpaceAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.config import MasterConfig
 from kvstore.master.table import Replica
-from kvstore.types import TIER_NVME, TIER_RANK, Location, SegmentSpec, node_state
+from kvstore.types import TIER_RANK, TIERS_BY_ID, Location, SegmentSpec, node_state
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +198,9 @@ class Node:
 
 
 def make_allocator(tier: str, capacity: int) -> SpaceAllocator:
-    """The allocator of a segment: ids under a byte budget on NVMe (lmdb places values
-    itself), byte extents elsewhere."""
-    return ByteBudget(capacity) if tier == TIER_NVME else OffsetAllocator(capacity)
+    """The allocator of a segment: ids under a byte budget on NVMe and the shared tier (lmdb
+    and the file system place values themselves), byte extents elsewhere."""
+    return ByteBudget(capacity) if tier in TIERS_BY_ID else OffsetAllocator(capacity)
 
 
 def make_segment(spec: SegmentSpec) -> Segment:

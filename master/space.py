@@ -23,7 +23,7 @@ from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.quotas import TENANT_END, TenantQuotas
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
-from kvstore.types import TIER_NVME
+from kvstore.types import TIERS_BY_ID
 
 
 class Space:
@@ -193,7 +193,7 @@ class Space:
         fences = [
             (replica, until)
             for until, replica in self.deferred.held_until(node)
-            if node.segments[replica.segment].tier != TIER_NVME
+            if node.segments[replica.segment].tier not in TIERS_BY_ID
         ]
         for obj in objs:
             until = self.hold_until(obj, now)
@@ -201,7 +201,8 @@ class Space:
                 fences.extend(
                     (r, until)
                     for r in obj.replicas
-                    if r.node_id == node.node_id and node.segments[r.segment].tier != TIER_NVME
+                    if r.node_id == node.node_id
+                    and node.segments[r.segment].tier not in TIERS_BY_ID
                 )
         if fences:
             self.fenced[node.node_id] = (max(u for _, u in fences), fences)
@@ -227,7 +228,7 @@ class Space:
         now = self.clock()
         for replica, until in self.fenced.pop(node.node_id, (0.0, []))[1]:
             seg = node.segments.get(replica.segment)
-            if until <= now or seg is None or seg.tier == TIER_NVME:
+            if until <= now or seg is None or seg.tier in TIERS_BY_ID:
                 continue
             if seg.allocator.allocate_at(replica.offset, replica.size):
                 self.deferred.hold(until, node, replica)

@@ -23,6 +23,7 @@ from kvstore.node.arena import ShmArena, default_arena_path, reclaim_stale_arena
 from kvstore.node.hbm import open_hbm
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.server import DataServer
+from kvstore.node.shared import SharedTier, check_name
 from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.node.tiers import Tier
 from kvstore.processes import ready_line
@@ -89,6 +90,10 @@ class NodeDaemonConfig:
     data_dir: Path
     nvme_bytes: int = 0
     hbm_bytes: int = 0
+    #: The shared-file-system tier (``kvstore.node.shared``): its path, size and namespace.
+    shared_dir: Path | None = None
+    shared_bytes: int = 0
+    shared_namespace: str = "default"
     token: auth.Token | None = None
     admin_port: int | None = None
     public_reads: bool = True
@@ -101,6 +106,9 @@ class NodeDaemonConfig:
             raise InvalidRequestError("--dram must be > 0")
         if self.nvme_bytes < 0 or self.hbm_bytes < 0:
             raise InvalidRequestError("--nvme and --hbm must be >= 0")
+        if self.shared_bytes < 0 or (self.shared_bytes > 0) != (self.shared_dir is not None):
+            raise InvalidRequestError("--shared SIZE > 0 and --shared-dir PATH go together")
+        check_name("--shared-namespace", self.shared_namespace)
         for name in ("port", "admin_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
@@ -130,6 +138,11 @@ class StorageNode:
         if nvme_bytes:
             nvme = NvmeTier(data_dir / "nvme", nvme_bytes)
             tiers[nvme.segment] = nvme
+        if options.shared_dir is not None:
+            shared = SharedTier(
+                options.shared_dir, options.shared_namespace, self.node_id, options.shared_bytes
+            )
+            tiers[shared.segment] = shared
         self.tiers = tiers
         arena_path = default_arena_path(self.node_id, data_dir)
         reclaim_stale_arenas(arena_path.parent)

@@ -34,7 +34,7 @@ from kvstore.errors import (
 )
 from kvstore.node.tiers import checksum_of
 from kvstore.stored_object import StoredObject
-from kvstore.types import TIER_NVME, Location, result_from_wire
+from kvstore.types import TIERS_BY_ID, Location, result_from_wire
 
 if TYPE_CHECKING:
     from kvstore.node.server import DataServer
@@ -133,9 +133,9 @@ def _claim_destinations(
 ) -> list[tuple[int, StoredObject, memoryview]]:
     """Claim each byte-addressed destination for its task's new allocation before storing, so
     no write grant of an earlier allocation of those bytes can land on them afterwards (see
-    ``kvstore.node.claims.WriteClaims``). NVMe destinations are fresh ids: nothing to fence."""
+    ``kvstore.node.claims.WriteClaims``). NVMe and shared destinations are fresh ids: nothing to fence."""
     tier = server.tiers.get(segment)
-    if tier is not None and tier.tier == TIER_NVME:
+    if tier is not None and tier.tier in TIERS_BY_ID:
         return batch
     kept = []
     for i, obj, data in batch:

@@ -48,7 +48,7 @@ from kvstore.errors import (
 )
 from kvstore.node import claims
 from kvstore.stored_object import StoredObject
-from kvstore.types import TIER_NVME, result_to_wire
+from kvstore.types import TIERS_BY_ID, result_to_wire
 
 if TYPE_CHECKING:
     from kvstore.node.server import DataServer, VerbHandler
@@ -216,7 +216,7 @@ def plan_write_item(
         if type(checksum) is not int:
             raise InvalidRequestError("checksum must be an integer")
         if view is None:  # (bytes buffered, stored after the payload: no stream to fence)
-            item.by_id = server.tiers[grant.segment].tier == TIER_NVME  # (NVMe: ids)
+            item.by_id = server.tiers[grant.segment].tier in TIERS_BY_ID  # (NVMe, shared: ids)
         else:
             item.dest = view[start : start + length]
         item.grant = grant

@@ -110,6 +110,9 @@ def cmd_node(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         nvme_bytes=parse_size(args.nvme),
         hbm_bytes=parse_size(args.hbm),
+        shared_dir=Path(args.shared_dir) if args.shared_dir else None,
+        shared_bytes=parse_size(args.shared),
+        shared_namespace=args.shared_namespace,
         token=auth.load_token(args.token_file),
         admin_port=args.admin_port,
         public_reads=args.public_reads,
@@ -130,6 +133,7 @@ async def _up(args: argparse.Namespace) -> int:
     # Checked here, before anything starts: the node child would only fail on them later.
     parse_size(args.dram)
     parse_size(args.nvme)
+    parse_size(args.shared)
     # The node child reads the same env / token file.
     options = master_options(args, derived_port(args.port, args.admin_port, 1), Env.read())
     node_port = derived_port(args.port, args.node_port, 2)
@@ -192,6 +196,7 @@ def node_argv(
         args.dram,
         "--nvme",
         args.nvme,
+        *_shared_flags(args),
         "--data-dir",
         str(data_dir / "node-0"),
         *(["--token-file", str(Path(args.token_file).resolve())] if args.token_file else []),
@@ -279,6 +284,37 @@ async def _exited(proc: asyncio.subprocess.Process, timeout: float) -> bool:
 
 def cmd_up(args: argparse.Namespace) -> int:
     return int(run_loop(_up(args)))
+
+
+def _add_shared_flags(p: argparse.ArgumentParser) -> None:
+    """The shared-file-system tier's flags (``kvstore node`` and ``kvstore up``)."""
+    p.add_argument(
+        "--shared-dir",
+        default=None,
+        help="shared file system path (3FS, NFS, Lustre mount) for a tier below NVMe; "
+        "objects there outlive every node",
+    )
+    p.add_argument("--shared", default="0", help="shared tier size (with --shared-dir)")
+    p.add_argument(
+        "--shared-namespace",
+        default="default",
+        help="folder under --shared-dir; clusters given the same path and namespace find "
+        "each other's objects",
+    )
+
+
+def _shared_flags(args: argparse.Namespace) -> list[str]:
+    """``kvstore up``'s shared-tier flags, passed on to its node (the path made absolute)."""
+    if not args.shared_dir:
+        return []
+    return [
+        "--shared-dir",
+        str(Path(args.shared_dir).resolve()),
+        "--shared",
+        args.shared,
+        "--shared-namespace",
+        args.shared_namespace,
+    ]
 
 
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
@@ -371,6 +407,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", required=True, help="where the node keeps its id and files")
     p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size under --data-dir; 0: none")
     p.add_argument("--hbm", default="0", help="GPU memory tier size where a GPU exists; 0: none")
+    _add_shared_flags(p)
     p.add_argument(
         "--admin-port", type=int, default=0, help="REST port for /health and /metrics (0: any)"
     )
@@ -393,6 +430,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dram", default="512MiB", help="the node's DRAM arena size, e.g. 4GiB")
     p.add_argument("--nvme", default="0", help="NVMe (lmdb) tier size; 0: none")
+    _add_shared_flags(p)
     p.add_argument("--data-dir", default=".kvstore-data", help="where the node keeps its files")
     p.add_argument("--shm", action="store_true", help=SHM_HELP)
     _add_master_flags(p)

@@ -171,7 +171,9 @@ def cmd_set(args: argparse.Namespace) -> int:
     quotas = _quota_flags(args, allow_none=True)
     if not quotas:
         raise InvalidRequestError(
-            "give at least one of --hbm-quota, --dram-quota, --nvme-quota (a size, or none)"
+            "give at least one of "
+            + ", ".join(f"--{tier}-quota" for tier in TIER_ORDER)
+            + " (a size, or none)"
         )
     reply = admin_client(args).call("PATCH", path, {"quotas": quotas})
     if args.json:

@@ -122,7 +122,7 @@ def test_create_list_show_set_delete(master: tuple[Daemon, Path]) -> None:
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split() == [
-        "TENANT", "HBM", "QUOTA", "DRAM", "QUOTA", "NVME", "QUOTA", "CREATED",
+        "TENANT", "HBM", "QUOTA", "DRAM", "QUOTA", "NVME", "QUOTA", "SHARED", "QUOTA", "CREATED",
     ]  # fmt: skip
     rows = {line.split()[0]: line for line in lines[2:]}
     assert sorted(rows) == ["acme", "bolt"]

@@ -137,7 +137,7 @@ def test_quotas_are_checked_and_replaced_whole(clock: FakeClock) -> None:
     assert q.limit("acme", "nvme") is None, "a tier left out is unlimited"
     q.drop_tenant("acme")
     assert q.describe("acme")["quotas"] == {} and not q.limited
-    assert q.usage("nobody") == {"hbm": 0, "dram": 0, "nvme": 0}
+    assert q.usage("nobody") == {"hbm": 0, "dram": 0, "nvme": 0, "shared": 0}
 
 
 # ---------------------------------------------------------------- usage kept exact
@@ -163,7 +163,7 @@ def test_usage_follows_puts_overwrites_removes_revokes_and_timeouts(clock: FakeC
     assert svc.reclaim_expired_puts() == 1
     check_exact(svc)
     assert svc.quotas.usage("acme")["dram"] == 3 * OBJ + OBJ // 2
-    assert svc.quotas.usage("nobody") == {"hbm": 0, "dram": 0, "nvme": 0}
+    assert svc.quotas.usage("nobody") == {"hbm": 0, "dram": 0, "nvme": 0, "shared": 0}
 
 
 def test_usage_follows_demotions_promotions_and_a_node_s_death(clock: FakeClock) -> None:
@@ -191,7 +191,7 @@ def test_usage_follows_demotions_promotions_and_a_node_s_death(clock: FakeClock)
     svc.expire_nodes()  # both nodes silent: declared dead, their replicas gone
     assert not svc.nodes
     check_exact(svc)
-    assert svc.quotas.usage("acme") == {"hbm": 0, "dram": 0, "nvme": 0}
+    assert svc.quotas.usage("acme") == {"hbm": 0, "dram": 0, "nvme": 0, "shared": 0}
 
 
 # ---------------------------------------------------------------- a tenant over its quota
