@@ -13,7 +13,8 @@ get their placement from :meth:`TierManager.placer` (so they need not import thi
 - **Background eviction** (``tick``): a segment above its high watermark is brought down to its
   low watermark. Victims are demoted one tier down on the same node (a ``move`` task: the node
   copies, the master switches the replica when the node reports success, and frees the old space
-  only once no lease covers it); from the last tier they are deleted.
+  only once no lease covers it), or further down when that tier is full and a lower one has
+  room (a full NVMe over the shared tier); from the last tier they are deleted.
 - **Promotion**: an object read ``promote_after_hits`` times while it lives only below DRAM is
   moved up one tier when that tier has room under its high watermark (and, for a tenant's
   object, under the tenant's quota there).
@@ -114,6 +115,11 @@ class TierConfig:
             if t == tier:
                 return high, low
         return self.high_watermark, self.low_watermark
+
+
+def _short(seg: Segment, size: int) -> bool:
+    """Whether ``seg`` has no free extent for ``size`` bytes now."""
+    return seg.allocator.largest_free < seg.allocator.reserved_size(size)
 
 
 def _check_marks(tier: str, high: object, low: object) -> None:
@@ -629,6 +635,13 @@ class TierManager:
                 roomy = next((s for s in below[1:] if has_room(tenant, s.tier, obj.size)), None)
                 if roomy is not None and self._demote(obj, replica, node, roomy, now):
                     return True
+        if _short(lower, obj.size):
+            # NOTE: the next tier is full: a tier further down with room (the shared tier under
+            # a full NVMe) takes the object rather than the next tier losing its victims.
+            roomy = next((s for s in below[1:] if not _short(s, obj.size)), None)
+            if roomy is not None:
+                self._move(obj, replica, node, roomy, PURPOSE_DEMOTE, now)
+                return True
         return self._demote(obj, replica, node, lower, now)
 
     def _demote(
