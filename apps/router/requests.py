@@ -179,6 +179,51 @@ def answer_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
+def truncation(
+    body: dict[str, Any], max_model_len: int, tokenizer_side: str | None
+) -> slice | None:
+    """The slice of the prompt's tokens the engine keeps when the request asks vLLM to truncate
+    it (``truncate_prompt_tokens``: that many tokens, ``-1`` the context length less one; from
+    the ``truncation_side``, else the tokenizer's: ``left`` keeps the last, ``right`` the
+    first), as vLLM's renderer computes it. None: no truncation.
+
+    Args:
+        body: the request body.
+        max_model_len: the model's context length (0: unknown).
+        tokenizer_side: the tokenizer's own ``truncation_side``.
+
+    Raises:
+        RequestError: 400, a value vLLM refuses (not an integer >= -1, over the context
+            length, zero: no prompt left, an unknown side).
+    """
+    keep = body.get("truncate_prompt_tokens")
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < -1 or keep == 0:
+        raise RequestError(
+            400,
+            "truncate_prompt_tokens must be a positive integer, or -1 for the context length",
+            param="truncate_prompt_tokens",
+        )
+    if max_model_len and keep > max_model_len:
+        raise RequestError(
+            400,
+            f"truncate_prompt_tokens={keep} cannot be greater than the model's maximum context"
+            f" length of {max_model_len} tokens",
+            param="truncate_prompt_tokens",
+        )
+    side = body.get("truncation_side") or tokenizer_side or "right"
+    if side not in ("left", "right"):
+        raise RequestError(
+            400, "truncation_side must be 'left' or 'right'", param="truncation_side"
+        )
+    if keep == -1:
+        if not max_model_len:
+            return None
+        keep = max_model_len - 1  # (vLLM holds one token of context back for the answer)
+    return slice(-keep, None) if side == "left" else slice(0, keep)
+
+
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Check a chat request's ``messages``.
 

@@ -27,6 +27,7 @@ from .requests import (
     check_prompt_length,
     parse_body,
     prompt_tokens,
+    truncation,
 )
 from .state import NO_ENGINE_RETRY_S, STATE, RouterState, no_engine
 from .steps import CLIENT_GONE, STREAM_BROKEN, Ticket, answer_step, fallback_order, prefill_step
@@ -66,6 +67,8 @@ class _Prompt:
     model: ModelInfo
     tokens: list[int]
     limit: int | None
+    #: The prompt's tokens before the truncation it asked for (None: not truncated).
+    truncated_from: int | None = None
 
 
 async def _read_prompt(state: RouterState, request: web.Request, outcome: _Outcome) -> _Prompt:
@@ -87,6 +90,14 @@ async def _read_prompt(state: RouterState, request: web.Request, outcome: _Outco
     tokenizer = await state.tokenizer(model)
     tokens = await asyncio.to_thread(prompt_tokens, kind, body, tokenizer)
     limit = answer_tokens(body)
+    cut = truncation(body, model.max_model_len, getattr(tokenizer, "truncation_side", None))
+    truncated_from = None
+    if cut is not None and len(tokens[cut]) < len(tokens):
+        # The engine truncates the same way (vLLM's renderer) and caps the answer to the
+        # context left, so the check below is on what it will compute.
+        truncated_from, tokens = len(tokens), tokens[cut]
+        if limit is not None and model.max_model_len:
+            limit = min(limit, model.max_model_len - len(tokens))
     if model.max_model_len and (
         len(tokens) >= model.max_model_len
         or (limit is not None and len(tokens) + limit > model.max_model_len)
@@ -97,7 +108,7 @@ async def _read_prompt(state: RouterState, request: web.Request, outcome: _Outco
             f"you requested {len(tokens) + (limit or 0)} tokens ({len(tokens)} in the "
             f"messages, {limit or 0} in the completion).",
         )
-    return _Prompt(body, priority, slo, model, tokens, limit)
+    return _Prompt(body, priority, slo, model, tokens, limit, truncated_from)
 
 
 async def _choose(
@@ -168,6 +179,8 @@ async def _run_steps(
         "x-kvstore-prefill-engine": first.url,
         "x-kvstore-policy": state.config.policy,
     }
+    if prompt.truncated_from is not None:
+        headers["x-kvstore-prompt-truncated-from"] = str(prompt.truncated_from)
     state.metrics.local_cached_tokens.labels(first.url).inc(choice.prefill.local_tokens)
     idle = first.inflight == 0 and first.load.num_running == 0
     uncached = max(shape.prompt_tokens - choice.prefill.cached_tokens, 1)
