@@ -379,6 +379,23 @@ def simulate_slice(
         )
         for i in order
     ]
+    return simulate_requests(trace, cost, shape, slo, step)
+
+
+def simulate_requests(
+    trace: Sequence[TraceRequest],
+    cost: CostModel,
+    shape: SimShape,
+    slo: SLOClass,
+    step: StepCost | None = None,
+) -> Prediction:
+    """Run requests already in the replay's units (tokens as sent, arrivals in ms) through the
+    simulator: :func:`simulate_slice`'s second half, also for loads no run measured (a
+    benchmark's larger cluster).
+
+    Raises:
+        InvalidRequestError: a kv_both shape without a step cost.
+    """
     if shape.engine_model == "kv_both":
         if step is None:
             raise InvalidRequestError("a kv_both simulation needs a fitted step cost")
