@@ -11,7 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,3 +220,79 @@ class PoolServers:
             yield self
         finally:
             self.close()
+
+
+class RouterProcess:
+    """``kvstore router`` as a child process (its own session) in front of real servers,
+    stopped by its PID.
+
+    Args:
+        log_path: where its output goes.
+        master: the pool's control address.
+        prefill, decode, both: the engines' URLs by role.
+        extra_args: more ``kvstore router`` flags.
+    """
+
+    def __init__(
+        self,
+        log_path: Path,
+        master: str,
+        *,
+        prefill: tuple[str, ...] = (),
+        decode: tuple[str, ...] = (),
+        both: tuple[str, ...] = (),
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.port = vllm_server.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "kvstore", "router", "--master", master]
+        cmd += [a for url in prefill for a in ("--prefill", url)]
+        cmd += [a for url in decode for a in ("--decode", url)]
+        cmd += [a for url in both for a in ("--engine", url)]
+        cmd += ["--port", str(self.port), *extra_args]
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> RouterProcess:
+        """Poll ``/health`` until every engine is healthy (bounded).
+
+        Raises:
+            RuntimeError: the router exited, or was not ready within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as resp:
+                    if json.loads(resp.read()).get("status") == "ok":
+                        return self
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)  # polling a state, bounded by the deadline
+        raise RuntimeError(f"router not ready after {timeout:.0f} s")
+
+    def post(
+        self, path: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S
+    ) -> tuple[int, dict[str, str], Any]:
+        """(status, headers, JSON answer) of one request; an HTTP error is an answer too."""
+        req = urllib.request.Request(
+            self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, dict(resp.headers), json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), json.loads(err.read())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=20)
