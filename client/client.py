@@ -62,6 +62,7 @@ from kvstore.etcd import is_etcd_url
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
 from kvstore.limits import MAX_BATCH_KEYS, encode_key
+from kvstore.topology import Site
 from kvstore.types import ObjectInfo, result_from_wire
 
 __all__ = ["Client", "LocatedRead", "PrefixBlock", "PromptCommit", "checksum"]
@@ -115,6 +116,8 @@ class Client:
         token: the cluster token for the nodes' data connections.
         shm: use shared memory for nodes on this host that offer it.
         lease_reads: see :meth:`connect`.
+        site: where this client runs (see :meth:`connect`); None: nowhere in particular (no
+            placement or read order for it).
     """
 
     def __init__(
@@ -125,8 +128,10 @@ class Client:
         token: auth.Token | None = None,
         shm: bool = True,
         lease_reads: bool = False,
+        site: Site | None = None,
     ) -> None:
         self.timeout = timeout
+        self.site = site
         self._control = control
         # NOTE: no part refers back to the client (the lambdas take ``control``, not ``self``):
         # a client dropped without close() is collected, and its finalizer closes the parts.
@@ -144,6 +149,9 @@ class Client:
         self._master_clock = MasterClock()
         self._reads = ReadPipeline(control, self._data, self._cache, self._returns)
         self._puts = Putter(control, self._data, self._cache)
+        # This client's site travels with the calls whose answer depends on it.
+        self._site_args = {"at": site.to_wire()} if site is not None else {}
+        self._reads.site_args = self._puts.site_args = self._site_args
         self._staging: CudaStaging | None = None  # made when a CUDA tensor first comes by
         self._staging_lock = threading.Lock()
 
@@ -156,6 +164,9 @@ class Client:
         token: str | bytes | auth.Token | None = None,
         shm: bool = True,
         lease_reads: bool = False,
+        host_id: str | None = None,
+        rack: str | None = None,
+        zone: str | None = None,
     ) -> Client:
         """Connect to the master at ``HOST:PORT``, or follow the leading master of an HA cluster
         found through etcd at ``etcd://HOST:PORT[,HOST:PORT]``.
@@ -175,6 +186,11 @@ class Client:
                 entry ends (see :mod:`kvstore.client.locations`); without lease reads every
                 read gives its leases back as soon as it is done
                 (:mod:`kvstore.client.releases`).
+            host_id, rack, zone: where this client runs (:mod:`kvstore.topology`); each None
+                reads ``$KVSTORE_HOST_ID`` / ``$KVSTORE_RACK`` / ``$KVSTORE_ZONE``, else the
+                hostname (host) or the default rack and zone. The master places this client's
+                puts on its host's node while that has room under its high watermark, then in
+                its rack, and answers its reads with each object's nearest replica first.
 
         Raises:
             InvalidRequestError: a malformed address or token.
@@ -194,6 +210,7 @@ class Client:
             token=token,
             shm=shm,
             lease_reads=lease_reads,
+            site=Site.declared(host_id, rack, zone),
         )
         try:
             try:
@@ -478,7 +495,9 @@ class Client:
         Raises:
             InvalidRequestError: bad tokens or namespace.
         """
-        reply = self._control.call("kv_match", _match_args(namespace, tokens))
+        reply = self._control.call(
+            "kv_match", {**_match_args(namespace, tokens), **self._site_args}
+        )
         out: list[PrefixBlock] = []
         for key, n, r in reply["blocks"]:
             err, payload = result_from_wire(r)

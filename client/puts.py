@@ -124,6 +124,9 @@ class Putter:
         self._control = control
         self._data = data
         self._cache = cache
+        #: ``{"at": this client's site}`` (``kvstore.topology``), sent with every put_start:
+        #: the master places the objects near this client.
+        self.site_args: dict[str, Any] = {}
 
     def run(self, batch: PutBatch) -> None:
         """Store the batch; sets ``batch.results``."""
@@ -239,6 +242,7 @@ class Putter:
             "sizes": [len(batch.views[j]) for j in todo],
             "exclude": batch.excluded,
             "batch_grants": True,  # one write grant per node (kvstore.grants)
+            **self.site_args,
         }
         if batch.replicas != 1:
             start["replicas"] = batch.replicas

@@ -250,6 +250,9 @@ class ReadPipeline:
         #: Seconds a get_locations answer may be reused without the master (0: never); see
         #: :meth:`use_lease_reads`.
         self.lease_window = 0.0
+        #: ``{"at": this client's site}`` (``kvstore.topology``), sent with every
+        #: get_locations: the master orders each object's replicas nearest this client first.
+        self.site_args: dict[str, Any] = {}
 
     def use_lease_reads(self, lease_s: float) -> None:
         """Reuse answers within the master's read lease of ``lease_s`` seconds (less a margin
@@ -262,7 +265,9 @@ class ReadPipeline:
         """Where the objects live, each answer with a read lease: the caller gives it back
         (``LeaseReturns.give_back``) once its read is done."""
         return decode_locations(
-            self._control.call("get_locations", {"keys": keys, "batch_grants": True})
+            self._control.call(
+                "get_locations", {"keys": keys, "batch_grants": True, **self.site_args}
+            )
         )
 
     def _stamp(self) -> tuple[float, int]:
@@ -316,7 +321,7 @@ class ReadPipeline:
         self._data.refresh_offers({item.location.node_id for item in guesses.values()})
         reply, _ = self._control.call_overlapped(
             "get_locations",
-            {"keys": keys, "batch_grants": True},
+            {"keys": keys, "batch_grants": True, **self.site_args},
             lambda: self._data.read(list(guesses.values())),
         )
         infos = decode_locations(reply)
@@ -380,7 +385,7 @@ class ReadPipeline:
 
         def start(chunk: slice, work: Callable[[], None] | None) -> tuple[tuple[float, int], Any]:
             stamp = self._stamp()
-            args = {"keys": keys[chunk], "batch_grants": True}
+            args = {"keys": keys[chunk], "batch_grants": True, **self.site_args}
             if work is None:
                 return stamp, self._control.call("get_locations", args)
             return stamp, self._control.call_overlapped("get_locations", args, work)[0]

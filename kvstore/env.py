@@ -32,6 +32,9 @@ variable                       field           meaning
 ``KVSTORE_RDMA_PORT``          rdma_port       its port (1..255)
 ``KVSTORE_RDMA_GID_INDEX``     rdma_gid_index  GID index (0..255; RoCE v2: usually 1 or 3)
 ``KVSTORE_TEST_RDMA_DEVICE``   test_rdma_dev…  tests only: pretend this RDMA device exists
+``KVSTORE_HOST_ID``            host_id         this host's id for topology (default: hostname)
+``KVSTORE_RACK``               rack            this host's rack (default: the default rack)
+``KVSTORE_ZONE``               zone            this host's zone (default: the default zone)
 =============================  ==============  =========================================
 """
 
@@ -98,6 +101,10 @@ class Env:
     rdma_port: int = 1
     rdma_gid_index: int = 0
     test_rdma_device: str | None = None
+    #: Where this process runs (``kvstore.topology.Site.declared`` reads these three alone).
+    host_id: str | None = None
+    rack: str | None = None
+    zone: str | None = None
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Env:
@@ -132,6 +139,9 @@ class Env:
             rdma_port=_integer(env, "KVSTORE_RDMA_PORT", 1, 1, 255),
             rdma_gid_index=_integer(env, "KVSTORE_RDMA_GID_INDEX", 0, 0, 255),
             test_rdma_device=env.get("KVSTORE_TEST_RDMA_DEVICE"),
+            host_id=env.get("KVSTORE_HOST_ID"),
+            rack=env.get("KVSTORE_RACK"),
+            zone=env.get("KVSTORE_ZONE"),
         )
 
 

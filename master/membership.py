@@ -25,6 +25,7 @@ from kvstore.master.allocator import OffsetAllocator, SpaceAllocator
 from kvstore.master.budget import ByteBudget
 from kvstore.master.config import MasterConfig
 from kvstore.master.table import Replica
+from kvstore.topology import NOWHERE, Site
 from kvstore.types import TIER_RANK, TIERS_BY_ID, Location, SegmentSpec, node_state
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class Node:
     # Data-plane details the node offers beyond TCP (shm, rdma), opaque to the master: clients
     # read them with ``node_transports`` (see kvstore/transports.py).
     transports: dict[str, object] = field(default_factory=dict)
+    # Where the node stands (``kvstore node --host-id --rack --zone``; master/locality.py).
+    site: Site = NOWHERE
 
     @property
     def free_bytes(self) -> int:
@@ -228,6 +231,8 @@ class Membership:
         #: back (restart before the next heartbeat): admission never takes those (recovery.py).
         self.tombstones: dict[str, set[tuple[str, int]]] = {}
         self.num_dead_nodes = 0
+        #: Bumped whenever a node joins or leaves (``locality.Locality`` keeps views per version).
+        self.version = 0
 
     # ================================================================ joining
     def check_identity(self, node_id: str, identity: bytes | None) -> None:
@@ -259,6 +264,7 @@ class Membership:
         segments: Sequence[SegmentSpec],
         transports: dict[str, object] | None = None,
         identity: bytes | None = None,
+        site: Site | None = None,
     ) -> Node:
         """Check a registration and bind the id to ``identity``; the node record to :meth:`add`.
 
@@ -296,12 +302,14 @@ class Membership:
             segments={s.name: make_segment(s) for s in segments},
             last_seen=self.clock(),
             transports=dict(transports or {}),
+            site=site if site is not None else NOWHERE,
         )
 
     def add(self, node: Node) -> None:
         """Make an admitted node a member (an earlier incarnation must be dropped first)."""
         assert node.node_id not in self.nodes, "drop the earlier incarnation first"
         self.nodes[node.node_id] = node
+        self.version += 1
         log.info(
             "node %s registered at %s:%d with %d segment(s)",
             node.node_id,
@@ -353,6 +361,7 @@ class Membership:
             KeyError: no such node.
         """
         node = self.nodes.pop(node_id)
+        self.version += 1
         # What it was told to forget but may still hold (a restart before the next heartbeat):
         # never re-admit those (an overwritten or removed version must not come back).
         stones = {(s, o) for s, o, *_ in [*node.forgotten, *node.unconfirmed]}
@@ -367,6 +376,7 @@ class Membership:
             KeyError: no such node.
         """
         node = self.nodes.pop(node_id)
+        self.version += 1
         assert node.retired, "only a drained node retires"
         return node
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvstore import grants
 from kvstore.errors import InvalidRequestError, KeyNotFoundError
+from kvstore.master.locality import spread_cost
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.puts import Puts
 from kvstore.master.quotas import TENANT_END
@@ -97,10 +98,19 @@ class Replicator:
     def _best_target(
         self, obj: ObjectMeta, takes: Callable[[str], bool] | None
     ) -> tuple[Node, Segment] | None:
-        """The fastest segment with room for ``obj`` (then the most free bytes) on a node that
-        holds no replica of it, in a tier ``takes`` (None: any)."""
+        """The segment with room for ``obj`` on a node that holds no replica of it, in a tier
+        ``takes`` (None: any): the farthest from the surviving copies (another zone, rack,
+        host: ``locality.spread_cost``; all alike without topology), then the fastest tier, then
+        the most free bytes."""
         holders = {r.node_id for r in obj.replicas}
-        best: tuple[tuple[int, int], Node, Segment] | None = None
+        nodes = self.membership.nodes
+        # (a drained node's copy is leaving: the new one is placed apart from the others)
+        staying = [
+            nodes[n]
+            for n in holders
+            if n in nodes and not nodes[n].draining and not nodes[n].retired
+        ]
+        best: tuple[tuple[int, int, int], Node, Segment] | None = None
         for node in self.membership.nodes.values():
             if node.node_id in holders or node.draining or node.retired:
                 continue
@@ -108,7 +118,7 @@ class Replicator:
                 if takes is not None and not takes(seg.tier):
                     continue
                 if seg.allocator.largest_free >= seg.allocator.reserved_size(obj.size):
-                    score = (rank, -seg.allocator.free_bytes)
+                    score = (spread_cost(node, staying), rank, -seg.allocator.free_bytes)
                     if best is None or score < best[0]:
                         best = (score, node, seg)
                     break

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.limits import MAX_KEY_BYTES, check_wire_key
+from kvstore.topology import Site
 
 
 def arg(args: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -30,6 +31,15 @@ def optional_arg(
 ) -> Any:
     """As :func:`arg`, but ``default`` where ``name`` is absent."""
     return arg(args, name, kind) if name in args else default
+
+
+def site_arg(args: dict[str, Any], name: str) -> Site | None:
+    """The site ``args[name]`` names (``[host_id, rack, zone]``), None where it is absent.
+
+    Raises:
+        InvalidRequestError: not a site's wire form.
+    """
+    return Site.from_wire(args[name]) if name in args else None
 
 
 def list_arg(

@@ -19,7 +19,7 @@ from kvstore.env import DEFAULT_CHUNK_ITEMS
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.master.prefix import Steps, check_prompt_size
-from kvstore.master.rpc_args import arg, list_arg, optional_arg
+from kvstore.master.rpc_args import arg, list_arg, optional_arg, site_arg
 from kvstore.master.rpc_verbs import HANDLERS, put_end
 from kvstore.master.service import MasterService
 
@@ -130,6 +130,7 @@ async def serve_kv_match(svc: MasterService, request: protocol.Request, chunk_it
     namespace = Namespace.from_dict(arg(request.args, "namespace", dict))
     tokens = tokens_from_wire(request.args.get("tokens"))
     locate = optional_arg(request.args, "locate", bool, True)
+    at = site_arg(request.args, "at")
     match = await run_steps(svc.kv_match_steps(namespace, tokens, chunk_items))
     parts = [
         PACK.pack_map_header(3),
@@ -146,7 +147,7 @@ async def serve_kv_match(svc: MasterService, request: protocol.Request, chunk_it
         if not locate:  # a lookup: no locations, so no read leases
             parts.append(pack_items([[key, k, None] for key, k in chunk]))
             continue
-        answers = svc.get_locations_wire([key for key, _ in chunk])
+        answers = svc.get_locations_wire([key for key, _ in chunk], at=at)
         parts.append(pack_items([[key, k, a] for (key, k), a in zip(chunk, answers, strict=True)]))
     return b"".join(parts)
 

@@ -44,7 +44,7 @@ from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.limits import check_wire_key
 from kvstore.master.prefix import scoped_digest
-from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg
+from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg, site_arg
 from kvstore.master.rpc_events import events, snapshot_answer
 from kvstore.master.rpc_verbs import LIST_KEYS_MAX, pop_releases
 from kvstore.master.service import MasterService
@@ -224,7 +224,8 @@ def _kv_match(svc: MasterService, args: dict[str, Any], tenant: str) -> Any:
     locate = optional_arg(args, "locate", bool, True)
     tokens = tokens_from_wire(args.get("tokens"))
     scope = None if svc.tenants.is_shared(namespace.digest) else tenant  # shared: its own tree
-    match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=scope)
+    at = site_arg(args, "at")
+    match, infos = svc.kv_match(namespace, tokens, locate=locate, tenant=scope, at=at)
     if locate:  # a load (a lookup without locations is no serving: it would count twice)
         svc.quotas.count_prompt(tenant, len(tokens), match.num_tokens)
     shared = svc.tenants.shared_keys  # a shared prefix's blocks are named as stored

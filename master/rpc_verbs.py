@@ -18,7 +18,14 @@ from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
 from kvstore.master.leases import check_lease_tokens
-from kvstore.master.rpc_args import arg, list_arg, list_keys_args, optional_arg, per_key
+from kvstore.master.rpc_args import (
+    arg,
+    list_arg,
+    list_keys_args,
+    optional_arg,
+    per_key,
+    site_arg,
+)
 from kvstore.master.rpc_events import events, events_snapshot
 from kvstore.master.service import MasterService
 from kvstore.stored_object import ManifestClaim, claims_from_wire
@@ -58,6 +65,7 @@ def _register(svc: MasterService, args: dict[str, Any]) -> Any:
         segments,
         check_transports(args.get("transports", {})),
         identity=optional_arg(args, "identity", bytes, None),
+        site=site_arg(args, "site"),
     )
     reply: dict[str, Any] = {
         "heartbeat_interval_s": svc.config.heartbeat_interval_s,
@@ -108,10 +116,11 @@ def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
     kv_blocks = args.get("kv") is True
     # ``batch_grants``: one write grant per node (and claim stamp), each replica's a reference.
     batch = optional_arg(args, "batch_grants", bool, False)
+    at = site_arg(args, "at")  # the writer's site (kvstore.topology): placed near it
     results = per_key(
         keys,
         lambda valid, idx: svc.put_start(
-            valid, [sizes[i] for i in idx], exclude, replicas, kv_blocks, batch
+            valid, [sizes[i] for i in idx], exclude, replicas, kv_blocks, batch, at
         ),
     )
     return [result_to_wire(r) for r in results]
@@ -130,7 +139,8 @@ def _get_locations(svc: MasterService, args: dict[str, Any]) -> Any:
     # Answers come in their wire form; only a malformed key's error is still a record here.
     # ``batch_grants``: one read grant per node, each replica's a reference (kvstore.grants).
     batch = optional_arg(args, "batch_grants", bool, False)
-    answers = per_key(list_arg(args, "keys"), lambda k, _: svc.get_locations_wire(k, batch))
+    at = site_arg(args, "at")  # the reader's site (kvstore.topology): replicas nearest first
+    answers = per_key(list_arg(args, "keys"), lambda k, _: svc.get_locations_wire(k, batch, at))
     return [r.to_wire() if isinstance(r, KVStoreError) else r for r in answers]
 
 
@@ -224,7 +234,10 @@ def _kv_match(svc: MasterService, args: dict[str, Any]) -> Any:
     namespace = Namespace.from_dict(arg(args, "namespace", dict))
     # ``locate: false``: only the cached prefix, no replicas and so no read leases (a lookup).
     locate = optional_arg(args, "locate", bool, True)
-    match, infos = svc.kv_match(namespace, tokens_from_wire(args.get("tokens")), locate=locate)
+    at = site_arg(args, "at")  # the reader's site: each block's replicas nearest first
+    match, infos = svc.kv_match(
+        namespace, tokens_from_wire(args.get("tokens")), locate=locate, at=at
+    )
     return {
         "num_tokens": match.num_tokens,
         "block_size": match.block_size,

@@ -70,6 +70,7 @@ from kvstore.master.leases import (
     check_pin_ttl,
     lease_owner,
 )
+from kvstore.master.locality import order_replicas
 from kvstore.master.membership import Membership, Node
 from kvstore.master.prefix import PrefixIndex, PrefixMatch, Steps, check_prompt_size
 from kvstore.master.prefix_restore import PromptMetaBacklog, is_prompt_meta
@@ -83,6 +84,7 @@ from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TaskBook
 from kvstore.master.tiering import TierConfig, TierManager
 from kvstore.stored_object import ManifestClaim
 from kvstore.tenants import TenantDirectory
+from kvstore.topology import Site
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -271,19 +273,23 @@ class MasterService:
         segments: Sequence[SegmentSpec],
         transports: dict[str, object] | None = None,
         identity: bytes | None = None,
+        site: Site | None = None,
     ) -> None:
         """Add a node (or replace an earlier incarnation with the same id, dropping its objects).
 
         Args:
             identity: the node's identity key (see :meth:`check_node_identity`); None for a
                 node that proves nothing (its id stays unbound).
+            site: where the node stands (None: nothing declared, the default rack).
 
         Raises:
             InvalidRequestError: empty id, bad port, short secret or identity key, no or
                 duplicate segments.
             ForbiddenError: the id belongs to another node (nothing changes).
         """
-        node = self.membership.admit(node_id, host, port, secret, segments, transports, identity)
+        node = self.membership.admit(
+            node_id, host, port, secret, segments, transports, identity, site
+        )
         self.replication.retired.pop(node_id, None)
         if node_id in self.nodes:
             log.info("node %s re-registered; dropping what its previous incarnation held", node_id)
@@ -379,11 +385,13 @@ class MasterService:
         replicas: int = 1,
         kv_blocks: bool = False,
         batch_grants: bool = False,
+        at: Site | None = None,
     ) -> list[PutTicket | list[Any] | KVStoreError]:
         """Allocate room for each key; the client then writes the bytes straight to the node
         (see ``Puts.start``; placement is the tier manager's).
 
         Args:
+            at: the writer's site: its objects go near it (``locality.py``).
             batch_grants: each ticket in its wire form (``PutTicket.to_wire``), its write grants
                 batched: one per node and claim stamp for the whole answer, each replica's grant
                 a reference to it (see :mod:`kvstore.grants`), so the master signs, the client
@@ -395,7 +403,7 @@ class MasterService:
         Raises:
             InvalidRequestError: a malformed batch or replica count.
         """
-        place = self.tiering.placer(set(exclude_nodes))
+        place = self.tiering.placer(set(exclude_nodes), at)
         batcher = grants.GrantBatcher(grants.OP_WRITE) if batch_grants else None
         return self.puts.start(keys, sizes, place, replicas, kv_blocks, batcher)
 
@@ -414,8 +422,11 @@ class MasterService:
         return self.puts.reclaim_expired()
 
     # ================================================================ reads
-    def get_locations(self, keys: Sequence[bytes]) -> list[ObjectInfo | KVStoreError]:
-        """Where each committed object lives, with read grants and a read lease.
+    def get_locations(
+        self, keys: Sequence[bytes], at: Site | None = None
+    ) -> list[ObjectInfo | KVStoreError]:
+        """Where each committed object lives, with read grants and a read lease; with ``at``
+        (the reader's site) each object's replicas nearest it first (``locality.py``).
 
         Until the lease ends (``lease_s``) or is given back (:meth:`release_leases`, with the
         token in ``ObjectInfo.lease``) the object is not evicted and space it occupies is not
@@ -424,10 +435,10 @@ class MasterService:
         Raises:
             InvalidRequestError: a batch over the limit.
         """
-        return self._locate(keys, wire=False)
+        return self._locate(keys, wire=False, at=at)
 
     def get_locations_wire(
-        self, keys: Sequence[bytes], batch_grants: bool = False
+        self, keys: Sequence[bytes], batch_grants: bool = False, at: Site | None = None
     ) -> list[list[Any]]:
         """:meth:`get_locations` with each answer in its wire form (``result_to_wire`` of the
         ObjectInfo or the error), built without the records: what ``get_locations`` sends
@@ -442,12 +453,14 @@ class MasterService:
         Raises:
             InvalidRequestError: a batch over the limit.
         """
-        return self._locate(keys, wire=True, batch_grants=batch_grants)
+        return self._locate(keys, wire=True, batch_grants=batch_grants, at=at)
 
     def _locate(
-        self, keys: Sequence[bytes], *, wire: bool, batch_grants: bool = False
+        self, keys: Sequence[bytes], *, wire: bool, batch_grants: bool = False, at: Site | None
     ) -> list[Any]:
         self.config.check_batch(keys)
+        # The reader's distance to each node; None (no preference) without topology.
+        near = self.tiering.locality.view(at) if at is not None else None
         lease_s = self.tiering.config.lease_s
         expires = self.wall_ms() + int(lease_s * 1000)
         now = self.clock()
@@ -478,6 +491,8 @@ class MasterService:
                 hits_by_tier[replicas[0].tier] += 1
                 locs = [location(replicas[0], key, op, expires)]
             else:
+                if near is not None:
+                    replicas = order_replicas(replicas, near)
                 if replicas:
                     hits_by_tier[replicas[0].tier] += 1
                 locs = [location(r, key, op, expires) for r in replicas]
@@ -802,6 +817,7 @@ class MasterService:
         *,
         locate: bool = True,
         tenant: str | None = None,
+        at: Site | None = None,
     ) -> tuple[PrefixMatch, list[ObjectInfo | KVStoreError]]:
         """The cached prefix of a prompt and, per block, where its replicas are (one call).
 
@@ -811,7 +827,7 @@ class MasterService:
         match = self.prefix.match(namespace, tokens, self.objects.__contains__, tenant)
         if not locate:
             return match, []
-        return match, self.get_locations([key for key, _ in match.blocks])
+        return match, self.get_locations([key for key, _ in match.blocks], at)
 
     # ================================================================ figures
     def stats(self) -> dict[str, object]:

@@ -37,6 +37,7 @@ from typing import Any
 from kvstore.errors import InvalidRequestError, NoSpaceError
 from kvstore.eviction import make_policy
 from kvstore.master.leases import PIN_HARD, PIN_NONE, PIN_SOFT
+from kvstore.master.locality import Locality, NearPlacer
 from kvstore.master.membership import Membership, Node, Segment
 from kvstore.master.prefix import PrefixIndex
 from kvstore.master.puts import Place, Puts
@@ -45,6 +46,7 @@ from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
 from kvstore.tenants import owner_of
+from kvstore.topology import Site
 from kvstore.types import TIER_DRAM, TIER_ORDER, TIER_RANK
 
 log = logging.getLogger(__name__)
@@ -195,6 +197,8 @@ class TierManager:
         self.clock = clock
         self.wall_ms = wall_ms
         self.policy = make_policy(config.eviction_policy)
+        #: The nodes' sites: placement near the writer, replicas apart (master/locality.py).
+        self.locality = Locality(membership)
         #: Tenant quotas and usage (the space's: it counts what comes and goes).
         self.quotas: TenantQuotas = space.quotas
         self.num_demotions = 0
@@ -271,11 +275,13 @@ class TierManager:
         largest = max((s.allocator.capacity for n in nodes for s in n.segments.values()), default=0)
         return Candidates(nodes, [ordered_segments(n) for n in nodes], largest)
 
-    def placer(self, excluded: set[str]) -> Place:
+    def placer(self, excluded: set[str], at: Site | None = None) -> Place:
         """Placement for one batch of puts: :meth:`place` over the candidates of ``excluded``,
         computed once (membership does not change within a batch), and how many of the
-        batch's next objects of that size may follow the first there (:meth:`run_length`)."""
+        batch's next objects of that size may follow the first there (:meth:`run_length`).
+        ``at``: the writer's site (near it first, replicas apart: ``locality.NearPlacer``)."""
         cands = self.candidates(excluded)
+        near = self.locality.placer(at, lambda tier: self.config.marks(tier)[0])
         refused: dict[tuple[str, str], NoSpaceError] = {}  # (tenant, tier): once per batch
 
         def place(
@@ -287,8 +293,11 @@ class TierManager:
                 # own first (or is refused) in the tier it would land in, so that nobody
                 # else's object goes for a put its quota refuses.
                 self.admit(limited, self._landing(size, cands), size, 1, refused)
-            picks = self.place(size, excluded, num_replicas, cands)
-            k = self.run_length(picks, size, count, cands)
+            picks = self.place(size, excluded, num_replicas, cands, near)
+            if near is None:
+                k = self.run_length(picks, size, count, cands)
+            else:
+                k = near.run_length(picks, size, count, cands.nodes, cands.segments, RUN_BYTES)
             if limited is not None:
                 k = self.admit(limited, picks, size, k, refused)
             return picks, k
@@ -465,11 +474,13 @@ class TierManager:
         excluded: set[str],
         num_replicas: int,
         cands: Candidates | None = None,
+        near: NearPlacer | None = None,
     ) -> list[tuple[Segment, Node]]:
         """Choose ``num_replicas`` segments on distinct nodes for a new object, evicting if needed.
 
         Args:
             cands: :meth:`candidates` of ``excluded``, when the caller places a batch.
+            near: ranks the offers by locality instead (``locality.NearPlacer``).
 
         Raises:
             NoSpaceError: too few nodes, an object larger than any segment, or no room left that
@@ -493,13 +504,16 @@ class TierManager:
         picks: list[tuple[Segment, Node]] = []
         chosen: list[str] = []  # (a list: it holds a replica count of ids, usually none)
         while len(picks) < num_replicas:
-            pick = self._best_with_room(size, cands, chosen)
+            if near is None:
+                pick = self._best_with_room(size, cands, chosen)
+            else:
+                pick = near.best(size, cands.nodes, cands.segments, [n for _, n in picks])
             if pick is None:
                 break
             picks.append(pick)
             chosen.append(pick[1].node_id)
         if len(picks) < num_replicas:
-            for n in nodes:
+            for n in nodes if near is None else near.ordered(nodes, [n for _, n in picks]):
                 if n.node_id in chosen:
                     continue
                 seg = self.make_room(n, size)

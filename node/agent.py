@@ -27,6 +27,7 @@ from kvstore.node.tasks import run_tasks
 from kvstore.node.tiers import checksum_of
 from kvstore.stored_object import StoredObject
 from kvstore.tenants import TenantDirectory
+from kvstore.topology import Site
 from kvstore.types import SegmentSpec
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class MasterLink:
         token: the cluster token, presented on every connection to the master.
         identity: the node's identity key (``data_dir/node_key``), sent with every registration
             and heartbeat: it proves the id is ours (``MasterService.check_node_identity``).
+        site: where this node stands (``--host-id --rack --zone``), sent with every
+            registration (None: nothing declared).
     """
 
     def __init__(
@@ -66,9 +69,11 @@ class MasterLink:
         token: auth.Token | None = None,
         transports: dict[str, dict[str, object]] | None = None,
         identity: bytes | None = None,
+        site: Site | None = None,
     ) -> None:
         self.master = master
         self.identity = identity
+        self.site = site
         self.token = token
         self.resolver = resolver
         self.epoch = 0
@@ -165,6 +170,8 @@ class MasterLink:
         args["secret"] = self.server.secret
         if self.identity is not None:
             args["identity"] = self.identity
+        if self.site is not None:
+            args["site"] = self.site.to_wire()
         clock = self.server.master_clock
         sent = clock.sent()
         reply = conn.call("register", args)

@@ -28,6 +28,7 @@ from kvstore.node.shm_verbs import make_shm_commit
 from kvstore.node.tiers import Tier
 from kvstore.processes import ready_line
 from kvstore.serving import WireDeadlines
+from kvstore.topology import Site
 from kvstore.transports import ShmOffer
 from kvstore.types import SegmentSpec
 
@@ -79,6 +80,8 @@ class NodeDaemonConfig:
 
     Attributes:
         shm: offer same-host clients of this user the arena file (the shm transport).
+        site: where the node stands (``--host-id --rack --zone``, see ``kvstore.topology``);
+            None: the hostname, in the default rack and zone.
         admin_port: serve the node's small REST there (None: no REST).
         deadlines: how long the data server waits for a frame and for a hello
             (``--frame-timeout``, ``--hello-timeout``).
@@ -98,6 +101,7 @@ class NodeDaemonConfig:
     admin_port: int | None = None
     public_reads: bool = True
     shm: bool = False
+    site: Site | None = None
     ssl_context: ssl.SSLContext | None = None
     deadlines: WireDeadlines = field(default_factory=WireDeadlines)
 
@@ -167,6 +171,7 @@ class StorageNode:
             token=token,
             transports=node_transports(self.server, {"dram": self.dram.path}, options.shm),
             identity=identity,
+            site=options.site if options.site is not None else Site.declared(),
         )
         self.admin: NodeAdmin | None = None
         if options.admin_port is not None:

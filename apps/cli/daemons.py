@@ -30,6 +30,7 @@ from kvstore.limits import format_size, parse_size
 from kvstore.node.daemon import NodeDaemonConfig, serve_node
 from kvstore.node.follow import serve_node_ha
 from kvstore.processes import die_with_parent, parse_ready, ready_line
+from kvstore.topology import Site
 
 if TYPE_CHECKING:
     from kvstore.master.daemon import Master, MasterDaemonConfig, MasterEndpoints
@@ -117,6 +118,7 @@ def cmd_node(args: argparse.Namespace) -> int:
         admin_port=args.admin_port,
         public_reads=args.public_reads,
         shm=args.shm,
+        site=Site.declared(args.host_id, args.rack, args.zone),
         ssl_context=auth.tls_context(args.tls_cert, args.tls_key),
         deadlines=wire_deadlines(args),
     )
@@ -317,6 +319,22 @@ def _shared_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def _add_site_flags(p: argparse.ArgumentParser) -> None:
+    """Where a node stands (``kvstore.topology``): puts go near their writer, replicas to
+    distinct racks, reads to the nearest replica (docs/operating/topology.md)."""
+    p.add_argument(
+        "--host-id",
+        default=None,
+        help="this host's id (default: $KVSTORE_HOST_ID, else the hostname)",
+    )
+    p.add_argument(
+        "--rack", default=None, help="this host's rack (default: $KVSTORE_RACK, else the default)"
+    )
+    p.add_argument(
+        "--zone", default=None, help="this host's zone (default: $KVSTORE_ZONE, else the default)"
+    )
+
+
 def _add_master_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--event-ring",
@@ -414,6 +432,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_security_flags(p, tls=True)
     add_wire_flags(p)
     p.add_argument("--shm", action="store_true", help=SHM_HELP)
+    _add_site_flags(p)
     # Internal (kvstore up): the read end of a pipe; EOF on it means the parent died.
     p.add_argument("--parent-pipe", type=int, default=None, help=argparse.SUPPRESS)
     add_config_flag(p)

@@ -165,6 +165,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             n["node_id"],
             n["address"],
             n["state"],
+            n.get("host_id") or "-",
+            _rack(n),
             ",".join(sorted({s["tier"] for s in n["segments"]})),
             format_size(n["used_bytes"]),
             format_size(n["capacity_bytes"]),
@@ -175,10 +177,20 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     ]
     print(
         format_table(
-            ["NODE", "ADDRESS", "STATE", "TIERS", "USED", "CAPACITY", "FILL", "HEARTBEAT"], rows
+            ["NODE", "ADDRESS", "STATE", "HOST", "RACK", "TIERS", "USED", "CAPACITY", "FILL"]
+            + ["HEARTBEAT"],
+            rows,
         )
     )
     return 0
+
+
+def _rack(node: dict[str, Any]) -> str:
+    """A node's rack as ``kvstore nodes`` shows it: ``ZONE/RACK``, ``-`` for the default."""
+    rack, zone = node.get("rack") or "", node.get("zone") or ""
+    if not rack and not zone:
+        return "-"
+    return f"{zone}/{rack or '-'}" if zone else rack
 
 
 def cmd_evict(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from kvstore.client.engine_registry import (
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import is_etcd_url, parse_endpoints
 from kvstore.keys import Namespace
+from kvstore.topology import MAX_NAME
 
 #: Extra-config keys the connector understands (anything else is refused: a typo must not
 #: silently run without, say, the salt).
@@ -37,6 +38,9 @@ CONFIG_KEYS = frozenset(
         "engines_prefix",
         "engine_instance",
         "engine_ttl_s",
+        "host_id",
+        "rack",
+        "zone",
     }
 )
 LOAD_MODES = ("layer", "async")
@@ -177,6 +181,8 @@ class ConnectorConfig:
         engines_prefix: the registry's prefix in etcd.
         engine_instance: the registration's name (default: its lease id).
         engine_ttl_s: the registration's lease TTL in seconds.
+        host_id, rack, zone: where the engine runs (:mod:`kvstore.topology`; None: its
+            ``$KVSTORE_*`` variable, else the hostname and the default rack and zone).
     """
 
     master: str
@@ -190,6 +196,9 @@ class ConnectorConfig:
     engines_prefix: str = DEFAULT_ENGINES_PREFIX
     engine_instance: str | None = None
     engine_ttl_s: int = DEFAULT_ENGINE_TTL_S
+    host_id: str | None = None
+    rack: str | None = None
+    zone: str | None = None
 
     @property
     def registry_endpoints(self) -> list[Address] | None:
@@ -260,6 +269,9 @@ class ConnectorConfig:
             engines_prefix=prefix,
             engine_instance=instance,
             engine_ttl_s=ttl,
+            host_id=extra.get("host_id"),
+            rack=extra.get("rack"),
+            zone=extra.get("zone"),
         )
 
 
@@ -301,6 +313,12 @@ def _checked_connection(extra: dict[str, Any]) -> tuple[str, str]:
         v = extra.get(name)
         if v is not None and not (isinstance(v, str) and v):
             raise InvalidRequestError(f"kvstore connector: {name} must be a non-empty string")
+    for name in ("host_id", "rack", "zone"):  # (an empty rack or zone: the default one)
+        v = extra.get(name)
+        if v is not None and not (isinstance(v, str) and len(v) <= MAX_NAME):
+            raise InvalidRequestError(
+                f"kvstore connector: {name} must be a string of at most {MAX_NAME} characters"
+            )
     return master, mode
 
 

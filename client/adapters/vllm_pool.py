@@ -111,7 +111,15 @@ class Pool:
                 return None
         try:
             token = auth.load_token(self.cfg.token_file)
-            client = Client.connect(self.cfg.master, timeout=self.cfg.timeout_s, token=token)
+            cfg = self.cfg
+            client = Client.connect(
+                cfg.master,
+                timeout=cfg.timeout_s,
+                token=token,
+                host_id=cfg.host_id,
+                rack=cfg.rack,
+                zone=cfg.zone,
+            )
         except UNREACHABLE as exc:
             self.failed(exc)
             return None

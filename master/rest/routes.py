@@ -140,6 +140,8 @@ def _node_json(svc: MasterService, node_id: str) -> dict[str, Any]:
         "node_id": node.node_id,
         "address": f"{node.host}:{node.port}",
         "state": node.state,
+        # Where it stands (kvstore node --host-id --rack --zone; "" rack or zone: the default)
+        **node.site.to_json(),
         "last_heartbeat_s_ago": round(max(0.0, svc.clock() - node.last_seen), 3),
         "capacity_bytes": sum(s["capacity_bytes"] for s in segments),
         "used_bytes": sum(s["used_bytes"] for s in segments),
@@ -451,6 +453,9 @@ TENANT_NODE_FIELDS = (
     "node_id",
     "address",
     "state",
+    "host_id",
+    "rack",
+    "zone",
     "last_heartbeat_s_ago",
     "capacity_bytes",
     "used_bytes",
