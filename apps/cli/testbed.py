@@ -322,6 +322,26 @@ class Testbed:
     def heal_rack(self, rack: int) -> None:
         self._ip("link", "set", f"up{rack}", "up", ns=self.fabric)
 
+    def console(self, host: Host) -> str:
+        """An out-of-band link from this namespace to ``host`` that no rack cut touches (the
+        management network real racks have beside their data network): a test still reaches
+        a server on a host whose rack it cut off. Returns the host's address on it (a server
+        there listens on ``0.0.0.0``). The link goes with the host's namespace.
+        """
+        i = self.hosts.index(host)
+        if i >= 63:
+            raise TestbedError("consoles reach the first 63 hosts only (a /30 each in one /24)")
+        net = f"10.{self.octet}.254"
+        link = f"kvc{self.run_id}{i}"
+        if not Path(f"/sys/class/net/{link}").exists():
+            self._ip("link", "add", link, "type", "veth", "peer", "name", "console", "netns",
+                     host.netns)  # fmt: skip
+            self._ip("addr", "add", f"{net}.{4 * i + 1}/30", "dev", link)
+            self._ip("addr", "add", f"{net}.{4 * i + 2}/30", "dev", "console", ns=host.netns)
+            self._ip("link", "set", link, "up")
+            self._ip("link", "set", "console", "up", ns=host.netns)
+        return f"{net}.{4 * i + 2}"
+
     # ------------------------------------------------------------------ processes
     @staticmethod
     def site_env(host: Host) -> dict[str, str]:

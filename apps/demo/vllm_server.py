@@ -77,6 +77,10 @@ class VLLMServer:
         env: more environment variables.
         port: the port (default: a free one).
         extra_args: more ``api_server`` arguments (e.g. ``["--max-num-seqs", "4"]``).
+        host: the address it listens on (and is reached at).
+        launcher: a command the server's is run under (e.g. ``ip netns exec NS``, another
+            host of the test bed: ``kvstore.cli.testbed.Testbed.command``).
+        reach: the address clients reach it at (default ``host``; e.g. a test bed console).
     """
 
     def __init__(
@@ -94,10 +98,13 @@ class VLLMServer:
         env: dict[str, str] | None = None,
         port: int | None = None,
         extra_args: list[str] | None = None,
+        host: str = "127.0.0.1",
+        launcher: list[str] | None = None,
+        reach: str | None = None,
     ) -> None:
         self.name = name
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{reach or host}:{self.port}"
         self.log_path = Path(log_path)
         cmd = [
             python or engine_python(),
@@ -108,7 +115,7 @@ class VLLMServer:
             "--served-model-name",
             "smollm2",
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(self.port),
             "--dtype",
@@ -135,7 +142,7 @@ class VLLMServer:
         # Appended: a server restarted on the same log keeps its earlier life's lines.
         self._log: IO[bytes] = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd,
+            [*(launcher or []), *cmd],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

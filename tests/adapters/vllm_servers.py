@@ -88,6 +88,9 @@ class VLLMServer(vllm_server.VLLMServer):
         extra_args: more ``vllm serve`` flags.
         port: its port (default: a free one; give it when the URL must be known beforehand,
             e.g. to advertise it in the connector's config).
+        host: the address it listens on and is reached at.
+        launcher: the command it runs under (another host of the test bed).
+        reach: the address it is reached at (default ``host``).
     """
 
     def __init__(
@@ -102,6 +105,9 @@ class VLLMServer(vllm_server.VLLMServer):
         env: dict[str, str] | None = None,
         extra_args: list[str] | None = None,
         port: int | None = None,
+        host: str = "127.0.0.1",
+        launcher: list[str] | None = None,
+        reach: str | None = None,
     ) -> None:
         super().__init__(
             model_dir(),
@@ -116,6 +122,9 @@ class VLLMServer(vllm_server.VLLMServer):
             env={"VLLM_LOGGING_LEVEL": "INFO", "TOKENIZERS_PARALLELISM": "false", **(env or {})},
             extra_args=["--max-num-seqs", "4", *(extra_args or [])],
             port=port,
+            host=host,
+            launcher=launcher,
+            reach=reach,
         )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> VLLMServer:  # type: ignore[override]
