@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 from kvstore.address import Address
 from kvstore.errors import EtcdUnavailableError, InvalidRequestError
 from kvstore.etcd import EtcdStore, KeyValue
+from kvstore.topology import Site
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class EngineRecord:
         model: its served model name, or None.
         block_size: its KV block size in tokens, or None.
         kv_events: its vLLM KV-event publisher (``tcp://HOST:PORT``), or None.
+        site: where it runs, ``(host_id, rack, zone)`` (``kvstore.topology``), or None: the
+            router counts the distance of a P/D handoff by it.
 
     Raises:
         InvalidRequestError: a value a router could not use (checked on creation).
@@ -145,9 +148,12 @@ class EngineRecord:
     model: str | None = None
     block_size: int | None = None
     kv_events: str | None = None
+    site: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_engine_url(self.url)
+        if self.site is not None:
+            Site.from_wire(self.site)  # (its checks: three names, typed errors)
         if urlsplit(self.url).hostname in ("0.0.0.0", "::"):
             raise InvalidRequestError(
                 f"engine url {self.url!r} is a bind-all address: advertise one a router can reach"
@@ -177,6 +183,11 @@ class EngineRecord:
                 f"engine kv_events must be tcp://HOST:PORT, got {self.kv_events!r}"
             )
 
+    @property
+    def where(self) -> Site | None:
+        """Its site, or None where it declared none."""
+        return Site.from_wire(self.site) if self.site is not None else None
+
     def encode(self) -> bytes:
         """The JSON value stored in etcd."""
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -199,6 +210,8 @@ class EngineRecord:
         unknown = set(obj) - set(EngineRecord.__dataclass_fields__)
         if unknown:
             raise InvalidRequestError(f"engine record has unknown fields {sorted(unknown)}")
+        if isinstance(obj.get("site"), list):
+            obj["site"] = tuple(obj["site"])
         try:
             return EngineRecord(**obj)
         except TypeError:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.routing.policy import EngineView, watermark_state
+from kvstore.topology import Site
 
 from .admission import EngineSlots
 from .live_fit import EngineFit
@@ -170,6 +171,7 @@ class Engine:
             token yet.
         reserved_tokens: KV tokens those requests will hold.
         poll_problems: what is wrong with its polls now, each logged once (empty: nothing).
+        site: where it runs, as it registered (``kvstore.topology``; None: not declared).
     """
 
     url: str
@@ -184,6 +186,7 @@ class Engine:
     prefill_s: float = 0.0
     reserved_tokens: int = 0
     poll_problems: frozenset[str] = frozenset()
+    site: Site | None = None
 
     def observe(
         self, load: EngineLoad, models: list[dict[str, Any]], high: float, low: float
@@ -238,6 +241,7 @@ class Engine:
             local_cached_tokens=local_cached_tokens,
             slots=self.slots.limit,
             router_queued=len(self.slots.queue),
+            site=self.site,
         )
 
 

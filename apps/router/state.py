@@ -172,7 +172,7 @@ class RouterState:
                 self._discovered_keys[url].add(reg.key)
             return
         assert rec.role in ROLES
-        engine = Engine(url, rec.role, self._new_slots(), self._new_fit())
+        engine = Engine(url, rec.role, self._new_slots(), self._new_fit(), site=rec.where)
         self.engines.append(engine)
         self.by_url[url] = engine
         self.sources[url] = "etcd"

@@ -20,6 +20,11 @@ own prefix cache, ``n = p - max(c, l)`` to compute there):
 * the decode engine: among those whose KV after this request stays under the high watermark
   (and that have not crossed it since they last fell below the low watermark), the smallest
   predicted time between tokens with the request added to its running batch.
+  When the engines declared where they run (``EngineView.site``), each decode engine's time
+  also counts the handoff's distance from the prefill engine (seed §4.2): the pool transfer of
+  the prompt, scaled by :data:`HANDOFF_SCALE` of that distance less the same-rack scale (so a
+  decode engine on the prefill's host gains, one in another rack or zone pays), spread over
+  the request's ``max_tokens``; with no sites, or all in one rack, the choice is unchanged.
 * early rejection: the predicted TTFT on the chosen engine above the class's target, no decode
   engine with room, or a predicted TBT above the target (the last only once the decode fit rests
   on measurements).
@@ -41,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstore.topology import FAR, SAME_HOST, SAME_RACK, SAME_ZONE, Site, distance
+
 from .cost import CostTerms
 from .slo import SLOClass
 
@@ -48,6 +55,10 @@ from .slo import SLOClass
 #: scheduler package's default (``SchedulerConfig.kv_high_watermark``).
 DEFAULT_HIGH_WATERMARK = 0.9
 DEFAULT_LOW_WATERMARK = 0.7
+#: A KV handoff's time per distance, as a multiple of the cost model's pool transfer (which is
+#: priced across nodes of one rack). Same host: shared memory, ~25x faster (seed §3.1); across
+#: racks and zones the uplinks are shared and slower.
+HANDOFF_SCALE = {SAME_HOST: 0.04, SAME_RACK: 1.0, SAME_ZONE: 2.0, FAR: 4.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +83,7 @@ class EngineView:
             prefix cache (whole blocks, at most the prompt less its last token; 0: unknown).
         slots: the router's slots on the engine (``--max-inflight``; 0: unbounded).
         router_queued: the router's requests waiting for one of them.
+        site: where the engine runs (``kvstore.topology``; None: not declared).
     """
 
     name: str
@@ -89,6 +101,7 @@ class EngineView:
     local_cached_tokens: int = 0
     slots: int = 0
     router_queued: int = 0
+    site: Site | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,7 +415,18 @@ def choose(
     if not handoff:
         by_name = {v.name: v for v in candidates}
         return Choice(True, None, 0, best, None, predicted_tbt(by_name[best.engine], request))
-    return _choose_decode(request, slo, best, pool, high, early_rejection)
+    source = next(v.site for v in candidates if v.name == best.engine)
+    return _choose_decode(request, slo, best, pool, high, early_rejection, source)
+
+
+def handoff_penalty_s(source: Site | None, decode: EngineView, request: RequestShape) -> float:
+    """What the distance between the prefill engine (at ``source``) and ``decode`` adds to the
+    handoff of ``request``'s prompt, beyond a handoff within one rack (negative on one host);
+    0 where either site is unknown."""
+    if source is None or decode.site is None:
+        return 0.0
+    scale = HANDOFF_SCALE[distance(source, decode.site)] - HANDOFF_SCALE[SAME_RACK]
+    return scale * decode.cost.transfer_s(request.prompt_tokens) if scale else 0.0
 
 
 def _ttft_rejection(best: TTFTEstimate, slo: SLOClass) -> Choice:
@@ -426,15 +450,24 @@ def _choose_decode(
     pool: list[EngineView],
     high: float,
     early_rejection: bool,
+    source: Site | None = None,
 ) -> Choice:
     """P/D: the decode engine with room and the smallest predicted TBT (ties by name), for a
-    request whose prefill goes to ``best``."""
+    request whose prefill goes to ``best`` (at ``source``: its handoff's distance counts, see
+    :func:`handoff_penalty_s`)."""
     roomy = [v for v in pool if kv_room(v, request, high)]
     if not roomy:
         if early_rejection:
             return Choice(False, "no decode engine has room for the KV", 1, best, None, None)
         roomy = pool
-    target = min(roomy, key=lambda v: (predicted_tbt(v, request), v.name))
+    per_token = 1 / max(request.max_tokens, 1)
+    target = min(
+        roomy,
+        key=lambda v: (
+            predicted_tbt(v, request) + handoff_penalty_s(source, v, request) * per_token,
+            v.name,
+        ),
+    )
     tbt = predicted_tbt(target, request)
     if early_rejection and target.decode_fitted and tbt > slo.tbt_s:
         return Choice(

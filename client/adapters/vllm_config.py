@@ -21,7 +21,7 @@ from kvstore.client.engine_registry import (
 from kvstore.errors import InvalidRequestError
 from kvstore.etcd import is_etcd_url, parse_endpoints
 from kvstore.keys import Namespace
-from kvstore.topology import MAX_NAME
+from kvstore.topology import MAX_NAME, Site
 
 #: Extra-config keys the connector understands (anything else is refused: a typo must not
 #: silently run without, say, the salt).
@@ -243,6 +243,7 @@ class ConnectorConfig:
             model=served_model or None,
             block_size=block_size,
             kv_events=events,
+            site=tuple(Site.declared(self.host_id, self.rack, self.zone).to_wire()),
         )
 
     @staticmethod

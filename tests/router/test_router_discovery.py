@@ -28,6 +28,7 @@ from kvstore.client.engine_registry import EngineRecord, RegisteredEngine, list_
 from kvstore.demo.vllm_server import free_port
 from kvstore.etcd import EtcdStore, parse_endpoints
 from kvstore.processes import terminate
+from kvstore.topology import Site
 from tests.adapters.vllm_servers import VLLMServer, kv_config, missing_engine
 from tests.etcd_harness import EtcdProcess, HACluster
 from tests.router.rig import start_router
@@ -111,7 +112,9 @@ def test_a_vllm_engine_registers_is_routed_to_and_leaves_when_killed(
         assert len(live) == 1, live  # the scheduler side registered; the worker did not
         (reg,) = live.values()
         assert reg.key.startswith("/kvstore/engines/both/")
-        assert reg.record == EngineRecord(url, "both", model="smollm2", block_size=32)
+        # (it says where it runs: the hostname, the default rack and zone; kvstore.topology)
+        site = tuple(Site.declared().to_wire())
+        assert reg.record == EngineRecord(url, "both", model="smollm2", block_size=32, site=site)
         wait_until(
             lambda: _health(router)[1]["engines"] == {url: True},
             timeout=60,

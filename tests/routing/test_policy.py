@@ -14,11 +14,13 @@ from kvstore.routing.policy import (
     RequestShape,
     choose,
     estimate_ttft,
+    handoff_penalty_s,
     kv_room,
     predicted_tbt,
     watermark_state,
 )
 from kvstore.routing.slo import SLOClass
+from kvstore.topology import Site
 
 COST = CostModel(
     block_size_tokens=32,
@@ -240,3 +242,22 @@ def test_cache_aware_is_the_default_policy() -> None:
     default = choose(shape(), LOOSE, engines, None)
     explicit = choose(shape(), LOOSE, engines, None, policy=POLICIES[DEFAULT_POLICY]())
     assert default == explicit and default.prefill is not None and default.prefill.engine == "b"
+
+
+def test_the_decode_choice_counts_the_handoff_s_distance_from_the_prefill_engine() -> None:
+    p = view("p", site=Site("h1", "r1"))
+    # d-far is a little less loaded (a smaller TBT) but in another rack; d-near shares the
+    # prefill's host. Transfers of 1000 tokens take 1 s here (1 ms a token).
+    far = view("d-far", site=Site("h9", "r2"))
+    near = view("d-near", site=Site("h1", "r1"), num_running=1)
+    assert handoff_penalty_s(p.site, far, shape()) == pytest.approx(1.0)  # one more transfer
+    assert handoff_penalty_s(p.site, near, shape()) == pytest.approx(-0.96)
+    assert choose(shape(), LOOSE, [p], [far, near]).decode == "d-near"
+    # Without sites (or all in one rack) the least loaded decode engine wins as before.
+    bare = [dataclasses.replace(v, site=None) for v in (far, near)]
+    assert choose(shape(), LOOSE, [p], bare).decode == "d-far"
+    one_rack = [
+        dataclasses.replace(far, site=Site("h8", "r1")),
+        dataclasses.replace(near, site=Site("h7", "r1")),
+    ]
+    assert choose(shape(), LOOSE, [p], one_rack).decode == "d-far"
