@@ -335,6 +335,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         layout = getattr(self._vllm_config.cache_config, "kv_cache_layout", None)
         self._work().register_kv_caches(kv_caches, names[0], self._geometry, layout)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Store the blocks of requests preempted in this step before the forward reuses them
+        (``vllm_scheduler``: they resume by loading them)."""
+        if isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
+            self._work().save_preempted(kv_connector_metadata.preempted)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         self._work().start_load_kv(meta.loads if isinstance(meta, KVStoreConnectorMetadata) else [])

@@ -1,5 +1,14 @@
 """The vLLM connector's scheduler side (one per engine): asks the prefix index what the pool
-holds, plans each step's loads and saves as :class:`KVStoreConnectorMetadata`."""
+holds, plans each step's loads and saves as :class:`KVStoreConnectorMetadata`.
+
+Preemption: when vLLM preempts a running request for lack of KV room it frees the request's
+blocks and later computes it again from its first token. The connector saves the request's
+full blocks, prompt and tokens generated so far, before the next forward reuses them
+(``preempted``: the worker's ``handle_preemptions`` stores them synchronously), and looks the
+request up again when vLLM resumes it, over all its tokens: it resumes by loading its KV from
+the pool instead of recomputing it. Every role does this (a decode server is where preemptions
+happen); only the blocks the pool may not hold yet are saved.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +44,19 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    #: Full blocks of requests vLLM preempted in this step, to store before the forward.
+    preempted: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Running:
+    """What a request's preemption needs: the request (its tokens so far), its blocks, the
+    tokens whose KV they hold, and the leading blocks the pool holds already."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    in_pool: int = 0
 
 
 @dataclass
@@ -76,6 +98,7 @@ class KVStoreScheduler:
         self._salts: dict[str, str | None] = {}
         self._pending_loads: dict[str, Transfer] = {}
         self._saving: dict[str, _SaveState] = {}
+        self._running: dict[str, _Running] = {}  # req_id -> what its preemption saves
 
     def _lookup(self, tokens: np.ndarray, cache_salt: str | None) -> int:
         """Full prompt blocks the pool holds in the request's namespace (one master call, no
@@ -104,7 +127,9 @@ class KVStoreScheduler:
         the prompt's last token), and whether they load asynchronously."""
         if not (self._can_load or self._can_save):
             return 0, False
-        prompt = request.prompt_token_ids
+        # A new request's tokens are its prompt; a resumed one's, its prompt and its answer
+        # so far (saved when it was preempted).
+        prompt = list(request.all_token_ids)
         if not prompt:
             return 0, False
         rid = request.request_id
@@ -117,6 +142,8 @@ class KVStoreScheduler:
             self._hits[rid] = hit
             self._salts[rid] = salt
         self._local[rid] = num_computed_tokens
+        running = self._running.setdefault(rid, _Running(request))
+        running.in_pool = hit
         if not self._can_load:
             return 0, False
         offer = min(hit, (len(prompt) - 1) // self._block_size) * self._block_size
@@ -137,7 +164,7 @@ class KVStoreScheduler:
         bs = self._block_size
         first, end = local // bs, (local + num_external_tokens) // bs
         block_ids = list(blocks.get_block_ids()[0])
-        prompt = request.prompt_token_ids or []
+        prompt = list(request.all_token_ids)
         self._pending_loads[rid] = Transfer(
             rid,
             np.asarray(prompt[: end * bs], dtype=np.uint32),
@@ -168,9 +195,11 @@ class KVStoreScheduler:
         that the pool does not hold yet)."""
         meta = KVStoreConnectorMetadata(loads=list(self._pending_loads.values()))
         self._pending_loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        self._plan_preempted(meta, getattr(scheduler_output, "preempted_req_ids", None) or ())
+        self._follow_blocks(scheduler_output)
         if not self._can_save:
             return meta
-        scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             prompt = new.prompt_token_ids
             if not prompt or not new.block_ids:
@@ -206,6 +235,54 @@ class KVStoreScheduler:
             self._plan_save(meta, rid, st, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
         return meta
 
+    def _plan_preempted(self, meta: KVStoreConnectorMetadata, preempted: Any) -> None:
+        """Save the full blocks of each request vLLM just preempted (their KV is intact until
+        the next forward), and look it up again when it resumes."""
+        bs = self._block_size
+        for rid in preempted:
+            running = self._running.get(rid)
+            self._hits.pop(rid, None)  # its resumption is looked up again, over all its tokens
+            self._local.pop(rid, None)
+            if running is None:
+                continue
+            tokens = list(running.request.all_token_ids)
+            full = min(running.computed, len(tokens)) // bs
+            full = min(full, len(running.block_ids))
+            first = min(running.in_pool, full)
+            if full > first and self._pool.get() is not None:
+                meta.preempted.append(
+                    Transfer(
+                        rid,
+                        np.asarray(tokens[: full * bs], dtype=np.uint32),
+                        first,
+                        running.block_ids[first:full],
+                        self._salts.get(rid),
+                    )
+                )
+            running.block_ids, running.computed = [], 0
+
+    def _follow_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Each running request's blocks and computed tokens after this step."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            running = self._running.get(new.req_id)
+            if running is not None and new.block_ids:
+                running.block_ids = list(new.block_ids[0])
+                running.computed = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, rid in enumerate(cached.req_ids):
+            running = self._running.get(rid)
+            if running is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in resumed:
+                    running.block_ids = list(new_ids[0])
+                else:
+                    running.block_ids.extend(new_ids[0])
+            running.computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -216,4 +293,5 @@ class KVStoreScheduler:
         self._salts.pop(rid, None)
         self._saving.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        self._running.pop(rid, None)
         return False, None

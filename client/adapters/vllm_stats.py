@@ -30,6 +30,7 @@ STAT_NAMES = (
     "saved_bytes",
     "save_seconds",
     "pool_unavailable",
+    "preempted_saved_tokens",
 )
 
 
@@ -83,6 +84,9 @@ class KVStorePromMetrics(KVConnectorPromMetrics):
             "saved_bytes": "Bytes of KV saved into the kvstore pool",
             "save_seconds": "Seconds spent saving KV into the kvstore pool",
             "pool_unavailable": "Pool calls that failed because the pool could not be reached",
+            "preempted_saved_tokens": (
+                "Tokens of KV saved when vLLM preempted their request (it resumes by loading them)"
+            ),
         }
         self._counters = {
             name: create_metric_per_engine(

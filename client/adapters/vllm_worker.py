@@ -459,6 +459,29 @@ class KVStoreWorker:
 
             gathers.append(self._saver.submit(put))
 
+    def save_preempted(self, saves: list[Transfer]) -> None:
+        """Store the full blocks of requests vLLM just preempted, before this step's forward
+        may overwrite them (they are free once this returns), so that each resumes by loading
+        them. Synchronous: a preemption is rare, and its blocks are worth a pause of the step
+        (``.venv/bin/python bench/bench_pd.py --parts preemption`` serves an overload resuming
+        by loading and by recomputing). A failure leaves them to be recomputed."""
+        ids = [b for t in saves for b in t.block_ids]
+        if not ids or self._views is None:
+            return
+        staging = self._staging(len(ids), "preempted")
+        runs = _runs(range(len(ids)), ids)
+        planes = self._planes(staging)
+        try:
+            for layer in range(len(self._views.layers)):
+                self._copies.start_save(self._views, layer, planes[:, layer], runs)()
+        except Exception as exc:  # noqa: BLE001 - a preempted request is then recomputed
+            logger.warning(
+                "kvstore: saving preempted blocks failed (%s: %s)", type(exc).__name__, exc
+            )
+            return
+        self._put(saves, staging)
+        self._counters.add(preempted_saved_tokens=len(ids) * self._block_size)
+
     def _put(self, saves: list[Transfer], staging: torch.Tensor) -> None:
         kv = self._pool.get()
         if kv is None:
