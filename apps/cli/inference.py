@@ -190,6 +190,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         discover_prefix=args.discover_prefix,
         max_body_bytes=args.max_body,
         max_chars_per_token=args.max_chars_per_token,
+        engine_priority=args.engine_priority,
     )
     run_loop(serve_router(config, args.host, args.port))
     return 0
@@ -316,6 +317,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--no-early-rejection", action="store_true", help="queue requests whatever the prediction"
+    )
+    p.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="the engines run vLLM's --scheduling-policy priority: send each request with its "
+        "SLO class's priority, so vLLM preempts the lowest class first",
     )
     p.add_argument(
         "--no-pool-events",

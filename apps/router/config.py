@@ -63,6 +63,10 @@ class RouterConfig:
         high_watermark: decode KV use over which an engine takes nothing new.
         low_watermark: KV use under which it takes requests again.
         early_rejection: reject requests whose SLO the prediction says cannot be met.
+        engine_priority: the engines run vLLM's ``--scheduling-policy priority``: each request
+            is sent with its SLO class's priority (0 first), so that when an engine runs out
+            of KV room vLLM preempts the lowest class first (a request's own ``priority``
+            stays).
         pool_events: follow the master's KV events for the pool's view (else: one prefix-index
             lookup per request).
         engine_events: (engine URL, ZMQ endpoint) of engines that publish vLLM's own KV events
@@ -97,6 +101,7 @@ class RouterConfig:
     discover_prefix: str = DEFAULT_ENGINES_PREFIX
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_chars_per_token: int = DEFAULT_MAX_CHARS_PER_TOKEN
+    engine_priority: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -165,6 +165,8 @@ async def _run_steps(
     """
     assert choice.prefill is not None
     body, slo, tokens = prompt.body, prompt.slo, prompt.tokens
+    if state.config.engine_priority and "priority" not in body:
+        body = {**body, "priority": prompt.priority}  # vLLM preempts the lowest class first
     first = state.by_url[choice.prefill.engine]
     decode = state.by_url[choice.decode] if choice.decode is not None else None
     state.metrics.ttft_predicted.labels(first.url).observe(choice.prefill.ttft_s)

@@ -2,7 +2,8 @@
 requests in flight makes vLLM preempt one (recompute mode: its blocks are freed, it computes
 again from its first token). With the kvstore connector the preempted request's blocks, prompt
 and the tokens generated so far, are saved as it is preempted, and it resumes by loading them
-from the pool; every answer still equals the reference server's. Select with ``-m engine``;
+from the pool; every answer still equals the reference server's. The server schedules by
+priority, as behind ``kvstore router --engine-priority``. Select with ``-m engine``;
 skipped where the vLLM virtualenv or the model is missing.
 """
 
@@ -47,7 +48,14 @@ class Overload(PoolServers):
             cpu=0,
             prefix_caching=False,  # a preempted request's blocks come back from the pool only
             max_model_len=(CACHE_BLOCKS - 2) * 32,  # vLLM keeps a block back
-            extra_args=["--num-gpu-blocks-override", str(CACHE_BLOCKS)],
+            # Priority scheduling, as behind `kvstore router --engine-priority`: vLLM preempts
+            # the lowest class (the highest priority number) first.
+            extra_args=[
+                "--num-gpu-blocks-override",
+                str(CACHE_BLOCKS),
+                "--scheduling-policy",
+                "priority",
+            ],
         )
         self.servers = (self.ref, self.small)
 
@@ -72,8 +80,15 @@ def test_a_preempted_request_resumes_from_the_pool(overload: Overload) -> None:
     assert all(len(p) + ANSWER_TOKENS > CACHE_BLOCKS * 32 // 2 for p in prompts)  # two at most
     preemptions = metric(small, "vllm:num_preemptions")
     loaded = kvstore_metric(small, "loaded_tokens")
+    priorities = (0, 0, 2)  # two interactive requests and a batch one, as the router sends them
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: small.complete_top(p, ANSWER_TOKENS), prompts))
+        answers = list(
+            pool.map(
+                lambda p, prio: small.complete_top(p, ANSWER_TOKENS, priority=prio),
+                prompts,
+                priorities,
+            )
+        )
     assert metric(small, "vllm:num_preemptions") > preemptions, "the overload preempted none"
     # The preempted request's blocks went to the pool, and it resumed by loading them.
     assert kvstore_metric(small, "preempted_saved_tokens") > 0

@@ -183,3 +183,31 @@ def test_a_prompt_over_the_context_is_refused_or_truncated_as_it_asks(model: Pat
             await engine.stop()
 
     asyncio.run(run())
+
+
+def test_engine_priority_sends_each_request_with_its_class_priority(model: Path) -> None:
+    """With ``engine_priority`` the engines (vLLM's priority scheduling) get each request's SLO
+    class priority, so they preempt the lowest class first; a request's own stays; off, none."""
+
+    async def run() -> None:
+        engine = FakeEngine(model)
+        await engine.start()
+        try:
+            for enabled in (True, False):
+                config = RouterConfig(engines=(engine.url,), engine_priority=enabled)
+                async with router(config) as (url, _), aiohttp.ClientSession() as http:
+                    await until(lambda: health_is(http, url, engine.url, True), "healthy")
+                    engine.bodies.clear()
+                    for slo, extra in (("critical", {}), ("batch", {}), ("batch", {"priority": 7})):
+                        async with http.post(
+                            url + "/v1/completions",
+                            json={"prompt": "one two", "max_tokens": 2, **extra},
+                            headers={"X-SLO-Class": slo},
+                        ) as resp:
+                            assert resp.status == 200
+                    got = [b.get("priority") for b in engine.bodies]
+                    assert got == ([0, 2, 7] if enabled else [None, None, 7]), got
+        finally:
+            await engine.stop()
+
+    asyncio.run(run())
