@@ -44,6 +44,7 @@ from kvstore.sim.kvboth import KvBothConfig, simulate_kv_both
 from kvstore.sim.scheduler import ROUTERS, SchedulerConfig
 from kvstore.sim.simulator import SimConfig, SimResult, simulate
 from kvstore.sim.trace import TraceRequest
+from kvstore.topology import Site
 
 from .loadgen import RequestResult
 from .workload import ReplayRequest
@@ -279,6 +280,11 @@ class SimShape:
             unlimited).
         admission_ttft_s: kv_both: the router rejects a request predicted past this TTFT
             (its SLO class's; None admits all).
+        prefill_sites: pd: where each prefill instance runs (one
+            :class:`~kvstore.topology.Site` each), with ``decode_sites``: each handoff is
+            priced by the two instances' distance (``ClusterConfig.handoff_scale``). None:
+            every handoff as within one rack (a fitted cost has no transfer term to scale).
+        decode_sites: pd: where each decode instance runs, or None.
 
     Raises:
         InvalidRequestError: on creation, for counts below 1, an unknown engine model or an
@@ -296,10 +302,18 @@ class SimShape:
     max_num_batched_tokens: int = 2048
     cache_blocks: int | None = None
     admission_ttft_s: float | None = None
+    prefill_sites: tuple[Site, ...] | None = None
+    decode_sites: tuple[Site, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1 or self.max_batch_size < 1:
             raise InvalidRequestError("instance counts and max batch size must be >= 1")
+        for label, sites, count in (
+            ("prefill_sites", self.prefill_sites, self.num_prefill),
+            ("decode_sites", self.decode_sites, self.num_decode),
+        ):
+            if sites is not None and len(sites) != count:
+                raise InvalidRequestError(f"{label} needs {count} sites, got {len(sites)}")
         if self.engine_model not in ENGINE_MODELS:
             known = ", ".join(ENGINE_MODELS)
             raise InvalidRequestError(f"unknown engine model {self.engine_model!r}; known: {known}")
@@ -427,6 +441,8 @@ def simulate_requests(
         pool_blocks=None if shape.shared_pool else 0,
         decode_max_batch_size=shape.max_batch_size,
         cost=cost,
+        prefill_sites=shape.prefill_sites,
+        decode_sites=shape.decode_sites,
     )
     config = SimConfig(
         cluster=cluster,

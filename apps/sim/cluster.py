@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidRequestError
 from kvstore.routing.cost import CostModel
+from kvstore.routing.policy import HANDOFF_SCALE
+from kvstore.topology import SAME_RACK, Site, distance
 
 from .policies import POLICIES, BlockCache
 
@@ -85,10 +87,15 @@ class ClusterConfig:
         decode_kv_capacity_tokens: KV memory of each decode instance, in tokens.
         decode_max_batch_size: most sequences in one decode step.
         cost: the cost model of every instance.
+        prefill_sites: where each prefill instance runs (:class:`~kvstore.topology.Site`, one
+            per instance), with ``decode_sites``: the prefill-to-decode handoff is then priced
+            by their distance (:meth:`handoff_scale`). None (the default): every handoff
+            costs the cost model's transfer, as within one rack.
+        decode_sites: where each decode instance runs (one per instance), or None.
 
     Raises:
-        InvalidRequestError: on creation, for counts below 1, negative sizes or an unknown
-            policy.
+        InvalidRequestError: on creation, for counts below 1, negative sizes, an unknown
+            policy, or sites that do not number the instances.
     """
 
     num_prefill: int = 4
@@ -99,6 +106,8 @@ class ClusterConfig:
     decode_kv_capacity_tokens: int = 1_500_000
     decode_max_batch_size: int = 128
     cost: CostModel = field(default_factory=CostModel)
+    prefill_sites: tuple[Site, ...] | None = None
+    decode_sites: tuple[Site, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -113,6 +122,22 @@ class ClusterConfig:
             raise InvalidRequestError(f"unknown cache policy {self.cache_policy!r}")
         if self.decode_kv_capacity_tokens < 1 or self.decode_max_batch_size < 1:
             raise InvalidRequestError("decode KV capacity and batch size must be >= 1")
+        for label, sites, count in (
+            ("prefill_sites", self.prefill_sites, self.num_prefill),
+            ("decode_sites", self.decode_sites, self.num_decode),
+        ):
+            if sites is not None and len(sites) != count:
+                raise InvalidRequestError(f"{label} needs {count} sites, got {len(sites)}")
+
+    def handoff_scale(self, prefill_id: int, decode_id: int) -> float:
+        """The prefill-to-decode handoff's time as a multiple of the cost model's transfer
+        (priced within one rack): the live router's factor for the two instances' distance
+        (:data:`kvstore.routing.policy.HANDOFF_SCALE`, over its same-rack one), 1 where
+        either side has no sites."""
+        if self.prefill_sites is None or self.decode_sites is None:
+            return 1.0
+        far = distance(self.prefill_sites[prefill_id], self.decode_sites[decode_id])
+        return HANDOFF_SCALE[far] / HANDOFF_SCALE[SAME_RACK]
 
 
 @dataclass(slots=True)

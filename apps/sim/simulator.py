@@ -14,7 +14,11 @@ sequence holds is taken as its mean over decoding (prompt + output / 2).
 A request's TTFT is prefill end - arrival (the first token comes out of prefill); its TBT is
 (finish - first token) / (output_length - 1): the mean gap between the tokens after the first,
 which includes any wait for room on the decode instance and the part of the prefill-to-decode
-KV transfer that layer-wise streaming does not hide behind prefill.
+KV transfer that layer-wise streaming does not hide behind prefill. That transfer is the cost
+model's (priced within one rack) unless the cluster declares where its instances run
+(``ClusterConfig.prefill_sites`` / ``decode_sites``): then it is scaled by the two instances'
+distance with the live router's factors (same host: shared memory, far cheaper; another rack or
+zone: dearer).
 """
 
 from __future__ import annotations
@@ -254,9 +258,13 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig | None = None) 
         decode_ids[index] = decision.decode_id
         num_replicated += decision.replicated
         # KV streams to the decode instance layer by layer while prefill runs (as in Mooncake),
-        # so the decode instance has it at prefill end or when the transfer ends, if later.
+        # so the decode instance has it at prefill end or when the transfer ends, if later;
+        # the transfer takes longer the farther apart the two instances stand.
         start_s = end_s - estimate.prefill_s
-        join_s = max(end_s, start_s + cost.transfer_s(request.input_length))
+        handoff_s = cost.transfer_s(request.input_length) * config.cluster.handoff_scale(
+            estimate.instance_id, decision.decode_id
+        )
+        join_s = max(end_s, start_s + handoff_s)
         push(join_s, _JOIN, index, decision.decode_id)
 
     def join(index: int, decode_id: int, now_s: float) -> None:
