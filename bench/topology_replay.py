@@ -40,6 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstore.client import Client
+from kvstore.errors import KVStoreError
+from kvstore.sim.trace import load_trace
+
 #: Where the trace is (the repository's sibling ``shared/``).
 TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "conversation_trace.jsonl"
@@ -115,9 +119,8 @@ def plan(hash_ids: Sequence[Sequence[int]], num_hosts: int, routing: str) -> Pla
 
 # ---------------------------------------------------------------------- on a host
 def worker(ask_path: Path) -> None:
-    from kvstore.client import Client
-    from kvstore.errors import KVStoreError
-
+    """One host's client: its writes, the barrier, its located and timed reads (module
+    docstring)."""
     ask = json.loads(ask_path.read_text())
     value = os.urandom(ask["block_bytes"])
     with Client.connect(ask["master"], timeout=30.0) as c:
@@ -158,8 +161,6 @@ def worker(ask_path: Path) -> None:
 def run(bed: Any, num_requests: int, block_bytes: int) -> list[list[object]]:
     """Both placements, both routings, on ``bed`` (a ``Testbed`` of 5 hosts in 2 racks); the
     table's rows."""
-    from kvstore.sim.trace import load_trace
-
     trace = load_trace(TRACE, limit=num_requests)
     hash_ids = [r.hash_ids for r in trace]
     hosts = bed.hosts[1:5]
