@@ -189,8 +189,12 @@ class EngineRecord:
         return Site.from_wire(self.site) if self.site is not None else None
 
     def encode(self) -> bytes:
-        """The JSON value stored in etcd."""
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        """The JSON value stored in etcd (no ``site`` where none was declared: a router that
+        predates sites reads the record as before)."""
+        fields = asdict(self)
+        if fields["site"] is None:
+            del fields["site"]
+        return json.dumps(fields, separators=(",", ":")).encode()
 
     @staticmethod
     def decode(value: bytes) -> EngineRecord:

@@ -380,8 +380,14 @@ _PREFIX_PATHS: dict[str, Any] = {
             "requestBody": _json_body(
                 _obj(
                     {
-                        "namespace": {"type": "object", "description": "Namespace.to_dict()"},
-                        "tokens": {"type": "array", "items": _INT},
+                        "namespace": NAMESPACE,
+                        "tokens": {
+                            "type": "array",
+                            "maxItems": 1 << 20,
+                            "items": {"type": "integer", "minimum": 0, "maximum": U32_MAX},
+                            "description": "the range's token ids: one full block of the "
+                            "namespace's block_size at least, 4096 blocks at most",
+                        },
                     },
                     ["namespace", "tokens"],
                     strict=True,

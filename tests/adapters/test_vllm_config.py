@@ -7,6 +7,7 @@ import pytest
 from kvstore.client.adapters.vllm_config import DEFAULT_LOAD_MODE, ConnectorConfig
 from kvstore.client.engine_registry import EngineRecord
 from kvstore.errors import InvalidRequestError
+from kvstore.topology import Site
 
 
 def test_inline_token_is_refused_without_echoing_it() -> None:
@@ -47,8 +48,14 @@ def test_advertise_url_registers_in_the_masters_etcd_or_an_explicit_one() -> Non
     )
     assert [str(e) for e in cfg.registry_endpoints or []] == ["h:2379"]
     rec = cfg.engine_record("kv_producer", "smollm2", 32, "tcp://*:5557")
+    here = tuple(Site.declared(None, None, None).to_wire())  # the hostname, default rack
     assert rec == EngineRecord(
-        "http://10.0.0.5:8101", "prefill", "smollm2", 32, kv_events="tcp://10.0.0.5:5557"
+        "http://10.0.0.5:8101",
+        "prefill",
+        "smollm2",
+        32,
+        kv_events="tcp://10.0.0.5:5557",
+        site=here,
     )
     assert cfg.engine_record("kv_consumer", None, 32).role == "decode"  # type: ignore[union-attr]
     explicit = ConnectorConfig.from_extra(
