@@ -33,6 +33,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def _grown(block_ids: list[int], new_ids: Any, resumed: bool) -> list[int]:
+    """A running request's blocks after a step: ``new_ids`` (vLLM's per-group tuple, or None)
+    added, or all of them for a request vLLM resumed after a preemption."""
+    if new_ids is None:
+        return block_ids
+    if resumed:
+        return list(new_ids[0])
+    block_ids.extend(new_ids[0])  # (in place: a long answer adds a block every few steps)
+    return block_ids
+
+
 def request_cache_salt(request: Request) -> str | None:
     """The request's vLLM ``cache_salt`` (``Request.cache_salt``; None or empty: none)."""
     return getattr(request, "cache_salt", None) or None
@@ -224,12 +235,7 @@ class KVStoreScheduler:
             st = self._saving.get(rid)
             if st is None:
                 continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                if rid in resumed:
-                    st.block_ids = list(new_ids[0])
-                else:
-                    st.block_ids.extend(new_ids[0])
+            st.block_ids = _grown(st.block_ids, cached.new_block_ids[i], rid in resumed)
             if st.saved * self._block_size >= len(st.tokens) // self._block_size * self._block_size:
                 continue
             self._plan_save(meta, rid, st, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
@@ -275,12 +281,7 @@ class KVStoreScheduler:
             running = self._running.get(rid)
             if running is None:
                 continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                if rid in resumed:
-                    running.block_ids = list(new_ids[0])
-                else:
-                    running.block_ids.extend(new_ids[0])
+            running.block_ids = _grown(running.block_ids, cached.new_block_ids[i], rid in resumed)
             running.computed = cached.num_computed_tokens[i] + scheduled.get(rid, 0)
 
     def request_finished(
