@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvstore.processes import parse_ready
 
 READY_TIMEOUT_S = 30.0
@@ -239,3 +241,25 @@ def create_tenant(base: str, operator_token: str, name: str, **quotas: int) -> s
     )
     assert made["nodes_pending"] == [], made
     return made["token"]
+
+
+def mount_tmpfs(where: Path, size: str) -> Path:
+    """A tmpfs of ``size`` (``8m``) mounted at ``where`` (made): a real file system that fills
+    up (ENOSPC). Skips the test where mounting is not permitted. Undo with :func:`unmount`."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    return where
+
+
+def unmount(where: Path) -> None:
+    """Unmount ``where`` (lazily where a process still has files open there: detached now,
+    freed when they are closed)."""
+    if subprocess.run(["umount", str(where)], check=False).returncode != 0:
+        subprocess.run(["umount", "-l", str(where)], check=True)

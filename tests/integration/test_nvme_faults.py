@@ -4,7 +4,6 @@ disk (bytes flipped, a record cut short) while reads start promotions."""
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.errors import ChecksumMismatchError, KeyNotFoundError, KVStoreError, NoSpaceError
 from kvstore.types import ObjectInfo
-from tests.support import Cluster, wait_until
+from tests.support import Cluster, mount_tmpfs, unmount, wait_until
 
 FAST = ("--heartbeat-interval", "0.1", "--node-ttl", "2")
 MIB = 1 << 20
@@ -129,23 +128,11 @@ def small_nvme_disks(tmp_path: Path) -> Iterator[Callable[[Path], None]]:
     mounted: list[Path] = []
 
     def mount(data_dir: Path) -> None:
-        where = data_dir / "nvme"
-        where.mkdir(parents=True)
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
-        mounted.append(where)
+        mounted.append(mount_tmpfs(data_dir / "nvme", "8m"))
 
     yield mount
     for where in mounted:
-        # (lazily where a node still has the files open: detached now, freed when it exits)
-        if subprocess.run(["umount", str(where)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], check=True)
+        unmount(where)  # (lazily where a node still has the files open)
 
 
 def test_puts_fail_typed_on_a_full_nvme_disk_and_succeed_again_after_removes(

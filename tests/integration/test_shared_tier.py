@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from kvstore.client import Client
 from kvstore.errors import ChecksumMismatchError, KeyNotFoundError, KVStoreError, NoSpaceError
 from kvstore.node.shared import encode_header, file_name, read_record
 from kvstore.node.tiers import checksum_of
-from tests.support import Cluster, wait_until
+from tests.support import Cluster, mount_tmpfs, unmount, wait_until
 
 FAST = ("--heartbeat-interval", "0.1", "--node-ttl", "1")
 NS = "it"
@@ -122,19 +121,9 @@ def test_a_new_cluster_on_the_same_path_serves_every_object_that_reached_the_tie
 @pytest.fixture
 def small_shared_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs for the shared tier; unmounted afterwards."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    mnt = mount_tmpfs(tmp_path / "small", "1m")
     yield mnt
-    if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    unmount(mnt)
 
 
 def test_a_full_shared_disk_is_a_clean_error_and_the_upper_tiers_keep_serving(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from kvstore.errors import (
 from kvstore.node import nvme
 from kvstore.node.nvme import NvmeTier
 from kvstore.node.tiers import StoredObject, checksum_of
-from tests.support import wait_until
+from tests.support import mount_tmpfs, unmount, wait_until
 
 
 def obj(offset: int, data: bytes, key: bytes = b"k") -> tuple[StoredObject, memoryview]:
@@ -98,22 +97,11 @@ def test_full_lmdb_file_fails_the_items_that_do_not_fit(
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs: a real file system that fills up (ENOSPC), unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    mnt = mount_tmpfs(tmp_path / "fs", "8m")
     try:
         yield mnt
     finally:
-        # (lazily where a failed test left the lmdb files open: detached now, freed at close)
-        if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
+        unmount(mnt)  # (lazily where a failed test left the lmdb files open)
 
 
 def _fill(tier: NvmeTier, size: int, first: int = 1) -> tuple[dict[int, bytes], KVStoreError]:

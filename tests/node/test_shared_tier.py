@@ -4,7 +4,6 @@ folder lock, adoption of a gone node's folder, torn and foreign files ignored, a
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvstore.errors import (
 from kvstore.node import shared
 from kvstore.node.shared import SharedTier, encode_header, file_name, read_record
 from kvstore.node.tiers import StoredObject, checksum_of
+from tests.support import mount_tmpfs, unmount
 
 SIZES = [0, 1, 4095, 65_536, 1_000_003]
 
@@ -209,21 +209,11 @@ def test_bad_arguments(tmp_path: Path, kw: dict[str, object]) -> None:
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs: a real file system that fills up (ENOSPC), unmounted afterwards."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+    mnt = mount_tmpfs(tmp_path / "fs", "1m")
     try:
         yield mnt
     finally:
-        if subprocess.run(["umount", str(mnt)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
+        unmount(mnt)
 
 
 def test_a_full_disk_is_no_space_and_leaves_nothing(small_fs: Path) -> None:

@@ -146,39 +146,39 @@ def test_a_prompt_over_the_context_is_refused_or_truncated_as_it_asks(model: Pat
         engine = FakeEngine(model, max_model_len=32)
         await engine.start()
         try:
-            async with router(RouterConfig(engines=(engine.url,))) as (url, _):
-                async with aiohttp.ClientSession() as http:
-                    await until(lambda: health_is(http, url, engine.url, True), "healthy")
+            config = RouterConfig(engines=(engine.url,))
+            async with router(config) as (url, _), aiohttp.ClientSession() as http:
+                await until(lambda: health_is(http, url, engine.url, True), "healthy")
 
-                    async def complete(**extra: object) -> tuple[int, dict, object]:
-                        body = {"prompt": long_prompt, "max_tokens": 4, **extra}
-                        async with http.post(url + "/v1/completions", json=body) as resp:
-                            return resp.status, dict(resp.headers), await resp.json()
+                async def complete(**extra: object) -> tuple[int, dict, object]:
+                    body = {"prompt": long_prompt, "max_tokens": 4, **extra}
+                    async with http.post(url + "/v1/completions", json=body) as resp:
+                        return resp.status, dict(resp.headers), await resp.json()
 
-                    status, _, answer = await complete()
-                    assert status == 400
-                    assert "maximum context length is 32 tokens" in answer["error"]["message"]
-                    assert engine.bodies == []
-                    status, headers, _ = await complete(truncate_prompt_tokens=-1)
-                    assert status == 200
-                    assert headers["x-kvstore-prompt-truncated-from"] == "40"
-                    assert headers["x-kvstore-prompt-tokens"] == "31"  # one held back
-                    assert engine.bodies[-1]["truncate_prompt_tokens"] == -1  # as asked
-                    status, headers, _ = await complete(
-                        truncate_prompt_tokens=10, truncation_side="left"
-                    )
-                    assert status == 200 and headers["x-kvstore-prompt-tokens"] == "10"
-                    short = {"prompt": "one two", "max_tokens": 4, "truncate_prompt_tokens": 10}
-                    async with http.post(url + "/v1/completions", json=short) as resp:
-                        assert resp.status == 200
-                        assert "x-kvstore-prompt-truncated-from" not in resp.headers
-                    for bad in (0, -2, 33, "5", True):
-                        status, _, answer = await complete(truncate_prompt_tokens=bad)
-                        assert status == 400, bad
-                        assert answer["error"]["param"] == "truncate_prompt_tokens"
-                    status, _, _ = await complete(truncate_prompt_tokens=5, truncation_side="up")
-                    assert status == 400
-                    assert len(engine.bodies) == 3
+                status, _, answer = await complete()
+                assert status == 400
+                assert "maximum context length is 32 tokens" in answer["error"]["message"]
+                assert engine.bodies == []
+                status, headers, _ = await complete(truncate_prompt_tokens=-1)
+                assert status == 200
+                assert headers["x-kvstore-prompt-truncated-from"] == "40"
+                assert headers["x-kvstore-prompt-tokens"] == "31"  # one held back
+                assert engine.bodies[-1]["truncate_prompt_tokens"] == -1  # as asked
+                status, headers, _ = await complete(
+                    truncate_prompt_tokens=10, truncation_side="left"
+                )
+                assert status == 200 and headers["x-kvstore-prompt-tokens"] == "10"
+                short = {"prompt": "one two", "max_tokens": 4, "truncate_prompt_tokens": 10}
+                async with http.post(url + "/v1/completions", json=short) as resp:
+                    assert resp.status == 200
+                    assert "x-kvstore-prompt-truncated-from" not in resp.headers
+                for bad in (0, -2, 33, "5", True):
+                    status, _, answer = await complete(truncate_prompt_tokens=bad)
+                    assert status == 400, bad
+                    assert answer["error"]["param"] == "truncate_prompt_tokens"
+                status, _, _ = await complete(truncate_prompt_tokens=5, truncation_side="up")
+                assert status == 400
+                assert len(engine.bodies) == 3
         finally:
             await engine.stop()
 
