@@ -26,7 +26,7 @@ from kvstore.cli.testbed import (
     start_cluster,
 )
 from tests.support import wait_until
-from tests.testbed_harness import client_on, testbed_factory, bed_or_skip  # noqa: F401
+from tests.testbed_harness import bed_or_skip, client_on, testbed_factory  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
