@@ -34,6 +34,9 @@ class _BoundedServer(ThreadingHTTPServer):
     bound; ``/health`` needs no token, so anyone who reaches the port could."""
 
     daemon_threads = True
+    #: The listen backlog (socketserver's default is 5): a burst of connections waits in the
+    #: kernel's queue to be taken, and past the cap closed at once, not left unanswered.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: Any, max_connections: int) -> None:
         super().__init__(address, handler)
