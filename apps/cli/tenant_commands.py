@@ -33,6 +33,7 @@ import datetime
 import json
 import sys
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -201,24 +202,39 @@ def _shared_path(digest: str) -> str:
     return f"{SHARED_PATH}/{check_namespace_hex(digest).hex()}"
 
 
-def cmd_share(args: argparse.Namespace) -> int:
-    reply = admin_client(args).call("PUT", _shared_path(args.digest))
+def _change(
+    args: argparse.Namespace,
+    method: str,
+    path: str,
+    body: Any,
+    say: Callable[[dict[str, Any]], str],
+) -> int:
+    """One sharing change on the admin API: a warning for nodes that had not taken it, then
+    its answer as JSON or the line ``say`` makes of it."""
+    reply = admin_client(args).call(method, path, body)
     _warn_pending(reply)
-    if args.json:
-        print(json.dumps(reply))
-    else:
-        print(f"namespace {reply['digest']} is shared: every tenant stores and hits its blocks")
+    print(json.dumps(reply) if args.json else say(reply))
     return 0
+
+
+def cmd_share(args: argparse.Namespace) -> int:
+    return _change(
+        args,
+        "PUT",
+        _shared_path(args.digest),
+        None,
+        lambda r: f"namespace {r['digest']} is shared: every tenant stores and hits its blocks",
+    )
 
 
 def cmd_unshare(args: argparse.Namespace) -> int:
-    reply = admin_client(args).call("DELETE", _shared_path(args.digest))
-    _warn_pending(reply)
-    if args.json:
-        print(json.dumps(reply))
-    else:
-        print(f"namespace {reply['digest']} is each tenant's own again (new stores and lookups)")
-    return 0
+    return _change(
+        args,
+        "DELETE",
+        _shared_path(args.digest),
+        None,
+        lambda r: f"namespace {r['digest']} is each tenant's own again (new stores and lookups)",
+    )
 
 
 def cmd_shared(args: argparse.Namespace) -> int:
@@ -272,32 +288,22 @@ def _prefix_path(name: str) -> str:
     return f"{PREFIXES_PATH}/{urllib.parse.quote(check_name(name), safe='')}"
 
 
-def _print_prefix(reply: dict[str, Any], what: str) -> None:
-    print(
-        f"prefix {reply['name']} ({reply['num_tokens']} tokens, {reply['num_blocks']} blocks of"
-        f" namespace {reply['namespace']}) {what}"
+def _prefix_line(what: str) -> Callable[[dict[str, Any]], str]:
+    return lambda r: (
+        f"prefix {r['name']} ({r['num_tokens']} tokens, {r['num_blocks']} blocks of"
+        f" namespace {r['namespace']}) {what}"
     )
 
 
 def cmd_share_prefix(args: argparse.Namespace) -> int:
     body = {"namespace": _prefix_namespace(args), "tokens": _prefix_tokens(args)}
-    reply = admin_client(args).call("PUT", _prefix_path(args.name), body)
-    _warn_pending(reply)
-    if args.json:
-        print(json.dumps(reply))
-    else:
-        _print_prefix(reply, "is shared: every tenant stores and hits its blocks")
-    return 0
+    say = _prefix_line("is shared: every tenant stores and hits its blocks")
+    return _change(args, "PUT", _prefix_path(args.name), body, say)
 
 
 def cmd_unshare_prefix(args: argparse.Namespace) -> int:
-    reply = admin_client(args).call("DELETE", _prefix_path(args.name))
-    _warn_pending(reply)
-    if args.json:
-        print(json.dumps(reply))
-    else:
-        _print_prefix(reply, "is each tenant's own again (new stores and lookups)")
-    return 0
+    say = _prefix_line("is each tenant's own again (new stores and lookups)")
+    return _change(args, "DELETE", _prefix_path(args.name), None, say)
 
 
 def cmd_shared_prefixes(args: argparse.Namespace) -> int:
