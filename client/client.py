@@ -149,6 +149,7 @@ class Client:
         self._master_clock = MasterClock()
         self._reads = ReadPipeline(control, self._data, self._cache, self._returns)
         self._puts = Putter(control, self._data, self._cache)
+        self._puts.changed = self._reads.changed
         # This client's site travels with the calls whose answer depends on it.
         self._site_args = {"at": site.to_wire()} if site is not None else {}
         self._reads.site_args = self._puts.site_args = self._site_args
@@ -574,6 +575,7 @@ class Client:
     def batch_remove(self, keys: Sequence[str | bytes]) -> list[KVStoreError | None]:
         wire_keys = [encode_key(k) for k in keys]
         self._cache.forget(wire_keys)
+        self._reads.changed(wire_keys)
         try:
             reply = self._per_key("remove", wire_keys)
         finally:

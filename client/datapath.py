@@ -127,6 +127,11 @@ class DataPath:
         self.rdma.learn(node_id, offer)
 
     @property
+    def tcp_only(self) -> bool:
+        """Whether every node is read over TCP (no shared memory, no RDMA here)."""
+        return self.shm is None and self.rdma is None
+
+    @property
     def _offers_wanted(self) -> bool:
         return self.shm is not None or self._rdma_settings.enabled
 

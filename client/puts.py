@@ -127,6 +127,9 @@ class Putter:
         #: ``{"at": this client's site}`` (``kvstore.topology``), sent with every put_start:
         #: the master places the objects near this client.
         self.site_args: dict[str, Any] = {}
+        #: Told the keys about to be committed and where each one's first replica is
+        #: (``ReadPipeline.changed``: keys away from home are held from one-hop reads).
+        self.changed: Callable[[list[bytes], list[str | None]], None] | None = None
 
     def run(self, batch: PutBatch) -> None:
         """Store the batch; sets ``batch.results``."""
@@ -323,6 +326,11 @@ class Putter:
     ) -> None:
         """``put_end`` (or ``kv_commit``, indexing the batch's prompt) of the written keys;
         ``work`` (a plain put's next writes) runs while the master answers."""
+        if self.changed is not None and commit:
+            self.changed(
+                [batch.keys[j] for j, _ in commit],
+                [t.locations[0].node_id if t.locations else None for _, t in commit],
+            )
         args: dict[str, Any] = {
             "put_ids": [t.put_id for _, t in commit],
             "checksums": [batch.sums[j] for j, _ in commit],

@@ -41,14 +41,16 @@ from kvstore import grants
 from kvstore.client.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
+from kvstore.client.homes import HomeView
 from kvstore.client.locations import LocationCache, same_replica
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.releases import LeaseReturns
-from kvstore.client.transport import InFlight, ReadItem, digest
+from kvstore.client.transport import InFlight, KeyRead, ReadItem, digest
 from kvstore.errors import (
     ChecksumMismatchError,
     InvalidRequestError,
     KVStoreError,
+    KVTimeoutError,
     NodeUnavailableError,
 )
 from kvstore.gc_policy import PausedCollector
@@ -253,12 +255,37 @@ class ReadPipeline:
         #: ``{"at": this client's site}`` (``kvstore.topology``), sent with every
         #: get_locations: the master orders each object's replicas nearest this client first.
         self.site_args: dict[str, Any] = {}
+        #: The live nodes, for one-hop reads (lease reads over TCP only; see :mod:`kvstore.placement`).
+        self.homes: HomeView | None = None
+        #: Objects read in one hop, from their home node.
+        self.num_one_hop = 0
 
     def use_lease_reads(self, lease_s: float) -> None:
         """Reuse answers within the master's read lease of ``lease_s`` seconds (less a margin
         for the request still to reach the node in time)."""
         if lease_s > 0:
             self.lease_window = lease_s - min(LEASE_MARGIN_S, lease_s / 4)
+            if self.homes is None:
+                self.homes = HomeView(
+                    lambda: self._control.call("live_nodes", {}), hold_s=self.lease_window
+                )
+
+    def changed(self, keys: list[bytes], landed: list[str | None] | None = None) -> None:
+        """This client removed ``keys`` (``landed`` None) or put them, the first replica of
+        each on node ``landed[i]``: a key not at its home is held from one-hop reads (see
+        :mod:`kvstore.client.homes`)."""
+        if self.homes is None:
+            return
+        if landed is None:
+            self.homes.hold(keys)
+            return
+        view = self.homes.current()
+        if view is None:
+            return
+        home = view[0].home
+        away = [k for k, n in zip(keys, landed, strict=True) if n != home(k)]
+        if away:
+            self.homes.hold(away)
 
     # ---------------------------------------------------------------- locate
     def locate(self, keys: list[bytes]) -> list[ObjectInfo | KVStoreError]:
@@ -300,6 +327,10 @@ class ReadPipeline:
             todo = self._read_leased(keys, todo, target, results)
             if not todo:
                 return
+            if self.homes is not None and type(target) is _IntoBuffers:
+                todo = self._read_at_home(keys, todo, target, results)
+                if not todo:
+                    return
         if len(todo) < len(keys):
             keys = [keys[j] for j in todo]  # (from here on, the keys of ``todo``)
         cached = self._cache.get_many(keys) if target.speculative else []
@@ -452,6 +483,47 @@ class ReadPipeline:
             self._cache.forget([keys[j] for j in stale])
             rest = sorted(rest + stale)
         return rest
+
+    def _read_at_home(
+        self, keys: list[bytes], todo: list[int], target: _IntoBuffers, results: list[Any]
+    ) -> list[int]:
+        """Step 1b: read the keys from their home nodes by key, without the master (one hop,
+        :mod:`kvstore.placement`). Returns the keys (positions) still to read the usual way: a
+        miss, a failure, or bytes that fail their checksum."""
+        assert self.homes is not None
+        # A client that maps nodes' memory (shm) or reads it by RDMA reads faster that way.
+        view = self.homes.current() if self._data.tcp_only else None
+        if view is None:
+            return todo
+        homes, endpoints = view
+        items: list[KeyRead] = []
+        js: list[int] = []
+        rest: list[int] = []
+        held = self.homes.held if self.homes.holding else None
+        now = time.monotonic()
+        for j in todo:
+            dest = target.dests[j]
+            endpoint = endpoints.get(homes.home(keys[j]) or "")
+            if endpoint is None or type(dest) is not memoryview or held and held(keys[j], now):
+                rest.append(j)
+                continue
+            items.append(KeyRead(keys[j], endpoint, dest))
+            js.append(j)
+        if not items:
+            return todo
+        self._data.tcp.read_keys(items)
+        ok: list[int] = []
+        for j, item in zip(js, items, strict=True):
+            if item.result is None and digest(item) == item.checksum:  # type: ignore[arg-type]
+                results[j] = item.size
+                ok.append(j)
+            else:
+                if isinstance(item.result, NodeUnavailableError | KVTimeoutError):
+                    self.homes.stale()
+                rest.append(j)
+        self.num_one_hop += len(ok)
+        target.finish(ok, results)
+        return sorted(rest) if len(rest) < len(todo) else todo
 
     @staticmethod
     def _guess_items(guessed: list[tuple[int, ObjectInfo]], target: _Target) -> dict[int, ReadItem]:

@@ -51,6 +51,24 @@ class ReadItem:
     digest: int | None = None
 
 
+@dataclass(slots=True)
+class KeyRead:
+    """One one-hop read: ``key`` asked of its home node at ``endpoint`` (``read_keys``), into
+    ``dest`` (room for the object; after a hit, exactly its bytes). After the read: ``result``
+    (None: found, with ``size`` and the ``checksum`` stored at write time, for the caller to
+    check against ``digest``), or the error (a miss is ``KeyNotFoundError``)."""
+
+    key: bytes
+    endpoint: tuple[str, int]
+    dest: memoryview
+    result: KVStoreError | None = None
+    size: int = 0
+    checksum: int = 0
+    filled: int = 0
+    digest: int | None = None
+    ranges: None = None  # (whole objects only: what the transport's payload readers ask)
+
+
 def checksum(view: memoryview | Segments) -> int:
     """xxh3_64 of an object's bytes (the checksum stored with every object); of
     :class:`Segments`, that of their concatenation (streamed, nothing joined)."""
@@ -400,6 +418,61 @@ class TcpTransport:
                 ex.conn = None
                 continue
             self._finish(ex)
+
+    def read_keys(self, items: Sequence[KeyRead]) -> None:
+        """Read each item's object by key from its node (one ``read_keys`` request per node,
+        all in flight together); sets each item's result, size and checksum."""
+        exchanges: dict[Endpoint, _Exchange] = {}
+        for item in items:
+            ex = exchanges.get(item.endpoint)
+            if ex is None:
+                ex = exchanges[item.endpoint] = _Exchange(item.endpoint)
+            ex.items.append(item)
+        for ex in exchanges.values():
+            args = {"items": [[i.key, len(i.dest)] for i in ex.items]}
+            self._send(ex, "read_keys", args, ())
+            if ex.conn is not None and (
+                len(ex.items) > POLL_MAX_ITEMS
+                or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
+            ):
+                ex.conn.sleep_through_next_wait()
+        for ex in exchanges.values():
+            results = self._receive(ex)
+            if results is None:
+                continue
+            try:
+                self._key_payload(ex, results)
+            except (OSError, ConnectionError) as exc:
+                err = _io_error(ex.endpoint, exc)
+                for item in ex.items:
+                    if item.result is None and item.filled < len(item.dest):
+                        item.result = err
+                assert ex.conn is not None
+                ex.conn.close()
+                ex.conn = None
+                continue
+            self._finish(ex)
+
+    def _key_payload(self, ex: _Exchange, results: list[Any]) -> None:
+        """Take a ``read_keys`` reply: per item ``[size, checksum]`` (its bytes follow, in
+        order) or an error."""
+        found: list[KeyRead] = []
+        for item, r in zip(ex.items, results, strict=True):
+            if type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is int:
+                size, item.checksum = r
+                if not 0 <= size <= len(item.dest):
+                    raise ConnectionError(
+                        f"node sent an object of {size} bytes for {len(item.dest)}"
+                    )
+                item.size = size
+                item.dest = item.dest[:size]
+                found.append(item)
+                continue
+            err, _ = result_from_wire(r)
+            item.result = err or ProtocolError("read_keys answered neither bytes nor an error")
+        if sum(i.size for i in found) != ex.payload_len:
+            raise ConnectionError("reply payload does not match its item sizes")
+        self._fill(ex, found)  # type: ignore[arg-type]
 
     def _read_payload(self, ex: _Exchange, results: list[Any]) -> None:
         assert ex.conn is not None

@@ -172,7 +172,10 @@ class Puts:
         if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 16:
             raise InvalidRequestError(f"replicas must be an integer in 1..16, got {replicas!r}")
         results: list[PutTicket | list[Any] | KVStoreError | None] = [None] * len(keys)
-        by_size: dict[int, list[int]] = {}  # size -> positions of the keys to place
+        # (size, home node) -> positions of the keys to place (kvstore.placement)
+        by_size: dict[tuple[int, str | None], list[int]] = {}
+        homes = getattr(place, "homes", None)
+        home_of = homes.home if homes is not None else None
         # A tenant's keys are placed apart, each tenant's run checked against its quotas.
         by_tenant: dict[tuple[int, str], list[int]] = {}
         taken: set[bytes] = set()  # (a key twice in one batch: the second is busy)
@@ -186,18 +189,22 @@ class Puts:
             if key < TENANT_END and (tenant := owner_of(key)) is not None:
                 by_tenant.setdefault((size, tenant), []).append(i)
             else:
-                by_size.setdefault(size, []).append(i)
+                by_size.setdefault((size, home_of(key) if home_of else None), []).append(i)
         # Once per batch: the grants' expiry base (each allocation's claim stamp is still
         # ordered after every claim on its bytes, see Segment.claim_stamp) and the deadline.
         base = self.space.claim_base()
         deadline = self.clock() + self.config.put_timeout_s
-        groups: list[tuple[int, str | None, list[int]]] = [(s, None, p) for s, p in by_size.items()]
-        groups += [(s, t, p) for (s, t), p in by_tenant.items()]
-        for size, owner, positions in groups:
+        groups: list[tuple[int, str | None, str | None, list[int]]] = [
+            (s, None, h, p) for (s, h), p in by_size.items()
+        ]
+        groups += [(s, t, None, p) for (s, t), p in by_tenant.items()]
+        for size, owner, home, positions in groups:
             done = 0
             while done < len(positions):
                 try:
-                    if owner is None:
+                    if home is not None:
+                        picks, k = place(size, replicas, len(positions) - done, home=home)
+                    elif owner is None:
                         picks, k = place(size, replicas, len(positions) - done)
                     else:
                         picks, k = place(size, replicas, len(positions) - done, owner)

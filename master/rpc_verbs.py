@@ -191,6 +191,18 @@ def _node_transports(svc: MasterService, args: dict[str, Any]) -> Any:
     return svc.node_transports()
 
 
+def _live_nodes(svc: MasterService, args: dict[str, Any]) -> Any:
+    """The nodes that take new data, ``[node_id, host, port]`` each: what a client computes
+    keys' home nodes over for one-hop reads (:mod:`kvstore.placement`)."""
+    return {
+        "nodes": [
+            [n.node_id, n.host, n.port]
+            for n in svc.membership.nodes.values()
+            if not n.draining and not n.retired
+        ]
+    }
+
+
 def _pin(svc: MasterService, args: dict[str, Any]) -> Any:
     ttl = arg(args, "ttl_s", (int, float))
     hard = optional_arg(args, "hard", bool, False)
@@ -266,6 +278,7 @@ HANDLERS: dict[str, Handler] = {
     "unpin": _unpin,
     "stats": _stats,
     "node_transports": _node_transports,
+    "live_nodes": _live_nodes,
     "report_corrupt": _report_corrupt,
     "kv_commit": _kv_commit,
     "kv_match": _kv_match,

@@ -45,6 +45,7 @@ from kvstore.master.quotas import NEUTRAL, TENANT_END, TenantQuotas
 from kvstore.master.space import Space
 from kvstore.master.table import ObjectMeta, ObjectTable, Replica
 from kvstore.master.tasks import PURPOSE_DEMOTE, PURPOSE_PROMOTE, TASK_GRACE_S, Task, TaskBook
+from kvstore.placement import Homes
 from kvstore.tenants import owner_of
 from kvstore.topology import Site
 from kvstore.types import TIER_DRAM, TIER_ORDER, TIER_RANK
@@ -283,9 +284,19 @@ class TierManager:
         cands = self.candidates(excluded)
         near = self.locality.placer(at, lambda tier: self.config.marks(tier)[0])
         refused: dict[tuple[str, str], NoSpaceError] = {}  # (tenant, tier): once per batch
+        # Keys go to their home node first (kvstore.placement) unless the writer's site asks
+        # for another place; with one node there is nothing to choose.
+        homes = Homes([n.node_id for n in cands.nodes]) if near is None else None
+        if homes is not None and len(homes) < 2:
+            homes = None
+        at_home = {n.node_id: i for i, n in enumerate(cands.nodes)} if homes is not None else {}
 
         def place(
-            size: int, num_replicas: int, count: int = 1, tenant: str | None = None
+            size: int,
+            num_replicas: int,
+            count: int = 1,
+            tenant: str | None = None,
+            home: str | None = None,
         ) -> tuple[list[tuple[Segment, Node]], int]:
             limited = tenant if tenant is not None and tenant in self.quotas.limited else None
             if limited is not None and not self._fits_without_eviction(size, num_replicas, cands):
@@ -293,8 +304,21 @@ class TierManager:
                 # own first (or is refused) in the tier it would land in, so that nobody
                 # else's object goes for a put its quota refuses.
                 self.admit(limited, self._landing(size, cands), size, 1, refused)
-            picks = self.place(size, excluded, num_replicas, cands, near)
-            if near is None:
+            first = self._home_with_room(size, cands, at_home.get(home)) if home else None
+            picks = self.place(size, excluded, num_replicas, cands, near, first)
+            if first is not None and picks[0] is first:
+                # Every key of this run has the same home: as many as its room takes at once.
+                k = max(
+                    1,
+                    min(
+                        count,
+                        *(
+                            s.allocator.largest_free // s.allocator.reserved_size(size)
+                            for s, _ in picks
+                        ),
+                    ),
+                )
+            elif near is None:
                 k = self.run_length(picks, size, count, cands)
             else:
                 k = near.run_length(picks, size, count, cands.nodes, cands.segments, RUN_BYTES)
@@ -302,7 +326,20 @@ class TierManager:
                 k = self.admit(limited, picks, size, k, refused)
             return picks, k
 
+        place.homes = homes  # type: ignore[attr-defined]
         return place
+
+    @staticmethod
+    def _home_with_room(size: int, cands: Candidates, i: int | None) -> tuple[Segment, Node] | None:
+        """The fastest segment of candidate ``i`` (a key's home) when it has room for
+        ``size`` without eviction; None otherwise (placement then goes as usual)."""
+        if i is None or not cands.segments[i]:
+            return None
+        seg = cands.segments[i][0]
+        alloc = seg.allocator
+        if alloc.largest_free < alloc.reserved_size(size):
+            return None
+        return seg, cands.nodes[i]
 
     def _fits_without_eviction(self, size: int, num_replicas: int, cands: Candidates) -> bool:
         """Whether :meth:`place` finds its ``num_replicas`` segments without evicting."""
@@ -475,12 +512,14 @@ class TierManager:
         num_replicas: int,
         cands: Candidates | None = None,
         near: NearPlacer | None = None,
+        first: tuple[Segment, Node] | None = None,
     ) -> list[tuple[Segment, Node]]:
         """Choose ``num_replicas`` segments on distinct nodes for a new object, evicting if needed.
 
         Args:
             cands: :meth:`candidates` of ``excluded``, when the caller places a batch.
             near: ranks the offers by locality instead (``locality.NearPlacer``).
+            first: the first replica's segment, already chosen (the key's home, with room).
 
         Raises:
             NoSpaceError: too few nodes, an object larger than any segment, or no room left that
@@ -501,8 +540,9 @@ class TierManager:
             )
         # The best node with room first, then the best of the others: each node offers its
         # fastest segment with room, ranked by tier, then free bytes, then node order.
-        picks: list[tuple[Segment, Node]] = []
-        chosen: list[str] = []  # (a list: it holds a replica count of ids, usually none)
+        picks: list[tuple[Segment, Node]] = [first] if first is not None else []
+        # (a list: it holds a replica count of ids, usually none)
+        chosen: list[str] = [first[1].node_id] if first is not None else []
         while len(picks) < num_replicas:
             if near is None:
                 pick = self._best_with_room(size, cands, chosen)

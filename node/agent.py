@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from kvstore import auth, grants, protocol
@@ -96,6 +97,8 @@ class MasterLink:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="node-master-link", daemon=True)
         self.heartbeat_interval_s = 1.0
+        #: The master's ``node_ttl_s`` (from its registration reply; 0: no one-hop reads).
+        self.node_ttl_s = 0.0
         #: Seconds the daemon waits for the first registration (said in the first "unreachable"
         #: line); None: it waits as long as it runs.
         self.patience_s: float | None = None
@@ -174,10 +177,13 @@ class MasterLink:
             args["site"] = self.site.to_wire()
         clock = self.server.master_clock
         sent = clock.sent()
+        asked = time.monotonic()
         reply = conn.call("register", args)
         clock.observe(reply.get("now_ms"), sent)
         self.last_admission = dict(reply.get("admission") or {})
         self.heartbeat_interval_s = float(reply["heartbeat_interval_s"])
+        self.node_ttl_s = float(reply.get("node_ttl_s") or 0.0)
+        self._acknowledged(asked)
         if "tenants" in reply:
             self._take_tenants(reply["tenants"], registering=True)
         if self.resolver is not None:
@@ -186,6 +192,13 @@ class MasterLink:
         self._outage_said = False
         self._ever_registered = True
         log.info("registered with master %s as %s", self.master, self.node_id)
+
+    def _acknowledged(self, asked: float) -> None:
+        """The master answered a registration or heartbeat sent after ``asked``
+        (``time.monotonic``): this node serves one-hop reads for half the time the master
+        waits before it declares a silent node dead, from then (:mod:`kvstore.placement`)."""
+        if self.node_ttl_s > 0:
+            self.server.one_hop_until = asked + self.node_ttl_s / 2
 
     def _take_tenants(self, wire: object, registering: bool) -> None:
         """Take the master's tenant directory (its ``TenantDirectory.wire`` form) into the data
@@ -272,12 +285,15 @@ class MasterLink:
                         # The master answers with its directory only when it is newer.
                         beat["tenants_version"] = self.server.tenants.version
                         sent = self.server.master_clock.sent()
+                        asked = time.monotonic()
                         reply = conn.call("heartbeat", beat)
                         self.server.master_clock.observe(reply.get("now_ms"), sent)
+                        self._acknowledged(asked)
                     except KVStoreError as err:
                         if err.code != ErrorCode.NODE_UNAVAILABLE:
                             raise
                         log.warning("master forgot this node; registering again")
+                        self.server.one_hop_until = 0.0
                         self._register(conn)
                         continue
                     if "tenants" in reply:
@@ -296,8 +312,10 @@ class MasterLink:
             except (NodeUnavailableError, ConnectionError, TimeoutError, OSError) as exc:
                 self._say_unreachable(exc, backoff)
                 self.registered.clear()
+                self.server.one_hop_until = 0.0
             except KVStoreError as err:
                 self.registered.clear()
+                self.server.one_hop_until = 0.0
                 if err.code in _FOLLOW_CODES:
                     log.info("master %s is not the leader (%s); looking again", self.master, err)
                 else:
@@ -306,6 +324,7 @@ class MasterLink:
                 # Without this thread the node keeps running but no master knows it: whatever
                 # went wrong, say it and connect again (with backoff), never end quietly.
                 self.registered.clear()
+                self.server.one_hop_until = 0.0
                 log.exception("master link to %s failed; connecting again", self.master)
             finally:
                 if conn is not None:

@@ -142,6 +142,9 @@ class DataServer:
         )
         self.num_reads = 0
         self.num_writes = 0
+        #: Until when (``time.monotonic``) this node may serve one-hop reads: set by the master
+        #: link from each acknowledged heartbeat (see :mod:`kvstore.placement`); 0: never.
+        self.one_hop_until = 0.0
         #: Called with a connection's FramedSocket when it closes (e.g. RDMA queue pair teardown).
         self.on_disconnect: list[Callable[[protocol.FramedSocket], None]] = []
         self._verbs: dict[str, VerbHandler] = {}
@@ -188,6 +191,10 @@ class DataServer:
                 with contextlib.suppress(OSError):
                     c.shutdown(socket.SHUT_RDWR)
         self._accept_thread.join(timeout=5)
+
+    def serves_one_hop(self) -> bool:
+        """Whether this node is sure enough it is still a member to serve reads by key."""
+        return time.monotonic() < self.one_hop_until
 
     def forget(self, items: list[tuple[Any, ...]]) -> None:
         """The master freed these ``(segment, offset[, stamp])``: drop them from the manifest,

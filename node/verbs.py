@@ -9,6 +9,12 @@
 Both take ``"short": true`` too: then a success is answered by its value alone (``None`` for
 a write, the length for a read), not ``[0, value]``; an error as always. Without the flag
 every item is answered in full, and the client reads either form.
+``read_keys`` ``{"items": [[key, room], ...]}`` → per item ``[size, checksum]`` or an error
+           + payload (the found objects' bytes, concatenated): a one-hop read, by key and
+           without a grant, of the objects this node holds whole in memory (DRAM), each at
+           most ``room`` bytes; any other is a miss (``KEY_NOT_FOUND``) the client takes to
+           the master. A node that may have been fenced answers every item
+           ``NODE_UNAVAILABLE`` (the rule is in :mod:`kvstore.placement`).
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
 A tenant's connection (``kvstore.node.server.DataConnection``) may use only grants for its own
@@ -43,7 +49,9 @@ from kvstore.errors import (
     ForbiddenError,
     GrantInvalidError,
     InvalidRequestError,
+    KeyNotFoundError,
     KVStoreError,
+    NodeUnavailableError,
     ProtocolError,
 )
 from kvstore.node import claims
@@ -63,6 +71,7 @@ def install(server: DataServer) -> None:
     """Register the data server's own verbs on ``server``."""
     server.register_verb("write", partial(write, server), max_payload=MAX_WRITE_PAYLOAD)
     server.register_verb("read", partial(read, server))
+    server.register_verb("read_keys", partial(read_keys, server))
     server.register_verb("ping", simple(lambda args: {"role": "node"}))
     server.register_verb("manifest", partial(manifest, server))
     server.register_verb("stats", simple(lambda args: server.stats()))
@@ -352,3 +361,53 @@ def read(
     total = sum(map(len, views))
     server.num_reads += len(items)
     fs.send_frame(protocol.encode_response(req.req_id, results, total), views)
+
+
+def read_keys(
+    server: DataServer,
+    fs: protocol.FramedSocket,
+    req: protocol.Request,
+    payload_len: int,
+    scratch: memoryview,
+) -> None:
+    """``read_keys``: send the whole objects found by key (see the module docstring)."""
+    if payload_len:
+        raise ProtocolError("read_keys takes no payload")
+    items = req.args.get("items")
+    if not isinstance(items, list) or not all(
+        isinstance(i, list) and len(i) == 2 and type(i[0]) is bytes and type(i[1]) is int
+        for i in items
+    ):
+        raise InvalidRequestError("read_keys takes items: [[key, room], ...]")
+    results: list[Any] = []
+    views: list[memoryview] = []
+    if not server.serves_one_hop():
+        refused = NodeUnavailableError("this node is not sure it is still a member").to_wire()
+        fs.send_frame(protocol.encode_response(req.req_id, [refused] * len(items)))
+        return
+    owned = server.owned_by(fs)
+    find, tiers = server.manifest.find, server.tiers
+    for key, room in items:
+        obj = find(key)
+        if obj is None or obj.size > room:
+            results.append(_MISS)
+            continue
+        if (
+            owned is not None
+            and not key.startswith(owned)
+            and not server.tenants.is_shared_key(key)
+        ):
+            results.append(_MISS)  # (a guess at another tenant's key learns nothing)
+            continue
+        tier = tiers.get(obj.segment)
+        view = tier.in_place(obj.offset, obj.size) if tier is not None else None
+        if view is None:
+            results.append(_MISS)  # not in memory here (NVMe, HBM): the master's way
+            continue
+        views.append(view)
+        results.append([obj.size, obj.checksum])
+    server.num_reads += len(views)
+    fs.send_frame(protocol.encode_response(req.req_id, results, sum(map(len, views))), views)
+
+
+_MISS = KeyNotFoundError("not held here in memory").to_wire()

@@ -20,6 +20,7 @@ from kvstore.errors import (
 from kvstore.master.puts import PendingPut
 from kvstore.master.service import MasterConfig, MasterService, ServiceSlot
 from kvstore.master.tiering import RUN_BYTES
+from kvstore.placement import Homes
 from kvstore.types import ObjectInfo, PutTicket, SegmentSpec, result_to_wire
 from tests.master.fakes import FakeClock
 
@@ -206,13 +207,19 @@ def test_batch_limit(clock: FakeClock) -> None:
         s.exists([b"a"] * 4)
 
 
+def keys_at_home(node_id: str, n: int, nodes: tuple[str, ...] = ("n1", "n2")) -> list[bytes]:
+    """``n`` keys whose home node (kvstore.placement) is ``node_id`` among ``nodes``."""
+    homes = Homes(nodes)
+    return [k for k in (b"k%d" % i for i in range(1000)) if homes.home(k) == node_id][:n]
+
+
 def test_a_batch_is_placed_key_by_key_on_one_view_of_the_nodes(svc: MasterService) -> None:
     """Candidates are computed once per batch, but each key still sees the room the keys
-    before it took: equal nodes share a batch of objects of ``RUN_BYTES`` or more evenly,
-    and one that fills up is skipped."""
-    tickets = svc.put_start([b"a", b"b", b"c", b"d"], [RUN_BYTES] * 4)
+    before it took: each key goes to its home node, and one that fills up is skipped."""
+    keys = keys_at_home("n1", 2) + keys_at_home("n2", 2)
+    tickets = svc.put_start(keys, [RUN_BYTES] * 4)
     nodes = [t.locations[0].node_id for t in tickets if isinstance(t, PutTicket)]
-    assert sorted(nodes) == ["n1", "n1", "n2", "n2"]
+    assert nodes == ["n1", "n1", "n2", "n2"]
     rest = (1 << 20) - 2 * RUN_BYTES
     big = svc.put_start([b"e", b"f"], [rest, rest])
     assert {t.locations[0].node_id for t in big if isinstance(t, PutTicket)} == {"n1", "n2"}
@@ -321,3 +328,19 @@ def test_answers_built_in_wire_form_are_the_wire_form_of_the_answers(svc: Master
         (loc,) = ObjectInfo.from_wire(wire[i][1]).locations
         secret = {"n1": b"a" * 32, "n2": b"b" * 32}[loc.node_id]
         grants.verify(secret, loc.grant, grants.OP_READ, 0)  # signed with the node's secret
+
+
+def test_keys_go_to_their_home_node_while_it_has_room_and_elsewhere_after(
+    svc: MasterService,
+) -> None:
+    """The master places a key on its home node (what a client reading in one hop asks
+    first, kvstore.placement) as long as the home's fastest tier has room; then on the
+    other node, without evicting anything at home."""
+    home_n1 = keys_at_home("n1", 12)
+    placed = svc.put_start(home_n1[:4], [100 << 10] * 4)
+    assert [t.locations[0].node_id for t in placed] == ["n1"] * 4  # type: ignore[union-attr]
+    # n1 has 1 MiB: four more of 200 KiB do not all fit there; the rest go to n2.
+    more = svc.put_start(home_n1[4:8], [200 << 10] * 4)
+    where = [t.locations[0].node_id for t in more]  # type: ignore[union-attr]
+    assert where[0] == "n1" and "n2" in where, where
+    assert all(isinstance(t, PutTicket) for t in more)
