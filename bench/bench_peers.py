@@ -1,7 +1,8 @@
 """kvstore side by side with Mooncake Store and Redis, on this machine, in one command.
 
 Run:  .venv/bin/python bench/bench_peers.py [--repeat 3] [--only kvstore,redis] [--objects N]
-      [--markdown]
+      [--mooncake-setting NAME] [--mooncake-sweep] [--markdown]
+      (the sweep alone: ``--only none --mooncake-sweep --objects 0``)
 
 What it does, in one run:
 1. installs what it needs outside the repo: a throwaway venv under /tmp with the PyPI wheels
@@ -10,9 +11,21 @@ What it does, in one run:
 2. starts each system on free loopback ports with its storage in a separate process from the
    client: kvstore (``kvstore up --shm``: master and node processes), Mooncake (``mooncake_master``
    with its HTTP metadata server, plus one storage process that mounts a segment), Redis
-   (``redis-server``, no persistence);
+   (``redis-server``, no persistence), and "plain-tcp", the limit (bench/plain_tcp_server.py:
+   one object per size, a get answered with ``sendall`` of its bytes, a put's bytes received and
+   answered with 4 bytes; TCP_NODELAY, no index, no metadata; buffer rows only, and each kvstore
+   variant's ratio to it, ``kv/plain-tcp``, says how much of the loopback's reach it keeps);
+   Mooncake runs in one of the named settings of ``MOONCAKE_SETTINGS`` (``--mooncake-setting``,
+   by default "connection pool": ``MC_TCP_ENABLE_CONNECTION_POOL=1``, which Mooncake's own vLLM
+   setup script and SGLang deployments export; without it its TCP transport opens and closes a
+   connection per transfer); the setting's environment reaches both its storage process and
+   the client;
 3. runs the same workloads against each (bench/peers_worker.py: sizes 4 KiB, 64 KiB, 1 MiB,
    16 MiB; put/get of bytes, put_from/get_into of buffers, batches of 16), verifying the bytes.
+   The write rows do not measure the same thing on every system: kvstore's puts return once the
+   node holds the bytes and the master has committed the object; Mooncake's ``put_from`` /
+   ``batch_put_from`` return before the bytes land (its TCP write completes without an
+   acknowledgement from the storage process), so its write GB/s can exceed what loopback moves.
    The headline reads touch **distinct keys, each read once**, after the node is warm (what a
    decode engine does with the blocks a prefill wrote: no location cache or lease helps); reads
    that reread one hot key again and again (which flatter caches and leases) are a separate,
@@ -36,6 +49,11 @@ What it does, in one run:
    less; the mean-based figure is in each worker's JSON), and kvstore's ratio to each peer;
    keys/s and master bytes per object for the metadata rows.
    With ``--repeat N`` each cell is the best of N runs.
+5. with ``--mooncake-sweep``: Mooncake in every setting of ``MOONCAKE_SETTINGS``, a short 1 MiB
+   workload each (bench/peers_worker.py ``--sweep``: ``put_from`` N distinct keys, then
+   ``get_into`` each once; the same in batches of 16), best of ``--repeat``, in a table of
+   read GB/s with the best remote setting marked. One setting gives the client a segment of its
+   own, so that some reads are served from its own memory: labelled, never the best remote.
 """
 
 from __future__ import annotations
@@ -51,6 +69,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np  # noqa: F401 - the worker needs it in this venv too
@@ -60,10 +79,77 @@ from bench import markdown  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "peers_worker.py"
+PLAIN_TCP_SERVER = HERE / "plain_tcp_server.py"
 PEERS_VENV = Path(tempfile.gettempdir()) / "kvstore-peers-venv"
 PEER_WHEELS = ["mooncake-transfer-engine-non-cuda", "redis", "hiredis", "numpy"]
 READY_TIMEOUT_S = 60.0
 SEGMENT = 4 << 30
+#: Objects of the Mooncake settings sweep's short 1 MiB workload, per setting and run.
+SWEEP_OBJECTS = 128
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 and n % (1 << 30) == 0 else f"{n >> 20} MiB"
+
+
+@dataclass(frozen=True)
+class MooncakeSetting:
+    """One way to run Mooncake: environment (storage process and client alike), the client's
+    ``local_buffer_size`` and own segment, the storage process's segment and local buffer,
+    and which program the storage process is (a Python process calling ``setup``, or
+    Mooncake's own ``mooncake_client`` binary)."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    client_buffer: int = 512 << 20
+    storage_segment: int = SEGMENT
+    storage_buffer: int = 16 << 20
+    storage: str = "python"  # or "mooncake_client"
+    client_segment: int = 0
+    #: Non-empty where reads are not all remote: shown beside the others, never the best.
+    label: str = ""
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.env.items()] or ["no MC_* environment"]
+        parts.append(f"client local buffer {_size(self.client_buffer)}")
+        if self.client_segment:
+            parts.append(f"client segment {_size(self.client_segment)}")
+        if self.storage == "python":
+            parts.append(
+                f"storage segment {_size(self.storage_segment)} "
+                f"(Python setup, local buffer {_size(self.storage_buffer)})"
+            )
+        else:
+            parts.append(f"storage segment {_size(self.storage_segment)} ({self.storage})")
+        return ", ".join([*parts, "TCP"])
+
+    def worker_args(self) -> list[str]:
+        return [
+            "--client-buffer",
+            str(self.client_buffer),
+            "--client-segment",
+            str(self.client_segment),
+        ]
+
+
+POOL = {"MC_TCP_ENABLE_CONNECTION_POOL": "1"}
+MOONCAKE_SETTINGS = [
+    MooncakeSetting("defaults"),
+    MooncakeSetting("connection pool", POOL),
+    MooncakeSetting("pool + slice 1 MiB", {**POOL, "MC_TCP_SLICE_SIZE": str(1 << 20)}),
+    MooncakeSetting("pool + lanes 1", {**POOL, "MC_TCP_LANES_PER_PEER": "1"}),
+    MooncakeSetting("pool + client buffer 16 MiB", POOL, client_buffer=16 << 20),
+    MooncakeSetting("pool + mooncake_client storage", POOL, storage="mooncake_client"),
+    MooncakeSetting(
+        "pool + client segment 1 GiB",
+        POOL,
+        client_segment=1 << 30,
+        label="client holds a segment: some reads local, not remote",
+    ),
+]
+MOONCAKE_BY_NAME = {m.name: m for m in MOONCAKE_SETTINGS}
+#: The setting of the main tables: Mooncake's TCP as its own deployments configure it.
+DEFAULT_MOONCAKE = "connection pool"
 
 
 def log(msg: str) -> None:
@@ -115,11 +201,18 @@ def free_port() -> int:
 class Proc:
     """A child process we started; stopped by PID (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, name: str, argv: list[str], logdir: Path) -> None:
+    def __init__(
+        self, name: str, argv: list[str], logdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
         self.log_path = logdir / f"{name}.log"
         self.log = self.log_path.open("w")
-        self.p = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(
+            argv,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env} if env else None,
+        )
 
     def wait_for(self, text: str, timeout: float = READY_TIMEOUT_S) -> str:
         deadline = time.monotonic() + timeout
@@ -152,9 +245,11 @@ def kvstore_cluster(tmp: Path) -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str, int]]:
-    """``mooncake_master`` and a storage process; yields the master's address, the metadata
-    server's URL and the master's PID."""
+def mooncake_cluster(
+    tmp: Path, python: Path, setting: MooncakeSetting
+) -> Iterator[tuple[str, str, int]]:
+    """``mooncake_master`` and a storage process in ``setting``; yields the master's address,
+    the metadata server's URL and the master's PID."""
     rpc, http, metrics = free_port(), free_port(), free_port()
     master_bin = PEERS_VENV / "bin" / "mooncake_master"
     master = Proc(
@@ -176,14 +271,26 @@ def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str, int]]:
         _wait_port(http)
         metadata = f"http://127.0.0.1:{http}/metadata"
         address = f"127.0.0.1:{rpc}"
-        storage_py = tmp / "mooncake_storage.py"
-        storage_py.write_text(MOONCAKE_STORAGE)
-        storage = Proc(
-            "mooncake_storage",
-            [str(python), str(storage_py), address, metadata, str(SEGMENT)],
-            tmp,
-        )
-        storage.wait_for("storage ready")
+        if setting.storage == "mooncake_client":
+            assert setting.storage_segment % (1 << 30) == 0, "mooncake_client takes whole GB"
+            argv = [
+                str(PEERS_VENV / "bin" / "mooncake_client"),
+                "--host=127.0.0.1",
+                f"--port={free_port()}",
+                "--protocol=tcp",
+                f"--master_server_address={address}",
+                f"--metadata_server={metadata}",
+                f"--global_segment_size={setting.storage_segment >> 30}GB",
+            ]
+            ready = "Starting real client service"
+        else:
+            storage_py = tmp / "mooncake_storage.py"
+            storage_py.write_text(MOONCAKE_STORAGE)
+            argv = [str(python), str(storage_py), address, metadata]
+            argv += [str(setting.storage_segment), str(setting.storage_buffer)]
+            ready = "storage ready"
+        storage = Proc("mooncake_storage", argv, tmp, env=setting.env)
+        storage.wait_for(ready)
         yield address, metadata, master.p.pid
     finally:
         if storage is not None:
@@ -194,9 +301,10 @@ def mooncake_cluster(tmp: Path, python: Path) -> Iterator[tuple[str, str, int]]:
 MOONCAKE_STORAGE = """
 import signal, sys, threading
 from mooncake.store import MooncakeDistributedStore
-address, metadata, segment = sys.argv[1], sys.argv[2], int(sys.argv[3])
+address, metadata = sys.argv[1], sys.argv[2]
+segment, local_buffer = int(sys.argv[3]), int(sys.argv[4])
 store = MooncakeDistributedStore()
-rc = store.setup("127.0.0.1", metadata, segment, 16 << 20, "tcp", "", address)
+rc = store.setup("127.0.0.1", metadata, segment, local_buffer, "tcp", "", address)
 if rc != 0:
     sys.exit(f"setup failed: {rc}")
 stop = threading.Event()
@@ -234,6 +342,18 @@ def redis_server(tmp: Path) -> Iterator[tuple[str, int]]:
         proc.stop()
 
 
+@contextlib.contextmanager
+def plain_tcp_server(tmp: Path) -> Iterator[str]:
+    """bench/plain_tcp_server.py (the limit); yields its address."""
+    port = free_port()
+    proc = Proc("plain-tcp", [sys.executable, str(PLAIN_TCP_SERVER), str(port)], tmp)
+    try:
+        proc.wait_for("plain-tcp ready")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
 def _wait_port(port: int, timeout: float = READY_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -244,12 +364,24 @@ def _wait_port(port: int, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def run_worker(
-    python: Path | str, system: str, address: str, metadata: str, tag: str, *extra: str
+    python: Path | str,
+    system: str,
+    address: str,
+    metadata: str,
+    tag: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> dict:
     argv = [str(python), str(WORKER), system, "--address", address, "--tag", tag, *extra]
     if metadata:
         argv += ["--metadata", metadata]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **env} if env else None,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{system} worker failed:\n{out.stderr[-3000:]}")
     rows = {}
@@ -269,16 +401,24 @@ def rss_bytes(pid: int) -> int:
 
 
 def master_bytes_per_object(
-    python: Path | str, system: str, address: str, metadata: str, pid: int, n: int
+    python: Path | str,
+    system: str,
+    address: str,
+    metadata: str,
+    pid: int,
+    n: int,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> dict:
     """The master's RSS before and after putting ``n`` 16 B objects, per object."""
     before = rss_bytes(pid)
     out = subprocess.run(
-        [str(python), str(WORKER), system, "--address", address, "--fill", str(n)]
+        [str(python), str(WORKER), system, "--address", address, "--fill", str(n), *extra]
         + (["--metadata", metadata] if metadata else []),
         capture_output=True,
         text=True,
         timeout=1800,
+        env={**os.environ, **env} if env else None,
     )
     if out.returncode != 0:
         raise RuntimeError(f"{system} fill failed:\n{out.stderr[-3000:]}")
@@ -300,10 +440,22 @@ def master_bytes_per_object(
 
 
 # ---------------------------------------------------------------- table
-SYSTEMS = ["kvstore", "kvstore-strict", "kvstore-shm", "kvstore-mcapi", "mooncake", "redis"]
+SYSTEMS = [
+    "kvstore",
+    "kvstore-strict",
+    "kvstore-shm",
+    "kvstore-mcapi",
+    "mooncake",
+    "redis",
+    "plain-tcp",
+]
 KVSTORES = [s for s in SYSTEMS if s.startswith("kvstore")]
-#: "Mooncake API on kvstore" (kvstore.client.compat.mooncake) is compared with real Mooncake only.
-PEERS_OF = {"kvstore-mcapi": ("mooncake",)}
+#: The limit: plain TCP request/response, no store (bench/plain_tcp_server.py).
+LIMIT = "plain-tcp"
+#: "Mooncake API on kvstore" (kvstore.client.compat.mooncake) is compared with real Mooncake
+#: and the limit only.
+PEERS_OF = {"kvstore-mcapi": ("mooncake", LIMIT)}
+DEFAULT_PEERS = ("mooncake", "redis", LIMIT)
 #: Systems whose master memory is measured (one kvstore master serves every kvstore client).
 MEMORY_SYSTEMS = {"kvstore": "kvstore", "mooncake": "mooncake", "redis": "redis"}
 METADATA = ("batch_put", "batch_get")
@@ -330,10 +482,7 @@ def _ratios(present: Iterable[str]) -> list[tuple[str, str]]:
     """(kvstore variant, peer) pairs to compare among the systems ``present``."""
     have = set(present)
     return [
-        (a, b)
-        for a in KVSTORES
-        for b in PEERS_OF.get(a, ("mooncake", "redis"))
-        if a in have and b in have
+        (a, b) for a in KVSTORES for b in PEERS_OF.get(a, DEFAULT_PEERS) if a in have and b in have
     ]
 
 
@@ -357,20 +506,28 @@ def _cells(
     return cells
 
 
+def _with_rows(results: dict[str, dict], keys: Iterable[tuple[str, str]]) -> list[str]:
+    """The systems (in ``SYSTEMS`` order) with a row for at least one of ``keys``: a system
+    with none (plain-tcp in the hot-key table) gets no column of dashes."""
+    want = set(keys)
+    return [s for s in SYSTEMS if s in results and want & set(results[s])]
+
+
 def table(results: dict[str, dict], hot: bool) -> str:
     """GB/s per system of the distinct-key rows (``hot=False``) or the hot-key rows."""
-    present = [s for s in SYSTEMS if s in results]
+    everything = dict.fromkeys(k for s in SYSTEMS if s in results for k in results[s])
     keys = [
         k
-        for k in next(iter(results.values()))
+        for k in everything
         if k[0] not in METADATA and not k[0].startswith(KV_PREFIX) and ("[hot" in k[0]) == hot
     ]
-    ratios = _ratios(results)
+    present = _with_rows(results, keys)
+    ratios = _ratios(present)
     head = ["workload", "size", *[f"{s} GB/s" for s in present]]
     head += [f"{_short(a)}/{b}" for a, b in ratios]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k in keys:
-        rows = {s: results[s].get(k) for s in results}
+        rows = {s: results[s].get(k) for s in present}
         cells = [k[0], k[1], *_cells(rows, present, ratios, "gbps", ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
@@ -380,6 +537,17 @@ def table(results: dict[str, dict], hot: bool) -> str:
         for s in present:
             r = results[s].get((op + suffix, "4KiB"))
             lat.append(f"{s}={r['p50_us']:.0f}" if r else f"{s}=-")
+        limit = results.get(LIMIT, {}).get((op + suffix, "4KiB"))
+        if limit:
+            # The limit's p50 is one request/response on loopback: a store's p50 over it is
+            # how many such round trips' worth of time one read costs.
+            trips = []
+            for s in (s for s in present if s in KVSTORES):
+                r = results[s].get((op + suffix, "4KiB"))
+                if r:
+                    trips.append(f"{s}={r['p50_us'] / limit['p50_us']:.1f}")
+            if trips:
+                lat.append(f"| round trips (p50 / {LIMIT} p50): " + " ".join(trips))
         lines.append(" ".join(lat))
     return "\n".join(lines)
 
@@ -388,7 +556,9 @@ def kv_table(results: dict[str, dict]) -> str:
     """The KV-cache level rows: GB/s of a prompt's blocks per system, then each kvstore
     client's ``KVCache.store`` / ``load`` against its own raw batch of the same bytes and
     against Mooncake's ``batch_put_from`` / ``batch_get_into``."""
-    present = [s for s in SYSTEMS if s in results]
+    present = _with_rows(
+        results, (k for r in results.values() for k in r if k[0].startswith(KV_PREFIX))
+    )
     shapes = list(
         dict.fromkeys(k[1] for r in results.values() for k in r if k[0].startswith(KV_PREFIX))
     )
@@ -422,7 +592,8 @@ def kv_table(results: dict[str, dict]) -> str:
 def metadata_table(results: dict[str, dict], memory: dict[str, dict]) -> str:
     """keys/s of the 1,000 x 16 B batch rows, and master bytes per object."""
     # Every kvstore client shares one master: its memory figure stands for all of them.
-    present = [s for s in SYSTEMS if s in results] or [s for s in SYSTEMS if s in memory]
+    present = _with_rows(results, ((op, "1000x16B") for op in METADATA))
+    present = present or [s for s in SYSTEMS if s in memory]
     ratios = _ratios(present)
     head = ["metric", *present, *[f"{_short(a)}/{b}" for a, b in ratios]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -446,10 +617,75 @@ def metadata_table(results: dict[str, dict], memory: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def mooncake_sweep(tmp: Path, python: Path, repeat: int, n: int) -> dict[str, dict]:
+    """Every setting of ``MOONCAKE_SETTINGS`` on the worker's short 1 MiB workload (``--sweep
+    n``), each in a fresh cluster; best of ``repeat`` runs per setting. Runs interleave the
+    settings (all settings, then all again) so that a change of load touches them alike."""
+    runs: dict[str, list[dict]] = {m.name: [] for m in MOONCAKE_SETTINGS}
+    for rep in range(repeat):
+        for m in MOONCAKE_SETTINGS:
+            log(f"sweep run {rep + 1}/{repeat}: {m.name}")
+            try:
+                with mooncake_cluster(tmp, python, m) as (address, metadata, _):
+                    extra = ["--sweep", str(n), *m.worker_args()]
+                    tag = f"s{rep}"
+                    rows = run_worker(python, "mooncake", address, metadata, tag, *extra, env=m.env)
+                runs[m.name].append(rows)
+            except RuntimeError as err:
+                log(f"mooncake setting {m.name!r} failed: {err}")
+    return {name: best(r) for name, r in runs.items() if r}
+
+
+SWEEP_COLUMNS = (("get_into", "1MiB"), ("batch_get_into x16", "1MiB"))
+
+
+def sweep_table(results: dict[str, dict], repeat: int, n: int) -> str:
+    """Read GB/s per Mooncake setting; the best remote setting of each column in bold, and the
+    best remote setting by ``get_into`` named below."""
+    head = ["setting", "parameters", *[f"{w} {size} GB/s" for w, size in SWEEP_COLUMNS]]
+    lines = [
+        f"{n} distinct 1 MiB keys per run, each read once; best of {repeat} run(s) per setting",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    remote = [m for m in MOONCAKE_SETTINGS if m.name in results and not m.label]
+    best_of: dict[tuple[str, str], str] = {}
+    for col in SWEEP_COLUMNS:
+        have = [m.name for m in remote if col in results[m.name]]
+        if have:
+            best_of[col] = max(have, key=lambda name: results[name][col]["gbps"])
+    for m in (m for m in MOONCAKE_SETTINGS if m.name in results):
+        name = f"{m.name} [{m.label}]" if m.label else m.name
+        cells = [name, m.describe()]
+        for col in SWEEP_COLUMNS:
+            r = results[m.name].get(col)
+            text = f"{r['gbps']:.3f}" if r else "-"
+            cells.append(f"**{text}**" if best_of.get(col) == m.name else text)
+        lines.append("| " + " | ".join(cells) + " |")
+    top = best_of.get(SWEEP_COLUMNS[0])
+    if top:
+        lines += ["", f"Best remote setting by get_into 1 MiB: '{top}' (bold: best remote cell)."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=1, help="best of N runs per cell")
-    ap.add_argument("--only", default=",".join(SYSTEMS), help="comma-separated systems")
+    ap.add_argument(
+        "--only", default=",".join(SYSTEMS), help="comma-separated systems ('none': no system)"
+    )
+    ap.add_argument(
+        "--mooncake-setting",
+        default=DEFAULT_MOONCAKE,
+        choices=list(MOONCAKE_BY_NAME),
+        help="the Mooncake setting of the main tables",
+    )
+    ap.add_argument(
+        "--mooncake-sweep",
+        action="store_true",
+        help="also run every Mooncake setting on a short 1 MiB workload and print its table",
+    )
     ap.add_argument(
         "--objects",
         type=int,
@@ -458,13 +694,18 @@ def main() -> None:
     )
     ap.add_argument("--markdown", action="store_true", help="write into docs/benchmarks.md")
     args = ap.parse_args()
-    only = [s for s in args.only.split(",") if s]
-    peers = {"mooncake", "redis"} & set(only)
+    only = [s for s in args.only.split(",") if s and s != "none"]
+    unknown = set(only) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; known: {','.join(SYSTEMS)}")
+    setting = MOONCAKE_BY_NAME[args.mooncake_setting]
+    peers = {"mooncake", "redis"} & set(only) or ({"mooncake"} if args.mooncake_sweep else set())
     if peers:  # kvstore alone needs neither Redis nor Mooncake's libibverbs
         ensure_debian_packages()
     peers_python = ensure_peers_venv() if peers else None
     runs: dict[str, list[dict]] = {s: [] for s in only}
     memory: dict[str, dict] = {}
+    sweep: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="kvstore-peers-") as tmp_s:
         tmp = Path(tmp_s)
         for rep in range(args.repeat):
@@ -477,9 +718,17 @@ def main() -> None:
             if "mooncake" in only:
                 assert peers_python is not None
                 try:
-                    with mooncake_cluster(tmp, peers_python) as (address, metadata, _):
+                    with mooncake_cluster(tmp, peers_python, setting) as (address, metadata, _):
                         runs["mooncake"].append(
-                            run_worker(peers_python, "mooncake", address, metadata, f"r{rep}")
+                            run_worker(
+                                peers_python,
+                                "mooncake",
+                                address,
+                                metadata,
+                                f"r{rep}",
+                                *setting.worker_args(),
+                                env=setting.env,
+                            )
                         )
                 except RuntimeError as err:
                     log(f"mooncake failed: {err}")
@@ -487,6 +736,9 @@ def main() -> None:
                 assert peers_python is not None
                 with redis_server(tmp) as (address, _):
                     runs["redis"].append(run_worker(peers_python, "redis", address, "", f"r{rep}"))
+            if LIMIT in only:
+                with plain_tcp_server(tmp) as address:
+                    runs[LIMIT].append(run_worker(sys.executable, LIMIT, address, "", f"r{rep}"))
         if args.objects > 0:  # each in a fresh cluster: the figure is the objects', nothing else's
             n = args.objects
             if set(KVSTORES) & set(only):
@@ -497,9 +749,16 @@ def main() -> None:
             if "mooncake" in only:
                 assert peers_python is not None
                 try:
-                    with mooncake_cluster(tmp, peers_python) as (address, metadata, pid):
+                    with mooncake_cluster(tmp, peers_python, setting) as (address, metadata, pid):
                         memory["mooncake"] = master_bytes_per_object(
-                            peers_python, "mooncake", address, metadata, pid, n
+                            peers_python,
+                            "mooncake",
+                            address,
+                            metadata,
+                            pid,
+                            n,
+                            tuple(setting.worker_args()),
+                            setting.env,
                         )
                 except RuntimeError as err:
                     log(f"mooncake fill failed: {err}")
@@ -509,12 +768,23 @@ def main() -> None:
                     memory["redis"] = master_bytes_per_object(
                         peers_python, "redis", address, "", pid, n
                     )
+        if args.mooncake_sweep:
+            assert peers_python is not None
+            sweep = mooncake_sweep(tmp, peers_python, args.repeat, SWEEP_OBJECTS)
     results = {s: best(r) for s, r in runs.items() if r}
     parts = [
         f"GB/s = bytes per op / median op time; best of {args.repeat} run(s); "
         f"load average {os.getloadavg()[0]:.2f}; "
         f"{os.cpu_count()} cores; loopback; storage in separate processes"
     ]
+    if "mooncake" in results or "mooncake" in memory:
+        parts.append(f"Mooncake: setting '{setting.name}' ({setting.describe()})")
+    if LIMIT in results:
+        parts.append(
+            f"{LIMIT}: the limit, not a store: one TCP request/response per object "
+            "(bench/plain_tcp_server.py, TCP_NODELAY, batches pipelined), buffer rows only; "
+            "kv/plain-tcp is the share of it a kvstore variant keeps"
+        )
     if results:
         parts += [
             "**Headline: distinct keys, each read once, node warm**",
@@ -529,6 +799,11 @@ def main() -> None:
         parts += [
             "**Metadata: 1,000 x 16 B batches; master memory per object**",
             metadata_table(results, memory),
+        ]
+    if sweep:
+        parts += [
+            "**Mooncake settings sweep: 1 MiB reads, distinct keys, each read once**",
+            sweep_table(sweep, args.repeat, SWEEP_OBJECTS),
         ]
     text = "\n\n".join(parts)
     print(text)

@@ -1,8 +1,9 @@
 """One system's side of the side-by-side benchmark (run by bench_peers.py, never alone).
 
 Runs the same workloads against kvstore, Mooncake Store, Mooncake's API on kvstore
-(``kvstore.client.compat.mooncake``, driven by the very same ``Mooncake`` class below) or Redis
-and prints one JSON line per
+(``kvstore.client.compat.mooncake``, driven by the very same ``Mooncake`` class below), Redis
+or "plain-tcp" (:class:`PlainTcp`, the limit: bench/plain_tcp_server.py answering each request
+with ``sendall`` of the bytes; buffer rows only) and prints one JSON line per
 row: ``{"workload", "size", "gbps", "gbps_mean", "p50_us", "keys_s"}`` (``gbps``: bytes per
 operation over the median operation time; ``gbps_mean``: over the mean; ``keys_s``: keys per
 operation over the median time).
@@ -12,9 +13,11 @@ the KV blocks a prefill wrote): no location cache or read lease can help them. T
 ``[hot key]`` reread one key again and again (they flatter caches and leases; kept apart).
 Rows ``kv: ...`` are a prompt's KV blocks (:func:`run_kv`).
 ``--fill N`` instead puts N tiny objects and exits (the orchestrator measures the master's
-memory around it). It runs under the Python that has the system's
-client: the repo's venv for kvstore, the throwaway peers venv for Mooncake and Redis. It uses
-only numpy and that client, so it must not import anything else from this repository.
+memory around it). ``--sweep N`` instead runs the short 1 MiB workload of the Mooncake settings
+sweep (:func:`run_sweep`). ``--client-segment`` / ``--client-buffer`` set a Mooncake client's
+own segment and local buffer. It runs under the Python that has the system's
+client: the repo's venv for kvstore (and plain-tcp), the throwaway peers venv for Mooncake and
+Redis. It uses only numpy and that client, so it must not import anything else from this repository.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -99,16 +104,25 @@ class Kvstore:
 
 
 class Mooncake:
-    def __init__(self, address: str, metadata: str, compat: bool = False) -> None:
+    def __init__(
+        self,
+        address: str,
+        metadata: str,
+        compat: bool = False,
+        segment: int = 0,
+        local_buffer: int = 512 << 20,
+    ) -> None:
         if compat:  # Mooncake's API served by kvstore: the same calls below, another store
             from kvstore.client.compat.mooncake import MooncakeDistributedStore
         else:
             from mooncake.store import MooncakeDistributedStore
 
         self.s = MooncakeDistributedStore()
-        # global_segment_size=0: this client contributes no memory; objects live in the storage
-        # process. local_buffer_size: staging for put/get of bytes objects.
-        rc = self.s.setup("127.0.0.1", metadata, 0, 512 << 20, "tcp", "", address)
+        # segment (global_segment_size) 0 by default: this client contributes no memory, objects
+        # live in the storage process and every read is remote; a client segment makes some
+        # reads local (a labelled variant of the sweep only). local_buffer: staging for put/get
+        # of bytes objects.
+        rc = self.s.setup("127.0.0.1", metadata, segment, local_buffer, "tcp", "", address)
         if rc != 0:
             raise RuntimeError(f"mooncake setup failed: {rc}")
 
@@ -223,6 +237,77 @@ class Redis:
         self.r.close()
 
 
+class PlainTcp:
+    """The limit: bench/plain_tcp_server.py over one TCP connection, TCP_NODELAY, no index,
+    no metadata. ``get_into`` sends an 11-byte request and receives the bytes straight into the
+    buffer; ``put_from`` sends the request and the bytes in one ``sendmsg`` and waits for a
+    4-byte ack; batches pipeline their 16 requests (send all, then receive all). Keys are not
+    sent: the server holds one object per (slot, size), a batch's objects in slots 0-15, single
+    objects in slot 16, so the bytes can still be verified. Buffer rows only."""
+
+    BUFFERS_ONLY = True
+    HEADER = struct.Struct("<cHQ")
+    SINGLE = BATCH  # the slot of single-object puts and gets
+    ACK = 4
+
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._acks = memoryview(bytearray(self.ACK * BATCH))
+
+    def register(self, arr: np.ndarray) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def _send(self, parts: list[bytes | np.ndarray]) -> None:
+        """All of ``parts`` with as few ``sendmsg`` calls as the kernel allows (no joining)."""
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            n = self.sock.sendmsg(views)
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if views:
+                views[0] = views[0][n:]
+
+    def _recv(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            # MSG_WAITALL: the kernel fills the rest in one call unless a signal cuts it short.
+            n = self.sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise RuntimeError("plain-tcp server closed the connection")
+            got += n
+
+    def put_from(self, key: str, arr: np.ndarray) -> None:
+        self._send([self.HEADER.pack(b"P", self.SINGLE, arr.nbytes), arr])
+        self._recv(self._acks[: self.ACK])
+
+    def get_into(self, key: str, arr: np.ndarray) -> None:
+        self.sock.sendall(self.HEADER.pack(b"G", self.SINGLE, arr.nbytes))
+        self._recv(memoryview(arr).cast("B"))
+
+    def batch_put_from(self, keys: list[str], arrs: list[np.ndarray]) -> None:
+        parts: list[bytes | np.ndarray] = []
+        for j, a in enumerate(arrs):
+            parts += [self.HEADER.pack(b"P", j, a.nbytes), a]
+        self._send(parts)
+        self._recv(self._acks[: self.ACK * len(arrs)])
+
+    def batch_get_into(self, keys: list[str], arrs: list[np.ndarray]) -> None:
+        self.sock.sendall(b"".join(self.HEADER.pack(b"G", j, a.nbytes) for j, a in enumerate(arrs)))
+        for a in arrs:
+            self._recv(memoryview(a).cast("B"))
+
+    def remove(self, keys: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def timed(fn: Callable[[int], object], iters: int, warmup: int = 2) -> list[float]:
     for i in range(warmup):
         fn(-1 - i)
@@ -253,6 +338,9 @@ def emit(workload: str, label: str, per_op_bytes: int, samples: list[float], key
 
 
 def run(store: Any, tag: str) -> None:
+    # A buffers-only store (plain-tcp) gets the buffer rows only: no bytes put/get, no hot-key,
+    # KV-cache or metadata rows (it has no keys to cache and no index to measure).
+    full = not getattr(store, "BUFFERS_ONLY", False)
     rng = np.random.default_rng(0)
     for label, size in SIZES:
         iters = max(8, min(1500, ROW_BUDGET // size))
@@ -270,7 +358,8 @@ def run(store: Any, tag: str) -> None:
             return [f"{p}/bp/{i * BATCH + j}" for j in range(BATCH)]
 
         # Writes: a new key each time (timed() warms up with i = -1, -2: keys of their own).
-        emit("put", label, size, timed(lambda i: store.put(f"{p}/put/{i}", raw), iters))
+        if full:
+            emit("put", label, size, timed(lambda i: store.put(f"{p}/put/{i}", raw), iters))
         emit("put_from", label, size, timed(lambda i: store.put_from(f"{p}/pf/{i}", value), iters))
         emit(
             f"batch_put_from x{BATCH}",
@@ -280,11 +369,12 @@ def run(store: Any, tag: str) -> None:
         )
         # Reads, headline: distinct keys, each read once (``get`` reads what ``put`` wrote,
         # ``get_into`` what ``put_from`` wrote; all hold the same bytes).
-        got: list[bytes] = []
-        emit("get", label, size, timed(lambda i: got.append(store.get(f"{p}/put/{i}")), iters))
-        if any(g != raw for g in got):
-            raise SystemExit(f"{tag}: get returned other bytes at {label}")
-        got.clear()
+        if full:
+            got: list[bytes] = []
+            emit("get", label, size, timed(lambda i: got.append(store.get(f"{p}/put/{i}")), iters))
+            if any(g != raw for g in got):
+                raise SystemExit(f"{tag}: get returned other bytes at {label}")
+            got.clear()
         emit("get_into", label, size, timed(lambda i: store.get_into(f"{p}/pf/{i}", buf), iters))
         if not np.array_equal(buf, value):
             raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
@@ -296,27 +386,85 @@ def run(store: Any, tag: str) -> None:
         )
         if not all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True)):
             raise SystemExit(f"{tag}: batch_get_into returned other bytes at {label}")
-        # Reads, hot key: one key (one batch) reread every time.
-        probe = f"{p}/pf/0"
-        emit("get [hot key]", label, size, timed(lambda i: store.get(probe), iters))
-        if store.get(probe) != raw:
-            raise SystemExit(f"{tag}: get returned other bytes at {label}")
-        emit("get_into [hot key]", label, size, timed(lambda i: store.get_into(probe, buf), iters))
-        if not np.array_equal(buf, value):
-            raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
-        hot = batch_keys(0)
-        emit(
-            f"batch_get_into x{BATCH} [hot keys]",
-            label,
-            size * BATCH,
-            timed(lambda i: store.batch_get_into(hot, bufs), b_iters),
-        )
+        if full:
+            single = (f"{p}/pf/0", raw, value, buf)
+            run_hot(store, tag, label, iters, b_iters, single, batch_keys(0), bufs)
         written = [f"{p}/{kind}/{i}" for kind in ("put", "pf") for i in range(-2, iters)]
         written += [k for i in range(-2, b_iters) for k in batch_keys(i)]
         store.remove(written)
         store.release()
-    run_kv(store, tag)
-    run_metadata(store, tag)
+    if full:
+        run_kv(store, tag)
+        run_metadata(store, tag)
+
+
+def run_hot(
+    store: Any,
+    tag: str,
+    label: str,
+    iters: int,
+    b_iters: int,
+    single: tuple[str, bytes, np.ndarray, np.ndarray],
+    hot: list[str],
+    bufs: list[np.ndarray],
+) -> None:
+    """Reads, hot key: one key (one batch) reread every time. ``single``: the size's first
+    ``put_from`` key, its bytes and array, and the buffer to read them into."""
+    probe, raw, value, buf = single
+    size = len(raw)
+    emit("get [hot key]", label, size, timed(lambda i: store.get(probe), iters))
+    if store.get(probe) != raw:
+        raise SystemExit(f"{tag}: get returned other bytes at {label}")
+    emit("get_into [hot key]", label, size, timed(lambda i: store.get_into(probe, buf), iters))
+    if not np.array_equal(buf, value):
+        raise SystemExit(f"{tag}: get_into returned other bytes at {label}")
+    emit(
+        f"batch_get_into x{BATCH} [hot keys]",
+        label,
+        size * BATCH,
+        timed(lambda i: store.batch_get_into(hot, bufs), b_iters),
+    )
+
+
+def run_sweep(store: Any, tag: str, n: int) -> None:
+    """The Mooncake settings sweep's short workload, 1 MiB objects only: ``put_from`` ``n``
+    distinct keys, then ``get_into`` each once; ``batch_put_from`` x16 of ``n`` distinct keys
+    in all, then ``batch_get_into`` x16 of each batch once. Bytes verified."""
+    size, label = 1 << 20, "1MiB"
+    b_iters = max(3, n // BATCH)
+    rng = np.random.default_rng(2)
+    value = rng.integers(0, 256, size, dtype=np.uint8)
+    buf = np.empty(size, dtype=np.uint8)
+    vals = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(BATCH)]
+    bufs = [np.empty(size, dtype=np.uint8) for _ in range(BATCH)]
+    for a in (value, buf, *vals, *bufs):
+        store.register(a)
+    p = f"{tag}/sweep"
+
+    def batch_keys(i: int) -> list[str]:
+        return [f"{p}/bp/{i * BATCH + j}" for j in range(BATCH)]
+
+    emit("put_from", label, size, timed(lambda i: store.put_from(f"{p}/pf/{i}", value), n))
+    emit("get_into", label, size, timed(lambda i: store.get_into(f"{p}/pf/{i}", buf), n))
+    if not np.array_equal(buf, value):
+        raise SystemExit(f"{tag}: get_into returned other bytes (sweep)")
+    emit(
+        f"batch_put_from x{BATCH}",
+        label,
+        size * BATCH,
+        timed(lambda i: store.batch_put_from(batch_keys(i), vals), b_iters),
+    )
+    emit(
+        f"batch_get_into x{BATCH}",
+        label,
+        size * BATCH,
+        timed(lambda i: store.batch_get_into(batch_keys(i), bufs), b_iters),
+    )
+    if not all(np.array_equal(a, b) for a, b in zip(bufs, vals, strict=True)):
+        raise SystemExit(f"{tag}: batch_get_into returned other bytes (sweep)")
+    store.remove([f"{p}/pf/{i}" for i in range(-2, n)])
+    store.remove([k for i in range(-2, b_iters) for k in batch_keys(i)])
+    store.release()
 
 
 META_BATCH = 1000
@@ -436,12 +584,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument(
         "system",
-        choices=["kvstore", "kvstore-strict", "kvstore-shm", "kvstore-mcapi", "mooncake", "redis"],
+        choices=[
+            "kvstore",
+            "kvstore-strict",
+            "kvstore-shm",
+            "kvstore-mcapi",
+            "mooncake",
+            "redis",
+            "plain-tcp",
+        ],
     )
     ap.add_argument("--address", required=True)
     ap.add_argument("--metadata", default="")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--fill", type=int, default=0, help="only put this many 16 B objects")
+    ap.add_argument(
+        "--sweep", type=int, default=0, help="only the 1 MiB sweep workload, this many objects"
+    )
+    ap.add_argument(
+        "--client-segment", type=int, default=0, help="Mooncake: the client's own segment, bytes"
+    )
+    ap.add_argument(
+        "--client-buffer", type=int, default=512 << 20, help="Mooncake: local_buffer_size, bytes"
+    )
     args = ap.parse_args()
     if args.system == "kvstore-mcapi":
         store: Any = Mooncake(args.address, args.metadata, compat=True)
@@ -454,12 +619,21 @@ def main() -> None:
             lease_reads=args.system != "kvstore-strict",
         )
     elif args.system == "mooncake":
-        store = Mooncake(args.address, args.metadata)
+        store = Mooncake(
+            args.address,
+            args.metadata,
+            segment=args.client_segment,
+            local_buffer=args.client_buffer,
+        )
+    elif args.system == "plain-tcp":
+        store = PlainTcp(args.address)
     else:
         store = Redis(args.address)
     try:
         if args.fill:
             fill(store, args.tag, args.fill)
+        elif args.sweep:
+            run_sweep(store, args.tag, args.sweep)
         else:
             run(store, args.tag)
     finally:
