@@ -1,12 +1,13 @@
 """The live nodes as this client knows them, for one-hop reads (see :mod:`kvstore.placement`).
 
 A view is asked of the master (``live_nodes``) at most once per ``REFRESH_S``, lazily: the read
-that finds it older asks first. Keys this client removed, or put somewhere other than their home,
-are *held*: read through the master for ``hold_s`` (the lease window), since their home node may
-still serve the old bytes until its next heartbeat drops them; so a client sees its own removes
-and overwrites at once. A home node that fails a read makes the view stale at once, so
-the next read asks again. A master that refuses the question (a tenant's connection) turns
-one-hop reads off for this client: its reads then all go through the master.
+that finds it older starts a thread that asks (only the first view is asked for in the call).
+Keys this client removed, or put somewhere other than their home, are *held*: read through the
+master for ``hold_s`` (the lease window), since their home node may still serve the old bytes
+until its next heartbeat drops them; so a client sees its own removes and overwrites at once. A
+home node that fails a read makes the view stale at once, so the next read asks again. A master
+that refuses the question (a tenant's connection) turns one-hop reads off for this client: its
+reads then all go through the master.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ class HomeView:
             if due:
                 self._asked_at = now  # (one thread asks; the others read the view they have)
         if due:
-            self._refresh()
+            if self._homes is None:
+                self._refresh()
+            else:
+                # In the background: a read never waits for the master it means to skip.
+                threading.Thread(target=self._refresh, name="kvstore-homes", daemon=True).start()
         homes = self._homes
         if homes is None or not len(homes):
             return None
@@ -110,8 +115,8 @@ class HomeView:
         except ForbiddenError:
             self.enabled = False
             return
-        except KVStoreError:
-            return  # the view it has (or none) until the next try
+        except (KVStoreError, OSError, ValueError):
+            return  # the view it has (or none) until the next try (also: the client closed)
         nodes = answer.get("nodes") if isinstance(answer, dict) else None
         if not isinstance(nodes, list):
             return

@@ -488,32 +488,46 @@ class ReadPipeline:
         self, keys: list[bytes], todo: list[int], target: _IntoBuffers, results: list[Any]
     ) -> list[int]:
         """Step 1b: read the keys from their home nodes by key, without the master (one hop,
-        :mod:`kvstore.placement`). Returns the keys (positions) still to read the usual way: a
-        miss, a failure, or bytes that fail their checksum."""
+        :mod:`kvstore.placement`): the bytes over TCP, or, from a node whose arenas this client
+        maps, where they lie, then copied from the mapping. Returns the keys (positions) still
+        to read the usual way: a miss, a failure, or bytes that fail their checksum."""
         assert self.homes is not None
-        # A client that maps nodes' memory (shm) or reads it by RDMA reads faster that way.
-        view = self.homes.current() if self._data.tcp_only else None
+        view = self.homes.current()
         if view is None:
             return todo
         homes, endpoints = view
-        items: list[KeyRead] = []
-        js: list[int] = []
+        shm = self._data.shm
+        sent: list[KeyRead] = []  # bytes over TCP
+        mapped: list[KeyRead] = []  # places, copied from shared memory
+        asked: list[tuple[int, KeyRead]] = []
         rest: list[int] = []
         held = self.homes.held if self.homes.holding else None
         now = time.monotonic()
         for j in todo:
             dest = target.dests[j]
-            endpoint = endpoints.get(homes.home(keys[j]) or "")
+            node = homes.home(keys[j]) or ""
+            endpoint = endpoints.get(node)
             if endpoint is None or type(dest) is not memoryview or held and held(keys[j], now):
                 rest.append(j)
                 continue
-            items.append(KeyRead(keys[j], endpoint, dest))
-            js.append(j)
-        if not items:
+            item = KeyRead(keys[j], endpoint, dest, node_id=node)
+            (mapped if shm is not None and shm.serves(node) else sent).append(item)
+            asked.append((j, item))
+        if not asked:
             return todo
-        self._data.tcp.read_keys(items)
+        if sent:
+            self._data.tcp.read_keys(sent)
+        if mapped:
+            assert shm is not None
+            self._data.tcp.read_keys(mapped, where=True)
+            for item in mapped:
+                if item.result is None:
+                    item.dest = item.dest[: item.size]
+                    item.digest = shm.copy_at(item.node_id, item.segment, item.offset, item.dest)
+                    if item.digest is None:
+                        item.result = NodeUnavailableError("no shared memory for this node")
         ok: list[int] = []
-        for j, item in zip(js, items, strict=True):
+        for j, item in asked:
             if item.result is None and digest(item) == item.checksum:  # type: ignore[arg-type]
                 results[j] = item.size
                 ok.append(j)

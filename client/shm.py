@@ -33,6 +33,7 @@ import xxhash
 from kvstore import grants
 from kvstore.client.buffers import Segments
 from kvstore.client.transport import (
+    STREAM_HASH_MIN,
     ReadItem,
     WriteItem,
     payload_parts,
@@ -211,6 +212,33 @@ class ShmTransport:
             self.drop(location.node_id, location.grant.segment, err)
             return None
         return src.toreadonly() if src is not None else None
+
+    def serves(self, node_id: str) -> bool:
+        """Whether this client maps ``node_id``'s arenas (it offered them, and no mapping of
+        them failed)."""
+        if node_id not in self._offers:
+            return False
+        return not any(
+            k[0] == node_id and not isinstance(m, ShmMapping) for k, m in self._maps.items()
+        )
+
+    def copy_at(self, node_id: str, segment: str, offset: int, dest: memoryview) -> int | None:
+        """Copy ``len(dest)`` bytes at ``offset`` of a node's arena into ``dest`` (a one-hop
+        read, kvstore.placement); returns their xxh3_64, or None where shm cannot serve them
+        (the caller checks the checksum: the bytes may change while they are copied)."""
+        m = self.mapping(node_id, segment)
+        if m is None or offset < 0 or offset + len(dest) > m.segment.size:
+            return None
+        try:
+            m.check()
+        except TransportUnavailableError as err:
+            self.drop(node_id, segment, err)
+            return None
+        src = m.view[offset : offset + len(dest)]
+        if len(dest) >= STREAM_HASH_MIN:
+            return _copy_hashing(src, dest)
+        dest[:] = src
+        return xxhash.xxh3_64_intdigest(dest)
 
     def read(self, items: Sequence[ReadItem]) -> list[ReadItem]:
         """Copy what shm can serve into each item's ``dest``; returns the items left for TCP."""

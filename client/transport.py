@@ -67,6 +67,10 @@ class KeyRead:
     filled: int = 0
     digest: int | None = None
     ranges: None = None  # (whole objects only: what the transport's payload readers ask)
+    node_id: str = ""
+    #: Where the object lies on its node, for a client that copies it itself (``where``).
+    segment: str = ""
+    offset: int = 0
 
 
 def checksum(view: memoryview | Segments) -> int:
@@ -419,9 +423,11 @@ class TcpTransport:
                 continue
             self._finish(ex)
 
-    def read_keys(self, items: Sequence[KeyRead]) -> None:
+    def read_keys(self, items: Sequence[KeyRead], where: bool = False) -> None:
         """Read each item's object by key from its node (one ``read_keys`` request per node,
-        all in flight together); sets each item's result, size and checksum."""
+        all in flight together); sets each item's result, size and checksum. With ``where``
+        the nodes say where each object lies instead (``segment``, ``offset``) and send no
+        bytes: the caller copies them from its own mapping of the node's arena."""
         exchanges: dict[Endpoint, _Exchange] = {}
         for item in items:
             ex = exchanges.get(item.endpoint)
@@ -429,11 +435,17 @@ class TcpTransport:
                 ex = exchanges[item.endpoint] = _Exchange(item.endpoint)
             ex.items.append(item)
         for ex in exchanges.values():
-            args = {"items": [[i.key, len(i.dest)] for i in ex.items]}
+            args: dict[str, Any] = {"items": [[i.key, len(i.dest)] for i in ex.items]}
+            if where:
+                args["where"] = True
             self._send(ex, "read_keys", args, ())
-            if ex.conn is not None and (
-                len(ex.items) > POLL_MAX_ITEMS
-                or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
+            if (
+                ex.conn is not None
+                and not where
+                and (
+                    len(ex.items) > POLL_MAX_ITEMS
+                    or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
+                )
             ):
                 ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
@@ -458,6 +470,9 @@ class TcpTransport:
         order) or an error."""
         found: list[KeyRead] = []
         for item, r in zip(ex.items, results, strict=True):
+            if type(r) is list and len(r) == 4 and type(r[2]) is str and type(r[3]) is int:
+                item.size, item.checksum, item.segment, item.offset = r  # (``where``: no bytes)
+                continue
             if type(r) is list and len(r) == 2 and type(r[0]) is int and type(r[1]) is int:
                 size, item.checksum = r
                 if not 0 <= size <= len(item.dest):

@@ -13,7 +13,9 @@ every item is answered in full, and the client reads either form.
            + payload (the found objects' bytes, concatenated): a one-hop read, by key and
            without a grant, of the objects this node holds whole in memory (DRAM), each at
            most ``room`` bytes; any other is a miss (``KEY_NOT_FOUND``) the client takes to
-           the master. A node that may have been fenced answers every item
+           the master. With ``"where": true`` (a client that maps this node's arenas, so the
+           operator's) a hit is ``[size, checksum, segment, offset]`` and no bytes follow: the
+           client copies them itself. A node that may have been fenced answers every item
            ``NODE_UNAVAILABLE`` (the rule is in :mod:`kvstore.placement`).
 ``ping``, ``manifest``, ``stats``: no arguments, no payload.
 
@@ -386,6 +388,9 @@ def read_keys(
         fs.send_frame(protocol.encode_response(req.req_id, [refused] * len(items)))
         return
     owned = server.owned_by(fs)
+    where = req.args.get("where") is True
+    if where and owned is not None:
+        raise ForbiddenError("a tenant's connection reads bytes, not places in the arena")
     find, tiers = server.manifest.find, server.tiers
     for key, room in items:
         obj = find(key)
@@ -403,6 +408,10 @@ def read_keys(
         view = tier.in_place(obj.offset, obj.size) if tier is not None else None
         if view is None:
             results.append(_MISS)  # not in memory here (NVMe, HBM): the master's way
+            continue
+        if where:
+            results.append([obj.size, obj.checksum, obj.segment, obj.offset])
+            server.num_reads += 1
             continue
         views.append(view)
         results.append([obj.size, obj.checksum])

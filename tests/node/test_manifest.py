@@ -50,3 +50,25 @@ def test_records_leave_the_collectors_work_once_it_has_seen_them() -> None:
     gc.collect()  # the first pass sees each record once, then stops tracking it
     assert len(gc.get_objects()) - before < 100
     assert m.objects()[123] == StoredObject("dram", 123 * 64, b"key/123", 64, 123, 1123)
+
+
+def test_a_key_is_found_at_its_newest_whole_record_and_never_at_a_place_reused() -> None:
+    """What a one-hop read asks (``Manifest.find``): the newest version of a key, by stamp; a
+    place another key's write reused no longer answers for the old key; a forget or a restart
+    drops the key as it drops its record."""
+    m = Manifest()
+    m.record(StoredObject("dram", 0, b"k", 10, 1, stamp=100))
+    m.record(StoredObject("dram", 64, b"k", 20, 2, stamp=200))  # a newer put of k
+    m.record(StoredObject("nvme", 7, b"k", 10, 1, stamp=100))  # an older copy, demoted
+    assert m.find(b"k") == StoredObject("dram", 64, b"k", 20, 2, 200)
+    m.record(StoredObject("dram", 64, b"other", 20, 9, stamp=300))  # k's place, reused
+    assert m.find(b"k") is None and m.find(b"other") is not None
+    m.record(StoredObject("dram", 128, b"j", 5, 5, stamp=50))
+    m.forget([("dram", 128, 50)])
+    assert m.find(b"j") is None
+    m.record(StoredObject("nvme", 8, b"n", 5, 5, stamp=60))
+    m.record(StoredObject("dram", 256, b"d", 5, 6, stamp=70))
+    m.clear_volatile({"nvme"})
+    assert m.find(b"n") is not None and m.find(b"d") is None and m.find(b"other") is None
+    m.clear()
+    assert m.find(b"n") is None
