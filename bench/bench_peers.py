@@ -37,8 +37,9 @@ What it does, in one run:
    and the master's memory per object: its RSS before and after putting ``--objects`` (1M by
    default) 16 B objects into a fresh cluster, divided by their number;
    kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
-   setting for content-addressed KV blocks: a key located within the master's read lease is
-   reread from its node directly), over TCP with every read asking the master
+   setting for content-addressed KV blocks: a key is read from its home node in one hop without
+   asking the master, and a key located within the master's read lease is reread from its node
+   directly; docs/data-plane.md), over TCP with every read asking the master
    (``kvstore-strict``, as Mooncake does), through shared memory (with lease reads), and
    through Mooncake's own Python API served by kvstore (``kvstore-mcapi``, "Mooncake API on
    kvstore": ``kvstore.client.compat.mooncake`` driven by the very same worker class, calls and
