@@ -407,21 +407,7 @@ class TcpTransport:
     def read_end(self, exchanges: InFlight) -> None:
         """The second half of :meth:`read`: take each node's reply into its items."""
         for ex in exchanges:
-            results = self._receive(ex)
-            if results is None:
-                continue
-            try:
-                self._read_payload(ex, results)
-            except (OSError, ConnectionError) as exc:
-                err = _io_error(ex.endpoint, exc)
-                for item in ex.items:
-                    if item.result is None and item.filled < len(item.dest):
-                        item.result = err
-                assert ex.conn is not None
-                ex.conn.close()
-                ex.conn = None
-                continue
-            self._finish(ex)
+            self._take_reply(ex, self._read_payload)
 
     def read_keys(self, items: Sequence[KeyRead], where: bool = False) -> None:
         """Read each item's object by key from its node (one ``read_keys`` request per node,
@@ -449,21 +435,26 @@ class TcpTransport:
             ):
                 ex.conn.sleep_through_next_wait()
         for ex in exchanges.values():
-            results = self._receive(ex)
-            if results is None:
-                continue
-            try:
-                self._key_payload(ex, results)
-            except (OSError, ConnectionError) as exc:
-                err = _io_error(ex.endpoint, exc)
-                for item in ex.items:
-                    if item.result is None and item.filled < len(item.dest):
-                        item.result = err
-                assert ex.conn is not None
-                ex.conn.close()
-                ex.conn = None
-                continue
-            self._finish(ex)
+            self._take_reply(ex, self._key_payload)
+
+    def _take_reply(self, ex: _Exchange, take: Callable[[_Exchange, list[Any]], None]) -> None:
+        """Receive a node's reply and ``take`` its payload into the exchange's items; a
+        connection that fails in the payload fails the items still unfilled and is closed."""
+        results = self._receive(ex)
+        if results is None:
+            return
+        try:
+            take(ex, results)
+        except (OSError, ConnectionError) as exc:
+            err = _io_error(ex.endpoint, exc)
+            for item in ex.items:
+                if item.result is None and item.filled < len(item.dest):
+                    item.result = err
+            assert ex.conn is not None
+            ex.conn.close()
+            ex.conn = None
+            return
+        self._finish(ex)
 
     def _key_payload(self, ex: _Exchange, results: list[Any]) -> None:
         """Take a ``read_keys`` reply: per item ``[size, checksum]`` (its bytes follow, in
