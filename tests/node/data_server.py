@@ -4,7 +4,7 @@ and a framed connection to it, for the node's verb tests."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvstore import auth, grants, protocol
@@ -46,3 +46,21 @@ def connected(server: DataServer) -> Iterator[protocol.FramedSocket]:
         yield c
     finally:
         c.close()
+
+
+#: Opens a connection that said hello with a token.
+Connect = Callable[[str], protocol.FramedSocket]
+
+
+@contextlib.contextmanager
+def hello_connections(server: DataServer) -> Iterator[Connect]:
+    """A function that opens connections to ``server`` that said hello with a token (each
+    closed when the context ends)."""
+    with contextlib.ExitStack() as stack:
+
+        def open_as(token: str) -> protocol.FramedSocket:
+            conn = stack.enter_context(connected(server))
+            conn.call("hello", {"token": token})
+            return conn
+
+        yield open_as

@@ -5,7 +5,6 @@ refuses every item; a tenant's connection finds only its own keys."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,13 +53,7 @@ def server(tmp_path: Path) -> Iterator[DataServer]:
 
 @pytest.fixture
 def connect(server: DataServer) -> Iterator[Any]:
-    with contextlib.ExitStack() as stack:
-
-        def open_as(token: str) -> protocol.FramedSocket:
-            conn = stack.enter_context(data_server.connected(server))
-            conn.call("hello", {"token": token})
-            return conn
-
+    with data_server.hello_connections(server) as open_as:
         yield open_as
 
 

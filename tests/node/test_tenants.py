@@ -7,8 +7,7 @@ request. Against an in-process DataServer over real sockets, with a directory th
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ OBJ_SIZE = 64
 #: Where writes land (away from the seeded objects), per owner.
 WRITE_AT = {"acme": 16384, "bolt": 20480, "operator": 24576}
 
-Connect = Callable[[str], protocol.FramedSocket]
+Connect = data_server.Connect
 
 
 @pytest.fixture
@@ -70,13 +69,7 @@ def server(tmp_path: Path, directory: TenantDirectory) -> Iterator[DataServer]:
 @pytest.fixture
 def connect(server: DataServer) -> Iterator[Connect]:
     """Opens a connection that said hello with a token (closed after the test)."""
-    with contextlib.ExitStack() as stack:
-
-        def open_as(token: str) -> protocol.FramedSocket:
-            conn = stack.enter_context(data_server.connected(server))
-            conn.call("hello", {"token": token})
-            return conn
-
+    with data_server.hello_connections(server) as open_as:
         yield open_as
 
 
