@@ -75,6 +75,210 @@ __all__ = [
 ]
 
 
+#: A request :meth:`ControlServer.answer` left for the loop: the request, a tenant's answer
+#: (``rpc_tenants``) or None, and the connection's tenant.
+Deferred = tuple[protocol.Request, Answer | None, str | None]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection of a :class:`ControlServer`: its frame loop as protocol callbacks.
+
+    A frame is answered in the callback that completes it, with no coroutine, future or task
+    (the usual small request; an asyncio stream reader costs a few of each per frame:
+    ``.venv/bin/python bench/bench_hops.py`` prints the master's round trip). A request that
+    needs the loop (a long poll, a snapshot, a batch served in chunks) is answered by a task;
+    until it is, the connection's next frames wait, in order, and past ``2 * STREAM_LIMIT``
+    buffered bytes the socket is not read. While the peer does not take our answers (the
+    transport's buffer over its high-water mark) no frame is answered either.
+
+    The rules of a frame (deadlines, the hello, the header's checks) are the session's
+    (:class:`kvstore.serving.FrameSession`), as in the node's blocking servers.
+    """
+
+    def __init__(self, server: ControlServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.session = serving.FrameSession(
+            server.token, self.loop.time(), deadlines=server.deadlines, tenants=server.tenants
+        )
+        #: A request's work left until its answer is out (rpc_verbs.AFTER_REPLY).
+        self.after: list[Callable[[], None]] = []
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._started: float | None = None  # when the first byte of the frame in _buf came
+        self._task: asyncio.Task[None] | None = None  # answering a deferred request
+        self._writing_paused = False
+        self._reading_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ transport callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # (uvloop's is no subclass)
+        server = self.server
+        server._conns.add(self)
+        if not self.session.authenticated:  # the whole hello must arrive, small, by this time
+            server._deadlines[self] = self.session.hello_by
+            server.pending.add(self, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        if self._task is None and not self._writing_paused:
+            self._frames()
+        elif len(self._buf) > 2 * STREAM_LIMIT and not self._reading_paused:
+            self._reading_paused = True  # (resumed once the frames are taken)
+            if self._transport is not None:
+                self._transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close: a half-open connection sends no more requests
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        server = self.server
+        server._deadlines.pop(self, None)
+        server.pending.discard(self)
+        server._conns.discard(self)
+        self._wake_drain(ConnectionResetError("connection lost"))
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._wake_drain(None)
+        if self._task is None:
+            self._frames()
+
+    # ------------------------------------------------------------------ what the server uses
+    def write(self, frame: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(frame)
+
+    async def drain(self) -> None:
+        """Until the transport's buffer is under its high-water mark.
+
+        Raises:
+            ConnectionResetError: the connection is lost.
+        """
+        if self._closed:
+            raise ConnectionResetError("connection lost")
+        if not self._writing_paused:
+            return
+        if self._drained is None:
+            self._drained = self.loop.create_future()
+        await self._drained
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    # ------------------------------------------------------------------ the frame loop
+    def _wake_drain(self, exc: Exception | None) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+                waiter.exception()  # (retrieved: nobody may wait for it any more)
+
+    def _frames(self) -> None:
+        """Answer every whole frame buffered, in order, until one needs the loop, the peer
+        stops taking answers, or the connection is to close; note the deadline of a frame on
+        the way."""
+        server, session = self.server, self.session
+        deadlines = server._deadlines
+        while not self._closed and not self._writing_paused:
+            buf = self._buf
+            if not buf:
+                break
+            if self._started is None:
+                self._started = self.loop.time()
+                if session.authenticated:
+                    deadlines[self] = session.header_deadline(self._started)
+            if len(buf) < protocol.HEADER_SIZE:
+                break
+            try:
+                header = protocol.decode_header(
+                    bytes(buf[: protocol.HEADER_SIZE]), max_body=server.max_body, max_payload=0
+                )
+                session.check_header(header)
+            except KVStoreError as err:
+                # The framing is lost (or the peer is not authenticated): answer once, then hang up.
+                self.write(protocol.encode_error(0, err))
+                self._hang_up()
+                return
+            end = protocol.HEADER_SIZE + header.body_len
+            if len(buf) < end:
+                if session.authenticated and header.body_len > protocol.READ_AHEAD:
+                    deadlines[self] = session.body_deadline(self._started, header)
+                break
+            body = bytes(buf[protocol.HEADER_SIZE : end])
+            del buf[:end]
+            self._started = None
+            if session.authenticated:
+                deadlines.pop(self, None)
+            if not self._answer(header, body):
+                return  # (a task answers it, or the connection is closing)
+        else:
+            return  # (the peer is not taking our answers: resume_writing goes on)
+        self._resume_reading()  # waiting for more bytes
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and not self._closed and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _answer(self, header: protocol.FrameHeader, body: bytes) -> bool:
+        """Answer one frame: the session's refusal, or the request's answer (at once, or by a
+        task). Returns whether the next frame may be answered now."""
+        server, session = self.server, self.session
+        step = session.open_request(header, body)
+        if isinstance(step, serving.Refusal):
+            # (No payload to skip: the header's limit refused every payload.)
+            if session.authenticated:
+                server._deadlines.pop(self, None)
+                server.pending.discard(self)
+            self.write(step.frame)
+            if step.hang_up:
+                self._hang_up()
+                return False
+            server._awake.served()
+            return True
+        later = server.answer(self, step, session.tenant)
+        server._awake.served()
+        if later is None:
+            return True
+        self._task = self.loop.create_task(self._answer_later(later))
+        return False
+
+    async def _answer_later(self, later: Deferred) -> None:
+        try:
+            keep = await self.server.answer_later(self, later)
+        except ConnectionError:
+            keep = False
+        except Exception:  # noqa: BLE001 - logged; the connection is closed, the server goes on
+            log.exception("internal error while serving %r", later[0].verb[:64])
+            keep = False
+        self._task = None
+        self.server._awake.served()
+        if not keep:
+            self._hang_up()
+            return
+        self._frames()
+
+    def _hang_up(self) -> None:
+        """Close after what is written is sent; read nothing more."""
+        self._closed = True
+        self.server._deadlines.pop(self, None)
+        self.close()
+
+
 class RpcObserver(Protocol):
     """Records each served request (metrics). ``result`` is the handler's return value or None."""
 
@@ -146,6 +350,29 @@ async def _give_back_releases(
         await release_in_chunks(svc, tokens, chunk_items)
 
 
+def dispatch_now(
+    svc: MasterService,
+    request: protocol.Request,
+    observer: RpcObserver | None = None,
+    chunk_items: int = CHUNK_ITEMS,
+    after: list[Callable[[], None]] | None = None,
+) -> bytes | None:
+    """:func:`dispatch_bounded`'s answer to a request it serves in one go (the usual small one),
+    without a coroutine; None, with nothing done, for one it serves in chunks (or whose
+    arguments it must look at more closely: :func:`dispatch_bounded` answers those)."""
+    release = request.args.get("release") if request.verb in HANDLERS else None
+    try:
+        if (
+            (type(release) is list and len(release) > chunk_items)
+            or is_large_kv_match(request, chunk_items)
+            or chunk_count(svc, request, chunk_items)
+        ):
+            return None
+    except KVStoreError:
+        return None  # (dispatch_bounded refuses it)
+    return dispatch(svc, request, observer, after)
+
+
 async def dispatch_bounded(
     svc: MasterService,
     request: protocol.Request,
@@ -210,9 +437,9 @@ class ControlServer:
         self.port = port
         self.max_body = max_body
         self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._conns: set[_Connection] = set()
         #: Connections with a frame (or the hello) on the way -> the loop time it must be in by.
-        self._deadlines: dict[asyncio.StreamWriter, float] = {}
+        self._deadlines: dict[_Connection, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
         # Clients come back after a round trip to a node: see kvstore.polling.MASTER_WINDOWS.
         self._awake = LoopAwake(poll_window() * MASTER_WINDOWS)
@@ -223,12 +450,8 @@ class ControlServer:
         self._snapshots = 0
 
     async def start(self) -> None:
-        # A small stream limit: a connection buffers at most ~2x this before we read it, so a
-        # flood of peers that are never authenticated holds little memory (readexactly of a
-        # larger body still works: it resumes reading as it goes).
-        self._server = await asyncio.start_server(
-            self._serve, self.host, self.port, limit=STREAM_LIMIT
-        )
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self._sweeper = asyncio.create_task(self._sweep())
 
@@ -239,8 +462,8 @@ class ControlServer:
             self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
-            for w in list(self._writers):
-                w.close()
+            for conn in list(self._conns):
+                conn.close()
             await self._server.wait_closed()
 
     def _take_snapshot_slot(self) -> KVStoreError | None:
@@ -275,106 +498,19 @@ class ControlServer:
                 for w in self._deadlines:
                     self._deadlines[w] += stalled
                 continue
-            late = [w for w, by in self._deadlines.items() if by < now]
-            for w in late:
-                self._deadlines.pop(w, None)
-                w.close()  # its reader sees EOF: the serving coroutine returns
+            late = [conn for conn, by in self._deadlines.items() if by < now]
+            for conn in late:
+                self._deadlines.pop(conn, None)
+                conn.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection's frame loop (its rules: :class:`kvstore.serving.FrameSession`)."""
-        self._writers.add(writer)
-        loop = asyncio.get_running_loop()
-        session = serving.FrameSession(
-            self.token, loop.time(), deadlines=self.deadlines, tenants=self.tenants
-        )
-        after: list[Callable[[], None]] = []  # a request's work left until its answer is out
-        if not session.authenticated:  # the whole hello must arrive, small, by this time
-            self._deadlines[writer] = session.hello_by
-            self.pending.add(writer, writer.close)
-        try:
-            while True:
-                frame = await self._read_frame(reader, writer, session)
-                if frame is None or not await self._answer_frame(writer, session, *frame, after):
-                    return
-                self._awake.served()
-        except ConnectionError:
-            return
-        finally:
-            self._deadlines.pop(writer, None)
-            self.pending.discard(writer)
-            self._writers.discard(writer)
-            writer.close()
-
-    async def _read_frame(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        session: serving.FrameSession,
-    ) -> tuple[protocol.FrameHeader, bytes] | None:
-        """The connection's next whole frame, or None once the connection is over (closed,
-        or its header refused: answered here once)."""
-        loop = asyncio.get_running_loop()
-        deadlines = self._deadlines
-        try:
-            if session.authenticated:
-                # Idle between frames as long as it likes; once a frame starts, it must
-                # arrive whole within its deadline (no half-sent frame holds us).
-                first = await reader.readexactly(1)
-                started = loop.time()
-                deadlines[writer] = session.header_deadline(started)
-                raw = first + await reader.readexactly(protocol.HEADER_SIZE - 1)
-            else:
-                raw = await reader.readexactly(protocol.HEADER_SIZE)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        try:
-            header = protocol.decode_header(raw, max_body=self.max_body, max_payload=0)
-            session.check_header(header)
-        except KVStoreError as err:
-            # The framing is lost (or the peer is not authenticated): answer once, then hang up.
-            writer.write(protocol.encode_error(0, err))
-            await writer.drain()
-            return None
-        if session.authenticated and header.body_len > protocol.READ_AHEAD:
-            deadlines[writer] = session.body_deadline(started, header)
-        try:
-            body = await reader.readexactly(header.body_len)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return None
-        if session.authenticated:
-            deadlines.pop(writer, None)
-        return header, body
-
-    async def _answer_frame(
-        self,
-        writer: asyncio.StreamWriter,
-        session: serving.FrameSession,
-        header: protocol.FrameHeader,
-        body: bytes,
-        after: list[Callable[[], None]],
-    ) -> bool:
-        """Answer one frame: the session's refusal, or the request's answer. Returns False
-        when the connection is to be closed."""
-        step = session.open_request(header, body)
-        if not isinstance(step, serving.Refusal):
-            return await self._answer_request(writer, step, after, session.tenant)
-        # (No payload to skip: the header's limit refused every payload.)
-        if session.authenticated:
-            self._deadlines.pop(writer, None)
-            self.pending.discard(writer)
-        writer.write(step.frame)
-        await writer.drain()
-        return not step.hang_up
-
-    async def _answer_request(
-        self,
-        writer: asyncio.StreamWriter,
-        request: protocol.Request,
-        after: list[Callable[[], None]],
-        tenant: str | None = None,
-    ) -> bool:
-        """Fence, long-poll (``events``) and serve one request, and write its answer. Returns
-        False when the connection is to be closed (a snapshot its reader did not take).
+    def answer(
+        self, conn: _Connection, request: protocol.Request, tenant: str | None
+    ) -> Deferred | None:
+        """Answer a request at once if it can be (the usual small request: fenced or not, a
+        tenant's or the operator's, served in one go), without a coroutine; else (``events``
+        long polls, ``events_snapshot``, a batch served in chunks) return what
+        :meth:`answer_later` needs to answer it, which it must before the connection's next
+        frame.
 
         ``tenant``: the connection's (None: the operator's); a tenant's request is taken into
         its part of the key space first (``rpc_tenants.py``)."""
@@ -385,8 +521,32 @@ class ControlServer:
                 own = scope_request(self.slot.service, request, tenant)
             except KVStoreError as err:
                 refusal = err
+        if refusal is not None:
+            conn.write(protocol.encode_error(request.req_id, refusal))
+            return None
+        if request.verb in ("events", "events_snapshot"):
+            return request, own, tenant
+        if own is not None and tenant is not None:
+            conn.write(self._answer_tenant(request, own, tenant))
+            return None
+        after = conn.after
+        reply = dispatch_now(self.slot.service, request, self.observer, self.chunk_items, after)
+        if reply is None:
+            return request, None, tenant
+        conn.write(reply)
+        if after:  # (nothing between: see rpc_verbs.AFTER_REPLY)
+            run_after_reply(after)
+        return None
+
+    async def answer_later(self, conn: _Connection, later: Deferred) -> bool:
+        """Answer a request :meth:`answer` left (screened already: not fenced; ``own``, a
+        tenant's answer from ``rpc_tenants``, or None): long-poll ``events``, take a snapshot
+        slot, or serve a batch in chunks. Returns False when the connection is to be closed (a
+        snapshot its reader did not take)."""
+        request, own, tenant = later
+        refusal: KVStoreError | None = None
         holds_snapshot = False  # this request holds one of the snapshot slots
-        if refusal is None and request.verb == "events_snapshot":
+        if request.verb == "events_snapshot":
             refusal = self._take_snapshot_slot()
             holds_snapshot = refusal is None
         try:
@@ -394,20 +554,21 @@ class ControlServer:
                 await await_events(self.slot, request, lambda: self._stopping)
                 refusal = self._fence_check(request)  # it may have lost the lead while it waited
             if refusal is not None:
-                writer.write(protocol.encode_error(request.req_id, refusal))
+                conn.write(protocol.encode_error(request.req_id, refusal))
             elif own is not None and tenant is not None:
-                writer.write(self._answer_tenant(request, own, tenant))
+                conn.write(self._answer_tenant(request, own, tenant))
             else:
+                after = conn.after
                 reply = await dispatch_bounded(
                     self.slot.service, request, self.observer, self.chunk_items, after
                 )
-                writer.write(reply)
+                conn.write(reply)
                 if after:  # (no await between: see rpc_verbs.AFTER_REPLY)
                     run_after_reply(after)
             if not holds_snapshot:
-                await writer.drain()
+                await conn.drain()
                 return True
-            return await self._drain_snapshot(writer)
+            return await self._drain_snapshot(conn)
         finally:
             if holds_snapshot:
                 self._snapshots -= 1
@@ -428,13 +589,13 @@ class ControlServer:
                 self.observer.observe(request, code, None, time.perf_counter() - started)
 
     @staticmethod
-    async def _drain_snapshot(writer: asyncio.StreamWriter) -> bool:
+    async def _drain_snapshot(conn: _Connection) -> bool:
         """Wait until a snapshot answer is read, at most :data:`SNAPSHOT_WRITE_TIMEOUT_S`;
         False (the connection aborted) if its reader does not take it in time."""
         try:
-            await asyncio.wait_for(writer.drain(), SNAPSHOT_WRITE_TIMEOUT_S)
+            await asyncio.wait_for(conn.drain(), SNAPSHOT_WRITE_TIMEOUT_S)
         except TimeoutError:
             log.warning("a subscriber did not read its event snapshot; closing")
-            writer.transport.abort()  # close() would keep the buffer to send
+            conn.abort()  # close() would keep the buffer to send
             return False
         return True
