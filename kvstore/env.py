@@ -49,8 +49,9 @@ from pathlib import Path
 from kvstore.errors import InvalidRequestError
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-#: Default busy-poll window in microseconds (kvstore.polling says why).
-DEFAULT_POLL_US = 100.0
+#: Default busy-poll window in microseconds (kvstore.polling says why;
+#: ``.venv/bin/python bench/bench_polling.py`` measures each window).
+DEFAULT_POLL_US = 200.0
 #: The longest window accepted (a longer one would burn a core on every idle connection).
 MAX_POLL_US = 10_000.0
 #: Default items a master serves per turn of its event loop (kvstore.master.rpc_chunks).

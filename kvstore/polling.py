@@ -27,8 +27,10 @@ in the kernel:
 
 So idle connections and peers slower than the window cost nothing, and a busy client's next
 request (or reply) is read as soon as it lands. ``$KVSTORE_POLL_US`` sets the window in
-microseconds (100 by default; 0 never polls). What polling gives the reads shows in
-``.venv/bin/python bench/bench_store.py --small``, run with ``KVSTORE_POLL_US=0`` and without.
+microseconds (200 by default; 0 never polls). The window should outlast a client's turn
+elsewhere between two requests to one server (a put's write to the node between its put_start
+and put_end at the master), or the master sleeps by the put_end: what each window gives one
+client and takes from four shows in ``.venv/bin/python bench/bench_polling.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from kvstore.polling import POLL_BACKOFF, REQUEST_WINDOWS, LoopAwake, extend_pol
 WINDOW_S = 0.02
 
 
-@pytest.mark.parametrize(("raw", "seconds"), [("", 100e-6), ("0", 0.0), ("250", 250e-6)])
+@pytest.mark.parametrize(("raw", "seconds"), [("", 200e-6), ("0", 0.0), ("250", 250e-6)])
 def test_the_window_comes_from_the_environment_in_microseconds(
     monkeypatch: pytest.MonkeyPatch, raw: str, seconds: float
 ) -> None:
