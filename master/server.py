@@ -59,7 +59,9 @@ SNAPSHOTS_IN_FLIGHT = 4
 #: How long a subscriber may take to read its snapshot before its connection is closed (so a
 #: reader that never reads cannot hold a slot).
 SNAPSHOT_WRITE_TIMEOUT_S = 30.0
-#: Bytes a connection's stream reader buffers before it pauses reading the socket (x2).
+#: While a connection's answers wait (a task answering one of its requests, or a peer not taking
+#: them), it buffers at most about twice this of its next frames before the socket is not read
+#: (so a peer that floods requests without reading holds little memory).
 STREAM_LIMIT = 64 << 10
 #: How often the server looks for connections past their frame or hello deadline.
 SWEEP_INTERVAL_S = 0.5

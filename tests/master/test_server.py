@@ -419,3 +419,47 @@ def test_event_snapshots_in_flight_are_capped_and_a_reader_that_never_reads_lets
         for conn in [*idle, asker, late]:
             if conn is not None:
                 conn.close()
+
+
+def test_pipelined_requests_are_answered_once_in_order_and_an_unread_peer_stops_nobody(
+    live: Live,
+) -> None:
+    """A client may send many requests before it reads an answer (the client's pipeline does).
+    Each is answered once, in order, a batch served in chunks among them included; a peer that
+    does not read its answers is paused (the master stops answering it, then reading it), and
+    meanwhile another connection is served; once it reads, every answer is there."""
+    keys = [b"%03d" % i + b"x" * 500 for i in range(200)]
+    setup = live.connect()
+    ids = _put_ids(setup, keys)
+    setup.call("put_end", {"put_ids": ids, "checksums": [1] * len(ids)})
+    listed = setup.call("list_keys", {"prefix": b"", "limit": 200})
+    assert listed == keys
+    chunked = [b"c%d" % i for i in range(CHUNK_ITEMS * 3 + 1)]
+    # ~100 KB answers: far more than the socket buffers and the transport's high-water mark.
+    plan = ["list"] * 200 + ["chunked"] + ["list"] * 200
+    flood = live.connect()
+    first = flood.next_id() + 1  # (the ids the sender's requests take, in order)
+
+    def send_all() -> None:
+        for kind in plan:
+            if kind == "chunked":
+                flood.send_request("exists", {"keys": chunked})
+            else:
+                flood.send_request("list_keys", {"prefix": b"", "limit": 200})
+
+    sender = threading.Thread(target=send_all, daemon=True)
+    sender.start()
+    wait_until(
+        lambda: any(c._writing_paused for c in live.server._conns),
+        timeout=60,
+        what="the master pauses the peer that does not read",
+    )
+    other = live.connect()
+    assert other.call("exists", {"keys": [keys[0], b"nope"]}) == [True, False]
+    for i, kind in enumerate(plan):
+        response, payload_len = flood.read_response()
+        assert response.req_id == first + i and payload_len == 0
+        assert response.unwrap() == ([False] * len(chunked) if kind == "chunked" else keys)
+    sender.join(timeout=60)
+    assert not sender.is_alive()
+    assert other.call("exists", {"keys": [keys[-1]]}) == [True]
