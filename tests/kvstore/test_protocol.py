@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import grants, polling, protocol
+from kvstore.env import DEFAULT_POLL_US
 from kvstore.errors import (
     ErrorCode,
     KeyNotFoundError,
@@ -218,15 +219,15 @@ def test_poll_window_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
         ("0", 0.0),
         ("120", 120e-6),
         ("-5", 0.0),
-        ("junk", 100e-6),
-        ("inf", 100e-6),
-        ("nan", 100e-6),
+        ("junk", DEFAULT_POLL_US * 1e-6),
+        ("inf", DEFAULT_POLL_US * 1e-6),
+        ("nan", DEFAULT_POLL_US * 1e-6),
         ("1e9", 0.01),
     ]:
         monkeypatch.setenv("KVSTORE_POLL_US", raw)
         assert polling.poll_window() == pytest.approx(want)
     monkeypatch.delenv("KVSTORE_POLL_US")
-    assert polling.poll_window() == pytest.approx(100e-6)
+    assert polling.poll_window() == pytest.approx(DEFAULT_POLL_US * 1e-6)
 
 
 @pytest.mark.parametrize("num_buffers", [3, 1000, 30000])
