@@ -157,6 +157,13 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.write(frame)
 
+    def reply(self, frame: bytes) -> None:
+        """Write a request's answer, then the work its verb left until the answer is out
+        (:data:`~kvstore.master.rpc_verbs.AFTER_REPLY`; nothing may come between the two)."""
+        self.write(frame)
+        if self.after:
+            run_after_reply(self.after)
+
     async def drain(self) -> None:
         """Until the transport's buffer is under its high-water mark.
 
@@ -531,13 +538,12 @@ class ControlServer:
         if own is not None and tenant is not None:
             conn.write(self._answer_tenant(request, own, tenant))
             return None
-        after = conn.after
-        reply = dispatch_now(self.slot.service, request, self.observer, self.chunk_items, after)
+        reply = dispatch_now(
+            self.slot.service, request, self.observer, self.chunk_items, conn.after
+        )
         if reply is None:
             return request, None, tenant
-        conn.write(reply)
-        if after:  # (nothing between: see rpc_verbs.AFTER_REPLY)
-            run_after_reply(after)
+        conn.reply(reply)
         return None
 
     async def answer_later(self, conn: _Connection, later: Deferred) -> bool:
@@ -560,13 +566,10 @@ class ControlServer:
             elif own is not None and tenant is not None:
                 conn.write(self._answer_tenant(request, own, tenant))
             else:
-                after = conn.after
                 reply = await dispatch_bounded(
-                    self.slot.service, request, self.observer, self.chunk_items, after
+                    self.slot.service, request, self.observer, self.chunk_items, conn.after
                 )
-                conn.write(reply)
-                if after:  # (no await between: see rpc_verbs.AFTER_REPLY)
-                    run_after_reply(after)
+                conn.reply(reply)
             if not holds_snapshot:
                 await conn.drain()
                 return True
