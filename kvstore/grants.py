@@ -26,6 +26,14 @@ a grant takes one of three wire forms, read in order:
 A write grant's expiry is also its claim stamp (see :class:`kvstore.node.claims.WriteClaims`), so a write batch holds
 the items of one node with one stamp; its items share the signature, and a claim is named by the
 signature with its range (the master never grants overlapping ranges in one answer).
+
+A **blank grant** is a one-key write grant signed for the empty key (:data:`BLANK_KEY`, which no
+object has): the master allocates a put's space before its writer knows the key (``put_blanks``,
+:mod:`kvstore.master.puts`), and the writer names the key when it writes. On the wire it is the
+one-key form with the writer's key in place of the empty one and ``True`` as an eighth item
+(:meth:`Grant.for_key`); the node checks the signature over the empty key and records the
+object under the key written. It only ever permits a write of that one range, like any write
+grant; which key the bytes hold is the master's to decide when the blank is committed.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ from kvstore.errors import GrantInvalidError, KVStoreError, OutOfRangeError
 OP_READ = "r"
 OP_WRITE = "w"
 SECRET_BYTES = 32
+#: The key a blank grant is signed for (see the module docstring): no object has the empty key.
+BLANK_KEY = b""
 _FIXED = struct.Struct("!1sQQQH")  # op, offset, size, expiry, then the key's length
 #: A batch grant's signed bytes start with this tag, never the first byte of a one-key grant's
 #: (its op, "r" or "w"): no signature of one kind verifies as the other.
@@ -77,12 +87,14 @@ class Grant:
     signature: bytes
     batch: tuple[Any, ...] | None = None
     index: int = 0
+    #: A blank grant used for ``key`` (signed for :data:`BLANK_KEY`; see the module docstring).
+    blank: bool = False
 
     def to_wire(self) -> list[object]:
         """The one-key wire form. A batch member has none of its own: it is sent as a reference
         (:class:`GrantRefs`)."""
         assert self.batch is None, "a batch grant's member is sent through GrantRefs"
-        return [
+        wire: list[object] = [
             self.op,
             self.key,
             self.segment,
@@ -91,13 +103,35 @@ class Grant:
             self.expires_ms,
             self.signature,
         ]
+        if self.blank:
+            wire.append(True)
+        return wire
+
+    def for_key(self, key: bytes) -> Grant:
+        """This blank grant (one signed for :data:`BLANK_KEY`) used to write ``key``."""
+        assert self.key == BLANK_KEY and self.batch is None and self.op == OP_WRITE, "not blank"
+        return Grant(
+            self.op,
+            key,
+            self.segment,
+            self.offset,
+            self.size,
+            self.expires_ms,
+            self.signature,
+            blank=True,
+        )
 
     @staticmethod
     def from_wire(obj: object) -> Grant:
         """Raises GrantInvalidError when ``obj`` is not a well-formed grant."""
-        if not isinstance(obj, list | tuple) or len(obj) != 7:
-            raise GrantInvalidError("grant must be a 7-item list")
-        op, key, segment, offset, size, expires_ms, sig = obj
+        if not isinstance(obj, list | tuple) or not 7 <= len(obj) <= 8:
+            raise GrantInvalidError(
+                "grant must be a 7-item list (8 for a blank grant used for a key)"
+            )
+        blank = len(obj) == 8
+        if blank and (obj[7] is not True or obj[0] != OP_WRITE or not obj[1]):
+            raise GrantInvalidError("a blank grant is a write grant used for a key")
+        op, key, segment, offset, size, expires_ms, sig = obj[:7]
         # NOTE: ``type(x) is int`` (not isinstance) also refuses bools, in one cheap test: this
         # runs once per item of every data-plane request.
         if (
@@ -112,7 +146,7 @@ class Grant:
             or size < 0
         ):
             raise GrantInvalidError("malformed grant")
-        return Grant(op, key, segment, offset, size, expires_ms, sig)
+        return Grant(op, key, segment, offset, size, expires_ms, sig, blank=blank)
 
 
 @functools.lru_cache(maxsize=64)
@@ -159,8 +193,9 @@ def verify(secret: bytes, grant: Grant, op: str, now_ms: int) -> None:
     Raises:
         GrantInvalidError: forged, for another operation, or expired.
     """
+    key = BLANK_KEY if grant.blank else grant.key
     expected = _digest(
-        secret, grant.op, grant.key, grant.segment, grant.offset, grant.size, grant.expires_ms
+        secret, grant.op, key, grant.segment, grant.offset, grant.size, grant.expires_ms
     )
     if not hmac.compare_digest(expected, grant.signature):
         raise GrantInvalidError("grant signature does not verify")
@@ -215,6 +250,8 @@ class VerifiedGrants:
                 _check_use(grant, op, now_ms)
                 return grant
         grant = Grant.from_wire(grant_wire)
+        if not grant.key:  # (a blank grant as the master hands it out: see Grant.for_key)
+            raise GrantInvalidError("a blank grant writes only with the key it is used for")
         verify(self.secret, grant, op, now_ms)
         if not remember:
             return grant

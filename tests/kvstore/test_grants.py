@@ -306,3 +306,50 @@ def test_the_batcher_gives_each_batch_to_its_first_reference_in_the_answer() -> 
     assert [len(r) for r in answer] == [3, 3, 2, 2]  # the batch rides with its first in the answer
     reader = grants.GrantReader(grants.open_batch_unverified, check=True)
     assert [reader.resolve(r).key for r in answer] == [b"a", b"b", b"c", b"d"]  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------- blank grants
+def _blank(expires_ms: int = 1000) -> grants.Grant:
+    return grants.sign(SECRET, grants.OP_WRITE, grants.BLANK_KEY, "dram", 64, 100, expires_ms)
+
+
+def test_a_blank_grant_writes_its_range_under_the_key_its_writer_names() -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    for key in (b"a", b"another key"):
+        wire = _blank().for_key(key).to_wire()
+        assert len(wire) == 8 and wire[1] == key and wire[7] is True
+        grant = memo.check(wire, grants.OP_WRITE, 0, remember=False)
+        assert (grant.key, grant.offset, grant.size, grant.blank) == (key, 64, 100, True)
+        with pytest.raises(OutOfRangeError):
+            grants.check_range(grant, 50, 51)
+        assert grants.Grant.from_wire(wire) == grant
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        # a blank grant as the master hands it out: it writes only under a key
+        _blank().to_wire(),
+        # a grant signed for its key does not verify as a blank
+        grants.sign(SECRET, grants.OP_WRITE, b"k", "dram", 64, 100, 1000).to_wire() + [True],
+        # the eighth item is True and nothing else; a blank's key is not empty; it writes
+        [*_blank().for_key(b"k").to_wire()[:7], 1],
+        [*_blank().to_wire(), True],
+        [grants.OP_READ, *_blank().for_key(b"k").to_wire()[1:]],
+        # tampered: another range, another expiry
+        [*_blank().for_key(b"k").to_wire()[:3], 0, *_blank().for_key(b"k").to_wire()[4:]],
+        [*_blank().for_key(b"k").to_wire()[:5], 2000, *_blank().for_key(b"k").to_wire()[6:]],
+    ],
+)
+def test_a_blank_grant_verifies_only_as_the_master_signed_it(wire: list[object]) -> None:
+    with pytest.raises(GrantInvalidError):
+        grants.VerifiedGrants(SECRET).check(wire, grants.OP_WRITE, 0, remember=False)
+
+
+def test_a_blank_grant_expires_and_is_refused_for_reads() -> None:
+    memo = grants.VerifiedGrants(SECRET)
+    wire = _blank(expires_ms=1000).for_key(b"k").to_wire()
+    with pytest.raises(GrantInvalidError, match="expired"):
+        memo.check(wire, grants.OP_WRITE, 1001, remember=False)
+    with pytest.raises(GrantInvalidError):
+        memo.check(wire, grants.OP_READ, 0)
