@@ -6,6 +6,16 @@ Life of a put::
                      └──put_revoke / timeout / node death──► gone (space freed)
 
 A key has at most one PENDING put at a time (a second ``put_start`` gets ``ObjectBusyError``).
+
+A **blank** is a put started before its key is known (``put_blanks``: room for one object of a
+given size on a given node, with a write grant signed for no key, :data:`grants.BLANK_KEY`). A
+client keeps a few per node and size it writes often, writes an object into one with its key
+(the node records the key written), and names the key in ``put_end``: so a small put costs it
+two round trips, the write and the commit, instead of three. Until then a blank is a pending put
+like any other (its key the empty one, which is in no ``pending_by_key``): its space is neither
+evicted nor reused, it is reclaimed when its writer does not commit it in time, and it is lost
+with its node or its master's term. Only the operator's connections take blanks (a tenant's
+puts are placed apart, against its quotas).
 A ``put_end`` over a committed key replaces it: the new bytes become visible atomically and the
 old replicas' space is freed (last committed writer wins). Readers of the old version that are
 still in flight either finish before the space is reused or fail the checksum: never wrong bytes.
@@ -70,6 +80,9 @@ Place = Callable[..., tuple[list[tuple[Segment, Node]], int]]
 #: *fields of each replica)``, one flat tuple (see the module docstring for why): replica ``i``'s
 #: fields start at ``_REPLICAS + i * _REPLICA_FIELDS``.
 PendingRecord = tuple[Any, ...]
+#: The most blanks one ``put_blanks`` starts on a node, and the most nodes it names.
+MAX_BLANKS = 64
+MAX_BLANK_NODES = 1024
 _REPLICAS = 4
 _REPLICA_FIELDS = len(Replica._fields)
 
@@ -284,15 +297,68 @@ class Puts:
                 [put_id, locations] if batcher is not None else PutTicket(put_id, locations)
             )
 
-    def end(self, put_ids: Sequence[int], checksums: Sequence[int]) -> list[KVStoreError | None]:
-        """Commit puts: each object becomes visible now, replacing any earlier version."""
+    def blanks(self, size: int, wanted: Sequence[tuple[str, int]], place: Place) -> list[list[Any]]:
+        """Start blanks (see the module docstring): up to ``count`` objects of ``size`` bytes on
+        each ``(node_id, count)`` of ``wanted``, one replica each, placed on that node when its
+        fastest tier has room (elsewhere otherwise, as a put of a key at home there would be).
+
+        Returns:
+            ``[put_id, location]`` per blank started (a location's wire form, its grant one
+            for :data:`grants.BLANK_KEY`); fewer than asked where there was no room.
+
+        Raises:
+            InvalidRequestError: a size outside ``1..max_object_bytes`` or a count outside
+                ``1..MAX_BLANKS``.
+        """
+        if type(size) is not int or not 0 < size <= self.config.max_object_bytes:
+            raise InvalidRequestError(
+                f"a blank's size must be an integer in 1..{self.config.max_object_bytes}"
+            )
+        if len(wanted) > MAX_BLANK_NODES or not all(
+            type(n) is int and 0 < n <= MAX_BLANKS for _, n in wanted
+        ):
+            raise InvalidRequestError(f"blanks are asked for {MAX_BLANKS} at most a node")
+        base = self.space.claim_base()
+        deadline = self.clock() + self.config.put_timeout_s
+        out: list[list[Any]] = []
+        key, op, location = grants.BLANK_KEY, grants.OP_WRITE, self.membership.location_wire
+        for node_id, count in wanted:
+            done = 0
+            while done < count:
+                try:
+                    picks, k = place(size, 1, count - done, home=node_id)
+                except KVStoreError:
+                    break  # (no room: fewer blanks, and the client puts the usual way)
+                (segment, node), expires = picks[0], picks[0][0].claim_stamp(base)
+                for offset in segment.allocator.allocate_many(size, k):
+                    r = Replica(node.node_id, segment.name, offset, size, expires, segment.tier)
+                    put_id = next(self._put_ids)
+                    self.pending[put_id] = (key, size, deadline, 1, *r)
+                    out.append([put_id, location(r, key, op, expires)])
+                done += k
+        return out
+
+    def end(
+        self,
+        put_ids: Sequence[int],
+        checksums: Sequence[int],
+        keys: Sequence[bytes | KVStoreError | None] | None = None,
+    ) -> list[KVStoreError | None]:
+        """Commit puts: each object becomes visible now, replacing any earlier version.
+
+        Args:
+            keys: per put, the key a blank is committed under (None for a put started with its
+                key; an error: a malformed key, answered as it is). A blank refused here (no
+                key, a key a blank may not hold, a key with a put in flight) stays pending,
+                for its writer to revoke.
+        """
         self.config.check_batch(put_ids)
-        if len(checksums) != len(put_ids):
-            raise InvalidRequestError("put_ids and checksums differ in length")
+        if len(checksums) != len(put_ids) or (keys is not None and len(keys) != len(put_ids)):
+            raise InvalidRequestError("put_ids, checksums and keys differ in length")
         results: list[KVStoreError | None] = []
         space, objects, pending = self.space, self.objects, self.pending
         now = self.clock()  # (once per batch: its objects are committed together)
-        for put_id, checksum in zip(put_ids, checksums, strict=True):
+        for i, (put_id, checksum) in enumerate(zip(put_ids, checksums, strict=True)):
             record = pending.get(put_id) if isinstance(put_id, int) else None
             if record is None:
                 results.append(
@@ -302,9 +368,18 @@ class Puts:
             if not isinstance(checksum, int) or not 0 <= checksum < 1 << 64:
                 results.append(InvalidRequestError("checksum must be an unsigned 64-bit integer"))
                 continue
+            named = keys[i] if keys is not None else None
+            blank = not record[0]
+            if named is not None or blank:
+                try:
+                    record = self._name_blank(put_id, record, named)
+                except KVStoreError as err:
+                    results.append(err)
+                    continue
             del pending[put_id]
             key, size, _, replicas_wanted = record[:_REPLICAS]
-            del self.pending_by_key[key]
+            if not blank:
+                del self.pending_by_key[key]
             replicas = _replicas_of(record)
             if key < TENANT_END:  # a tenant's put: its bytes count as committed from here
                 self.space.quotas.unpend(key, [r.tier for r in replicas], size)
@@ -320,6 +395,28 @@ class Puts:
                 space.attach(key, r)
             results.append(None)
         return results
+
+    def _name_blank(
+        self, put_id: int, record: PendingRecord, key: bytes | KVStoreError | None
+    ) -> PendingRecord:
+        """The record of blank ``put_id`` under ``key``, about to be committed.
+
+        Raises:
+            InvalidRequestError: the put is no blank, no key was given, or the key is one a
+                blank may not hold (a KV-cache layer's, a tenant's).
+            ObjectBusyError: another put of the key is in flight.
+        """
+        if isinstance(key, KVStoreError):
+            raise key
+        if record[0]:
+            raise InvalidRequestError(f"put {put_id} was started with its key: name none")
+        if key is None:
+            raise InvalidRequestError(f"put {put_id} is a blank: commit it with its key")
+        if is_kv_key(key) or key < TENANT_END:
+            raise InvalidRequestError("a blank holds a plain key of the operator's")
+        if key in self.pending_by_key:
+            raise ObjectBusyError("another put of this key is in flight")
+        return (key, *record[1:])
 
     def revoke(self, put_ids: Sequence[int]) -> list[KVStoreError | None]:
         """Abandon puts: their space is freed and nothing becomes visible."""
@@ -352,6 +449,9 @@ class Puts:
     def _discard(self, put_id: int, record: PendingRecord) -> None:
         del self.pending[put_id]
         key = record[0]
+        if not key:  # a blank (see the module docstring)
+            self.space.release_all(_replicas_of(record))
+            return
         del self.pending_by_key[key]
         replicas = _replicas_of(record)
         if key < TENANT_END:

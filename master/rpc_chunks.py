@@ -57,6 +57,10 @@ def chunk_count(svc: MasterService, request: protocol.Request, chunk_items: int)
     fields = CHUNKED.get(request.verb)
     if fields is None:
         return 0
+    if request.verb in ("put_end", "kv_commit") and (
+        "keys" in request.args or "blanks" in request.args
+    ):
+        return 0  # (a put_end that names blanks or asks for them is short: rpc_verbs.put_end)
     lists = [request.args.get(f) for f in fields]
     if not all(isinstance(v, list) for v in lists):
         return 0  # the handler refuses it, as before

@@ -11,7 +11,9 @@ per request).
   ``report_corrupt``) are mapped in place and served by the usual handlers (chunks included).
   The grants they answer with name the stored key: a node checks it is the connection's.
 * Put ids (``put_end``, ``put_revoke``, ``kv_commit``) of another tenant's puts are answered as
-  unknown ids.
+  unknown ids; so are blanks (``put_blanks``, the operator's alone: a tenant's puts are placed
+  against its quotas), and a ``put_end`` that asks for blanks is answered ``FORBIDDEN``
+  in their place.
 * Answers that name keys or namespaces (``list_keys``, ``kv_match``, ``kv_commit``, ``events``,
   ``events_snapshot``, ``stats``) are built here: a tenant's prompts live in trees of their own
   (``prefix.py``), and its events and snapshot show only those, under its namespaces' digests.
@@ -91,6 +93,9 @@ def scope_request(svc: MasterService, request: protocol.Request, tenant: str) ->
     if verb == "node_transports":
         return _node_transports
     if verb in ("put_end", "put_revoke", "kv_commit"):
+        if "blanks" in args:  # (a tenant's puts are placed against its quotas: no blanks)
+            # Answered in the blanks' place; the commit itself is served.
+            args["blanks"] = ForbiddenError("blanks are for the operator's connections only")
         _own_puts(svc, args, tenant)
         return _kv_commit if verb == "kv_commit" else None
     if verb == "report_corrupt":

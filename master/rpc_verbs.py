@@ -17,6 +17,7 @@ from kvstore import protocol
 from kvstore.errors import InvalidRequestError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_from_wire
+from kvstore.limits import check_wire_key
 from kvstore.master.leases import check_lease_tokens
 from kvstore.master.rpc_args import (
     arg,
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: Most keys one ``list_keys`` answer carries (the client asks for the next page after it).
 LIST_KEYS_MAX = 10_000
+
+#: The most puts one ``put_end`` commits when it names blanks' keys or asks for blanks.
+MAX_NAMED_PUTS = 1024
 
 #: A handler's signature: the service of the current term and the request's arguments.
 Handler = Callable[[MasterService, dict[str, Any]], Any]
@@ -127,8 +131,54 @@ def _put_start(svc: MasterService, args: dict[str, Any]) -> Any:
 
 
 def put_end(svc: MasterService, args: dict[str, Any]) -> Any:
-    results = svc.put_end(list_arg(args, "put_ids", int), list_arg(args, "checksums", int))
-    return [result_to_wire(r) for r in results]
+    put_ids = list_arg(args, "put_ids", int)
+    keys = None
+    if "keys" in args or "blanks" in args:
+        # Served in one go (rpc_chunks), so it is short: a client names a few blanks at once.
+        if len(put_ids) > MAX_NAMED_PUTS:
+            raise InvalidRequestError(
+                f"a put_end that names keys or asks for blanks commits {MAX_NAMED_PUTS} at most"
+            )
+        keys = _blank_keys(args) if "keys" in args else None
+    results = svc.put_end(put_ids, list_arg(args, "checksums", int), keys)
+    answer = [result_to_wire(r) for r in results]
+    if "blanks" not in args:
+        return answer
+    # Blanks asked for with the commit (the client's next puts: kvstore.client.puts), started
+    # after it, so a commit never waits for them and a bad ask refuses only itself.
+    try:
+        blanks = _put_blanks(svc, args["blanks"])
+    except KVStoreError as err:
+        blanks = result_to_wire(err)
+    return {"results": answer, "blanks": blanks}
+
+
+def _blank_keys(args: dict[str, Any]) -> list[bytes | KVStoreError | None]:
+    """``put_end``'s ``keys``: per put, None or the key its blank is committed under (a
+    malformed key becomes its error, answered for that put alone)."""
+    out: list[bytes | KVStoreError | None] = []
+    for k in list_arg(args, "keys"):
+        try:
+            out.append(None if k is None else check_wire_key(k))
+        except KVStoreError as err:
+            out.append(err)
+    return out
+
+
+def _put_blanks(svc: MasterService, args: Any) -> Any:
+    """``put_blanks`` ``{"size": n, "count": c}`` (c on each node that takes new data) or
+    ``{"size": n, "nodes": [[node_id, c], ...]}`` → ``[[put_id, location], ...]``."""
+    if isinstance(args, KVStoreError):  # (the tenant edge refused them: rpc_tenants)
+        raise args
+    if not isinstance(args, dict):
+        raise InvalidRequestError("blanks are asked for as {size, count | nodes}")
+    size = arg(args, "size", int)
+    if "nodes" in args:
+        nodes = list_arg(args, "nodes", list)
+        if not all(len(n) == 2 and type(n[0]) is str for n in nodes):
+            raise InvalidRequestError("blanks' nodes are [[node_id, count], ...]")
+        return svc.put_blanks(size, [(n[0], n[1]) for n in nodes], site_arg(args, "at"))
+    return svc.put_blanks(size, arg(args, "count", int), site_arg(args, "at"))
 
 
 def _put_revoke(svc: MasterService, args: dict[str, Any]) -> Any:
@@ -268,6 +318,7 @@ HANDLERS: dict[str, Handler] = {
     "heartbeat": _heartbeat,
     "put_start": _put_start,
     "put_end": put_end,
+    "put_blanks": _put_blanks,
     "put_revoke": _put_revoke,
     "get_locations": _get_locations,
     "release_leases": _release_leases,

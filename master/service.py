@@ -51,6 +51,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -149,7 +150,10 @@ class MasterService:
             tiers.lease_grace_s,
             quotas=self.quotas,
         )
-        first_put_id = (epoch << 32) + 1 if epoch else 1
+        # A fixed master (no epoch) starts its put ids at a random point: a put id from before
+        # a restart (a blank's above all, which a client holds for seconds) names no put of
+        # the new one, and its commit is refused as unknown.
+        first_put_id = (epoch << 32) + 1 if epoch else ((secrets.randbits(24) + 1) << 32) + 1
         self.puts = Puts(config, self.membership, self.objects, self.space, clock, first_put_id)
         self.tasks = TaskBook()
         self.tiering = TierManager(
@@ -408,10 +412,31 @@ class MasterService:
         return self.puts.start(keys, sizes, place, replicas, kv_blocks, batcher)
 
     def put_end(
-        self, put_ids: Sequence[int], checksums: Sequence[int]
+        self,
+        put_ids: Sequence[int],
+        checksums: Sequence[int],
+        keys: Sequence[bytes | KVStoreError | None] | None = None,
     ) -> list[KVStoreError | None]:
-        """Commit puts: each object becomes visible now, replacing any earlier version."""
-        return self.puts.end(put_ids, checksums)
+        """Commit puts: each object becomes visible now, replacing any earlier version
+        (``keys``: the key each blank is committed under, see ``Puts.end``)."""
+        return self.puts.end(put_ids, checksums, keys)
+
+    def put_blanks(
+        self, size: int, wanted: Sequence[tuple[str, int]] | int, at: Site | None = None
+    ) -> list[list[Any]]:
+        """Start blanks of ``size`` bytes (see ``Puts.blanks``): ``(node_id, count)`` each, or
+        as many on each node that takes new data.
+
+        Raises:
+            InvalidRequestError: a size or count out of range.
+        """
+        if isinstance(wanted, int):
+            wanted = [
+                (n.node_id, wanted)
+                for n in self.membership.nodes.values()
+                if not n.draining and not n.retired
+            ]
+        return self.puts.blanks(size, wanted, self.tiering.placer(set(), at))
 
     def put_revoke(self, put_ids: Sequence[int]) -> list[KVStoreError | None]:
         """Abandon puts: their space is freed and nothing becomes visible."""

@@ -41,12 +41,13 @@ class Rig:
     puts: Puts
 
     def place(
-        self, size: int, num_replicas: int, count: int = 1
+        self, size: int, num_replicas: int, count: int = 1, home: str | None = None
     ) -> tuple[list[tuple[Segment, Node]], int]:
-        """The first nodes whose DRAM segment has room, for as many objects as all their
-        largest free extents hold."""
+        """The first nodes whose DRAM segment has room (``home`` first), for as many objects
+        as all their largest free extents hold."""
         picks = []
-        for node in self.members.nodes.values():
+        nodes = sorted(self.members.nodes.values(), key=lambda n: n.node_id != home)
+        for node in nodes:
             seg = node.segments["dram"]
             if seg.allocator.largest_free >= seg.allocator.reserved_size(size):
                 picks.append((seg, node))
@@ -239,3 +240,90 @@ def test_a_maximum_size_batch_of_pending_puts_costs_the_collector_nothing_per_ke
     assert not rig.puts.pending and len(rig.objects) == n
     if num_replicas == 1:  # (an object of several replicas is a record: see table.py)
         assert _num_tracked() - before < n // 20, "tracked objects kept per committed object"
+
+
+# ---------------------------------------------------------------- blanks: puts started ahead
+def test_blanks_lie_on_the_nodes_asked_and_commit_under_the_key_named(rig: Rig) -> None:
+    started = rig.puts.blanks(100, [("n2", 2), ("n1", 1)], rig.place)
+    assert [loc[0] for _, loc in started] == ["n2", "n2", "n1"]
+    assert rig.dram("n2").allocator.used_bytes == 256 and rig.dram("n1").allocator.used_bytes == 128
+    (put_id, loc), *_ = started
+    grant = grants.Grant.from_wire(loc[3])
+    assert grant.key == grants.BLANK_KEY and grant.op == grants.OP_WRITE and grant.size == 100
+    # The writer uses the grant for its key: it verifies over the blank, and for no other range.
+    grants.verify(SECRETS["n2"], grant.for_key(b"mine"), grants.OP_WRITE, rig.clock.wall_ms())
+    assert not rig.puts.pending_by_key, "a blank has no key until it is committed"
+    assert rig.puts.end([put_id], [7], [b"mine"]) == [None]
+    obj = rig.objects[b"mine"]
+    assert (obj.size, obj.checksum, obj.replicas[0].node_id) == (100, 7, "n2")
+    assert rig.dram("n2").holding == {obj.replicas[0].offset: b"mine"}
+    assert len(rig.puts.pending) == 2 and not rig.puts.pending_by_key
+
+
+def test_a_blank_replaces_a_committed_version_like_any_put(rig: Rig) -> None:
+    rig.puts.end([rig.start(b"k", 100).put_id], [1])
+    ((put_id, _),) = rig.puts.blanks(100, [("n2", 1)], rig.place)
+    assert rig.puts.end([put_id], [2], [b"k"]) == [None]
+    assert rig.objects[b"k"].checksum == 2
+    assert rig.dram("n1").allocator.used_bytes + rig.dram("n2").allocator.used_bytes == 128
+
+
+@pytest.mark.parametrize(
+    ("key", "error"),
+    [
+        (None, InvalidRequestError),  # a blank is committed with its key
+        (KV_KEY, InvalidRequestError),  # KV blocks go through KVCache's own puts
+        (b"\x00tenant/k", InvalidRequestError),  # a tenant's keys are placed against its quotas
+        (InvalidRequestError("key must not be empty"), InvalidRequestError),
+        (b"busy", ObjectBusyError),  # another put of the key is in flight
+    ],
+)
+def test_a_blank_refused_at_its_commit_stays_pending_for_its_writer(
+    rig: Rig, key: object, error: type
+) -> None:
+    rig.start(b"busy")
+    ((put_id, _),) = rig.puts.blanks(100, [("n1", 1)], rig.place)
+    (err,) = rig.puts.end([put_id], [1], [key])  # type: ignore[list-item]
+    assert isinstance(err, error)
+    assert put_id in rig.puts.pending and set(rig.objects.keys()) == set()
+    assert rig.puts.revoke([put_id]) == [None]
+    assert rig.dram("n1").allocator.used_bytes == 128, "only the busy key's put holds room"
+
+
+def test_a_key_named_for_a_put_started_with_its_key_is_refused(rig: Rig) -> None:
+    ticket = rig.start(b"k", 100)
+    (err,) = rig.puts.end([ticket.put_id], [1], [b"other"])
+    assert isinstance(err, InvalidRequestError) and ticket.put_id in rig.puts.pending
+    assert rig.puts.end([ticket.put_id], [1], [None]) == [None]
+    assert b"k" in rig.objects
+
+
+@pytest.mark.parametrize(
+    ("size", "wanted"),
+    [(0, [("n1", 1)]), (1 << 62, [("n1", 1)]), (True, [("n1", 1)]), (10, [("n1", 65)])],
+)
+def test_bad_asks_for_blanks_are_refused_and_start_nothing(
+    rig: Rig, size: object, wanted: list[tuple[str, int]]
+) -> None:
+    with pytest.raises(InvalidRequestError):
+        rig.puts.blanks(size, wanted, rig.place)  # type: ignore[arg-type]
+    assert not rig.puts.pending
+
+
+def test_blanks_are_as_many_as_there_is_room_for_and_go_back_in_time(rig: Rig) -> None:
+    started = rig.puts.blanks(1000, [("n1", 64)], rig.place)
+    assert len(started) == 8  # (two 4 KiB segments: four 1 KiB extents each)
+    assert rig.puts.blanks(1000, [("n1", 1)], rig.place) == []
+    rig.clock.now += 10
+    assert rig.puts.reclaim_expired() == 8
+    assert all(rig.dram(n).allocator.used_bytes == 0 for n in SECRETS)
+    assert isinstance(rig.puts.end([started[0][0]], [1], [b"late"])[0], PutNotFoundError)
+
+
+def test_blanks_on_a_node_that_died_are_discarded_with_its_puts(rig: Rig) -> None:
+    rig.puts.blanks(100, [("n1", 2), ("n2", 1)], rig.place)
+    on_n1 = rig.puts.on_node("n1")
+    assert len(on_n1) == 2 and {p.key for p in on_n1} == {grants.BLANK_KEY}
+    for put in on_n1:
+        rig.puts.discard(put)
+    assert rig.dram("n1").allocator.used_bytes == 0 and len(rig.puts.pending) == 1

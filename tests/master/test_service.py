@@ -344,3 +344,18 @@ def test_keys_go_to_their_home_node_while_it_has_room_and_elsewhere_after(
     where = [t.locations[0].node_id for t in more]  # type: ignore[union-attr]
     assert where[0] == "n1" and "n2" in where, where
     assert all(isinstance(t, PutTicket) for t in more)
+
+
+def test_a_restarted_fixed_master_knows_no_put_id_of_its_last_run(clock: FakeClock) -> None:
+    """A fixed master has no epoch to pin a put's commit to: its put ids start at a random
+    point, so a blank (or any put) a client started before a restart commits nothing after."""
+    runs = []
+    for _ in range(2):
+        s = MasterService(MasterConfig(), clock, clock.wall_ms)
+        s.register("n1", "127.0.0.1", 9001, b"a" * 32, [SegmentSpec("dram", "dram", 1 << 20)])
+        runs.append((s, s.put_blanks(100, 3)))
+    (old, old_blanks), (new, new_blanks) = runs
+    assert {p for p, _ in old_blanks}.isdisjoint(p for p, _ in new_blanks)
+    results = new.put_end([p for p, _ in old_blanks], [1, 1, 1], [b"a", b"b", b"c"])
+    assert all(isinstance(r, PutNotFoundError) for r in results)
+    assert len(new.pending) == 3 and not new.objects
