@@ -32,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import auth, grants, protocol, serving
@@ -217,16 +217,20 @@ class DataServer:
         return self.tier_of(segment).read(offset, size)
 
     def store_objects(
-        self, segment: str, items: list[tuple[StoredObject, memoryview]]
+        self,
+        segment: str,
+        items: list[tuple[StoredObject, memoryview]],
+        blank: Sequence[bool] = (),
     ) -> list[KVStoreError | None]:
-        """Store whole objects into one segment and record them in the manifest."""
+        """Store whole objects into one segment and record them in the manifest (``blank``:
+        per object, written into a blank: see ``Manifest.record_many``)."""
         tier = self.tiers.get(segment)
         if tier is None:
             return [GrantInvalidError(f"no segment {segment!r} on this node")] * len(items)
         results = tier.write(items)
-        self.manifest.record_many(
-            obj for (obj, _), err in zip(items, results, strict=True) if err is None
-        )
+        flags = blank or [False] * len(items)
+        ok = [i for i, err in enumerate(results) if err is None]
+        self.manifest.record_many([items[i][0] for i in ok], [flags[i] for i in ok])
         return results
 
     def tier_of(self, segment: str) -> Tier:
