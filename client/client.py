@@ -41,6 +41,7 @@ import numpy as np
 from kvstore import auth
 from kvstore.address import Address
 from kvstore.client import endpoints
+from kvstore.client.blanks import Blanks
 from kvstore.client.buffers import Segments, as_bytes_view
 from kvstore.client.control import ControlChannel, open_channel
 from kvstore.client.datapath import DataPath
@@ -118,6 +119,7 @@ class Client:
         lease_reads: see :meth:`connect`.
         site: where this client runs (see :meth:`connect`); None: nowhere in particular (no
             placement or read order for it).
+        blanks: see :meth:`connect`.
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class Client:
         shm: bool = True,
         lease_reads: bool = False,
         site: Site | None = None,
+        blanks: bool = True,
     ) -> None:
         self.timeout = timeout
         self.site = site
@@ -150,6 +153,9 @@ class Client:
         self._reads = ReadPipeline(control, self._data, self._cache, self._returns)
         self._puts = Putter(control, self._data, self._cache)
         self._puts.changed = self._reads.changed
+        if blanks:
+            self._puts.blanks = Blanks(self._master_clock)
+            self._puts.home = self._reads.home_of
         # This client's site travels with the calls whose answer depends on it.
         self._site_args = {"at": site.to_wire()} if site is not None else {}
         self._reads.site_args = self._puts.site_args = self._site_args
@@ -165,6 +171,7 @@ class Client:
         token: str | bytes | auth.Token | None = None,
         shm: bool = True,
         lease_reads: bool = False,
+        blanks: bool = True,
         host_id: str | None = None,
         rack: str | None = None,
         zone: str | None = None,
@@ -187,6 +194,11 @@ class Client:
                 entry ends (see :mod:`kvstore.client.locations`); without lease reads every
                 read gives its leases back as soon as it is done
                 (:mod:`kvstore.client.releases`).
+            blanks: have the master start a few puts ahead, per node, for the sizes this
+                client puts one key at a time (up to 256 KiB): such a put then writes its
+                bytes with its key and commits, two round trips instead of three (see
+                :mod:`kvstore.client.blanks`). The room they hold (4 or so a node for each of
+                4 sizes) is given back at :meth:`close`.
             host_id, rack, zone: where this client runs (:mod:`kvstore.topology`); each None
                 reads ``$KVSTORE_HOST_ID`` / ``$KVSTORE_RACK`` / ``$KVSTORE_ZONE``, else the
                 hostname (host) or the default rack and zone. The master places this client's
@@ -212,6 +224,7 @@ class Client:
             shm=shm,
             lease_reads=lease_reads,
             site=Site.declared(host_id, rack, zone),
+            blanks=blanks,
         )
         try:
             try:
@@ -250,6 +263,8 @@ class Client:
         return self._control.timeout
 
     def close(self) -> None:
+        if self._finalizer.alive:
+            self._puts.close()  # (blanks: given back while the channel is open)
         self._finalizer()
 
     def __enter__(self) -> Client:

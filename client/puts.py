@@ -14,6 +14,11 @@ A plain batch of more than ``PUT_CHUNK`` keys runs these steps a chunk at a time
 busy at once: the master allocates the next chunk, and commits the one before last, while the
 nodes take this one and the client sends it and takes the acknowledgements of the one before.
 
+A single small put whose size this client put before skips step 1: it writes into a blank, a
+put the master started ahead (:mod:`kvstore.client.blanks`), and names its key in ``put_end``;
+each commit asks for the blanks that run low, in the same call. A put that finds no blank, or
+whose blank was lost (its node failed the write, the master took it back), goes the usual way.
+
 A write that failed because its node died is tried once more, elsewhere (the dead nodes are
 excluded from the second ``put_start``). The location cache forgets every key of the batch
 before the first write and after the commit (see :meth:`Putter.run`).
@@ -21,6 +26,7 @@ before the first write and after the commit (see :meth:`Putter.run`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,17 +34,24 @@ from typing import Any
 import numpy as np
 
 from kvstore import grants
+from kvstore.client.blanks import Blank, Blanks
 from kvstore.client.buffers import Segments
 from kvstore.client.control import ControlChannel
 from kvstore.client.datapath import DataPath
 from kvstore.client.locations import LocationCache
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.transport import InFlight, WriteItem, checksum
-from kvstore.errors import KVStoreError, NodeUnavailableError, NoSpaceError
+from kvstore.errors import (
+    KVStoreError,
+    NodeUnavailableError,
+    NoSpaceError,
+    PutNotFoundError,
+    StaleEpochError,
+)
 from kvstore.gc_policy import PausedCollector
 from kvstore.keys import Namespace
 from kvstore.kvblocks import tokens_to_wire
-from kvstore.types import PutTicket, result_from_wire
+from kvstore.types import Location, PutTicket, result_from_wire
 
 #: put_start rounds per batch: the second retries, elsewhere, keys whose node died.
 MAX_ROUNDS = 2
@@ -100,6 +113,11 @@ class PutBatch:
         self.results = [None] * len(self.keys)
 
 
+def _plain(batch: PutBatch) -> bool:
+    """Whether ``batch`` may use blanks: one copy of each object, no prompt to index."""
+    return batch.replicas == 1 and batch.prompt is None
+
+
 @dataclass(slots=True)
 class _Writes:
     """A chunk's writes sent (:meth:`Putter._write_begin`): the tickets they write, in order,
@@ -130,6 +148,12 @@ class Putter:
         #: Told the keys about to be committed and where each one's first replica is
         #: (``ReadPipeline.changed``: keys away from home are held from one-hop reads).
         self.changed: Callable[[list[bytes], list[str | None]], None] | None = None
+        #: This client's blanks (None: every put starts at the master).
+        self.blanks: Blanks | None = None
+        #: A key's home node as one-hop reads see it (None: not known; the blanks' own view).
+        self.home: Callable[[bytes], str | None] = lambda key: None
+        #: Puts committed through a blank (a counter for tests and benches; racy under threads).
+        self.num_into_blanks = 0
 
     def run(self, batch: PutBatch) -> None:
         """Store the batch; sets ``batch.results``."""
@@ -139,6 +163,8 @@ class Putter:
         todo = list(range(len(batch.keys)))
         with PausedCollector():
             try:
+                if self.blanks is not None and len(todo) == 1 and _plain(batch):
+                    todo = self._into_blank(batch, self.blanks)
                 for round_ in range(MAX_ROUNDS):
                     if not todo:
                         break
@@ -150,6 +176,88 @@ class Putter:
                             batch.results[j] = err
             finally:
                 self._cache.forget(batch.keys)
+
+    def _into_blank(self, batch: PutBatch, blanks: Blanks) -> list[int]:
+        """Put the batch's one key into a blank, if there is one for it: write, then commit
+        naming the key (see the module docstring).
+
+        Returns:
+            ``[0]``: put it the usual way (no blank, or the blank was lost); ``[]``: done (its
+            result is set).
+        """
+        key, view = batch.keys[0], batch.views[0]
+        blank = blanks.take(len(view), key, self.home(key))
+        if blank is None:
+            return [0]
+        if not batch.sums:
+            batch.sums.append(_seal(view))
+        loc = blank.location
+        node = loc.node_id
+        item = WriteItem(
+            Location(node, loc.host, loc.port, loc.grant.for_key(key)), view, batch.sums[0]
+        )
+        self._data.refresh_offers({node})
+        self._data.write_end(self._data.write_begin([item]))
+        if item.result is not None:
+            self._give_back([blank])
+            if isinstance(item.result, NodeUnavailableError):
+                blanks.forget_node(node)
+                batch.excluded.append(node)
+            return [0]
+        if self.changed is not None:
+            self.changed([key], [node])
+        args: dict[str, Any] = {
+            "put_ids": [blank.put_id],
+            "checksums": batch.sums,
+            "keys": [key],
+        }
+        asked = blanks.wanted(len(view))
+        if asked is not None:
+            args["blanks"] = asked
+        try:
+            reply = self._control.call("put_end", args, pin_epoch=blank.epoch)
+        except StaleEpochError:
+            blanks.take_all()  # (another leader: none of them is pending there)
+            return [0]
+        err, _ = result_from_wire((reply["results"] if asked is not None else reply)[0])
+        if isinstance(err, PutNotFoundError):
+            # The master took the blank back (it timed out, or the master restarted): so it
+            # did, or will, the others held from before.
+            blanks.take_all()
+        if asked is not None:
+            self._add_blanks(blanks, len(view), asked, reply["blanks"], blank.epoch)
+        if isinstance(err, PutNotFoundError):
+            return [0]
+        if err is not None:
+            self._give_back([blank])
+        else:
+            self.num_into_blanks += 1
+        batch.results[0] = err
+        return []
+
+    def _add_blanks(
+        self, blanks: Blanks, size: int, asked: dict[str, Any], answer: Any, epoch: int | None
+    ) -> None:
+        """Keep the blanks a commit brought, and give back those of a size no longer kept."""
+        blanks.add(size, asked, answer, epoch)
+        dropped = blanks.take_dropped()
+        if dropped:
+            self._give_back(dropped)
+
+    def _give_back(self, given: list[Blank]) -> None:
+        """Revoke blanks not committed (their space is the master's again at once); a master
+        that does not answer takes them back at its put timeout anyway."""
+        by_epoch: dict[int | None, list[int]] = {}
+        for b in given:
+            by_epoch.setdefault(b.epoch, []).append(b.put_id)
+        for epoch, ids in by_epoch.items():
+            with contextlib.suppress(KVStoreError):
+                self._control.call("put_revoke", {"put_ids": ids}, pin_epoch=epoch)
+
+    def close(self) -> None:
+        """Give back every blank held."""
+        if self.blanks is not None:
+            self._give_back(self.blanks.take_all())
 
     def _round(self, batch: PutBatch, todo: list[int]) -> list[int]:
         """One put_start, the writes, and the commit of keys ``todo`` (of a large plain batch:
@@ -335,12 +443,21 @@ class Putter:
             "put_ids": [t.put_id for _, t in commit],
             "checksums": [batch.sums[j] for j, _ in commit],
         }
+        # A single small put asks for blanks for its next ones of its size (see _into_blank).
+        asked = None
+        if self.blanks is not None and len(batch.keys) == 1 and len(commit) == 1 and _plain(batch):
+            asked = self.blanks.wanted(len(batch.views[0]))
+            if asked is not None:
+                args["blanks"] = asked
         # NOTE: pinned: a put id means nothing to another leader.
         if work is not None:
             assert batch.prompt is None, "a KV-cache put commits once"
             reply, _ = self._control.call_overlapped("put_end", args, work, pin_epoch=epoch)
         elif batch.prompt is None:
             reply = self._control.call("put_end", args, pin_epoch=epoch)
+            if asked is not None and self.blanks is not None:
+                self._add_blanks(self.blanks, len(batch.views[0]), asked, reply["blanks"], epoch)
+                reply = reply["results"]
         else:
             reply = self._control.call(
                 "kv_commit", {**args, **batch.prompt.to_wire()}, pin_epoch=epoch

@@ -270,6 +270,12 @@ class ReadPipeline:
                     lambda: self._control.call("live_nodes", {}), hold_s=self.lease_window
                 )
 
+    def home_of(self, key: bytes) -> str | None:
+        """``key``'s home node as one-hop reads see it; None: they are off."""
+        homes = self.homes
+        view = homes.current() if homes is not None else None
+        return view[0].home(key) if view is not None else None
+
     def changed(self, keys: list[bytes], landed: list[str | None] | None = None) -> None:
         """This client removed ``keys`` (``landed`` None) or put them, the first replica of
         each on node ``landed[i]``: a key not at its home is held from one-hop reads (see

@@ -202,3 +202,27 @@ def test_etcd_restart_under_load(ha_factory, tmp_path) -> None:  # noqa: F811
     assert bad == 0
     assert summary["gets_wrong"] == 0
     assert all(m.proc.poll() is None for m in cluster.masters + cluster.nodes)
+
+
+def test_blanks_of_a_dead_leader_cost_a_put_only_the_usual_way(ha_factory) -> None:  # noqa: F811
+    """A client holds blanks (puts started ahead, kvstore.client.blanks) of the leader it put
+    through; after a kill -9 of that leader none of them is pending anywhere: each put goes the
+    usual way through the new leader, and every acknowledged put reads back."""
+    cluster = ha_factory(num_masters=2, num_nodes=2, master_args=FAST)
+    old = cluster.leader()
+    acked: dict[str, bytes] = {}
+    with Client.connect(cluster.url, timeout=10) as c:
+        for i in range(12):
+            acked[f"b/{i}"] = os.urandom(4096)
+            c.put(f"b/{i}", acked[f"b/{i}"])
+        assert c._puts.num_into_blanks > 0 and c._puts.blanks.held()
+        old.kill()
+        cluster.leader(timeout=30)
+        wait_until(lambda: c.stats()["num_nodes"] == 2, timeout=30, what="the nodes to follow")
+        for i in range(12, 40):
+            acked[f"b/{i}"] = os.urandom(4096)
+            c.put(f"b/{i}", acked[f"b/{i}"])
+        for k, v in acked.items():
+            assert c.get(k) == v
+        # The new leader's own blanks are taken after its first puts.
+        assert c._puts.blanks.held() and c._control.num_failovers >= 1
