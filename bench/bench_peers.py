@@ -39,8 +39,10 @@ What it does, in one run:
    kvstore three times: over TCP with lease reads (``Client.connect(..., lease_reads=True)``, the
    setting for content-addressed KV blocks: a key is read from its home node in one hop without
    asking the master, and a key located within the master's read lease is reread from its node
-   directly; docs/data-plane.md), over TCP with every read asking the master
-   (``kvstore-strict``, as Mooncake does), through shared memory (with lease reads), and
+   directly; docs/data-plane.md; and single small puts through blanks, puts the master started
+   ahead: docs/architecture.md), over TCP with every read and every put starting at the master
+   (``kvstore-strict``, as Mooncake does: no lease reads, ``blanks=False``), through shared
+   memory (with lease reads and blanks), and
    through Mooncake's own Python API served by kvstore (``kvstore-mcapi``, "Mooncake API on
    kvstore": ``kvstore.client.compat.mooncake`` driven by the very same worker class, calls and
    keys as real Mooncake; its client's default transport, shared memory here; the ratio column

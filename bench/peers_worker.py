@@ -40,10 +40,10 @@ ROW_BUDGET = 64 << 20  # bytes moved per timed row (fewer iterations for large o
 
 
 class Kvstore:
-    def __init__(self, address: str, shm: bool, lease_reads: bool) -> None:
+    def __init__(self, address: str, shm: bool, strict: bool) -> None:
         from kvstore.client import Client
 
-        self.c = Client.connect(address, shm=shm, lease_reads=lease_reads)
+        self.c = Client.connect(address, shm=shm, lease_reads=not strict, blanks=not strict)
 
     def register(self, arr: np.ndarray) -> None:
         pass
@@ -612,11 +612,12 @@ def main() -> None:
         store: Any = Mooncake(args.address, args.metadata, compat=True)
     elif args.system.startswith("kvstore"):
         # kvstore and kvstore-shm: lease reads (the KV-cache setting: block keys are content
-        # hashes); kvstore-strict: every read asks the master, like Mooncake's.
+        # hashes) and blanks; kvstore-strict: every read and every put starts at the master,
+        # like Mooncake's.
         store = Kvstore(
             args.address,
             shm=args.system == "kvstore-shm",
-            lease_reads=args.system != "kvstore-strict",
+            strict=args.system == "kvstore-strict",
         )
     elif args.system == "mooncake":
         store = Mooncake(

@@ -7,8 +7,10 @@ Run:  .venv/bin/python bench/profile_master_verbs.py [--n 5000] [--top 15] [--ma
 Builds a :class:`~kvstore.master.service.MasterService` with two nodes in this process and
 serves decoded requests through :func:`kvstore.master.server.dispatch_now` (what the RPC edge
 calls for a small request, metrics observer included), distinct keys of 4 KiB: ``put_start`` then
-``put_end`` of each key, then ``get_locations`` and ``exists``. Prints µs per request of each
-verb (the median of 5 rounds), then, under cProfile, the functions with the most own time over
+``put_end`` of each key, then ``get_locations`` and ``exists``; then puts through blanks
+(``kvstore.client.blanks``): ``put_blanks`` of 8 a node (its cost per blank started) and the
+``put_end`` that commits a blank naming its key. Prints µs per request of each verb (the median
+of 5 rounds), then, under cProfile, the functions with the most own time over
 one more round of each. ``--markdown`` also writes the table into docs/benchmarks.md (region
 ``master-verbs``; see bench/markdown.py).
 """
@@ -36,6 +38,8 @@ from kvstore.master.service import MasterConfig, MasterService, ServiceSlot  # n
 from kvstore.types import SegmentSpec  # noqa: E402
 
 SIZE = 4 << 10
+BLANK_END = "put_end, naming a blank's key"
+BLANKS = "put_blanks, per blank started"
 
 
 def _reply(frame: bytes | None) -> Any:
@@ -47,13 +51,20 @@ def _reply(frame: bytes | None) -> Any:
 def one_round(svc: MasterService, observer: MasterMetrics, n: int, tag: str) -> dict[str, float]:
     """Seconds per request of each verb over ``n`` distinct keys."""
     keys = [f"{tag}/{i}".encode() for i in range(n)]
-    spent = {"put_start": 0.0, "put_end": 0.0, "get_locations": 0.0, "exists": 0.0}
+    spent = {
+        "put_start": 0.0,
+        "put_end": 0.0,
+        "get_locations": 0.0,
+        "exists": 0.0,
+        BLANK_END: 0.0,
+        BLANKS: 0.0,
+    }
 
-    def serve(verb: str, args: dict[str, Any], i: int) -> Any:
+    def serve(verb: str, args: dict[str, Any], i: int, row: str = "") -> Any:
         request = protocol.Request(i, verb, args)
         t0 = time.perf_counter()
         frame = dispatch_now(svc, request, observer)
-        spent[verb] += time.perf_counter() - t0
+        spent[row or verb] += time.perf_counter() - t0
         return _reply(frame)
 
     for i, key in enumerate(keys):
@@ -64,6 +75,17 @@ def one_round(svc: MasterService, observer: MasterMetrics, n: int, tag: str) -> 
     for i, key in enumerate(keys):
         serve("get_locations", {"keys": [key], "batch_grants": True}, i)
         serve("exists", {"keys": [key]}, i)
+    done = 0
+    while done < n:
+        for put_id, _ in serve("put_blanks", {"size": SIZE, "count": 8}, done, BLANKS):
+            if done < n:
+                args = {
+                    "put_ids": [put_id],
+                    "checksums": [1],
+                    "keys": [b"%s/b/%d" % (tag.encode(), done)],
+                }
+                assert serve("put_end", args, done, BLANK_END) == [[0, None]]
+                done += 1
     return {verb: s / n for verb, s in spent.items()}
 
 
