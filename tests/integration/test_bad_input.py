@@ -86,6 +86,14 @@ MASTER_CASES = [
     (req("put_start", {"keys": [b"a"], "sizes": ["x"]}), ErrorCode.INVALID_REQUEST),
     (req("put_start", {"keys": [b"a"], "sizes": [1, 2]}), ErrorCode.INVALID_REQUEST),
     (req("put_end", {"put_ids": [1], "checksums": None}), ErrorCode.INVALID_REQUEST),
+    (req("put_blanks", {"size": -1, "count": 1}), ErrorCode.INVALID_REQUEST),
+    (req("put_blanks", {"size": 10, "count": 10_000}), ErrorCode.INVALID_REQUEST),
+    (req("put_blanks", {"size": 10, "nodes": [["n", 1, 2]]}), ErrorCode.INVALID_REQUEST),
+    (req("put_end", {"put_ids": [1], "checksums": [1], "keys": []}), ErrorCode.INVALID_REQUEST),
+    (
+        req("put_end", {"put_ids": [1] * 2000, "checksums": [1] * 2000, "keys": [None] * 2000}),
+        ErrorCode.INVALID_REQUEST,
+    ),  # fmt: skip
     (req("register", {"node_id": 5}), ErrorCode.INVALID_REQUEST),
     (req("heartbeat", {"node_id": "ghost"}), ErrorCode.NODE_UNAVAILABLE),
     (protocol.encode_header(0, 3) + b"\xc1\xc1\xc1", ErrorCode.MALFORMED_FRAME),
@@ -118,6 +126,36 @@ def test_master_per_key_errors_for_bad_keys(live) -> None:
         ErrorCode.INVALID_REQUEST,
         ErrorCode.INVALID_REQUEST,
     ]
+    still_healthy(live)
+
+
+def test_a_blank_misused_changes_nothing(live) -> None:
+    """A blank (a put started before its key is known) committed without its key, under a key
+    a blank may not hold, or with a bad ask for more blanks: each refusal is the blank's own or
+    the ask's own, and what it changes is nothing."""
+    _, client = live
+    master, node = endpoints(live)
+    (r,) = replies(exchange(master, req("put_blanks", {"size": 14, "count": 1})))
+    started = r.unwrap()
+    assert started and all(loc[3][1] == grants.BLANK_KEY for _, loc in started)
+    put_id, loc = started[0]
+    # The master's blank grant writes nothing as it is: it is used for a key.
+    got = replies(
+        exchange(node, req("write", {"items": [[loc[3], 0, 4, 0]]}, payload_len=4) + b"EVIL")
+    )
+    assert got[0].unwrap()[0][0] == ErrorCode.GRANT_INVALID
+    for keys, code in (
+        ([None], ErrorCode.INVALID_REQUEST),
+        ([b""], ErrorCode.INVALID_REQUEST),
+        ([b"kv/" + b"k" * 32], ErrorCode.INVALID_REQUEST),
+    ):
+        args = {"put_ids": [put_id], "checksums": [1], "keys": keys, "blanks": "bad"}
+        (r,) = replies(exchange(master, req("put_end", args)))
+        answer = r.unwrap()
+        assert answer["results"][0][0] == code and answer["blanks"][0] == ErrorCode.INVALID_REQUEST
+    assert client.exists("keep") and not client.exists(b"kv/" + b"k" * 32)
+    (r,) = replies(exchange(master, req("put_revoke", {"put_ids": [put_id]})))
+    assert r.unwrap() == [[0, None]], "the blank was still pending: refused, not consumed"
     still_healthy(live)
 
 
