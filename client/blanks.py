@@ -34,7 +34,7 @@ from kvstore.types import Location, result_from_wire
 
 #: The largest object put through a blank: above it a put is bound by its bytes, not its round
 #: trips, and a blank would hold more room for less.
-MAX_BLANK_BYTES = 256 * 1024
+MAX_BLANK_BYTES = 64 * 1024
 #: Blanks kept per node for a size; asked for again when a node has fewer than LOW.
 DEPTH = 4
 LOW = 2

@@ -195,7 +195,7 @@ class Client:
                 read gives its leases back as soon as it is done
                 (:mod:`kvstore.client.releases`).
             blanks: have the master start a few puts ahead, per node, for the sizes this
-                client puts one key at a time (up to 256 KiB): such a put then writes its
+                client puts one key at a time (up to 64 KiB): such a put then writes its
                 bytes with its key and commits, two round trips instead of three (see
                 :mod:`kvstore.client.blanks`). The room they hold (4 or so a node for each of
                 4 sizes) is given back at :meth:`close`.

@@ -344,6 +344,11 @@ class _ServiceCollector(Collector):
         yield _gauge("kvstore_objects", "Committed objects", len(svc.objects))
         yield _gauge("kvstore_pending_puts", "Puts started and not yet committed", len(svc.pending))
         yield _gauge(
+            "kvstore_blank_puts",
+            "Of the pending puts, blanks: started ahead for clients' next small puts",
+            svc.puts.num_blanks,
+        )
+        yield _gauge(
             "kvstore_object_bytes", "Bytes of committed objects", stats.get("object_bytes", 0)
         )
         if "num_leases" not in stats:

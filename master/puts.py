@@ -150,6 +150,8 @@ class Puts:
         self.pending_by_key: dict[bytes, int] = {}
         self._put_ids = itertools.count(first_put_id)
         self.num_reclaimed = 0
+        #: Blanks pending (among ``pending``: see the module docstring).
+        self.num_blanks = 0
 
     # ================================================================ verbs
     def start(
@@ -335,6 +337,7 @@ class Puts:
                     put_id = next(self._put_ids)
                     self.pending[put_id] = (key, size, deadline, 1, *r)
                     out.append([put_id, location(r, key, op, expires)])
+                self.num_blanks += k
                 done += k
         return out
 
@@ -378,7 +381,9 @@ class Puts:
                     continue
             del pending[put_id]
             key, size, _, replicas_wanted = record[:_REPLICAS]
-            if not blank:
+            if blank:
+                self.num_blanks -= 1
+            else:
                 del self.pending_by_key[key]
             replicas = _replicas_of(record)
             if key < TENANT_END:  # a tenant's put: its bytes count as committed from here
@@ -450,6 +455,7 @@ class Puts:
         del self.pending[put_id]
         key = record[0]
         if not key:  # a blank (see the module docstring)
+            self.num_blanks -= 1
             self.space.release_all(_replicas_of(record))
             return
         del self.pending_by_key[key]

@@ -887,6 +887,7 @@ class MasterService:
             "num_nodes": len(self.nodes),
             "num_objects": len(self.objects),
             "num_pending": len(self.pending),
+            "num_blanks": self.puts.num_blanks,
             "capacity_bytes": capacity,
             "used_bytes": used,
             "object_bytes": self.objects.total_bytes(),

@@ -253,7 +253,9 @@ def test_blanks_lie_on_the_nodes_asked_and_commit_under_the_key_named(rig: Rig) 
     # The writer uses the grant for its key: it verifies over the blank, and for no other range.
     grants.verify(SECRETS["n2"], grant.for_key(b"mine"), grants.OP_WRITE, rig.clock.wall_ms())
     assert not rig.puts.pending_by_key, "a blank has no key until it is committed"
+    assert rig.puts.num_blanks == 3
     assert rig.puts.end([put_id], [7], [b"mine"]) == [None]
+    assert rig.puts.num_blanks == 2
     obj = rig.objects[b"mine"]
     assert (obj.size, obj.checksum, obj.replicas[0].node_id) == (100, 7, "n2")
     assert rig.dram("n2").holding == {obj.replicas[0].offset: b"mine"}
@@ -315,7 +317,7 @@ def test_blanks_are_as_many_as_there_is_room_for_and_go_back_in_time(rig: Rig) -
     assert len(started) == 8  # (two 4 KiB segments: four 1 KiB extents each)
     assert rig.puts.blanks(1000, [("n1", 1)], rig.place) == []
     rig.clock.now += 10
-    assert rig.puts.reclaim_expired() == 8
+    assert rig.puts.reclaim_expired() == 8 and rig.puts.num_blanks == 0
     assert all(rig.dram(n).allocator.used_bytes == 0 for n in SECRETS)
     assert isinstance(rig.puts.end([started[0][0]], [1], [b"late"])[0], PutNotFoundError)
 
