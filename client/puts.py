@@ -213,7 +213,7 @@ class Putter:
         }
         asked = blanks.wanted(len(view))
         if asked is not None:
-            args["blanks"] = asked
+            args["blanks"] = {**asked, **self.site_args}  # (placed near this client too)
         try:
             reply = self._control.call("put_end", args, pin_epoch=blank.epoch)
         except StaleEpochError:
@@ -448,7 +448,7 @@ class Putter:
         if self.blanks is not None and len(batch.keys) == 1 and len(commit) == 1 and _plain(batch):
             asked = self.blanks.wanted(len(batch.views[0]))
             if asked is not None:
-                args["blanks"] = asked
+                args["blanks"] = {**asked, **self.site_args}  # (placed near this client too)
         # NOTE: pinned: a put id means nothing to another leader.
         if work is not None:
             assert batch.prompt is None, "a KV-cache put commits once"

@@ -59,7 +59,13 @@ from typing import Any
 import numpy as np
 
 from kvstore import grants
-from kvstore.errors import ErrorCode, InvalidRequestError, KeyNotFoundError, KVStoreError
+from kvstore.errors import (
+    ErrorCode,
+    ForbiddenError,
+    InvalidRequestError,
+    KeyNotFoundError,
+    KVStoreError,
+)
 from kvstore.keys import Namespace
 from kvstore.master.config import MasterConfig
 from kvstore.master.event_ring import EVENT_REMOVED, EventLog
@@ -429,7 +435,11 @@ class MasterService:
 
         Raises:
             InvalidRequestError: a size or count out of range.
+            ForbiddenError: the master places this writer's puts near its site (``at``): where
+                its object goes depends on the room near it when it is put, so it takes none.
         """
+        if self.tiering.locality.view(at) is not None:
+            raise ForbiddenError("a writer whose puts are placed near its site takes no blanks")
         if isinstance(wanted, int):
             wanted = [
                 (n.node_id, wanted)

@@ -63,6 +63,10 @@ def test_a_put_lands_on_the_writer_s_host_while_it_has_room_then_in_its_rack(
             c.put(k, v)
         assert {holders(c, k)[0] for k in keys[8:]} == {ids["ha2"]}, "the rack's other host"
         assert c.batch_get(keys) == values
+        # Its puts go where there is room near it when they are put: it takes no blanks (room
+        # started ahead, kvstore.client.blanks), and holds none.
+        assert not c._puts.blanks.enabled and c._puts.num_into_blanks == 0
+        assert c._control.call("stats", {})["num_blanks"] == 0
 
 
 def test_replicas_go_to_two_racks_and_reads_get_the_nearest_first(cluster_factory) -> None:
