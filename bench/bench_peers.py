@@ -535,7 +535,8 @@ def table(results: dict[str, dict], hot: bool) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     suffix = " [hot key]" if hot else ""
-    for op in ("get", "get_into"):
+    # (A put's round trips are counted against the limit's put: request and bytes, an ack.)
+    for op in ("get", "get_into") if hot else ("put_from", "get", "get_into"):
         lat = [f"single 4KiB {op}{suffix} p50 (µs):"]
         for s in present:
             r = results[s].get((op + suffix, "4KiB"))
@@ -543,7 +544,7 @@ def table(results: dict[str, dict], hot: bool) -> str:
         limit = results.get(LIMIT, {}).get((op + suffix, "4KiB"))
         if limit:
             # The limit's p50 is one request/response on loopback: a store's p50 over it is
-            # how many such round trips' worth of time one read costs.
+            # how many such round trips' worth of time one call costs.
             trips = []
             for s in (s for s in present if s in KVSTORES):
                 r = results[s].get((op + suffix, "4KiB"))
