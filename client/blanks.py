@@ -10,13 +10,15 @@ an object): the commit is the same ``put_end``, only its ``put_start`` came earl
 
 :class:`Blanks` keeps them, per object size and node: the second single-key put of a size (at
 most :data:`MAX_BLANK_BYTES`, put again while one of the last :data:`SEEN_SIZES` sizes) asks for
-:data:`DEPTH` blanks on every node with its ``put_end``,
-and every commit after that asks again for the nodes whose blanks run low, in the same call (no
-round trip of its own). A put takes a blank on its key's home node (``kvstore.placement``), so
-the object lies where a one-hop read looks for it; where there is none, or the blank is too
-far into its life, the put goes the usual way. Blanks are bounded: :data:`DEPTH` or so per
-node for each of :data:`MAX_SIZES` sizes; the client gives them back when it closes, and the
-master takes back the ones nobody commits at its put timeout.
+:data:`DEPTH` blanks on every node with its ``put_end``, and every commit after that asks again
+for the nodes whose blanks run low, in the same call (no round trip of its own). A put takes a
+blank on its key's home node (``kvstore.placement``), so the object lies where a one-hop read
+looks for it; where there is none, or the blank is past half its life, the put goes the usual
+way. Blanks are bounded: :data:`DEPTH` or so per node for each of :data:`MAX_SIZES` sizes; the
+client gives them back when it closes or stops keeping their size, and the master takes back the
+ones nobody commits at its put timeout. A writer the master places near its site
+(``kvstore.topology``) takes none: where its object goes depends on the room near it when it is
+put.
 """
 
 from __future__ import annotations
