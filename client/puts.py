@@ -17,7 +17,8 @@ nodes take this one and the client sends it and takes the acknowledgements of th
 A single small put whose size this client put before skips step 1: it writes into a blank, a
 put the master started ahead (:mod:`kvstore.client.blanks`), and names its key in ``put_end``;
 each commit asks for the blanks that run low, in the same call. A put that finds no blank, or
-whose blank was lost (its node failed the write, the master took it back), goes the usual way.
+whose blank was lost (its node failed the write, the master took it back) or is older than the
+key's stored version (versions are ordered by their put's start), goes the usual way.
 
 A write that failed because its node died is tried once more, elsewhere (the dead nodes are
 excluded from the second ``put_start``). The location cache forgets every key of the batch
@@ -42,6 +43,7 @@ from kvstore.client.locations import LocationCache
 from kvstore.client.pipeline import PIPELINE_MAX_ITEMS, one_chunk_ahead
 from kvstore.client.transport import InFlight, WriteItem, checksum
 from kvstore.errors import (
+    BlankTooOldError,
     KVStoreError,
     NodeUnavailableError,
     NoSpaceError,
@@ -230,6 +232,8 @@ class Putter:
             return [0]
         if err is not None:
             self._give_back([blank])
+            if isinstance(err, BlankTooOldError):
+                return [0]  # (the key's stored version is newer: a put started now is not)
         else:
             self.num_into_blanks += 1
         batch.results[0] = err

@@ -292,6 +292,8 @@ WHAT_TO_DO: dict[str, str] = {
     "PUT_NOT_FOUND": "Start the put again: it was reclaimed (it took longer than the master's "
     "`--put-timeout`) or never started.",
     "OBJECT_EXISTS": "Nothing: the block is already stored (equal keys mean equal contents).",
+    "BLANK_TOO_OLD": "Nothing: the client puts the key the usual way itself (a put started "
+    "ahead for it was older than the key's stored version).",
     "NO_SPACE": "Add capacity (`--dram`, `--nvme`, more nodes), lower the watermarks, or evict "
     "(`kvstore evict`).",
     "TIER_FAILED": "Check the node's log and its disk or device; restart the node with a fresh "

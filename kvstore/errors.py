@@ -40,6 +40,7 @@ class ErrorCode(enum.IntEnum):
     CHECKSUM_MISMATCH = 202
     PUT_NOT_FOUND = 203
     OBJECT_EXISTS = 204
+    BLANK_TOO_OLD = 205
 
     NO_SPACE = 300
     TIER_FAILED = 301
@@ -154,6 +155,14 @@ class ObjectExistsError(KVStoreError):
     code = ErrorCode.OBJECT_EXISTS
 
 
+class BlankTooOldError(KVStoreError):
+    """A blank (a put started before its key was known) committed under a key whose stored
+    version was started after it: the blank would be the older version by its stamp, which is
+    what orders versions after a failover. The client puts such a key the usual way."""
+
+    code = ErrorCode.BLANK_TOO_OLD
+
+
 class ChecksumMismatchError(KVStoreError, RuntimeError):
     """The bytes read do not match the checksum recorded at put time."""
 
@@ -250,6 +259,7 @@ for _cls in (
     KeyNotFoundError,
     ObjectBusyError,
     ObjectExistsError,
+    BlankTooOldError,
     ChecksumMismatchError,
     PutNotFoundError,
     NoSpaceError,

@@ -20,10 +20,9 @@ for content-addressed keys (KV blocks: a key's bytes never change). Why a one-ho
   freed and granted to a new write may be overwritten while, or before, they are sent; the bytes
   that arrive then fail the checksum and the client treats the read as a miss. A write that
   completes at an object's place replaces that place's record, and the node drops a freed
-  object's record at its next heartbeat. Of a key's records the newest is read: by stamp (the
-  order the master started their puts in), except that an object written into a blank (a put
-  started before its key was known, :mod:`kvstore.client.blanks`) is its key's newest when it
-  arrives.
+  object's record at its next heartbeat. Of a key's records the newest is read, by stamp (the
+  order the master started their puts in; a blank, a put started before its key was known, is
+  committed only under a key whose stored version it is newer than: :mod:`kvstore.master.puts`).
 - **A read that races an eviction or a removal** returns the object's bytes as written (intact,
   checked) until the node's next heartbeat drops the record (one heartbeat interval, 1 s by
   default), or misses and goes to the master, which answers as of now. This is the promise lease

@@ -14,7 +14,9 @@ client keeps a few per node and size it writes often, writes an object into one 
 two round trips, the write and the commit, instead of three. Until then a blank is a pending put
 like any other (its key the empty one, which is in no ``pending_by_key``): its space is neither
 evicted nor reused, it is reclaimed when its writer does not commit it in time, and it is lost
-with its node or its master's term. Only the operator's connections take blanks (a tenant's
+with its node or its master's term. It is committed only over an older version of its key: a
+version's stamp (its write grant's expiry) orders a key's versions on a node and among the
+claims a new leader admits (``recovery.py``), and a blank's was given before its key was known. Only the operator's connections take blanks (a tenant's
 puts are placed apart, against its quotas).
 A ``put_end`` over a committed key replaces it: the new bytes become visible atomically and the
 old replicas' space is freed (last committed writer wins). Readers of the old version that are
@@ -49,6 +51,7 @@ from typing import Any
 
 from kvstore import grants
 from kvstore.errors import (
+    BlankTooOldError,
     InvalidRequestError,
     KVStoreError,
     ObjectBusyError,
@@ -85,6 +88,7 @@ MAX_BLANKS = 64
 MAX_BLANK_NODES = 1024
 _REPLICAS = 4
 _REPLICA_FIELDS = len(Replica._fields)
+_STAMP = Replica._fields.index("stamp")
 
 
 def _replicas_of(record: PendingRecord) -> list[Replica]:
@@ -352,8 +356,9 @@ class Puts:
         Args:
             keys: per put, the key a blank is committed under (None for a put started with its
                 key; an error: a malformed key, answered as it is). A blank refused here (no
-                key, a key a blank may not hold, a key with a put in flight) stays pending,
-                for its writer to revoke.
+                key, a key a blank may not hold, a key with a put in flight, a key whose
+                stored version is newer than the blank) stays pending, for its writer to
+                revoke.
         """
         self.config.check_batch(put_ids)
         if len(checksums) != len(put_ids) or (keys is not None and len(keys) != len(put_ids)):
@@ -410,6 +415,7 @@ class Puts:
             InvalidRequestError: the put is no blank, no key was given, or the key is one a
                 blank may not hold (a KV-cache layer's, a tenant's).
             ObjectBusyError: another put of the key is in flight.
+            BlankTooOldError: the key's stored version was started after the blank.
         """
         if isinstance(key, KVStoreError):
             raise key
@@ -421,6 +427,11 @@ class Puts:
             raise InvalidRequestError("a blank holds a plain key of the operator's")
         if key in self.pending_by_key:
             raise ObjectBusyError("another put of this key is in flight")
+        old = self.objects.get(key)
+        if old is not None and max(r.stamp for r in old.replicas) >= record[_REPLICAS + _STAMP]:
+            # Versions are ordered by their stamps (a node's newest record of a key, a new
+            # leader choosing among claims): a blank older than the stored version is no newer.
+            raise BlankTooOldError("the stored version is newer than this blank: put it anew")
         return (key, *record[1:])
 
     def revoke(self, put_ids: Sequence[int]) -> list[KVStoreError | None]:

@@ -44,31 +44,22 @@ class Manifest:
         #: key -> the place of its newest record (by stamp); kept with ``_entries``.
         self._by_key: dict[bytes, tuple[str, int]] = {}
 
-    def record(self, obj: StoredObject, blank: bool = False) -> None:
-        self.record_many((obj,), (blank,))
+    def record(self, obj: StoredObject) -> None:
+        self.record_many((obj,))
 
-    def record_many(self, objs: Iterable[StoredObject], blank: Iterable[bool] = ()) -> None:
-        """Record every object under one lock.
-
-        Args:
-            blank: per object, whether it was written into a blank (``kvstore.grants``): then
-                it is its key's newest record here, whatever its stamp. A record is otherwise
-                its key's newest when its stamp is (the order the master started their puts
-                in, which is the order it commits them in), but a blank was started before
-                its key was known, so its stamp says nothing of its key's versions.
-        """
+    def record_many(self, objs: Iterable[StoredObject]) -> None:
+        """Record every object under one lock."""
         rows = [(o.segment, o.offset, o.key, o.size, o.checksum, o.stamp) for o in objs]
-        flags = list(blank) or [False] * len(rows)
         with self._lock:
             entries, by_key = self._entries, self._by_key
-            for row, latest in zip(rows, flags, strict=True):
+            for row in rows:
                 pos = row[:2]
                 old = entries.get(pos)
                 if old is not None and by_key.get(old[2]) == pos:
                     del by_key[old[2]]
                 entries[pos] = row
                 held = by_key.get(row[2])
-                if latest or held is None or held == pos or entries[held][5] <= row[5]:
+                if held is None or held == pos or entries[held][5] <= row[5]:
                     by_key[row[2]] = pos
 
     def forget(self, items: list[tuple[Any, ...]]) -> None:

@@ -32,7 +32,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from kvstore import auth, grants, protocol, serving
@@ -217,20 +217,16 @@ class DataServer:
         return self.tier_of(segment).read(offset, size)
 
     def store_objects(
-        self,
-        segment: str,
-        items: list[tuple[StoredObject, memoryview]],
-        blank: Sequence[bool] = (),
+        self, segment: str, items: list[tuple[StoredObject, memoryview]]
     ) -> list[KVStoreError | None]:
-        """Store whole objects into one segment and record them in the manifest (``blank``:
-        per object, written into a blank: see ``Manifest.record_many``)."""
+        """Store whole objects into one segment and record them in the manifest."""
         tier = self.tiers.get(segment)
         if tier is None:
             return [GrantInvalidError(f"no segment {segment!r} on this node")] * len(items)
         results = tier.write(items)
-        flags = blank or [False] * len(items)
-        ok = [i for i, err in enumerate(results) if err is None]
-        self.manifest.record_many([items[i][0] for i in ok], [flags[i] for i in ok])
+        self.manifest.record_many(
+            obj for (obj, _), err in zip(items, results, strict=True) if err is None
+        )
         return results
 
     def tier_of(self, segment: str) -> Tier:

@@ -69,7 +69,7 @@ def make_shm_commit(server: DataServer, via: str = "shm") -> VerbHandler:
                     raise ChecksumMismatchError(
                         f"bytes written through {via} do not match checksum"
                     )
-                server.manifest.record(StoredObject.written(grant, checksum), grant.blank)
+                server.manifest.record(StoredObject.written(grant, checksum))
                 results.append([0, None])
             except KVStoreError as err:
                 results.append(result_to_wire(err))

@@ -301,8 +301,7 @@ def store_buffered_objects(
                 )
             else:
                 live.append((i, obj, buf))
-        blank = [items[i].grant.blank for i, _, _ in live]  # type: ignore[union-attr]
-        errs = server.store_objects(segment, [(obj, buf) for _, obj, buf in live], blank)
+        errs = server.store_objects(segment, [(obj, buf) for _, obj, buf in live])
         for (i, _, _), e in zip(live, errs, strict=True):
             results[i] = ok if e is None else result_to_wire(e)
             if e is None:
@@ -312,12 +311,9 @@ def store_buffered_objects(
 def _end_write(server: DataServer, items: list[WriteItem], stream: claims.WriteStream) -> None:
     """Whatever happened: record the whole objects written in place in the manifest, release
     every claim (a completed one as done), and mark the request's stream stopped."""
-    whole = [i for i in items if i.wrote_whole_in_place()]
-    if whole:
-        server.manifest.record_many(
-            [StoredObject.written(i.grant, i.checksum) for i in whole],
-            [i.grant.blank for i in whole],  # type: ignore[union-attr]
-        )
+    stored = [StoredObject.written(i.grant, i.checksum) for i in items if i.wrote_whole_in_place()]
+    if stored:
+        server.manifest.record_many(stored)
     server.claims.end_many([(i.claim, i.done) for i in items if i.claim is not None], stream)
     stream.stopped.set()
 

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore import grants
 from kvstore.errors import (
+    BlankTooOldError,
     InvalidRequestError,
     NoSpaceError,
     ObjectBusyError,
@@ -262,12 +263,29 @@ def test_blanks_lie_on_the_nodes_asked_and_commit_under_the_key_named(rig: Rig) 
     assert len(rig.puts.pending) == 2 and not rig.puts.pending_by_key
 
 
-def test_a_blank_replaces_a_committed_version_like_any_put(rig: Rig) -> None:
+def test_a_blank_replaces_an_older_version_like_any_put(rig: Rig) -> None:
     rig.puts.end([rig.start(b"k", 100).put_id], [1])
+    rig.clock.now += 0.001  # (a version's stamp is its put's start, in wall milliseconds)
     ((put_id, _),) = rig.puts.blanks(100, [("n2", 1)], rig.place)
     assert rig.puts.end([put_id], [2], [b"k"]) == [None]
     assert rig.objects[b"k"].checksum == 2
     assert rig.dram("n1").allocator.used_bytes + rig.dram("n2").allocator.used_bytes == 128
+
+
+def test_a_blank_older_than_the_stored_version_is_refused_and_stays_pending(rig: Rig) -> None:
+    """Versions are ordered by their stamps (the node's newest record, a new leader choosing
+    among claims): a blank started before the stored version would be the older one."""
+    ((old_blank, _),) = rig.puts.blanks(100, [("n1", 1)], rig.place)
+    rig.clock.now += 0.001
+    rig.puts.end([rig.start(b"k", 100).put_id], [1])
+    (err,) = rig.puts.end([old_blank], [2], [b"k"])
+    assert isinstance(err, BlankTooOldError) and old_blank in rig.puts.pending
+    assert rig.objects[b"k"].checksum == 1
+    # Started in the same millisecond is no newer either; a key never stored takes any blank.
+    ((same, _),) = rig.puts.blanks(100, [("n1", 1)], rig.place)
+    rig.puts.end([rig.start(b"t", 100).put_id], [3])
+    assert isinstance(rig.puts.end([same], [4], [b"t"])[0], BlankTooOldError)
+    assert rig.puts.end([old_blank], [5], [b"fresh"]) == [None]
 
 
 @pytest.mark.parametrize(

@@ -72,19 +72,3 @@ def test_a_key_is_found_at_its_newest_whole_record_and_never_at_a_place_reused()
     assert m.find(b"n") is not None and m.find(b"d") is None and m.find(b"other") is None
     m.clear()
     assert m.find(b"n") is None
-
-
-def test_an_object_written_into_a_blank_is_its_keys_newest_whatever_its_stamp() -> None:
-    """A blank (``kvstore.grants``) was started before its key was known: its stamp is older
-    than a version of the key put since, yet its write is the key's newest."""
-    m = Manifest()
-    m.record(StoredObject("dram", 0, b"k", 10, 1, stamp=200))  # put the usual way
-    m.record(StoredObject("dram", 64, b"k", 10, 2, stamp=100), blank=True)  # a blank, older
-    assert m.find(b"k") == StoredObject("dram", 64, b"k", 10, 2, 100)
-    m.record_many([StoredObject("dram", 128, b"k", 10, 3, stamp=90)])  # usual, older stamp
-    assert m.find(b"k") == StoredObject("dram", 64, b"k", 10, 2, 100)
-    m.record_many([StoredObject("dram", 192, b"k", 10, 4, stamp=50)], [True])
-    assert m.find(b"k") == StoredObject("dram", 192, b"k", 10, 4, 50)
-    # The version replaced is freed by the master and forgotten: the newest stays.
-    m.forget([("dram", 64, 100)])
-    assert m.find(b"k") == StoredObject("dram", 192, b"k", 10, 4, 50)
