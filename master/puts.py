@@ -16,8 +16,10 @@ like any other (its key the empty one, which is in no ``pending_by_key``): its s
 evicted nor reused, it is reclaimed when its writer does not commit it in time, and it is lost
 with its node or its master's term. It is committed only over an older version of its key: a
 version's stamp (its write grant's expiry) orders a key's versions on a node and among the
-claims a new leader admits (``recovery.py``), and a blank's was given before its key was known. Only the operator's connections take blanks (a tenant's
-puts are placed apart, against its quotas).
+claims a new leader admits (``recovery.py``), and a blank's was given before its key was known.
+Only the operator's connections take blanks (a tenant's puts are placed apart, against its
+quotas).
+
 A ``put_end`` over a committed key replaces it: the new bytes become visible atomically and the
 old replicas' space is freed (last committed writer wins). Readers of the old version that are
 still in flight either finish before the space is reused or fail the checksum: never wrong bytes.
