@@ -37,6 +37,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class EtcdExitedError(RuntimeError):
+    """etcd exited while we waited for it to answer."""
+
+
 class EtcdProcess:
     """One etcd member on loopback ports with its own data dir; restartable on the same ones."""
 
@@ -48,10 +52,19 @@ class EtcdProcess:
             )
         self.binary = binary
         self.data_dir = data_dir
-        self.client_port = free_port()
-        self.peer_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        for attempt in range(3):
+            # A free port can be taken by another process before etcd binds it: then etcd
+            # exits at once, and it starts again on other ports, from an empty data dir.
+            self.client_port = free_port()
+            self.peer_port = free_port()
+            try:
+                self.start()
+                return
+            except EtcdExitedError:
+                if attempt == 2:
+                    raise
+                shutil.rmtree(data_dir, ignore_errors=True)
 
     @property
     def endpoint(self) -> str:
@@ -91,7 +104,7 @@ class EtcdProcess:
     def healthy(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
-            raise RuntimeError(f"etcd exited with {self.proc.returncode}")
+            raise EtcdExitedError(f"etcd exited with {self.proc.returncode}")
         import urllib.request
 
         try:
