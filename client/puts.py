@@ -213,9 +213,7 @@ class Putter:
             "checksums": batch.sums,
             "keys": [key],
         }
-        asked = blanks.wanted(len(view))
-        if asked is not None:
-            args["blanks"] = {**asked, **self.site_args}  # (placed near this client too)
+        asked = self._ask_blanks(blanks, len(view), args)
         try:
             reply = self._control.call("put_end", args, pin_epoch=blank.epoch)
         except StaleEpochError:
@@ -238,6 +236,14 @@ class Putter:
             self.num_into_blanks += 1
         batch.results[0] = err
         return []
+
+    def _ask_blanks(self, blanks: Blanks, size: int, args: dict[str, Any]) -> dict[str, Any] | None:
+        """Ask, in the ``put_end`` of ``args``, for the blanks of ``size`` that run low; what
+        was asked (for :meth:`_add_blanks`), or None."""
+        asked = blanks.wanted(size)
+        if asked is not None:
+            args["blanks"] = {**asked, **self.site_args}  # (placed near this client too)
+        return asked
 
     def _add_blanks(
         self, blanks: Blanks, size: int, asked: dict[str, Any], answer: Any, epoch: int | None
@@ -450,9 +456,7 @@ class Putter:
         # A single small put asks for blanks for its next ones of its size (see _into_blank).
         asked = None
         if self.blanks is not None and len(batch.keys) == 1 and len(commit) == 1 and _plain(batch):
-            asked = self.blanks.wanted(len(batch.views[0]))
-            if asked is not None:
-                args["blanks"] = {**asked, **self.site_args}  # (placed near this client too)
+            asked = self._ask_blanks(self.blanks, len(batch.views[0]), args)
         # NOTE: pinned: a put id means nothing to another leader.
         if work is not None:
             assert batch.prompt is None, "a KV-cache put commits once"
