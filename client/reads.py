@@ -129,6 +129,10 @@ def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
     return out
 
 
+#: The least room a one-hop read into new bytes gives a key (see ``ReadPipeline._home_room``).
+HOME_ROOM = 1 << 20
+
+
 class Scratch:
     """Per-thread receive buffers for reads into new ``bytes``, grown on demand and kept (up to
     ``MAX_SCRATCH`` bytes) so their pages stay mapped between calls: a fresh bytearray per
@@ -157,6 +161,8 @@ class _Target(Protocol):
 
     #: Whether reads of guessed (cached, unconfirmed) answers may overlap the master's answer.
     speculative: bool
+    #: Whether :meth:`rooms` are only room, larger than most objects (not their size).
+    room_only: bool
 
     def fits(self, j: int, info: ObjectInfo) -> bool:
         """Whether key ``j``'s object fits its destination."""
@@ -170,11 +176,21 @@ class _Target(Protocol):
         """Keys ``js`` are read (their results set): turn successes into what the caller gets."""
         ...
 
+    def rooms(self, js: list[int]) -> list[memoryview | None]:
+        """Destinations for a one-hop read of keys ``js`` (size not yet known): room for the
+        object, or None where that key is not read that way."""
+        ...
+
+    def found(self, j: int, view: memoryview) -> None:
+        """Key ``j``'s one-hop read brought exactly ``view`` (within its room)."""
+        ...
+
 
 class _IntoBuffers:
     """Caller buffers (``batch_get_into``): each result is the object's size."""
 
     speculative = True
+    room_only = False
 
     def __init__(self, dests: Sequence[memoryview]) -> None:
         self.dests = dests
@@ -188,6 +204,13 @@ class _IntoBuffers:
     def finish(self, js: list[int], results: list[Any]) -> None:
         pass
 
+    def rooms(self, js: list[int]) -> list[memoryview | None]:
+        dests = self.dests
+        return [dests[j] if type(dests[j]) is memoryview else None for j in js]
+
+    def found(self, j: int, view: memoryview) -> None:
+        pass
+
 
 class _NewBytes:
     """New ``bytes`` (``batch_get``): each round reads into one of the thread's two scratch
@@ -196,9 +219,17 @@ class _NewBytes:
     from the answer."""
 
     speculative = False
+    room_only = True
+    #: A one-hop read (the size not known yet) gives each key ``room`` bytes of the scratch
+    #: buffer, and a batch at most ``HOME_BATCH_BYTES`` in all, or one key's room if more
+    #: (the node sends only the object; one larger than its room is a miss, read the usual
+    #: way). Keys that would get less than ``HOME_MIN_ROOM`` each are all read the usual way.
+    HOME_BATCH_BYTES = 16 << 20
+    HOME_MIN_ROOM = 4 << 10
 
-    def __init__(self, scratch: Scratch) -> None:
+    def __init__(self, scratch: Scratch, room: int) -> None:
         self._scratch = scratch
+        self._room = room
         self._views: dict[int, memoryview] = {}
         self._slot = 0
 
@@ -225,6 +256,22 @@ class _NewBytes:
                 results[j] = bytes(view)
             view.release()
 
+    def rooms(self, js: list[int]) -> list[memoryview | None]:
+        room = min(self._room, max(self.HOME_BATCH_BYTES, self._room) // len(js))
+        if room < self.HOME_MIN_ROOM:
+            return [None] * len(js)
+        buf = self._scratch.get(room * len(js), self._slot)
+        self._slot ^= 1  # (the usual way's rounds, if any, read into the other buffer)
+        out: list[memoryview | None] = []
+        for i, j in enumerate(js):
+            view = self._views[j] = buf[i * room : (i + 1) * room]
+            out.append(view)
+        return out
+
+    def found(self, j: int, view: memoryview) -> None:
+        self._views.pop(j).release()
+        self._views[j] = view
+
 
 class ReadPipeline:
     """Locates and reads objects for one client. Thread-safe (it holds no lock of its own: the
@@ -249,6 +296,9 @@ class ReadPipeline:
         self._cache = cache
         self._returns = returns
         self._scratch = Scratch()
+        #: Room a one-hop read into new bytes gives each key: 1 MiB, or the next power of two
+        #: above the largest object read into new bytes so far (at most the scratch's bound).
+        self._home_room = HOME_ROOM
         #: Seconds a get_locations answer may be reused without the master (0: never); see
         #: :meth:`use_lease_reads`.
         self.lease_window = 0.0
@@ -322,7 +372,10 @@ class ReadPipeline:
         """Read each object into new ``bytes``. Returns per key its bytes or its error."""
         results: list[Any] = [None] * len(keys)
         with PausedCollector():
-            self._run(keys, _NewBytes(self._scratch), results)
+            self._run(keys, _NewBytes(self._scratch, self._home_room), results)
+        largest = max((len(r) for r in results if type(r) is bytes), default=0)
+        if largest > self._home_room:  # (then a read of that size again takes one hop)
+            self._home_room = min(1 << (largest - 1).bit_length(), Scratch.MAX_SCRATCH)
         return results
 
     def _run(self, keys: list[bytes], target: _Target, results: list[Any]) -> None:
@@ -333,7 +386,7 @@ class ReadPipeline:
             todo = self._read_leased(keys, todo, target, results)
             if not todo:
                 return
-            if self.homes is not None and type(target) is _IntoBuffers:
+            if self.homes is not None:
                 todo = self._read_at_home(keys, todo, target, results)
                 if not todo:
                     return
@@ -491,7 +544,7 @@ class ReadPipeline:
         return rest
 
     def _read_at_home(
-        self, keys: list[bytes], todo: list[int], target: _IntoBuffers, results: list[Any]
+        self, keys: list[bytes], todo: list[int], target: _Target, results: list[Any]
     ) -> list[int]:
         """Step 1b: read the keys from their home nodes by key, without the master (one hop,
         :mod:`kvstore.placement`): the bytes over TCP, or, from a node whose arenas this client
@@ -509,14 +562,13 @@ class ReadPipeline:
         rest: list[int] = []
         held = self.homes.held if self.homes.holding else None
         now = time.monotonic()
-        for j in todo:
-            dest = target.dests[j]
+        for j, dest in zip(todo, target.rooms(todo), strict=True):
             node = homes.home(keys[j]) or ""
             endpoint = endpoints.get(node)
-            if endpoint is None or type(dest) is not memoryview or held and held(keys[j], now):
+            if endpoint is None or dest is None or held and held(keys[j], now):
                 rest.append(j)
                 continue
-            item = KeyRead(keys[j], endpoint, dest, node_id=node)
+            item = KeyRead(keys[j], endpoint, dest, node_id=node, room_only=target.room_only)
             (mapped if shm is not None and shm.serves(node) else sent).append(item)
             asked.append((j, item))
         if not asked:
@@ -536,6 +588,7 @@ class ReadPipeline:
         for j, item in asked:
             if item.result is None and digest(item) == item.checksum:  # type: ignore[arg-type]
                 results[j] = item.size
+                target.found(j, item.dest)
                 ok.append(j)
             else:
                 if isinstance(item.result, NodeUnavailableError | KVTimeoutError):

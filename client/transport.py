@@ -68,6 +68,9 @@ class KeyRead:
     digest: int | None = None
     ranges: None = None  # (whole objects only: what the transport's payload readers ask)
     node_id: str = ""
+    #: Whether ``dest`` is only room for an object of a size not known yet (a read into new
+    #: bytes): the client then waits for the answer as for a small one.
+    room_only: bool = False
     #: Where the object lies on its node, for a client that copies it itself (``where``).
     segment: str = ""
     offset: int = 0
@@ -430,7 +433,7 @@ class TcpTransport:
                 and not where
                 and (
                     len(ex.items) > POLL_MAX_ITEMS
-                    or sum(len(i.dest) for i in ex.items) > POLL_MAX_BYTES
+                    or sum(len(i.dest) for i in ex.items if not i.room_only) > POLL_MAX_BYTES
                 )
             ):
                 ex.conn.sleep_through_next_wait()

@@ -68,6 +68,8 @@ class FakeCluster:
     # ------------------------------------------------------------ the control channel
     def call(self, verb: str, args: dict[str, Any], pin_epoch: int | None = None) -> Any:
         assert not self.in_data_read, f"{verb} called from inside a data read"
+        if verb == "live_nodes":
+            return {"nodes": []}  # (no one-hop reads here: tests/integration/test_one_hop_reads.py)
         self.calls.append(verb)
         if verb == "get_locations":
             return [

@@ -69,6 +69,45 @@ def test_reads_go_to_the_home_node_in_one_hop_even_while_the_master_is_paused(
             reader.get_into(big, np.empty(1000, np.uint8))
 
 
+def test_get_and_batch_get_read_in_one_hop_too(cluster_factory) -> None:
+    """Reads into new bytes (the size not known beforehand) go to the home node as well: each
+    key gets room in the client's scratch buffer, and a key larger than its room goes the usual
+    way (after which the client gives keys room for that size), as does any miss."""
+    cluster = cluster_factory(num_nodes=2, dram="64MiB")
+    values = _values(40, 2)
+    large = {f"oh/large/{i}": os.urandom((3 << 20) + i) for i in range(3)}
+    with (
+        Client.connect(cluster.address) as writer,
+        Client.connect(cluster.address, lease_reads=True, timeout=5) as reader,
+    ):
+        keys = list(values)
+        assert writer.batch_put(keys, list(values.values())) == [None] * len(keys)
+        assert writer.batch_put(list(large), list(large.values())) == [None] * len(large)
+        small = [k for k in keys if len(values[k]) <= 300_000]
+        big = next(k for k in keys if len(values[k]) == 1 << 20)
+        assert reader.get(small[12]) == values[small[12]]  # (the first read learns the nodes)
+        os.kill(cluster.master.pid, signal.SIGSTOP)
+        try:
+            assert reader.batch_get(small[:8]) == [values[k] for k in small[:8]]
+            assert [reader.get(k) for k in small[8:12]] == [values[k] for k in small[8:12]]
+            assert reader.get(big) == values[big]  # (1 MiB of room to start with)
+        finally:
+            os.kill(cluster.master.pid, signal.SIGCONT)
+        assert reader._reads.num_one_hop == 14
+        # 40 keys share 16 MiB of room: the 1 MiB ones miss it and ask the master, in one batch.
+        assert reader.batch_get(keys) == [values[k] for k in keys]
+        misses = sum(len(values[k]) > (16 << 20) // len(keys) for k in keys)
+        hops = 14 + len(keys) - misses
+        assert misses and reader._reads.num_one_hop == hops
+        # 3 MiB: more than a key's room; the master's way once, then room for it.
+        first, *rest = large
+        assert reader.get(first) == large[first]
+        assert reader._reads.num_one_hop == hops
+        assert reader.batch_get(rest) == [large[k] for k in rest]
+        assert reader._reads.num_one_hop == hops + len(rest)
+        assert isinstance(reader.batch_get(["oh/none"])[0], KeyNotFoundError)
+
+
 def test_a_key_evicted_and_its_bytes_reused_is_a_miss_never_other_bytes(cluster_factory) -> None:
     cluster = cluster_factory(num_nodes=2, dram="8MiB", master_args=FAST)
     expected: dict[str, bytes] = {}
