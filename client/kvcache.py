@@ -43,7 +43,6 @@ from kvstore.errors import (
 )
 from kvstore.keys import DTYPE_BYTES, Namespace, as_token_array, block_bytes, block_keys
 from kvstore.kvblocks import (
-    checksum_table,
     checksum_table_bytes,
     chunks_per_plane,
     encode_prompt_meta,
@@ -287,10 +286,17 @@ class KVCache:
             rows[:, : self._block_bytes] = np.frombuffer(raw, dtype=np.uint8).reshape(n, -1)
         prefix = tok[: end * bs]
         obj_keys, meta_key = self._object_keys(prefix, first_block)
+        # Each row's checksum table is filled in place, and the row hashed, by its seal (one
+        # pass over the bytes), while the master answers put_start, as in :meth:`store`.
+        p = self._plane
+        objects: list[np.ndarray | Segments] = []
         for row, obj_key in zip(rows, obj_keys, strict=True):
-            planes = row[: self._block_bytes].reshape(self._num_planes, self._plane)
-            row[self._block_bytes :] = checksum_table(obj_key, planes, bs).view(np.uint8)
-        self._put_objects(prefix, [*obj_keys, meta_key], list(rows))
+            whole = memoryview(row)
+            planes = tuple(whole[i * p : (i + 1) * p] for i in range(self._num_planes))
+            table = row[self._block_bytes :].view("<u8")
+            seal = functools.partial(seal_block, obj_key, planes, bs, table)
+            objects.append(Segments((whole,), self._object_bytes, seal))
+        self._put_objects(prefix, [*obj_keys, meta_key], objects)
         return n
 
     def _object_keys(self, prefix: np.ndarray, first_block: int) -> tuple[list[bytes], bytes]:
