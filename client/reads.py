@@ -562,14 +562,19 @@ class ReadPipeline:
         rest: list[int] = []
         held = self.homes.held if self.homes.holding else None
         now = time.monotonic()
+        room_only = target.room_only
+        by_shm: dict[str, bool] = {}  # node -> whether this client copies from its arenas
         for j, dest in zip(todo, target.rooms(todo), strict=True):
             node = homes.home(keys[j]) or ""
             endpoint = endpoints.get(node)
             if endpoint is None or dest is None or held and held(keys[j], now):
                 rest.append(j)
                 continue
-            item = KeyRead(keys[j], endpoint, dest, node_id=node, room_only=target.room_only)
-            (mapped if shm is not None and shm.serves(node) else sent).append(item)
+            item = KeyRead(keys[j], endpoint, dest, node_id=node, room_only=room_only)
+            copies = by_shm.get(node)
+            if copies is None:
+                copies = by_shm[node] = shm is not None and shm.serves(node)
+            (mapped if copies else sent).append(item)
             asked.append((j, item))
         if not asked:
             return todo
@@ -578,10 +583,13 @@ class ReadPipeline:
         if mapped:
             assert shm is not None
             self._data.tcp.read_keys(mapped, where=True)
+            checked: set[tuple[str, str]] = set()
             for item in mapped:
                 if item.result is None:
                     item.dest = item.dest[: item.size]
-                    item.digest = shm.copy_at(item.node_id, item.segment, item.offset, item.dest)
+                    item.digest = shm.copy_at(
+                        item.node_id, item.segment, item.offset, item.dest, checked
+                    )
                     if item.digest is None:
                         item.result = NodeUnavailableError("no shared memory for this node")
         ok: list[int] = []

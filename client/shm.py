@@ -222,18 +222,29 @@ class ShmTransport:
             k[0] == node_id and not isinstance(m, ShmMapping) for k, m in self._maps.items()
         )
 
-    def copy_at(self, node_id: str, segment: str, offset: int, dest: memoryview) -> int | None:
+    def copy_at(
+        self,
+        node_id: str,
+        segment: str,
+        offset: int,
+        dest: memoryview,
+        checked: set[tuple[str, str]],
+    ) -> int | None:
         """Copy ``len(dest)`` bytes at ``offset`` of a node's arena into ``dest`` (a one-hop
         read, kvstore.placement); returns their xxh3_64, or None where shm cannot serve them
-        (the caller checks the checksum: the bytes may change while they are copied)."""
+        (the caller checks the checksum: the bytes may change while they are copied).
+        ``checked``: the mappings already checked in this batch (see :meth:`_granted`)."""
         m = self.mapping(node_id, segment)
         if m is None or offset < 0 or offset + len(dest) > m.segment.size:
             return None
-        try:
-            m.check()
-        except TransportUnavailableError as err:
-            self.drop(node_id, segment, err)
-            return None
+        key = (node_id, segment)
+        if key not in checked:
+            try:
+                m.check()
+            except TransportUnavailableError as err:
+                self.drop(node_id, segment, err)
+                return None
+            checked.add(key)
         src = m.view[offset : offset + len(dest)]
         if len(dest) >= STREAM_HASH_MIN:
             return _copy_hashing(src, dest)
