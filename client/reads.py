@@ -224,7 +224,7 @@ class _NewBytes:
     #: buffer, and a batch at most ``HOME_BATCH_BYTES`` in all, or one key's room if more
     #: (the node sends only the object; one larger than its room is a miss, read the usual
     #: way). Keys that would get less than ``HOME_MIN_ROOM`` each are all read the usual way.
-    HOME_BATCH_BYTES = 16 << 20
+    HOME_BATCH_BYTES = 4 << 20
     HOME_MIN_ROOM = 4 << 10
 
     def __init__(self, scratch: Scratch, room: int) -> None:
