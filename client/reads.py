@@ -129,10 +129,6 @@ def decode_locations(reply: Any) -> list[ObjectInfo | KVStoreError]:
     return out
 
 
-#: The least room a one-hop read into new bytes gives a key (see ``ReadPipeline._home_room``).
-HOME_ROOM = 1 << 20
-
-
 class Scratch:
     """Per-thread receive buffers for reads into new ``bytes``, grown on demand and kept (up to
     ``MAX_SCRATCH`` bytes) so their pages stay mapped between calls: a fresh bytearray per
@@ -221,9 +217,11 @@ class _NewBytes:
     speculative = False
     room_only = True
     #: A one-hop read (the size not known yet) gives each key ``room`` bytes of the scratch
-    #: buffer, and a batch at most ``HOME_BATCH_BYTES`` in all, or one key's room if more
-    #: (the node sends only the object; one larger than its room is a miss, read the usual
-    #: way). Keys that would get less than ``HOME_MIN_ROOM`` each are all read the usual way.
+    #: buffer (at least ``HOME_ROOM``: see ``ReadPipeline._home_room``), and a batch at most
+    #: ``HOME_BATCH_BYTES`` in all, or one key's room if more (the node sends only the object;
+    #: one larger than its room is a miss, read the usual way). Keys that would get less than
+    #: ``HOME_MIN_ROOM`` each are all read the usual way.
+    HOME_ROOM = 1 << 20
     HOME_BATCH_BYTES = 4 << 20
     HOME_MIN_ROOM = 4 << 10
 
@@ -298,7 +296,7 @@ class ReadPipeline:
         self._scratch = Scratch()
         #: Room a one-hop read into new bytes gives each key: 1 MiB, or the next power of two
         #: above the largest object read into new bytes so far (at most the scratch's bound).
-        self._home_room = HOME_ROOM
+        self._home_room = _NewBytes.HOME_ROOM
         #: Seconds a get_locations answer may be reused without the master (0: never); see
         #: :meth:`use_lease_reads`.
         self.lease_window = 0.0
