@@ -63,8 +63,11 @@ def test_a_new_cluster_on_the_same_path_serves_every_object_that_reached_the_tie
             assert c.batch_put(keys, values) == [None] * len(keys)
             expected.update(zip(keys, values, strict=True))
         wait_until(lambda: moves_settled(c), timeout=30, what="demotions to finish")
-        on_shared = sorted(k for k in expected if tier_of(c, k) == "shared")
-        assert len(on_shared) >= len(expected) // 5, "too few objects reached the shared tier"
+        on_shared = sorted(k for k in expected if tier_of(c, k) == "shared")  # (none lost)
+        # What the upper tiers cannot hold is on the shared tier; which objects went there
+        # depends on how far demotion kept up with the puts, so the count is not fixed.
+        upper = 2 * (1 + 2) << 20  # DRAM + NVMe of both nodes
+        assert sum(len(expected[k]) for k in on_shared) >= sum(map(len, expected.values())) - upper
         assert len({len(expected[k]) for k in on_shared}) >= 3, "of mixed sizes"
         assert c.stats()["tiers"]["shared"]["num_replicas"] == len(on_shared)
         wire_key = {k: c.locate(k).locations[0].grant.key for k in on_shared}
